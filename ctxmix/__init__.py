@@ -1,0 +1,26 @@
+"""ctxmix: context mixing in Transformers, layer by layer and component by component.
+
+    import ctxmix
+    m = ctxmix.load_model("minilm")
+    ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["globenc", "alti"])
+"""
+
+from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture
+from .models import EMBEDDED, Model, load_model, model_from_hf
+from .trace import Trace, trace
+from .methods import MIXING_METHODS, rollout
+from .saliency import SALIENCY_METHODS
+from .explain import Explanation, explain, scope_maps
+from .analysis import (contextualization_change, ff_amp, ff_outlier_correlations, ff_outliers,
+                       ff_residual_norms)
+
+__version__ = "0.1.0"
+
+METHODS = {**MIXING_METHODS, **SALIENCY_METHODS}
+
+__all__ = [
+    "BadInput", "CtxmixError", "ModelLoadError", "UnsupportedArchitecture", "EMBEDDED", "Model",
+    "load_model", "model_from_hf", "Trace", "trace", "MIXING_METHODS", "SALIENCY_METHODS", "METHODS",
+    "rollout", "Explanation", "explain", "scope_maps", "contextualization_change", "ff_amp",
+    "ff_outliers", "ff_outlier_correlations", "ff_residual_norms", "__version__",
+]

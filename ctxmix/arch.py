@@ -1,0 +1,246 @@
+"""One declarative description per architecture family, and the weights it points to.
+
+Every decomposition in ctxmix runs on plain tensors taken from the model through these
+maps of module names (the ALTI repo's idea), so adding a family is adding one entry here;
+`tests/test_reconstruction.py` then proves the decompositions exact on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedArchitecture
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Module names of one architecture family, relative to `model.base_model`.
+
+    Paths inside a layer are dotted attribute names. `fused_qkv` means one projection
+    holds Q, K and V side by side (GPT-2's `c_attn`); `conv1d` means weights are stored
+    (in, out) as in GPT-2's Conv1D instead of nn.Linear's (out, in).
+    """
+
+    family: str
+    model_types: tuple[str, ...]
+    position: str  # "post": LN after each residual (BERT); "pre": LN before each block (GPT-2)
+    norm: str  # "layernorm" or "rmsnorm"
+    layers: str
+    value: str
+    out_proj: str
+    ln1: str  # the norm of the attention block (after RES1 in post-LN, before ATTN in pre-LN)
+    ln2: str  # the norm of the FF block
+    ff_out: str
+    act: str
+    ff_in: str | None = None  # W_1 of a plain FF
+    ff_gate: str | None = None  # gated FF: down(act(x W_g) * (x W_u))
+    ff_up: str | None = None
+    final_norm: str | None = None  # pre-LN: the norm after the last layer
+    fused_qkv: bool = False
+    conv1d: bool = False
+    causal: bool = False
+    heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
+
+    @property
+    def gated(self) -> bool:
+        return self.ff_gate is not None
+
+
+_BERT_LIKE = dict(
+    position="post", norm="layernorm", layers="encoder.layer",
+    value="attention.self.value", out_proj="attention.output.dense",
+    ln1="attention.output.LayerNorm", ln2="output.LayerNorm",
+    ff_in="intermediate.dense", ff_out="output.dense", act="intermediate.intermediate_act_fn",
+)
+
+FAMILIES: tuple[ArchSpec, ...] = (
+    ArchSpec("BERT", ("bert",), **_BERT_LIKE),
+    ArchSpec("RoBERTa", ("roberta", "xlm-roberta", "camembert"), **_BERT_LIKE),
+    ArchSpec("ELECTRA", ("electra",), **_BERT_LIKE),
+    ArchSpec(
+        "DistilBERT", ("distilbert",), position="post", norm="layernorm", layers="transformer.layer",
+        value="attention.v_lin", out_proj="attention.out_lin", ln1="sa_layer_norm",
+        ln2="output_layer_norm", ff_in="ffn.lin1", ff_out="ffn.lin2", act="ffn.activation",
+    ),
+    ArchSpec(
+        "GPT-2", ("gpt2",), position="pre", norm="layernorm", layers="h", value="attn.c_attn",
+        out_proj="attn.c_proj", ln1="ln_1", ln2="ln_2", ff_in="mlp.c_fc", ff_out="mlp.c_proj",
+        act="mlp.act", final_norm="ln_f", fused_qkv=True, conv1d=True, causal=True,
+    ),
+    ArchSpec(
+        "OPT", ("opt",), position="pre", norm="layernorm", layers="decoder.layers",
+        value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm",
+        ln2="final_layer_norm", ff_in="fc1", ff_out="fc2", act="activation_fn",
+        final_norm="decoder.final_layer_norm", causal=True,
+    ),
+    ArchSpec(
+        "Llama", ("llama", "mistral", "qwen2"), position="pre", norm="rmsnorm", layers="layers",
+        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
+)
+
+
+def supported_families() -> str:
+    return ", ".join(f"{s.family} ({'/'.join(s.model_types)})" for s in FAMILIES)
+
+
+def spec_for(config) -> ArchSpec:
+    """The family of a Hugging Face config, or a clear error naming the supported ones."""
+    mt = getattr(config, "model_type", None)
+    for spec in FAMILIES:
+        if mt in spec.model_types:
+            if spec.family == "OPT" and not getattr(config, "do_layer_norm_before", True):
+                # OPT-350m puts the norms after the residuals, like BERT
+                return ArchSpec(**{**spec.__dict__, "position": "post", "final_norm": None})
+            if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
+                raise UnsupportedArchitecture("OPT checkpoints with word_embed_proj_dim != hidden_size are not supported")
+            return spec
+    raise UnsupportedArchitecture(
+        f"model type {mt!r} is not supported; ctxmix describes these families: {supported_families()}"
+    )
+
+
+def _get(module: nn.Module, path: str):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Norm:
+    """LayerNorm (mean-centred) or RMSNorm as plain tensors: z -> (z - m)/s * gamma + beta."""
+
+    kind: str
+    gamma: torch.Tensor  # (d,)
+    beta: torch.Tensor | None  # (d,) or None for RMSNorm
+    eps: float
+
+    def scale(self, z: torch.Tensor) -> torch.Tensor:
+        """s(z), shape (..., 1): std with eps inside the sqrt (biased), or RMS for RMSNorm."""
+        if self.kind == "layernorm":
+            z = z - z.mean(-1, keepdim=True)
+        return (z.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decompose_bias(z, self.scale(z))
+
+    def decompose_pieces(self, pieces: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Pieces (..., m, d) of an input whose full sum has scale s (..., 1): each piece's
+        own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021)."""
+        if self.kind == "layernorm":
+            pieces = pieces - pieces.mean(-1, keepdim=True)
+        return pieces / s.unsqueeze(-2) * self.gamma
+
+    def decompose_bias(self, bias: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """The bias piece (..., d) takes beta on top of its normalised share."""
+        if self.kind == "layernorm":
+            bias = bias - bias.mean(-1, keepdim=True)
+        out = bias / s * self.gamma
+        return out + self.beta if self.beta is not None else out
+
+
+@dataclass
+class LayerWeights:
+    """One layer's parameters in (in, out) orientation; heads split by `n_heads`, `n_kv_heads`."""
+
+    index: int
+    position: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    Wv: torch.Tensor  # (d, Hkv*dh)
+    bv: torch.Tensor  # (Hkv*dh,)
+    Wo: torch.Tensor  # (H*dh, d)
+    bo: torch.Tensor  # (d,)
+    ln1: Norm
+    ln2: Norm
+    act: Callable[[torch.Tensor], torch.Tensor]
+    W2: torch.Tensor  # (d', d): FF output projection (down_proj for gated FFs)
+    b2: torch.Tensor
+    W1: torch.Tensor | None = None  # (d, d') plain FF
+    b1: torch.Tensor | None = None
+    Wg: torch.Tensor | None = None  # gated FF: gate and up projections
+    bg: torch.Tensor | None = None
+    Wu: torch.Tensor | None = None
+    bu: torch.Tensor | None = None
+    next_norm: Norm | None = None  # the norm that next reads this layer's output (pre-LN)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gated(self) -> bool:
+        return self.Wg is not None
+
+    @property
+    def ff_norm(self) -> Norm:
+        """The norm that next processes the FF output: LN2 in post-LN, the next LN1 in pre-LN."""
+        if self.position == "post":
+            return self.ln2
+        assert self.next_norm is not None
+        return self.next_norm
+
+
+def _linear(mod: nn.Module, conv1d: bool, d_out_hint: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    W = mod.weight.detach()
+    W = W if conv1d else W.T
+    b = mod.bias.detach() if getattr(mod, "bias", None) is not None else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+    return W, b
+
+
+def _norm(mod: nn.Module, kind: str) -> Norm:
+    eps = getattr(mod, "eps", None)
+    if eps is None:
+        eps = getattr(mod, "variance_epsilon")
+    beta = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
+    if kind == "layernorm" and beta is None:
+        beta = torch.zeros_like(mod.weight)
+    return Norm(kind, mod.weight.detach(), beta, float(eps))
+
+
+def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
+    for name in spec.heads_attr:
+        if getattr(config, name, None):
+            H = int(getattr(config, name))
+            break
+    else:
+        raise UnsupportedArchitecture("cannot find the number of attention heads in the config")
+    Hkv = int(getattr(config, "num_key_value_heads", None) or H)
+    return H, Hkv
+
+
+def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
+    """Read every layer's parameters once (views, no copies) through the spec's names."""
+    layers = _get(base, spec.layers)
+    H, Hkv = _config_heads(config, spec)
+    final = _norm(_get(base, spec.final_norm), spec.norm) if spec.final_norm else None
+    out: list[LayerWeights] = []
+    for li, layer in enumerate(layers):
+        Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
+        if spec.fused_qkv:  # GPT-2: columns [Q | K | V]
+            d = Wv.shape[0]
+            Wv, bv = Wv[:, 2 * d:], bv[2 * d:]
+        Wo, bo = _linear(_get(layer, spec.out_proj), spec.conv1d)
+        dh = Wo.shape[0] // H
+        W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
+        lw = LayerWeights(
+            index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,
+            Wv=Wv, bv=bv, Wo=Wo, bo=bo,
+            ln1=_norm(_get(layer, spec.ln1), spec.norm), ln2=_norm(_get(layer, spec.ln2), spec.norm),
+            act=_get(layer, spec.act), W2=W2, b2=b2,
+        )
+        if spec.gated:
+            lw.Wg, lw.bg = _linear(_get(layer, spec.ff_gate), spec.conv1d)
+            lw.Wu, lw.bu = _linear(_get(layer, spec.ff_up), spec.conv1d)
+        else:
+            lw.W1, lw.b1 = _linear(_get(layer, spec.ff_in), spec.conv1d)
+        out.append(lw)
+    if spec.position == "pre":
+        for lw, nxt in zip(out, out[1:] + [None]):
+            lw.next_norm = nxt.ln1 if nxt is not None else final
+    return out

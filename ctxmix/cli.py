@@ -1,0 +1,201 @@
+"""Command line: `python -m ctxmix <verb> ...`; `python -m ctxmix --help` lists the verbs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+
+def _write_table(df, out: str | None) -> None:
+    if out is None:
+        print(df.to_string(index=False))
+        return
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.suffix == ".json":
+        p.write_text(df.to_json(orient="records", indent=1))
+    else:
+        df.to_csv(p, index=False)
+    print(f"wrote {p} ({len(df)} rows)")
+
+
+def _texts(args) -> list[str]:
+    from .data import corpus
+
+    return corpus(args.corpus, limit=args.limit)
+
+
+def cmd_explain(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    ex = ctxmix.explain(m, args.text, args.method, target=args.target, position=args.position)
+    d = ex.to_dict()
+    if not args.maps:
+        d.pop("layer_maps")
+        d.pop("global_maps")
+    if args.out:
+        p = Path(args.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.suffix == ".npz":
+            np.savez_compressed(p, tokens=np.array(ex.tokens), **{f"layer_{k}": v for k, v in ex.layer_maps.items()},
+                                **{f"global_{k}": v for k, v in ex.global_maps.items()},
+                                **{f"saliency_{k}": v for k, v in ex.saliency.items()})
+        else:
+            p.write_text(json.dumps(d, indent=1))
+        print(f"wrote {p}")
+    else:
+        print("tokens:", " ".join(ex.tokens))
+        if ex.prediction:
+            print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
+        for k, v in ex.saliency.items():
+            print(f"{k:>22}: " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens, v)))
+
+
+def cmd_scopes(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    maps = ctxmix.scope_maps(m, args.text, res2=args.res2)
+    tokens = m.tokens(m.encode(args.text)[0])
+    p = Path(args.out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.suffix == ".npz":
+        np.savez_compressed(p, tokens=np.array(tokens), **maps)
+    else:
+        p.write_text(json.dumps({"tokens": tokens, "maps": {k: v.tolist() for k, v in maps.items()}}))
+    print(f"wrote {p}: {', '.join(maps)} of shape {next(iter(maps.values())).shape}")
+
+
+def cmd_change(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    df = ctxmix.contextualization_change(m, _texts(args), ignore_low_gamma=args.ignore_low_gamma,
+                                         mask_rate=args.mask_rate, seed=args.seed, res2=args.res2,
+                                         lower_triangle=args.lower_triangle)
+    _write_table(df, args.out)
+
+
+def cmd_outliers(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    df = ctxmix.ff_outliers(m, _texts(args))
+    _write_table(ctxmix.ff_outlier_correlations(df) if args.summary else df, args.out)
+
+
+def cmd_ffamp(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    _write_table(ctxmix.ff_amp(m, _texts(args), normalise=args.normalise, top_k=args.top_k), args.out)
+
+
+def cmd_res2(args) -> None:
+    import ctxmix
+
+    m = ctxmix.load_model(args.model, device=args.device)
+    _write_table(ctxmix.ff_residual_norms(m, _texts(args)), args.out)
+
+
+def cmd_methods(args) -> None:
+    from . import METHODS
+
+    for name, info in METHODS.items():
+        print(f"{name:22} {info.group:14} {info.paper}: {info.doc}")
+
+
+def cmd_models(args) -> None:
+    from .arch import supported_families
+    from .models import EMBEDDED
+
+    for k, v in EMBEDDED.items():
+        print(f"{k:18} {v}")
+    print("\nany Hugging Face id or local folder of these families:", supported_families())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import METHODS
+
+    p = argparse.ArgumentParser(prog="python -m ctxmix", description="Context mixing in Transformers.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def model_args(s):
+        s.add_argument("--model", default="minilm", help="minilm, minilm-sentiment, smollm2, a HF id or a folder")
+        s.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+
+    def corpus_args(s):
+        s.add_argument("--corpus", default="wiki", help="wiki, pang_lee, lee, a .txt/.jsonl file, or hf:NAME:SPLIT:FIELD")
+        s.add_argument("--limit", type=int, default=100, help="number of sequences")
+        s.add_argument("--out", help="output .csv or .json (default: print)")
+
+    s = sub.add_parser("explain", help="every requested method on one text")
+    s.add_argument("text")
+    model_args(s)
+    s.add_argument("--method", nargs="+", default=["alti"], choices=list(METHODS), metavar="METHOD",
+                   help="one or more of: " + ", ".join(METHODS))
+    s.add_argument("--target", default=None, help="class index/label or target token (gradient methods)")
+    s.add_argument("--position", type=int, default=None, help="row used for mixing-method saliency")
+    s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
+    s.add_argument("--out", help="output .json or .npz (default: print a summary)")
+    s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("scopes", help="the FF paper's per-layer scope maps of one text")
+    s.add_argument("text")
+    model_args(s)
+    s.add_argument("--res2", choices=["exact", "diagonal"], default="exact")
+    s.add_argument("--out", required=True, help="output .npz or .json")
+    s.set_defaults(func=cmd_scopes)
+
+    s = sub.add_parser("change", help="per-layer contextualization change (1 - Spearman rho) over a corpus")
+    model_args(s)
+    corpus_args(s)
+    s.add_argument("--ignore-low-gamma", type=float, default=0.0, help="fraction of lowest-gamma dims to drop (0.01)")
+    s.add_argument("--mask-rate", type=float, default=0.0, help="mask this fraction of tokens (0.12 as the paper)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--res2", choices=["exact", "diagonal"], default="exact")
+    s.add_argument("--lower-triangle", action="store_true", help="causal models: compare j <= i cells only")
+    s.set_defaults(func=cmd_change)
+
+    s = sub.add_parser("outliers", help="FF outlier dimensions vs the next norm's gamma")
+    model_args(s)
+    corpus_args(s)
+    s.add_argument("--summary", action="store_true", help="per-layer Pearson and Spearman r only")
+    s.set_defaults(func=cmd_outliers)
+
+    s = sub.add_parser("ff-amp", help="token pairs the FF amplifies most, per layer")
+    model_args(s)
+    corpus_args(s)
+    s.add_argument("--normalise", choices=["column", "row"], default="column")
+    s.add_argument("--top-k", type=int, default=50)
+    s.set_defaults(func=cmd_ffamp)
+
+    s = sub.add_parser("res2", help="mean norm of the FF output vs the vector RES2 bypasses")
+    model_args(s)
+    corpus_args(s)
+    s.set_defaults(func=cmd_res2)
+
+    s = sub.add_parser("methods", help="list the methods")
+    s.set_defaults(func=cmd_methods)
+    s = sub.add_parser("models", help="list the embedded models and supported families")
+    s.set_defaults(func=cmd_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import CtxmixError
+
+    args = build_parser().parse_args(argv)
+    warnings.simplefilter("default")
+    try:
+        args.func(args)
+    except (CtxmixError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

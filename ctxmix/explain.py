@@ -1,0 +1,128 @@
+"""`explain`: every requested method on one text, from one traced forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .errors import BadInput
+from .methods import MIXING_METHODS, check_methods, compute_maps, scope_layer_maps
+from .models import Model
+from .trace import Trace, trace, trace_ids
+
+
+@dataclass
+class Explanation:
+    """Result of `explain`. Maps are numpy (L, n, n), rows = output tokens, columns = inputs.
+
+    `position` is the row whose aggregated map gives a mixing method's saliency: [CLS] for
+    encoders and classifiers, the first mask token for masked LMs, the last token for causal LMs.
+    """
+
+    tokens: list[str]
+    input_ids: list[int]
+    methods: list[str]
+    layer_maps: dict[str, np.ndarray] = field(default_factory=dict)
+    global_maps: dict[str, np.ndarray] = field(default_factory=dict)
+    saliency: dict[str, np.ndarray] = field(default_factory=dict)
+    prediction: dict | None = None
+    position: int = 0
+    target: int | None = None
+    model_name: str = ""
+    reconstruction_error: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (lists of floats)."""
+        return {
+            "model": self.model_name,
+            "tokens": self.tokens,
+            "input_ids": self.input_ids,
+            "methods": self.methods,
+            "position": self.position,
+            "target": self.target,
+            "prediction": self.prediction,
+            "reconstruction_error": self.reconstruction_error,
+            "warnings": self.warnings,
+            "saliency": {m: v.tolist() for m, v in self.saliency.items()},
+            "layer_maps": {m: v.tolist() for m, v in self.layer_maps.items()},
+            "global_maps": {m: v.tolist() for m, v in self.global_maps.items()},
+        }
+
+
+def default_position(model: Model, input_ids: list[int]) -> int:
+    if model.spec.causal:
+        return len(input_ids) - 1
+    mask_id = getattr(model.tokenizer, "mask_token_id", None)
+    if model.kind == "masked_lm" and mask_id is not None and mask_id in input_ids:
+        return input_ids.index(mask_id)
+    return 0
+
+
+def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dict | None:
+    """Label probabilities for classifiers; the top tokens at `position` for language models."""
+    if tr.logits is None:
+        return None
+    logits = tr.logits.double()
+    if model.kind == "classifier":
+        p = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
+        id2label = getattr(model.config, "id2label", None) or {}
+        labels = [str(id2label.get(i, i)) for i in range(len(p))]
+        k = int(p.argmax())
+        return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, p)))}
+    if logits.ndim == 2:
+        p = torch.softmax(logits[position], -1)
+        top = torch.topk(p, min(top_k, p.numel()))
+        toks = model.tokens(top.indices.tolist())
+        what = "next token after" if model.spec.causal else "token at"
+        return {"label": toks[0], "index": int(top.indices[0]), "what": f"{what} position {position}",
+                "probabilities": {t: float(v) for t, v in zip(toks, top.values)}}
+    return None
+
+
+def explain(model: Model, text: str | None, methods, target=None, *, position: int | None = None,
+            input_ids: list[int] | None = None, res2: str = "exact", **saliency_options) -> Explanation:
+    """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
+
+    target: the class (index or label) for gradient methods on classifiers, or the token id
+    for language models; the predicted one by default.
+    position: the output row whose aggregated map is a mixing method's saliency.
+    """
+    methods = check_methods(methods, model.spec.position)
+    if input_ids is None:
+        tr = trace(model, text)
+    else:
+        if not input_ids:
+            raise BadInput("input_ids is empty")
+        tr = trace_ids(model, list(input_ids))
+    n = tr.n
+    pos = default_position(model, tr.input_ids) if position is None else int(position)
+    if not -n <= pos < n:
+        raise BadInput(f"position {pos} is outside the {n} tokens")
+    pos %= n
+    ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
+                     model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes))
+    ex.prediction = prediction_of(model, tr, pos)
+    for m, (lm, gm) in compute_maps(tr, methods, res2=res2).items():
+        ex.layer_maps[m] = lm
+        ex.global_maps[m] = gm
+        ex.saliency[m] = gm[-1][pos].copy()
+    sal = [m for m in methods if m not in MIXING_METHODS]
+    if sal:
+        from .saliency import saliency_scores
+
+        ex.target, scores = saliency_scores(model, tr, sal, target=target, position=pos, **saliency_options)
+        ex.saliency.update(scores)
+    ex.methods = methods
+    return ex
+
+
+def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | None = None,
+               res2: str = "exact") -> dict[str, np.ndarray]:
+    """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes
+    layer l's outputs to layer l's inputs). Post-LN keys Atb, AtbFf, AtbFfRes, AtbFfResLn;
+    pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2."""
+    tr = trace(model, text) if input_ids is None else trace_ids(model, list(input_ids))
+    return scope_layer_maps(tr, res2=res2)

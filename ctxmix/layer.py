@@ -1,0 +1,316 @@
+"""One Transformer layer recomputed from its weights, and its exact decompositions.
+
+Shapes: n tokens, d model width, d' FF width, H heads, dh head width. Rows i index output
+tokens, columns j input tokens; "pieces" are tensors (c, n, d) holding, for a chunk of c
+output rows, the contribution vector of every input token j.
+
+The attention probabilities come from the model's own eager forward pass; everything else
+is recomputed here from `LayerWeights`, and `tests/test_reconstruction.py` checks that the
+recomputation and every decomposition give back the hidden states the model computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from .arch import LayerWeights
+
+
+# ---------------------------------------------------------------- attention parts
+
+
+def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """f^h(x_j) = (x_j W_V^h [+ b_V^h]) W_O^h for every head: x (n, d) -> (H, n, d).
+
+    Grouped-query attention (Hkv < H) shares each value head among H/Hkv query heads.
+    """
+    v = x @ lw.Wv
+    if with_bias:
+        v = v + lw.bv
+    n = x.shape[0]
+    v = v.view(n, lw.n_kv_heads, lw.head_dim)
+    if lw.n_kv_heads != lw.n_heads:
+        v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=1)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+    return torch.einsum("jhe,hed->hjd", v, Wo)
+
+
+def value_bias_rows(lw: LayerWeights, ln_beta: torch.Tensor | None, alpha: torch.Tensor) -> torch.Tensor:
+    """What each output row receives from the value bias (and, in pre-LN, from LN1's beta):
+    sum_h (sum_j alpha^h_ij) (beta W_V^h + b_V^h) W_O^h, (c, d) for alpha (H, c, n).
+
+    The weights of a row sum to one only up to the precision the model's softmax ran in
+    (float32 even in float64 models of some families), so the sums are kept, not assumed."""
+    base = ln_beta if ln_beta is not None else torch.zeros(lw.Wv.shape[0], dtype=lw.Wv.dtype, device=lw.Wv.device)
+    per_head = head_vectors(lw, base[None], with_bias=True)[:, 0]  # (H, d)
+    return torch.einsum("hi,hd->id", alpha.sum(-1), per_head)
+
+
+def mix(alpha: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Attention-weighted pieces: alpha (H, c, n), f (H, n, d) -> (c, n, d), sum over heads."""
+    return torch.einsum("hij,hjd->ijd", alpha, f)
+
+
+# ---------------------------------------------------------------- FF closed forms
+
+
+@lru_cache(maxsize=8)
+def _gauss_legendre(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    x, w = np.polynomial.legendre.leggauss(nodes)
+    return (x + 1) / 2, w / 2  # on [0, 1]
+
+
+def act_slope_at_zero(act) -> float:
+    """g'(0) by a central difference in float64 (0.5 for GELU, gelu_new and SiLU; 0 or 0.5
+    for ReLU, irrelevant there because all pieces of a zero pre-activation cancel)."""
+    h = 1e-6
+    x = torch.tensor([-h, h], dtype=torch.float64)
+    y = act(x)
+    return float((y[1] - y[0]) / (2 * h))
+
+
+def ig_ratio(u: torch.Tensor, act) -> torch.Tensor:
+    """r = g(u)/u: zero-baseline Integrated Gradients of g(sum of pieces) gives piece k the
+    share x_k * g(u)/u exactly (ff-blocks notes §2.5), so no numeric integration is needed."""
+    safe = torch.where(u == 0, torch.ones_like(u), u)
+    return torch.where(u == 0, torch.full_like(u, act_slope_at_zero(act)), act(u) / safe)
+
+
+def gated_ig_weights(g: torch.Tensor, act, nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-baseline IG of act(g) * u over pieces (g_j, u_j): piece j's share is
+    g_j * u * I1(g) + u_j * I2(g) with I1 = int_0^1 a act'(a g) da, I2 = int_0^1 act(a g) da.
+
+    Both integrals depend only on the totals, so one Gauss-Legendre rule per element does.
+    I1 is taken from the identity g*I1 + I2 = act(g) where |g| > 1, which makes the shares
+    sum to act(g) * u to rounding whatever the quadrature error; near 0 both come from the rule.
+    """
+    a, w = _gauss_legendre(nodes)
+    a = torch.as_tensor(a, dtype=g.dtype, device=g.device)
+    w = torch.as_tensor(w, dtype=g.dtype, device=g.device)
+    I2 = torch.zeros_like(g)
+    I1q = torch.zeros_like(g)
+    for ak, wk in zip(a, w):
+        ag = (ak * g).detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = act(ag)
+            (dy,) = torch.autograd.grad(y.sum(), ag)
+        I2 = I2 + wk * y.detach()
+        I1q = I1q + wk * ak * dy
+    big = g.abs() > 1
+    I1 = torch.where(big, (act(g) - I2) / torch.where(big, g, torch.ones_like(g)), I1q)
+    return I1, I2
+
+
+# ---------------------------------------------------------------- forward from weights
+
+
+@dataclass
+class LayerState:
+    """The real intermediate vectors of one layer on one sequence (all (n, d) or (n, d')).
+
+    post-LN: r1 = x + attn, z = LN1(r1), r2 = z + ff, y = LN2(r2)
+    pre-LN:  x1 = LN1(x), h = x + attn(x1), z = LN2(h), y = h + ff
+    `ff_in` is the vector the FF reads (z), `bypass` the vector RES2 adds around it.
+    """
+
+    x: torch.Tensor
+    alpha: torch.Tensor  # (H, n, n)
+    attn: torch.Tensor  # attention block output before RES1, incl. b_O
+    r1: torch.Tensor  # after RES1 (post-LN: pre-LN1; pre-LN: the residual stream h)
+    z: torch.Tensor  # FF input
+    u: torch.Tensor  # FF pre-activation (gate pre-activation for gated FFs)
+    u_up: torch.Tensor | None  # gated FFs: the up projection
+    ff: torch.Tensor  # FF output incl. b_2
+    r2: torch.Tensor  # after RES2
+    y: torch.Tensor  # layer output
+    x1: torch.Tensor | None = None  # pre-LN: LN1(x)
+
+
+def ff_forward(lw: LayerWeights, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """FF on (..., d): returns (output, pre-activation, up projection or None)."""
+    if lw.gated:
+        g = z @ lw.Wg + lw.bg
+        up = z @ lw.Wu + lw.bu
+        return (lw.act(g) * up) @ lw.W2 + lw.b2, g, up
+    u = z @ lw.W1 + lw.b1
+    return lw.act(u) @ lw.W2 + lw.b2, u, None
+
+
+def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer once the attention output is known: (..., n, d) -> output.
+    Value zeroing runs this on a batch of perturbed attention outputs."""
+    if lw.position == "post":
+        z = lw.ln1(attn + x)
+        return lw.ln2(z + ff_forward(lw, z)[0])
+    h = attn + x
+    return h + ff_forward(lw, lw.ln2(h))[0]
+
+
+def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> LayerState:
+    """Recompute the layer on x (n, d) with the model's attention probabilities (H, n, n)."""
+    x1 = None
+    src = x
+    if lw.position == "pre":
+        x1 = lw.ln1(x)
+        src = x1
+    f = head_vectors(lw, src, with_bias=True)
+    attn = torch.einsum("hij,hjd->id", alpha, f) + lw.bo
+    r1 = attn + x
+    if lw.position == "post":
+        z = lw.ln1(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = z + ff
+        y = lw.ln2(r2)
+    else:
+        z = lw.ln2(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + ff
+        y = r2
+    return LayerState(x=x, alpha=alpha, attn=attn, r1=r1, z=z, u=u, u_up=up, ff=ff, r2=r2, y=y, x1=x1)
+
+
+# ---------------------------------------------------------------- decompositions
+
+
+def _diag_add(F: torch.Tensor, rows: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """F (c, n, d): add vec[k] (c, d) to F[k, rows[k]] (the residual enters only i == j)."""
+    F = F.clone()
+    F[torch.arange(len(rows), device=F.device), rows] += vec
+    return F
+
+
+def ff_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Tensor, b: torch.Tensor,
+              gated_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-baseline IG of the FF over the pieces F (c, n, d) and bias b (c, d) of its input."""
+    if lw.gated:
+        g = st.u[rows]
+        up = st.u_up[rows]
+        I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
+        gj = F @ lw.Wg
+        uj = F @ lw.Wu
+        gb = b @ lw.Wg + lw.bg
+        ub = b @ lw.Wu + lw.bu
+        hj = gj * (up * I1).unsqueeze(1) + uj * I2.unsqueeze(1)
+        hb = gb * up * I1 + ub * I2
+    else:
+        r = ig_ratio(st.u[rows], lw.act)
+        hj = (F @ lw.W1) * r.unsqueeze(1)
+        hb = (b @ lw.W1 + lw.b1) * r
+    return hj @ lw.W2, hb @ lw.W2 + lw.b2
+
+
+def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str = "exact",
+                 next_ln: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The FF paper's cumulative scopes for output rows `rows`: name -> (pieces (c,n,d), bias (c,d)).
+
+    The value bias b_V W_O goes to the bias term, as the FF paper writes (not spread over
+    tokens through alpha as GlobEnc's and ALTI's code do). `res2="exact"` adds the whole
+    attention-block decomposition at RES2 (exact); `"diagonal"` is the paper's printed Eq. 57
+    (only F^ATB_i(x_i) on the diagonal, bias b^{ATB+FF}), which does not reconstruct.
+    `next_ln` (pre-LN) adds "AtbLnFfResLn": the layer output through the norm that reads it next
+    (the next layer's LN1, or the final norm), used for the FF paper's dynamics view on GPT-2.
+    """
+    if res2 not in ("exact", "diagonal"):
+        raise ValueError("res2 must be 'exact' or 'diagonal'")
+    alpha = st.alpha[:, rows]
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if lw.position == "post":
+        f = head_vectors(lw, st.x, with_bias=False)
+        b = value_bias_rows(lw, None, alpha) + lw.bo
+        F = _diag_add(mix(alpha, f), rows, st.x[rows])
+        s1 = lw.ln1.scale(st.r1[rows])
+        F_atb, b_atb = lw.ln1.decompose_pieces(F, s1), lw.ln1.decompose_bias(b, s1)
+        out["Atb"] = (F_atb, b_atb)
+        F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb)
+        out["AtbFf"] = (F_ff, b_ff)
+        if res2 == "exact":
+            F_r, b_r = F_ff + F_atb, b_ff + b_atb
+        else:
+            F_r, b_r = _diag_add(F_ff, rows, F_atb[torch.arange(len(rows)), rows]), b_ff
+        out["AtbFfRes"] = (F_r, b_r)
+        s2 = lw.ln2.scale(st.r2[rows])
+        out["AtbFfResLn"] = (lw.ln2.decompose_pieces(F_r, s2), lw.ln2.decompose_bias(b_r, s2))
+        return out
+    # pre-LN: LN1 acts on each token alone; its beta goes to the bias with b_V and b_O
+    s0 = lw.ln1.scale(st.x)
+    xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(1), s0).squeeze(1)  # (n, d): LN1(x_j) - beta
+    f = head_vectors(lw, xhat, with_bias=False)
+    b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
+    F_atb = _diag_add(mix(alpha, f), rows, st.x[rows])
+    out["Atb"] = (F_atb, b)
+    s2 = lw.ln2.scale(st.r1[rows])
+    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
+    out["AtbLn"] = (F_ln, b_ln)
+    F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFf"] = (F_ff, b_ff)
+    if res2 == "exact":
+        F_r, b_r = F_ff + F_atb, b_ff + b
+    else:
+        F_r, b_r = _diag_add(F_ff, rows, F_atb[torch.arange(len(rows)), rows]), b_ff
+    out["AtbLnFfRes"] = (F_r, b_r)
+    if next_ln and lw.next_norm is not None:
+        s3 = lw.next_norm.scale(st.y[rows])
+        out["AtbLnFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
+    return out
+
+
+def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Pieces (c, n, d) of GlobEnc's N, N_Res, N_ResLN, N_Enc and ALTI's T_i(x_j).
+
+    As in the GlobEnc and ALTI code, the value bias is spread over tokens through alpha
+    (f^h includes b_V), and b_O and the norms' beta are attributed to no token.
+
+    post-LN (the papers' setting): N = sum_h alpha f, N_Res adds x_i at j == i, N_ResLN
+    decomposes LN1 with the real pre-LN1 std, N_Enc passes those through LN2 with the std of
+    the real pre-LN2 vector (FF ignored but for that std). ALTI's T is N_ResLN's pieces.
+    pre-LN (ctxmix's extension, as the ALTI repo's pre-LN branch): N and N_Res read LN1(x_j);
+    N_ResLN applies LN2 (the norm that reads the residual stream next); N_Enc applies the next
+    layer's LN1 (or the final norm) to N_Res's pieces with the std of the real layer output
+    (FF ignored but for that std); ALTI's T is N_Res's pieces, compared with the stream h.
+    """
+    alpha = st.alpha[:, rows]
+    src = st.x if lw.position == "post" else st.x1
+    N = mix(alpha, head_vectors(lw, src, with_bias=True))
+    NR = _diag_add(N, rows, st.x[rows])
+    out = {"norm": N, "norm_res": NR}
+    if lw.position == "post":
+        s1 = lw.ln1.scale(st.r1[rows])
+        T = lw.ln1.decompose_pieces(NR, s1)
+        out["norm_res_ln"] = T
+        out["globenc"] = lw.ln2.decompose_pieces(T, lw.ln2.scale(st.r2[rows]))
+        out["alti_T"] = T
+    else:
+        out["norm_res_ln"] = lw.ln2.decompose_pieces(NR, lw.ln2.scale(st.r1[rows]))
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[rows]))
+        out["alti_T"] = NR
+    return out
+
+
+def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ALTI (Ferrando et al. 2022, Eq. 9-10): C_ij = max(0, |y_i|_1 - |y_i - T_ij|_1),
+    normalised over j. T (c, n, d), y (c, d) the real block output. Exact L1 (no eps).
+    A row whose every contribution is clipped (y_i dominated by the bias) stays all zero
+    rather than being given a made-up distribution."""
+    dist = (y.unsqueeze(1) - T).abs().sum(-1)
+    C = (y.abs().sum(-1, keepdim=True) - dist).clamp(min=0)
+    return C / C.sum(-1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
+
+
+def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor) -> torch.Tensor:
+    """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (c, n) cosine distances
+    between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept.
+
+    Zeroing v_t only removes sum_h alpha_it f^h(x_t) from each attention output, so Q, K and
+    the weights are not recomputed and the c variants run as one batch. Distances in float64.
+    """
+    src = st.x if lw.position == "post" else st.x1
+    f_t = head_vectors(lw, src[cols], with_bias=True)  # (H, c, d)
+    removed = torch.einsum("hit,htd->tid", st.alpha[:, :, cols], f_t)  # (c, n, d)
+    y = after_attention(lw, st.x.unsqueeze(0), st.attn.unsqueeze(0) - removed)
+    cos = torch.nn.functional.cosine_similarity(y.double(), st.y.double().unsqueeze(0), dim=-1)
+    return (1.0 - cos).clamp(min=0.0)  # (c zeroed, n outputs)

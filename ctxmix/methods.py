@@ -1,0 +1,216 @@
+"""The context-mixing methods: a registry, rollout, and chunked per-layer computation.
+
+Every method gives per-layer maps (L, n, n), row i = output token, column j = input token,
+and aggregated maps (L, n, n) by rollout. Methods that share a decomposition are computed
+together from one trace (`compute_maps`), so asking for all of them costs about as much as
+the most expensive one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import BadInput
+from .layer import alti_layer, norm_family_pieces, scope_pieces, value_zeroing_columns
+from .trace import Trace
+
+# Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
+CHUNK_ELEMENTS = 2**25
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What a method is, which paper it comes from, and how it is aggregated."""
+
+    name: str
+    group: str  # "attention", "norm", "value_zeroing", "scope", "saliency"
+    title: str
+    paper: str
+    rollout_identity: bool = False
+    rollout_normalise: bool = False
+    rows_sum_to_one: bool = False
+    doc: str = ""
+
+
+MIXING_METHODS: dict[str, MethodInfo] = {
+    m.name: m
+    for m in [
+        MethodInfo("attention", "attention", "Attention (head mean)", "Abnar & Zuidema 2020",
+                   rows_sum_to_one=True, doc="Mean over heads of the attention probabilities; rolled out as is (GlobEnc's 'W')."),
+        MethodInfo("attention_rollout", "attention", "Attention rollout", "Abnar & Zuidema 2020",
+                   rows_sum_to_one=True,
+                   doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product."),
+        MethodInfo("norm", "norm", "N (norm)", "Kobayashi et al. 2020; GlobEnc",
+                   doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity."),
+        MethodInfo("norm_res", "norm", "N_Res", "Kobayashi et al. 2021; GlobEnc",
+                   doc="N plus the residual x_i on the diagonal; rolled out unnormalised, no identity (GlobEnc code)."),
+        MethodInfo("norm_res_ln", "norm", "N_ResLN", "Kobayashi et al. 2021; GlobEnc",
+                   doc="N_Res through the LN1 decomposition (std of the real pre-LN1 vector); rolled out unnormalised."),
+        MethodInfo("globenc", "norm", "GlobEnc (N_Enc)", "Modarressi et al. 2022",
+                   doc="N_ResLN through LN2 with the std of the real pre-LN2 vector, FF ignored; rolled out without identity "
+                       "and without row normalisation, as the GlobEnc code does."),
+        MethodInfo("alti", "norm", "ALTI", "Ferrando et al. 2022", rows_sum_to_one=True,
+                   doc="max(0, |y_i|_1 - |y_i - T_i(x_j)|_1) normalised over j (exact L1), rolled out without identity."),
+        MethodInfo("value_zeroing", "value_zeroing", "Value zeroing", "Mohebbi et al. 2023", rows_sum_to_one=True,
+                   doc="Cosine distance (float64) between y_i and y_i with v_j zeroed in all heads, row-normalised, "
+                       "rolled out without identity; layers scored independently."),
+    ]
+}
+
+POST_LN_SCOPES = ("Atb", "AtbFf", "AtbFfRes", "AtbFfResLn")
+PRE_LN_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfRes")
+for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES):
+    MIXING_METHODS[_s] = MethodInfo(
+        _s, "scope", f"Scope {_s}", "Kobayashi et al. 2024", rollout_normalise=True,
+        doc="FF paper scope (within one layer, exact, b_V in the bias); aggregated here by row-normalised rollout, "
+            "which the paper does not do.")
+
+
+def scope_names(position: str) -> tuple[str, ...]:
+    return POST_LN_SCOPES if position == "post" else PRE_LN_SCOPES
+
+
+def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = False) -> np.ndarray:
+    """Aggregate per-layer maps (L, n, n): R^1 = M^1, R^l = M^l R^{l-1} (newest layer left).
+
+    add_identity: use 0.5*M + 0.5*I (Abnar & Zuidema; for maps without a residual).
+    row_normalise: divide each layer's rows by their sums first (ALTI's norm rollout);
+    GlobEnc's code does not, and that changes the result, so the default is off.
+    """
+    M = np.asarray(maps, dtype=np.float64)
+    if M.ndim != 3 or M.shape[1] != M.shape[2]:
+        raise ValueError(f"rollout needs maps of shape (L, n, n), got {M.shape}")
+    if row_normalise:
+        M = M / np.clip(M.sum(-1, keepdims=True), np.finfo(np.float64).tiny, None)
+    if add_identity:
+        M = 0.5 * M + 0.5 * np.eye(M.shape[1])
+    out = np.empty_like(M)
+    out[0] = M[0]
+    for l in range(1, len(M)):
+        out[l] = M[l] @ out[l - 1]
+    return out
+
+
+def check_methods(methods, position: str | None = None) -> list[str]:
+    """Validate method names; unknown ones get a message listing the valid names."""
+    from .saliency import SALIENCY_METHODS
+
+    if isinstance(methods, str):
+        methods = [methods]
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise BadInput("choose at least one method")
+    valid = list(MIXING_METHODS) + list(SALIENCY_METHODS)
+    bad = [m for m in methods if m not in valid]
+    if bad:
+        raise BadInput(f"unknown method(s) {', '.join(map(repr, bad))}; valid methods: {', '.join(valid)}")
+    if position is not None:
+        wrong = [m for m in methods if MIXING_METHODS.get(m, MethodInfo("", "", "", "")).group == "scope"
+                 and m not in scope_names(position)]
+        if wrong:
+            raise BadInput(f"scope(s) {', '.join(wrong)} do not exist in a {position}-LN model; "
+                           f"its scopes are {', '.join(scope_names(position))}")
+    return methods
+
+
+def _chunks(n: int, width: int, copies: int = 4) -> list[torch.Tensor]:
+    """Row index chunks so that a (rows, n, width) tensor times `copies` stays in budget."""
+    size = max(1, CHUNK_ELEMENTS // max(1, n * width * copies))
+    return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def _norms(F: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    if keep is not None:
+        F = F[..., keep]
+    return F.norm(dim=-1)
+
+
+def _ff_width(lw) -> int:
+    return (lw.W1 if lw.W1 is not None else lw.Wg).shape[1]
+
+
+@torch.no_grad()
+def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,
+                     next_ln: bool = False) -> dict[str, np.ndarray]:
+    """Per-layer scope maps {scope: (L, n, n)}: cell = ||F_i(x_j)||_2 of the exact pieces.
+
+    keep_dims: per layer a boolean (d,) mask of the dimensions that enter the norm (the FF
+    paper's outlier ablation drops the lowest-gamma 1 %), or None for all dimensions.
+    """
+    n = tr.n
+    names = list(scope_names(tr.model.spec.position))
+    if next_ln and tr.model.spec.position == "pre":
+        names.append("AtbLnFfResLn")
+    maps = {s: np.zeros((tr.model.n_layers, n, n)) for s in names}
+    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
+        keep = None if keep_dims is None else keep_dims[l]
+        for rows in _chunks(n, _ff_width(lw), copies=3):
+            pieces = scope_pieces(lw, st, rows.to(st.x.device), res2=res2, next_ln=next_ln)
+            for s, (F, _) in pieces.items():
+                if s in maps:
+                    maps[s][l, rows.numpy()] = _norms(F, keep).double().cpu().numpy()
+    return maps
+
+
+@torch.no_grad()
+def norm_layer_maps(tr: Trace, names: list[str]) -> dict[str, np.ndarray]:
+    """GlobEnc's N family and ALTI, per layer, from one shared decomposition per chunk."""
+    n, L = tr.n, tr.model.n_layers
+    maps = {m: np.zeros((L, n, n)) for m in names}
+    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
+        y_alti = st.z if lw.position == "post" else st.r1
+        for rows in _chunks(n, st.x.shape[1], copies=6):
+            rows_d = rows.to(st.x.device)
+            P = norm_family_pieces(lw, st, rows_d)
+            for m in names:
+                if m == "alti":
+                    v = alti_layer(P["alti_T"], y_alti[rows_d])
+                else:
+                    v = P[m].norm(dim=-1)
+                maps[m][l, rows.numpy()] = v.double().cpu().numpy()
+    return maps
+
+
+@torch.no_grad()
+def value_zeroing_maps(tr: Trace) -> np.ndarray:
+    """Row-normalised value-zeroing maps (L, n, n), one batched layer call per chunk of zeroed tokens."""
+    n, L = tr.n, tr.model.n_layers
+    out = np.zeros((L, n, n))
+    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
+        for cols in _chunks(n, _ff_width(lw), copies=3):
+            D = value_zeroing_columns(lw, st, cols.to(st.x.device))  # (c zeroed, n outputs)
+            out[l][:, cols.numpy()] = D.T.cpu().numpy()
+    s = out.sum(-1, keepdims=True)
+    return out / np.where(s > 0, s, 1.0)
+
+
+@torch.no_grad()
+def attention_maps(tr: Trace) -> np.ndarray:
+    """Head-mean attention probabilities (L, n, n)."""
+    return np.stack([st.alpha.double().mean(0).cpu().numpy() for st in tr.states])
+
+
+def compute_maps(tr: Trace, methods: list[str], res2: str = "exact") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{method: (layer maps, aggregated maps)} for the mixing methods among `methods`."""
+    res: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    want = [m for m in methods if m in MIXING_METHODS]
+    layer: dict[str, np.ndarray] = {}
+    if {"attention", "attention_rollout"} & set(want):
+        A = attention_maps(tr)
+        layer["attention"] = A
+        layer["attention_rollout"] = 0.5 * A + 0.5 * np.eye(tr.n)
+    norm_names = [m for m in want if MIXING_METHODS[m].group == "norm"]
+    if norm_names:
+        layer.update(norm_layer_maps(tr, norm_names))
+    if "value_zeroing" in want:
+        layer["value_zeroing"] = value_zeroing_maps(tr)
+    if any(MIXING_METHODS[m].group == "scope" for m in want):
+        layer.update(scope_layer_maps(tr, res2=res2))
+    for m in want:
+        info = MIXING_METHODS[m]
+        # attention_rollout's layer map already holds 0.5*A + 0.5*I
+        res[m] = (layer[m], rollout(layer[m], row_normalise=info.rollout_normalise))
+    return res

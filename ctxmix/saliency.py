@@ -1,0 +1,182 @@
+"""Gradient and perturbation saliency: one score per input token for one target.
+
+The target scalar is the softmax probability of the target class (classifiers) or of the
+target token at `position` (language models), as the ALTI and GlobEnc code use; CAT and
+AttCAT use the logit, as the AttCAT code does. Gradients are taken with respect to the word
+embeddings (`get_input_embeddings()`), so position and segment embeddings stay fixed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import BadInput
+from .methods import MethodInfo
+from .models import Model
+from .trace import Trace
+
+SALIENCY_METHODS: dict[str, MethodInfo] = {
+    m.name: m
+    for m in [
+        MethodInfo("grad", "saliency", "Gradient (L2)", "Bastings et al. 2022; ALTI",
+                   doc="||d p_target / d e_i||_2 over the word embedding e_i."),
+        MethodInfo("grad_x_input", "saliency", "Gradient x input (L2)", "GlobEnc Eq. 17",
+                   doc="||(d p_target / d e_i) * e_i||_2, GlobEnc's reference saliency."),
+        MethodInfo("integrated_gradients", "saliency", "Integrated gradients", "Sundararajan et al. 2017 (captum)",
+                   doc="captum IntegratedGradients (Gauss-Legendre) from a [PAD], [MASK] or zero baseline "
+                       "(special tokens kept); per token |sum over dimensions| as in the ALTI code."),
+        MethodInfo("blank_out", "saliency", "Blank-out", "Abnar & Zuidema 2020; ALTI",
+                   doc="p_target(x) - p_target(x with token i replaced by [UNK] or [MASK]); signed drop."),
+        MethodInfo("cat", "saliency", "CAT", "Qiang et al. 2022",
+                   doc="sum over layers of <d logit / d h^l_i, h^l_i>, h^l the input of layer l; signed."),
+        MethodInfo("attcat", "saliency", "AttCAT", "Qiang et al. 2022",
+                   doc="CAT weighted per layer by the attention token i receives (mean over heads and queries); signed."),
+    ]
+}
+
+
+def _needs_head(model: Model) -> None:
+    if model.kind == "encoder":
+        raise BadInput(f"gradient and blank-out methods need a model with a head (a classifier or a language "
+                       f"model); {model.name!r} has none. Try 'minilm-sentiment'.")
+
+
+def resolve_target(model: Model, tr: Trace, target, position: int) -> int:
+    """The class index (classifiers) or token id (language models) to explain."""
+    _needs_head(model)
+    logits = tr.logits
+    if model.kind == "classifier":
+        n_labels = logits.reshape(-1).shape[0]
+        if target is None:
+            return int(logits.reshape(-1).argmax())
+        if isinstance(target, str):
+            l2i = {str(k): int(v) for k, v in (getattr(model.config, "label2id", None) or {}).items()}
+            if target not in l2i:
+                raise BadInput(f"unknown label {target!r}; labels: {', '.join(l2i)}")
+            return l2i[target]
+        if not 0 <= int(target) < n_labels:
+            raise BadInput(f"target class {target} is outside 0..{n_labels - 1}")
+        return int(target)
+    if target is None:
+        return int(logits[position].argmax())
+    if isinstance(target, str):
+        ids = model.tokenizer.convert_tokens_to_ids([target])
+        if not ids or ids[0] is None or ids[0] == getattr(model.tokenizer, "unk_token_id", None):
+            raise BadInput(f"target token {target!r} is not one token of the vocabulary")
+        return int(ids[0])
+    return int(target)
+
+
+def _score(model: Model, logits: torch.Tensor, target: int, position: int, prob: bool = True) -> torch.Tensor:
+    """Target scalar per batch element: logits (b, labels) or (b, n, vocab) -> (b,)."""
+    z = logits if model.kind == "classifier" else logits[:, position]
+    z = torch.softmax(z.double(), -1) if prob else z
+    return z[:, target]
+
+
+def _embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
+    return model.hf.get_input_embeddings()(ids)
+
+
+def _forward_embeds(model: Model, E: torch.Tensor, **kw):
+    mask = torch.ones(E.shape[:2], dtype=torch.long, device=E.device)
+    return model.hf(inputs_embeds=E, attention_mask=mask, **kw)
+
+
+def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
+    tok = model.tokenizer
+    rep = {"pad": tok.pad_token_id, "mask": getattr(tok, "mask_token_id", None),
+           "unk": tok.unk_token_id}.get(baseline)
+    if rep is None:
+        raise BadInput(f"this tokenizer has no {baseline} token; choose another baseline")
+    special = set(tok.all_special_ids)
+    return [t if t in special else rep for t in ids]
+
+
+def _gradients(model: Model, tr: Trace, target: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([tr.input_ids], device=model.device)
+    with torch.enable_grad():
+        E = _embed(model, ids).detach().requires_grad_(True)
+        p = _score(model, _forward_embeds(model, E).logits, target, position)
+        (g,) = torch.autograd.grad(p.sum(), E)
+    return g[0], E[0].detach()
+
+
+def integrated_gradients(model: Model, tr: Trace, target: int, position: int, baseline: str = "pad",
+                         n_steps: int = 50, internal_batch_size: int = 16) -> np.ndarray:
+    """captum's IntegratedGradients on the word embeddings; per token |sum over dimensions|."""
+    from captum.attr import IntegratedGradients
+
+    ids = torch.tensor([tr.input_ids], device=model.device)
+    E = _embed(model, ids).detach()
+    if baseline == "zero":
+        B = torch.zeros_like(E)
+    else:
+        B = _embed(model, torch.tensor([_baseline_ids(model, tr.input_ids, baseline)], device=model.device)).detach()
+
+    def f(x):
+        return _score(model, _forward_embeds(model, x).logits, target, position).to(x.dtype)
+
+    with torch.enable_grad():
+        attr = IntegratedGradients(f).attribute(E, baselines=B, n_steps=n_steps, method="gausslegendre",
+                                                internal_batch_size=internal_batch_size)
+    return attr[0].sum(-1).abs().double().cpu().numpy()
+
+
+@torch.no_grad()
+def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: str = "unk",
+              batch: int = 32) -> np.ndarray:
+    """Drop of p_target when each token in turn is replaced by [UNK] (or [MASK])."""
+    tok = model.tokenizer
+    rep = tok.unk_token_id if replacement == "unk" else getattr(tok, "mask_token_id", None)
+    if rep is None:
+        raise BadInput(f"this tokenizer has no {replacement} token")
+    ids = torch.tensor(tr.input_ids, device=model.device)
+    n = len(ids)
+    mask = torch.ones(1, n, dtype=torch.long, device=model.device)
+    p0 = _score(model, model.hf(input_ids=ids[None], attention_mask=mask).logits, target, position)[0]
+    out = []
+    for s in range(0, n, batch):
+        js = torch.arange(s, min(n, s + batch), device=model.device)
+        X = ids.repeat(len(js), 1)
+        X[torch.arange(len(js)), js] = rep
+        out.append(p0 - _score(model, model.hf(input_ids=X, attention_mask=mask.expand(len(js), -1)).logits, target, position))
+    return torch.cat(out).double().cpu().numpy()
+
+
+def cat_scores(model: Model, tr: Trace, target: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer CAT and AttCAT rows (L, n): <d logit/d h^l, h^l> on layer inputs, AttCAT times the
+    attention each token receives (mean over heads, then queries)."""
+    ids = torch.tensor([tr.input_ids], device=model.device)
+    with torch.enable_grad():
+        E = _embed(model, ids).detach().requires_grad_(True)
+        out = _forward_embeds(model, E, output_hidden_states=True, output_attentions=True)
+        hs = list(out.hidden_states[: model.n_layers])
+        y = _score(model, out.logits, target, position, prob=False).sum()
+        grads = torch.autograd.grad(y, hs, allow_unused=True)
+    cat = torch.stack([(g[0] * h[0]).sum(-1) if g is not None else torch.zeros_like(h[0, :, 0])
+                       for g, h in zip(grads, hs)]).detach()
+    received = torch.stack([a[0].mean(0).mean(0) for a in out.attentions]).detach()
+    return cat.double().cpu().numpy(), (cat * received).double().cpu().numpy()
+
+
+def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
+                    ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk") -> tuple[int, dict]:
+    """{method: (n,)} for the saliency methods among `methods`; returns (target, scores)."""
+    tgt = resolve_target(model, tr, target, position)
+    out: dict[str, np.ndarray] = {}
+    if {"grad", "grad_x_input"} & set(methods):
+        g, E = _gradients(model, tr, tgt, position)
+        if "grad" in methods:
+            out["grad"] = g.norm(dim=-1).double().cpu().numpy()
+        if "grad_x_input" in methods:
+            out["grad_x_input"] = (g * E).norm(dim=-1).double().cpu().numpy()
+    if "integrated_gradients" in methods:
+        out["integrated_gradients"] = integrated_gradients(model, tr, tgt, position, ig_baseline, ig_steps)
+    if "blank_out" in methods:
+        out["blank_out"] = blank_out(model, tr, tgt, position, blank_replacement)
+    if {"cat", "attcat"} & set(methods):
+        c, a = cat_scores(model, tr, tgt, position)
+        out["cat"], out["attcat"] = c.sum(0), a.sum(0)
+    return tgt, {m: out[m] for m in methods if m in out}

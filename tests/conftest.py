@@ -1,0 +1,66 @@
+"""Tiny random models of the real Hugging Face classes, one per supported family."""
+
+import os
+
+import pytest
+import torch
+import transformers as T
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import ctxmix  # noqa: E402
+
+V = 30522  # the MiniLM tokenizer's vocabulary, shared by every tiny model
+
+
+def _tiny_configs():
+    common = dict(vocab_size=V, initializer_range=0.2)  # large enough that tokens, not biases, dominate
+    return {
+        "bert": (T.BertForSequenceClassification, T.BertConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common)),
+        "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, max_position_embeddings=130, pad_token_id=1, **common)),
+        "electra": (T.ElectraForSequenceClassification, T.ElectraConfig(embedding_size=16, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common)),
+        "distilbert": (T.DistilBertForSequenceClassification, T.DistilBertConfig(dim=24, n_layers=2, n_heads=4, hidden_dim=40, **common)),
+        "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=24, n_layer=2, n_head=4, n_positions=128, bos_token_id=101, eos_token_id=102, **common)),
+        "opt": (T.OPTForCausalLM, T.OPTConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, ffn_dim=40, word_embed_proj_dim=24, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "llama": (T.LlamaForCausalLM, T.LlamaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+    }
+
+
+FAMILIES = list(_tiny_configs())
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return T.AutoTokenizer.from_pretrained(ctxmix.models.minilm_path())
+
+
+def randomise_norms(hf):
+    """Random LayerNorm/RMSNorm gammas and betas, so the tests see non-trivial norms."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            low = name.lower()
+            if ("norm" in low or "ln_" in low) and p.ndim == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype) if name.endswith("weight")
+                        else 0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif name.endswith("bias") and p.ndim == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def tiny_model(family: str, tokenizer, dtype=torch.float64):
+    torch.manual_seed(0)
+    cls, cfg = _tiny_configs()[family]
+    hf = cls._from_config(cfg, attn_implementation="eager").to(dtype).eval()
+    randomise_norms(hf)
+    return ctxmix.model_from_hf(hf, tokenizer, name=f"tiny-{family}")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny(request, tokenizer):
+    return tiny_model(request.param, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    return ctxmix.load_model("minilm", device="cpu")
