@@ -134,7 +134,7 @@ def _ff_width(lw) -> int:
 
 @torch.no_grad()
 def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,
-                     next_ln: bool = False) -> dict[str, np.ndarray]:
+                     next_ln: bool = False, factorised: bool = True) -> dict[str, np.ndarray]:
     """Per-layer scope maps {scope: (L, n, n)}: cell = ||F_i(x_j)||_2 of the exact pieces.
 
     keep_dims: per layer a boolean (d,) mask of the dimensions that enter the norm (the FF
@@ -147,8 +147,10 @@ def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = No
     maps = {s: np.zeros((tr.model.n_layers, n, n)) for s in names}
     for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
         keep = None if keep_dims is None else keep_dims[l]
+        cache: dict = {}  # per-layer products shared by the row chunks
         for rows in _chunks(n, _ff_width(lw), copies=3):
-            pieces = scope_pieces(lw, st, rows.to(st.x.device), res2=res2, next_ln=next_ln)
+            pieces = scope_pieces(lw, st, rows.to(st.x.device), res2=res2, next_ln=next_ln, cache=cache,
+                                  factorised=factorised)
             for s, (F, _) in pieces.items():
                 if s in maps:
                     maps[s][l, rows.numpy()] = _norms(F, keep).double().cpu().numpy()

@@ -22,11 +22,11 @@ def test_layer_recomputation_matches_model(tiny):
     assert tr.reconstruction_error < (1e-6 if tiny.spec.norm == "rmsnorm" else TOL)
 
 
-def _check(tr, res2="exact"):
+def _check(tr, res2="exact", factorised=True):
     n = tr.n
     rows = torch.arange(n)
     for lw, st in zip(tr.model.layers, tr.states):
-        pieces = scope_pieces(lw, st, rows, res2=res2, next_ln=True)
+        pieces = scope_pieces(lw, st, rows, res2=res2, next_ln=True, factorised=factorised)
         expect = {  # the real vector each scope must sum to
             "post": {"Atb": st.z, "AtbFf": st.ff, "AtbFfRes": st.r2, "AtbFfResLn": st.y},
             "pre": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff, "AtbLnFfRes": st.y,
@@ -44,6 +44,22 @@ def test_every_scope_reconstructs(tiny):
     tr = trace_ids(tiny, IDS)
     for lw, errs in _check(tr):
         assert max(errs.values()) < TOL, (tiny.name, lw.index, errs)
+
+
+def test_straightforward_ff_product_reconstructs_too(tiny):
+    tr = trace_ids(tiny, IDS)
+    for lw, errs in _check(tr, factorised=False):
+        assert max(errs.values()) < TOL, (tiny.name, lw.index, errs)
+
+
+def test_factorised_equals_straightforward(tiny):
+    """The optimised FF path (W_1 on per-head vectors, mixed afterwards) gives the same maps."""
+    from ctxmix.methods import scope_layer_maps
+
+    tr = trace_ids(tiny, IDS)
+    fast, slow = scope_layer_maps(tr), scope_layer_maps(tr, factorised=False)
+    for k in fast:
+        np.testing.assert_allclose(fast[k], slow[k], rtol=0, atol=1e-10)
 
 
 def test_printed_res2_is_not_exact(tiny):
