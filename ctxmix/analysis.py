@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -51,15 +51,21 @@ def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -
     return ids
 
 
+Progress = bool | Callable[[int, int], None]
+
+
 def corpus_traces(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                  progress: bool = True, desc: str = "sequences") -> Iterator[Trace]:
-    """Trace each text in turn; empty texts are skipped (and counted in a warning)."""
+                  progress: Progress = True, desc: str = "sequences") -> Iterator[Trace]:
+    """Trace each text in turn; empty texts are skipped (and counted in a warning).
+    progress: True for a tqdm bar, or a callable(done, total) (the dashboard's progress bar)."""
     texts = list(texts)
     if not texts:
         raise BadInput("the corpus is empty")
     rng = random.Random(seed)
     skipped = 0
-    for text in tqdm(texts, desc=desc, disable=not progress):
+    for k, text in enumerate(tqdm(texts, desc=desc, disable=progress is not True)):
+        if callable(progress):
+            progress(k, len(texts))
         if not isinstance(text, str) or not text.strip():
             skipped += 1
             continue
@@ -67,6 +73,8 @@ def corpus_traces(model: Model, texts: Iterable[str], mask_rate: float = 0.0, se
         if mask_rate:
             ids = mask_tokens(model, ids, mask_rate, rng)
         yield trace_ids(model, ids, notes)
+    if callable(progress):
+        progress(len(texts), len(texts))
     if skipped:
         warnings.warn(f"{skipped} empty text(s) skipped", stacklevel=2)
 
@@ -93,9 +101,76 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(stats.spearmanr(a, b).statistic)
 
 
+class _ChangeAcc:
+    """Accumulates 1 - rho per (layer, comparison) over sequences."""
+
+    def __init__(self, model: Model, lower_triangle: bool):
+        self.comps = comparisons(model)
+        self.L = model.n_layers
+        self.lower = lower_triangle
+        self.scores: dict[tuple[int, str], list[float]] = defaultdict(list)
+
+    def add(self, n: int, maps: dict[str, np.ndarray]) -> None:
+        sel = np.tril_indices(n) if self.lower else (slice(None), slice(None))
+        for l in range(self.L):
+            for name, (a, b) in self.comps.items():
+                if a in maps and b in maps:
+                    rho = _spearman(maps[a][l][sel].ravel(), maps[b][l][sel].ravel())
+                    if not np.isnan(rho):
+                        self.scores[(l + 1, name)].append(1.0 - rho)
+
+    def frame(self) -> pd.DataFrame:
+        order = list(self.comps)
+        rows = [{"layer": l, "comparison": c, "change": float(np.mean(v)), "std": float(np.std(v)), "n": len(v)}
+                for (l, c), v in sorted(self.scores.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1])))]
+        return pd.DataFrame(rows, columns=["layer", "comparison", "change", "std", "n"])
+
+
+def ff_amp_matrix(before: np.ndarray, after: np.ndarray, normalise: str = "column") -> np.ndarray:
+    """FF-amp of one map pair: normalised map after the FF minus normalised map before it.
+    "column" makes each input token's column sum to 1 (footnote 3 read literally), "row" each output row."""
+    if normalise not in ("column", "row"):
+        raise BadInput("normalise must be 'column' or 'row'")
+    axis = 0 if normalise == "column" else 1
+    return (after / np.clip(after.sum(axis, keepdims=True), 1e-30, None)
+            - before / np.clip(before.sum(axis, keepdims=True), 1e-30, None))
+
+
+def ff_amp_scopes(model: Model) -> tuple[str, str]:
+    """The maps just before and after the FF: (Atb, AtbFf) post-LN, (AtbLn, AtbLnFf) pre-LN."""
+    return ("Atb", "AtbFf") if model.spec.position == "post" else ("AtbLn", "AtbLnFf")
+
+
+class _AmpAcc:
+    """Accumulates FF-amp scores per (layer, output token type, input token type), i != j."""
+
+    def __init__(self, model: Model, normalise: str):
+        ff_amp_matrix(np.ones((1, 1)), np.ones((1, 1)), normalise)  # validates the option early
+        self.before, self.after = ff_amp_scopes(model)
+        self.normalise = normalise
+        self.acc = [defaultdict(lambda: [0.0, 0]) for _ in range(model.n_layers)]
+
+    def add(self, tokens: list[str], maps: dict[str, np.ndarray]) -> None:
+        ii, jj = np.nonzero(~np.eye(len(tokens), dtype=bool))
+        for l, acc in enumerate(self.acc):
+            D = ff_amp_matrix(maps[self.before][l], maps[self.after][l], self.normalise)
+            for i, j, v in zip(ii, jj, D[ii, jj]):
+                cell = acc[(tokens[i], tokens[j])]
+                cell[0] += v
+                cell[1] += 1
+
+    def frame(self, top_k: int, min_count: int) -> pd.DataFrame:
+        rows = []
+        for l, d in enumerate(self.acc):
+            pairs = sorted(((k, s / c, c) for k, (s, c) in d.items() if c >= min_count), key=lambda t: -t[1])
+            rows += [{"layer": l + 1, "out_token": k[0], "in_token": k[1], "score": s, "count": c}
+                     for k, s, c in pairs[:top_k]]
+        return pd.DataFrame(rows, columns=["layer", "out_token", "in_token", "score", "count"])
+
+
 def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0,
                              mask_rate: float = 0.0, seed: int = 0, lower_triangle: bool = False,
-                             res2: str = "exact", progress: bool = True) -> pd.DataFrame:
+                             res2: str = "exact", progress: Progress = True) -> pd.DataFrame:
     """Per layer and comparison, mean and std over sequences of 1 - Spearman rho between the
     flattened scope maps before and after a component (FF paper §5.1).
 
@@ -106,54 +181,44 @@ def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_g
     (causal models' upper triangle is all zeros; the paper flattens all n^2 cells).
     Columns: layer (from 1), comparison, change, std, n (sequences with a defined rho).
     """
-    comps = comparisons(model)
-    keep = low_gamma_dims(model, ignore_low_gamma)
-    scores: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for tr in corpus_traces(model, texts, mask_rate, seed, progress, desc="contextualization change"):
-        maps = scope_layer_maps(tr, res2=res2, keep_dims=keep, next_ln=True)
-        sel = np.tril_indices(tr.n) if lower_triangle else (slice(None), slice(None))
-        for l in range(model.n_layers):
-            for name, (a, b) in comps.items():
-                if a in maps and b in maps:
-                    rho = _spearman(maps[a][l][sel].ravel(), maps[b][l][sel].ravel())
-                    if not np.isnan(rho):
-                        scores[(l + 1, name)].append(1.0 - rho)
-    rows = [{"layer": l, "comparison": c, "change": float(np.mean(v)), "std": float(np.std(v)), "n": len(v)}
-            for (l, c), v in sorted(scores.items(), key=lambda kv: (kv[0][0], list(comps).index(kv[0][1])))]
-    return pd.DataFrame(rows, columns=["layer", "comparison", "change", "std", "n"])
+    return corpus_report(model, texts, ignore_low_gamma=ignore_low_gamma, mask_rate=mask_rate, seed=seed,
+                         lower_triangle=lower_triangle, res2=res2, progress=progress, amp=False)["change"]
 
 
 def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top_k: int = 50, min_count: int = 2,
-           mask_rate: float = 0.0, seed: int = 0, progress: bool = True) -> pd.DataFrame:
+           mask_rate: float = 0.0, seed: int = 0, progress: Progress = True) -> pd.DataFrame:
     """FF-amplified token pairs (FF paper §5.2): normalised map after the FF minus before it
     (AtbFf - Atb; AtbLnFf - AtbLn in pre-LN), averaged per (output token, input token) type
     pair over the corpus, i != j, pairs seen fewer than `min_count` times dropped; top k per layer.
     normalise="column" makes each input token's column sum to 1 (the paper's footnote 3, read
     literally); "row" makes each output row sum to 1.
     Columns: layer, out_token, in_token, score, count."""
-    if normalise not in ("column", "row"):
-        raise BadInput("normalise must be 'column' or 'row'")
-    before, after = ("Atb", "AtbFf") if model.spec.position == "post" else ("AtbLn", "AtbLnFf")
-    axis = 0 if normalise == "column" else 1
-    acc = [defaultdict(lambda: [0.0, 0]) for _ in range(model.n_layers)]
-    for tr in corpus_traces(model, texts, mask_rate, seed, progress, desc="FF-amp"):
-        maps = scope_layer_maps(tr)
-        toks = tr.tokens
-        off = ~np.eye(tr.n, dtype=bool)
-        ii, jj = np.nonzero(off)
-        for l in range(model.n_layers):
-            A, B = maps[before][l], maps[after][l]
-            D = B / np.clip(B.sum(axis, keepdims=True), 1e-30, None) - A / np.clip(A.sum(axis, keepdims=True), 1e-30, None)
-            for i, j, v in zip(ii, jj, D[ii, jj]):
-                cell = acc[l][(toks[i], toks[j])]
-                cell[0] += v
-                cell[1] += 1
-    rows = []
-    for l, d in enumerate(acc):
-        pairs = [(k, s / c, c) for k, (s, c) in d.items() if c >= min_count]
-        pairs.sort(key=lambda t: -t[1])
-        rows += [{"layer": l + 1, "out_token": k[0], "in_token": k[1], "score": s, "count": c} for k, s, c in pairs[:top_k]]
-    return pd.DataFrame(rows, columns=["layer", "out_token", "in_token", "score", "count"])
+    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, normalise=normalise, top_k=top_k,
+                         min_count=min_count, progress=progress, change=False)["ff_amp"]
+
+
+def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0, mask_rate: float = 0.0,
+                  seed: int = 0, lower_triangle: bool = False, res2: str = "exact", normalise: str = "column",
+                  top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True,
+                  progress: Progress = True) -> dict[str, pd.DataFrame]:
+    """The contextualization change and the FF-amp pairs from one pass over the corpus
+    (the scope maps, the expensive part, are computed once per sequence; twice only when the
+    outlier ablation needs norms without the lowest-gamma dimensions)."""
+    keep = low_gamma_dims(model, ignore_low_gamma)
+    ch = _ChangeAcc(model, lower_triangle) if change else None
+    am = _AmpAcc(model, normalise) if amp else None
+    for tr in corpus_traces(model, texts, mask_rate, seed, progress, desc="FF analyses"):
+        maps = scope_layer_maps(tr, res2=res2, keep_dims=keep, next_ln=change)
+        if ch is not None:
+            ch.add(tr.n, maps)
+        if am is not None:
+            am.add(tr.tokens, maps if keep is None else scope_layer_maps(tr, res2=res2))
+    out = {}
+    if ch is not None:
+        out["change"] = ch.frame()
+    if am is not None:
+        out["ff_amp"] = am.frame(top_k, min_count)
+    return out
 
 
 def _ff_stats(model: Model, texts, mask_rate, seed, progress, desc):
@@ -177,7 +242,7 @@ def _ff_stats(model: Model, texts, mask_rate, seed, progress, desc):
 
 
 def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-                progress: bool = True) -> pd.DataFrame:
+                progress: Progress = True) -> pd.DataFrame:
     """Per layer and dimension: gamma of the norm that next processes the FF output (LN2 in
     post-LN; the next layer's LN1, or the final norm, in pre-LN), and the mean |FF input| and
     mean |FF output| over all tokens of the corpus (FF paper §6.2, Fig. 8).
@@ -204,7 +269,7 @@ def ff_outlier_correlations(outliers: pd.DataFrame) -> pd.DataFrame:
 
 
 def ff_residual_norms(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-                      progress: bool = True) -> pd.DataFrame:
+                      progress: Progress = True) -> pd.DataFrame:
     """Per layer, mean L2 norm over tokens of the FF output and of the vector RES2 bypasses
     around it (the attention-block output in post-LN, the residual stream in pre-LN; §6.1).
     Columns: layer, ff_out_norm, bypass_norm, ratio (bypass / FF)."""

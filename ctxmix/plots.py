@@ -1,0 +1,288 @@
+"""Plotly figures shared by the dashboard, the command line and notebooks, and their export.
+
+Style: white background, Okabe-Ito colours (colour-blind safe), sequential "Blues" for
+non-negative maps and diverging "RdBu" centred on zero for signed ones, token labels on the
+axes (made unique, since plotly merges equal category labels).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+FONT = dict(family="Arial, Helvetica, sans-serif", size=13, color="#222")
+COMPONENT_COLOURS = {"+Ff": "#009E73", "+Res": "#0072B2", "+Ln": "#D55E00",
+                     "dyn:FF": "#009E73", "dyn:FF+RES": "#0072B2", "dyn:FF+RES+LN": "#D55E00"}
+
+
+def display_tokens(tokens: list[str]) -> list[str]:
+    """Readable token labels: byte-level BPE's 'Ġ' becomes a leading space marker '·',
+    'Ċ' a newline marker; empty labels get a placeholder."""
+    out = []
+    for t in tokens:
+        t = t.replace("Ġ", "·").replace("▁", "·").replace("Ċ", "⏎")
+        out.append(t if t.strip() else "␣")
+    return out
+
+
+def _axis(tokens: list[str]) -> dict:
+    labels = display_tokens(tokens)
+    return dict(tickmode="array", tickvals=list(range(len(labels))), ticktext=labels, tickangle=-60 if len(labels) > 12 else 0)
+
+
+def _layout(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
+    fig.update_layout(template="simple_white", font=FONT, title=dict(text=title or "", x=0.01),
+                      margin=dict(l=60, r=20, t=50 if title else 20, b=60), colorway=OKABE_ITO)
+    if height:
+        fig.update_layout(height=height)
+    return fig
+
+
+def _signed(M: np.ndarray) -> bool:
+    return bool(np.nanmin(M) < 0)
+
+
+def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str = "contribution") -> go.Figure:
+    """One (n, n) map: rows = output tokens (top to bottom), columns = input tokens."""
+    M = np.asarray(M, dtype=float)
+    kw = dict(colorscale="RdBu", zmid=0) if _signed(M) else dict(colorscale="Blues", zmin=0)
+    fig = go.Figure(go.Heatmap(z=M, colorbar=dict(title=colorbar), hovertemplate="out %{y} ← in %{x}: %{z:.4g}<extra></extra>", **kw))
+    fig.update_xaxes(title="input token j", **_axis(tokens))
+    fig.update_yaxes(title="output token i", autorange="reversed", **_axis(tokens))
+    return _layout(fig, title, height=max(350, 28 * len(tokens) + 120))
+
+
+def maps_grid(tokens: list[str], maps: dict[str, np.ndarray], title: str = "", shared_scale: bool = False) -> go.Figure:
+    """Several (n, n) maps side by side (e.g. the FF paper's scopes of one layer)."""
+    names = list(maps)
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.04)
+    zmax = max(float(np.max(m)) for m in maps.values()) if shared_scale else None
+    for k, name in enumerate(names):
+        M = np.asarray(maps[name], dtype=float)
+        signed = _signed(M)
+        fig.add_trace(go.Heatmap(z=M, colorscale="RdBu" if signed else "Blues", zmid=0 if signed else None,
+                                 zmin=None if signed else 0, zmax=zmax, showscale=False,
+                                 hovertemplate=f"{name}: out %{{y}} ← in %{{x}}: %{{z:.4g}}<extra></extra>"), 1, k + 1)
+        fig.update_xaxes(**_axis(tokens), row=1, col=k + 1)
+        fig.update_yaxes(autorange="reversed", **(_axis(tokens) if k == 0 else dict(showticklabels=False)), row=1, col=k + 1)
+    side = max(260, 22 * len(tokens) + 80)
+    fig.update_layout(width=None, height=side + 60)
+    return _layout(fig, title)
+
+
+def saliency_figure(tokens: list[str], saliency: dict[str, np.ndarray], normalise: bool = True) -> go.Figure:
+    """Tokens coloured by each method's saliency, one row per method (as in the papers' figures).
+    Rows are scaled by their maximum |value| so methods on different scales compare by colour;
+    signed methods (CAT, AttCAT, blank-out) keep their sign on a diverging scale."""
+    names = list(saliency)
+    Z = np.array([np.asarray(saliency[m], dtype=float) for m in names])
+    raw = Z.copy()
+    if normalise:
+        Z = Z / np.clip(np.abs(Z).max(1, keepdims=True), 1e-30, None)
+    signed = _signed(Z)
+    labels = display_tokens(tokens)
+    fig = go.Figure(go.Heatmap(z=Z, x=list(range(len(tokens))), y=names, customdata=raw,
+                               colorscale="RdBu" if signed else "Blues", zmid=0 if signed else None,
+                               zmin=-1 if signed else 0, zmax=1, showscale=True,
+                               colorbar=dict(title="scaled" if normalise else "score"),
+                               text=[labels] * len(names), texttemplate="%{text}", textfont=dict(size=12),
+                               hovertemplate="%{y} · %{text}: %{customdata:.4g}<extra></extra>"))
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, height=90 + 40 * len(names))
+
+
+def rank_correlation_table(saliency: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Spearman rho between every pair of methods' saliencies on one example."""
+    from scipy import stats
+
+    names = list(saliency)
+    R = np.eye(len(names))
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            x, y = saliency[names[a]], saliency[names[b]]
+            r = stats.spearmanr(x, y).statistic if np.ptp(x) > 0 and np.ptp(y) > 0 else np.nan
+            R[a, b] = R[b, a] = r
+    return pd.DataFrame(R, index=names, columns=names)
+
+
+def change_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> go.Figure:
+    """Per-layer bars of mean 1 - rho with std error bars, one panel per comparison (FF paper Fig. 3)."""
+    fig = make_subplots(rows=1, cols=len(comparisons), subplot_titles=comparisons, shared_yaxes=True)
+    for k, c in enumerate(comparisons):
+        d = df[df["comparison"] == c]
+        fig.add_trace(go.Bar(x=d["layer"], y=d["change"], error_y=dict(type="data", array=d["std"], thickness=1),
+                             marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]), name=c, showlegend=False), 1, k + 1)
+        fig.update_xaxes(title="layer", dtick=1, row=1, col=k + 1)
+    fig.update_yaxes(title="1 − Spearman ρ", row=1, col=1)
+    return _layout(fig, title, height=340)
+
+
+def grouped_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> go.Figure:
+    """Grouped per-layer bars (the FF paper's dynamics view, Fig. 6)."""
+    fig = go.Figure()
+    for k, c in enumerate(comparisons):
+        d = df[df["comparison"] == c]
+        fig.add_trace(go.Bar(x=d["layer"], y=d["change"], name=c.replace("dyn:", ""),
+                             error_y=dict(type="data", array=d["std"], thickness=1),
+                             marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k])))
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="layer", dtick=1)
+    fig.update_yaxes(title="1 − Spearman ρ vs the map before the FF")
+    return _layout(fig, title, height=360)
+
+
+def res2_figure(df: pd.DataFrame) -> go.Figure:
+    """Mean norm of the FF output and of the vector RES2 bypasses, per layer (FF paper Fig. 7)."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=df["layer"], y=df["ff_out_norm"], name="‖FF output‖", marker_color="#009E73"))
+    fig.add_trace(go.Bar(x=df["layer"], y=df["bypass_norm"], name="‖bypassed vector‖", marker_color="#0072B2"))
+    fig.add_trace(go.Scatter(x=df["layer"], y=df["ratio"], name="ratio", mode="lines+markers",
+                             line=dict(color="#D55E00")), secondary_y=True)
+    fig.add_hline(y=2, line_dash="dot", line_color="#D55E00", secondary_y=True, annotation_text="2×")
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="layer", dtick=1)
+    fig.update_yaxes(title="mean L2 norm", secondary_y=False)
+    fig.update_yaxes(title="bypass / FF", secondary_y=True)
+    return _layout(fig, height=360)
+
+
+def outlier_figure(df_layer: pd.DataFrame, fraction: float = 0.01, title: str = "") -> go.Figure:
+    """Per dimension: mean |FF input|, mean |FF output| (green) and gamma (red), with the
+    lowest-gamma dimensions marked (FF paper Fig. 8)."""
+    d = df_layer.sort_values("dim")
+    k = max(1, int(np.floor(fraction * len(d))))
+    low = d.nsmallest(k, "gamma")
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05,
+                        subplot_titles=["mean |FF input|", "mean |FF output|", "γ of the next norm"])
+    fig.add_trace(go.Scatter(x=d["dim"], y=d["ff_in_mean_abs"], mode="lines", line=dict(color="#0072B2", width=1), name="|FF in|"), 1, 1)
+    fig.add_trace(go.Scatter(x=d["dim"], y=d["ff_out_mean_abs"], mode="lines", line=dict(color="#009E73", width=1), name="|FF out|"), 2, 1)
+    fig.add_trace(go.Scatter(x=d["dim"], y=d["gamma"], mode="lines", line=dict(color="#D55E00", width=1), name="γ"), 3, 1)
+    for row, col in ((1, "ff_in_mean_abs"), (2, "ff_out_mean_abs"), (3, "gamma")):
+        fig.add_trace(go.Scatter(x=low["dim"], y=low[col], mode="markers", marker=dict(color="#000", size=7, symbol="x"),
+                                 name=f"lowest-γ {k}", showlegend=row == 1), row, 1)
+    fig.update_xaxes(title="dimension", row=3, col=1)
+    return _layout(fig, title, height=560)
+
+
+def correlation_bars(corr: pd.DataFrame) -> go.Figure:
+    """Per-layer Pearson and Spearman r between gamma and mean |FF output|."""
+    fig = go.Figure([go.Bar(x=corr["layer"], y=corr["pearson"], name="Pearson r", marker_color="#0072B2"),
+                     go.Bar(x=corr["layer"], y=corr["spearman"], name="Spearman ρ", marker_color="#E69F00")])
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="layer", dtick=1)
+    fig.update_yaxes(title="r(γ, mean |FF out|)", range=[-1, 1])
+    return _layout(fig, height=320)
+
+
+# ---------------------------------------------------------------- export
+
+
+def chromium_path() -> str | None:
+    """A Chrome/Chromium kaleido can drive (kaleido 1.x needs one on the machine)."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+def static_export_available() -> bool:
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return False
+    return chromium_path() is not None
+
+
+STATIC_HINT = ("PNG, SVG and PDF export needs Chrome or Chromium on the server "
+               "(Debian/Ubuntu: `apt install chromium`; macOS: install Google Chrome). HTML works without it.")
+
+
+def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
+    """The figure as png, svg, pdf (kaleido + Chromium) or html (always works)."""
+    fmt = fmt.lower()
+    if fmt == "html":
+        return fig.to_html(include_plotlyjs="cdn", full_html=True).encode()
+    if fmt not in ("png", "svg", "pdf"):
+        raise ValueError("format must be png, svg, pdf or html")
+    if not static_export_available():
+        raise RuntimeError(STATIC_HINT)
+    import os
+
+    os.environ.setdefault("BROWSER_PATH", chromium_path() or "")
+    return fig.to_image(format=fmt, scale=scale if fmt == "png" else 1)
+
+
+def table_bytes(df: pd.DataFrame, fmt: str, caption: str | None = None) -> bytes:
+    """A table as csv, json or LaTeX (booktabs, written directly: no jinja2 needed)."""
+    if fmt == "csv":
+        return df.to_csv(index=df.index.name is not None or not isinstance(df.index, pd.RangeIndex)).encode()
+    if fmt == "json":
+        return df.reset_index().to_json(orient="records", indent=1).encode()
+    if fmt == "tex":
+        return latex_booktabs(df, caption).encode()
+    raise ValueError("format must be csv, json or tex")
+
+
+def _tex_escape(s) -> str:
+    s = str(s)
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\textasciicircum{}")):
+        s = s.replace(a, b)
+    return s
+
+
+def latex_booktabs(df: pd.DataFrame, caption: str | None = None, float_fmt: str = "{:.3f}") -> str:
+    """A booktabs tabular of a DataFrame (index included when it is not a plain range)."""
+    show_index = not isinstance(df.index, pd.RangeIndex)
+    cols = ([df.index.name or ""] if show_index else []) + [str(c) for c in df.columns]
+    align = "l" * (1 if show_index else 0) + "".join("r" if pd.api.types.is_numeric_dtype(df[c]) else "l" for c in df.columns)
+    lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{align}}}", r"\toprule",
+             " & ".join(_tex_escape(c) for c in cols) + r" \\", r"\midrule"]
+    for idx, row in df.iterrows():
+        cells = [_tex_escape(idx)] if show_index else []
+        for v in row:
+            if isinstance(v, (float, np.floating)):
+                cells.append("--" if np.isnan(v) else float_fmt.format(v))
+            else:
+                cells.append(_tex_escape(v))
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    if caption:
+        lines.append(rf"\caption{{{_tex_escape(caption)}}}")
+    lines.append(r"\end{table}")
+    return "\n".join(lines) + "\n"
+
+
+def figure_data_bytes(data: dict | pd.DataFrame, fmt: str = "json") -> bytes:
+    """The data behind a figure: a DataFrame as csv/json, or a dict of arrays as json."""
+    if isinstance(data, pd.DataFrame):
+        return table_bytes(data, fmt)
+    import json
+
+    def conv(v):
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(conv(data), indent=1).encode()
+
+
+def save_figure(fig: go.Figure, path: str) -> None:
+    """Write a figure; the format comes from the extension (png, svg, pdf, html)."""
+    from pathlib import Path
+
+    p = Path(path)
+    p.write_bytes(figure_bytes(fig, p.suffix.lstrip(".")))
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("io", "shutil", "np", "pd", "go", "make_subplots")]

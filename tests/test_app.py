@@ -1,0 +1,93 @@
+"""Every page renders with the embedded model (Streamlit's AppTest) and shows what it must."""
+
+import os
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(ROOT)
+
+
+def _run(path: str, **params) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    if path != "app.py":
+        at.switch_page(path)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    return at
+
+
+def _charts(at) -> int:
+    return len(at.get("plotly_chart"))
+
+
+def test_explain_page_default_sentence():
+    at = _run("app.py")
+    assert at.title[0].value == "Explain one example"
+    assert [s.value for s in at.subheader][:3] == ["Saliency", "Rank correlation between methods (this example)",
+                                                   "Token-to-token maps"]
+    assert _charts(at) >= 5  # saliency, layer map, aggregated map, scopes, FF-amp
+    assert at.query_params["model"] in ("minilm", ["minilm"])
+
+
+def test_explain_page_from_a_shared_link():
+    """The URL's query parameters pick the model, text, methods and layer."""
+    at = _run("app.py", model="minilm", text="A dog barked .", method=["alti", "norm"], map="alti", layer="2")
+    assert at.text_area(key="text").value == "A dog barked ."
+    assert at.multiselect(key="methods").value == ["alti", "norm"]
+    assert at.slider(key="layer").value == 2
+
+
+def test_explain_page_bad_model_is_a_message():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params["model"] = "./no/such/folder"
+    at.run()
+    assert not at.exception
+    assert any("no such folder" in e.value for e in at.error)
+
+
+@pytest.mark.slow
+def test_change_page():
+    at = _run("pages/1_Contextualization_change.py", corpus="pang_lee", n="3")
+    assert _charts(at) >= 3
+    assert any("FF amplifies" in s.value for s in at.subheader)
+
+
+@pytest.mark.slow
+def test_outliers_page():
+    at = _run("pages/2_LN_gamma_vs_FF_outliers.py", corpus="pang_lee", n="3")
+    assert _charts(at) >= 2
+    assert len(at.dataframe) >= 1
+
+
+def test_benchmarks_page():
+    _run("pages/3_Benchmarks.py")
+
+
+def test_hosted_mode_asks_for_a_password(monkeypatch):
+    monkeypatch.setenv("CTXMIX_HOSTED", "1")
+    monkeypatch.setenv("CTXMIX_PASSWORD", "s3cret")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    assert not at.exception
+    assert not at.get("plotly_chart")
+    at.text_input[0].input("wrong")
+    at.button[0].click()
+    at.run()
+    assert any("Wrong password" in e.value for e in at.error)
+    at.text_input[0].input("s3cret")
+    at.button[0].click()
+    at.run()
+    assert at.title[0].value == "Explain one example"
+    # the allow-list hides arbitrary hub ids
+    assert "other (Hugging Face id or local folder)" not in at.selectbox(key="model_select").options

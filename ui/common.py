@@ -1,0 +1,266 @@
+"""Streamlit widgets shared by the pages: model picker, URL state, exports, errors, hosted mode.
+
+Only layout and widget code lives here; every number comes from `ctxmix`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import re
+
+import streamlit as st
+from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
+
+import ctxmix
+from ctxmix import plots
+
+EMBEDDED_MODELS = ["minilm", "minilm-sentiment", "smollm2"]
+DEFAULT_TEXT = "The keys to the cabinet are on the table ."
+
+
+# ---------------------------------------------------------------- hosted mode
+
+
+def _secret(name: str, default=None):
+    try:
+        return st.secrets.get(name, default)
+    except Exception:  # noqa: BLE001 - no secrets.toml at all
+        return default
+
+
+def hosted() -> bool:
+    """Hosted mode: CTXMIX_HOSTED=1 or `hosted = true` in .streamlit/secrets.toml."""
+    return os.environ.get("CTXMIX_HOSTED", "") not in ("", "0", "false") or bool(_secret("hosted", False))
+
+
+def limits() -> dict:
+    """Caps that keep a shared server responsive; generous when running locally."""
+    if hosted():
+        return {"max_tokens": int(_secret("max_tokens", 128)), "max_sequences": int(_secret("max_sequences", 100)),
+                "max_upload_mb": float(_secret("max_upload_mb", 1.0))}
+    return {"max_tokens": 512, "max_sequences": 2000, "max_upload_mb": 200.0}
+
+
+def allowed_models() -> list[str]:
+    if hosted():
+        return list(_secret("allowed_models", EMBEDDED_MODELS))
+    return EMBEDDED_MODELS
+
+
+def require_login() -> bool:
+    """In hosted mode: Streamlit's OIDC login when [auth] is configured, else a password
+    (CTXMIX_PASSWORD or `password` in secrets). Returns True when the page may render."""
+    if not hosted():
+        return True
+    if _secret("auth") is not None:
+        if not getattr(st.user, "is_logged_in", False):
+            st.title("ctxmix")
+            st.button("Log in", on_click=st.login, type="primary")
+            return False
+        st.sidebar.caption(f"Signed in as {getattr(st.user, 'email', '') or getattr(st.user, 'name', '')}")
+        st.sidebar.button("Log out", on_click=st.logout)
+        return True
+    password = os.environ.get("CTXMIX_PASSWORD") or _secret("password")
+    if not password:
+        st.error("Hosted mode needs a login: set CTXMIX_PASSWORD (or `password` in .streamlit/secrets.toml), "
+                 "or configure OIDC in an [auth] section of secrets.toml.")
+        return False
+    if st.session_state.get("authenticated"):
+        return True
+    st.title("ctxmix")
+    with st.form("login"):
+        given = st.text_input("Password", type="password")
+        if st.form_submit_button("Enter", type="primary"):
+            if hmac.compare_digest(given.encode(), str(password).encode()):
+                st.session_state["authenticated"] = True
+                st.rerun()
+            st.error("Wrong password.")
+    return False
+
+
+# ---------------------------------------------------------------- pages
+
+PAGES = [("app.py", "Explain", "🔎"), ("pages/1_Contextualization_change.py", "Contextualization change", "📊"),
+         ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", "📈"), ("pages/3_Benchmarks.py", "Benchmarks", "🏁")]
+SHARED = ("model", "corpus", "n")  # carried from page to page
+
+
+def page_setup() -> None:
+    """First call of every page: page config, login in hosted mode, the shared sidebar links."""
+    st.set_page_config(page_title="ctxmix", page_icon="🔀", layout="wide")
+    if not require_login():
+        st.stop()
+    for path, label, icon in PAGES:
+        st.sidebar.page_link(path, label=label, icon=icon, query_params={k: st.session_state[f"_qp_{k}"]
+                                                                         for k in SHARED if f"_qp_{k}" in st.session_state})
+    st.sidebar.divider()
+    st.sidebar.caption(f"ctxmix {ctxmix.__version__} · " + ("hosted mode" if hosted() else "local"))
+
+
+# ---------------------------------------------------------------- URL state
+
+
+def qp(name: str, default=None):
+    """A view setting from the URL (so shared links reproduce the view), else from this session."""
+    v = st.query_params.get(name)
+    if v in (None, ""):
+        v = st.session_state.get(f"_qp_{name}")
+    return default if v in (None, "") else v
+
+
+def qp_list(name: str, default: list[str]) -> list[str]:
+    v = st.query_params.get_all(name)
+    return v or default
+
+
+def set_qp(**values) -> None:
+    """Write the view's state to the URL so a copied link opens the same view."""
+    for k, v in values.items():
+        if v is None:
+            continue
+        if isinstance(v, (list, tuple)):
+            st.query_params[k] = [str(x) for x in v]
+        else:
+            st.query_params[k] = str(v)
+            st.session_state[f"_qp_{k}"] = str(v)
+
+
+# ---------------------------------------------------------------- models
+
+
+@st.cache_resource(show_spinner="Loading the model (once per server process)…")
+def get_model(name: str) -> ctxmix.Model:
+    return ctxmix.load_model(name)
+
+
+HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def model_picker(key: str = "model") -> str:
+    """Sidebar model choice, shared by the pages through the URL's `model` parameter."""
+    options = allowed_models()
+    current = qp("model", options[0])
+    custom = ""
+    if not hosted():
+        options = options + ["other (Hugging Face id or local folder)"]
+    index = options.index(current) if current in options else (len(options) - 1 if not hosted() else 0)
+    choice = st.sidebar.selectbox("Model", options, index=index, key=f"{key}_select",
+                                  help="Embedded models work offline. In hosted mode only the allow-list is offered.")
+    if choice.startswith("other"):
+        custom = st.sidebar.text_input("Hugging Face id or folder", value=current if current not in EMBEDDED_MODELS else "",
+                                       placeholder="bert-base-uncased", key=f"{key}_custom")
+        if not custom:
+            st.sidebar.info("Type a model id (needs network) or a local folder path.")
+            st.stop()
+        choice = custom.strip()
+    set_qp(model=choice)
+    return choice
+
+
+def load_or_stop(name: str) -> ctxmix.Model:
+    with errors_as_messages():
+        m = get_model(name)
+        badge = f"{m.spec.family} · {m.spec.position}-LN · {m.n_layers} layers · {m.kind} · {m.device}"
+        st.sidebar.caption(badge)
+        if m.info.get("heldout_accuracy") is not None:
+            st.sidebar.caption(f"Held-out accuracy {m.info['heldout_accuracy']:.1%} "
+                               f"({m.info.get('heldout_size', '?')} Pang & Lee sentences)")
+        return m
+    st.stop()
+
+
+# ---------------------------------------------------------------- errors
+
+
+@contextlib.contextmanager
+def errors_as_messages():
+    """Show errors as messages in the page, never as tracebacks."""
+    try:
+        yield
+    except ScriptControlException:  # st.stop() and st.rerun() must pass through
+        raise
+    except (ctxmix.CtxmixError, ValueError, FileNotFoundError) as e:
+        st.error(str(e))
+    except Exception as e:  # noqa: BLE001 - anything else: a short message, the details in the server log
+        import logging
+
+        logging.getLogger("ctxmix").exception("page error")
+        st.error(f"Something went wrong: {type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------- exports
+
+
+def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
+    """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data."""
+    key = key or name
+    cols = st.columns(6)
+    static = plots.static_export_available()
+    for k, fmt in enumerate(["png", "svg", "pdf"]):
+        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f)) if static else b"",
+                                file_name=f"{name}.{fmt}", mime={"png": "image/png", "svg": "image/svg+xml",
+                                                                 "pdf": "application/pdf"}[fmt],
+                                key=f"{key}_{fmt}", disabled=not static, on_click="ignore",
+                                help=None if static else plots.STATIC_HINT)
+    cols[3].download_button("HTML", data=lambda: plots.figure_bytes(fig, "html"), file_name=f"{name}.html",
+                            mime="text/html", key=f"{key}_html", on_click="ignore")
+    if data is not None:
+        fmt = "csv" if hasattr(data, "to_csv") else "json"
+        cols[4].download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt),
+                                file_name=f"{name}.{fmt}", key=f"{key}_data", on_click="ignore")
+    if not static:
+        cols[5].caption("PNG/SVG/PDF need Chromium")
+
+
+def export_table(df, name: str, key: str | None = None, caption: str | None = None) -> None:
+    key = key or name
+    c1, c2, _ = st.columns([1, 1, 4])
+    c1.download_button("CSV", data=lambda: plots.table_bytes(df, "csv"), file_name=f"{name}.csv", mime="text/csv",
+                       key=f"{key}_csv", on_click="ignore")
+    c2.download_button("LaTeX", data=lambda: plots.table_bytes(df, "tex", caption), file_name=f"{name}.tex",
+                       mime="text/x-tex", key=f"{key}_tex", on_click="ignore")
+
+
+def plot(fig, name: str, data=None, key: str | None = None) -> None:
+    st.plotly_chart(fig, key=f"chart_{key or name}", config={"displaylogo": False,
+                    "toImageButtonOptions": {"format": "svg", "filename": name}})
+    export_figure(fig, name, data, key)
+
+
+# ---------------------------------------------------------------- corpora
+
+
+def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
+    """Corpus choice (embedded texts or an upload) and the number of sequences, capped in hosted mode."""
+    from ctxmix import data
+
+    lim = limits()
+    names = {"wiki": "English Wikipedia extract (gensim)", "pang_lee": "Pang & Lee movie-review sentences (gensim)",
+             "upload": "Upload a .txt (one sequence per line) or .jsonl file (field 'text')"}
+    choice = st.selectbox("Corpus", list(names), format_func=names.get, key=f"{key}_name",
+                          index=list(names).index(qp("corpus", "wiki")) if qp("corpus", "wiki") in names else 0)
+    n = st.number_input("Sequences", 1, lim["max_sequences"], min(int(qp("n", 20)), lim["max_sequences"]), key=f"{key}_n")
+    set_qp(corpus=choice, n=n)
+    if choice == "upload":
+        up = st.file_uploader("Text file", type=["txt", "jsonl", "json"], key=f"{key}_file")
+        if up is None:
+            st.info("Upload a file to analyse it.")
+            st.stop()
+        if up.size > lim["max_upload_mb"] * 2**20:
+            st.error(f"The file is {up.size / 2**20:.1f} MB; the limit here is {lim['max_upload_mb']} MB.")
+            st.stop()
+        import tempfile
+        from pathlib import Path
+
+        suffix = Path(up.name).suffix or ".txt"
+        with tempfile.NamedTemporaryFile(suffix=suffix, delete=False) as fh:
+            fh.write(up.getvalue())
+        try:
+            with errors_as_messages():
+                return data.read_texts(fh.name, limit=int(n)), f"upload:{up.name}:{hash(up.getvalue())}"
+            st.stop()
+        finally:
+            os.unlink(fh.name)
+    return data.corpus(choice, limit=int(n)), choice
