@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -47,6 +46,8 @@ class Model:
 
     `kind` is "classifier", "masked_lm", "causal_lm" or "encoder" (no head).
     `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
+    One Model may serve several threads at once: ctxmix never registers hooks or changes
+    the module, and transformers collects attention weights per call (a context variable).
     """
 
     hf: torch.nn.Module
@@ -57,7 +58,6 @@ class Model:
     kind: str
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def config(self):

@@ -35,15 +35,11 @@ class Trace:
         return len(self.input_ids)
 
 
-def _default_mask_like(hf_model, ids: torch.Tensor) -> torch.Tensor:
-    return torch.ones_like(ids)
-
-
 @torch.no_grad()
 def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights."""
     ids = torch.tensor([input_ids], device=model.device)
-    out = model.hf(input_ids=ids, attention_mask=_default_mask_like(model.hf, ids),
+    out = model.hf(input_ids=ids, attention_mask=torch.ones_like(ids),
                    output_hidden_states=True, output_attentions=True)
     hs = [h[0] for h in out.hidden_states]
     atts = out.attentions

@@ -1,0 +1,61 @@
+"""Exports open: PNG, SVG and PDF through kaleido + Chromium, HTML always, CSV and LaTeX tables."""
+
+import io
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ctxmix import plots
+
+TOKENS = ["[CLS]", "the", "keys", "the", "Ġtable", "[SEP]"]
+
+
+def _fig():
+    M = np.random.default_rng(0).random((6, 6))
+    return plots.map_heatmap(TOKENS, M, "test")
+
+
+def test_html_export_always_works():
+    html = plots.figure_bytes(_fig(), "html").decode()
+    assert "<html>" in html and "plotly" in html.lower()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,magic", [("png", b"\x89PNG"), ("svg", b"<svg"), ("pdf", b"%PDF")])
+def test_static_exports(fmt, magic, tmp_path):
+    if not plots.static_export_available():
+        pytest.fail("kaleido + Chromium are required for static export (apt install chromium)")
+    data = plots.figure_bytes(_fig(), fmt)
+    assert magic in data[:200]
+    if fmt == "png":
+        import struct
+
+        w, h = struct.unpack(">II", data[16:24])
+        assert w > 100 and h > 100
+    plots.save_figure(_fig(), str(tmp_path / f"f.{fmt}"))
+    assert (tmp_path / f"f.{fmt}").stat().st_size > 1000
+
+
+def test_tables_csv_and_latex():
+    df = pd.DataFrame({"method": ["alti", "glob_enc"], "spearman": [0.5, np.nan], "n": [3, 4]})
+    back = pd.read_csv(io.BytesIO(plots.table_bytes(df, "csv")))
+    assert list(back.columns) == ["method", "spearman", "n"] and back.spearman.iloc[0] == 0.5
+    tex = plots.table_bytes(df, "tex", caption="a & b").decode()
+    assert r"\toprule" in tex and r"\bottomrule" in tex and r"glob\_enc" in tex and "--" in tex
+    assert r"a \& b" in tex
+    assert tex.count(r"\\") == 3  # header + two rows
+    rec = json.loads(plots.table_bytes(df, "json"))
+    assert rec[0]["method"] == "alti"
+
+
+def test_unique_token_labels_and_readable_bpe():
+    ax = plots._axis(TOKENS)
+    assert ax["tickvals"] == list(range(6))  # positions, so repeated tokens ("the") stay separate
+    assert plots.display_tokens(["Ġtable"]) == ["·table"]
+
+
+def test_figure_data_json():
+    d = json.loads(plots.figure_data_bytes({"tokens": TOKENS, "map": np.eye(2)}))
+    assert d["map"] == [[1.0, 0.0], [0.0, 1.0]]
