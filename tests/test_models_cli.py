@@ -1,0 +1,105 @@
+"""Model loading errors, cache recovery, and the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import transformers as T
+
+import ctxmix
+from ctxmix.models import _cached_build
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_unsupported_architecture_names_the_families(tokenizer):
+    hf = T.T5Model(T.T5Config(vocab_size=100, d_model=16, num_layers=1, num_heads=2, d_ff=32, d_kv=8))
+    with pytest.raises(ctxmix.UnsupportedArchitecture, match="BERT.*GPT-2.*Llama"):
+        ctxmix.model_from_hf(hf, tokenizer)
+
+
+def test_missing_folder_and_unknown_id():
+    with pytest.raises(ctxmix.ModelLoadError, match="no such folder"):
+        ctxmix.load_model("./definitely/not/here")
+    with pytest.raises(ctxmix.ModelLoadError, match="Embedded models that work offline"):
+        ctxmix.load_model("someone/no-such-model-xyz")
+    with pytest.raises(ctxmix.BadInput):
+        ctxmix.load_model("minilm", dtype="float8")
+
+
+def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
+    """A cached model whose weights file is damaged is rebuilt, not crashed on."""
+    builds = []
+
+    def build(folder: Path):
+        builds.append(folder)
+        m = tiny_model("bert", tokenizer)
+        m.hf.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        (folder / "ctxmix_meta.json").write_text(json.dumps({"built": len(builds)}))
+
+    folder = tmp_path / "m"
+    m1 = _cached_build(folder, build, "tiny", ctxmix.models.resolve_device("cpu"), ctxmix.models._DTYPES["float32"])
+    assert len(builds) == 1 and m1.info == {"built": 1}
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.warns(UserWarning, match="rebuilding"):
+        m2 = _cached_build(folder, build, "tiny", ctxmix.models.resolve_device("cpu"), ctxmix.models._DTYPES["float32"])
+    assert len(builds) == 2 and m2.info == {"built": 2}
+
+
+def test_result_cache_survives_corruption(tmp_path, monkeypatch, tokenizer):
+    from ctxmix import cache
+
+    monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path))
+    m = tiny_model("bert", tokenizer)
+    a = cache.cached_explain(m, "the keys are here", ["alti", "norm"])
+    files = sorted((tmp_path / "explain").glob("*.npz"))
+    assert len(files) == 2
+    for f in files:
+        f.write_bytes(b"garbage")
+    cache._MEM.clear()
+    b = cache.cached_explain(m, "the keys are here", ["alti", "norm"])
+    np.testing.assert_allclose(a.layer_maps["alti"], b.layer_maps["alti"])
+    cache._MEM.clear()
+    c = cache.cached_explain(m, "the keys are here", ["alti"])  # from disk, rewritten after the corruption
+    np.testing.assert_allclose(a.global_maps["alti"], c.global_maps["alti"])
+
+
+def _cli(*args, timeout=600):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ctxmix", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_help_lists_verbs():
+    r = _cli("--help")
+    assert r.returncode == 0
+    for verb in ("explain", "scopes", "change", "outliers", "ff-amp", "res2", "methods", "models"):
+        assert verb in r.stdout
+
+
+def test_cli_bad_input_is_a_message():
+    r = _cli("explain", "  ", "--model", "minilm")
+    assert r.returncode == 2 and "error: the text is empty" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_explain_and_change(tmp_path):
+    out = tmp_path / "result.json"
+    r = _cli("explain", "The keys to the cabinet are on the table .", "--model", "minilm", "--method", "alti",
+             "--maps", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["tokens"][0] == "[CLS]" and np.array(d["layer_maps"]["alti"]).shape == (6, 12, 12)
+    csv = tmp_path / "change.csv"
+    r = _cli("change", "--model", "minilm", "--corpus", "wiki", "--limit", "2", "--out", str(csv))
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(csv)
+    assert list(df.columns) == ["layer", "comparison", "change", "std", "n"] and (df.n == 2).all()
