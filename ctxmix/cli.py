@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_args(s)
     s.set_defaults(func=cmd_res2)
 
+    s = sub.add_parser("bench", help="run a benchmark config: models x methods x datasets x metrics (resumable)")
+    from .runner import add_bench_arguments, cmd_bench
+
+    add_bench_arguments(s)
+    s.set_defaults(func=cmd_bench)
+
     s = sub.add_parser("methods", help="list the methods")
     s.set_defaults(func=cmd_methods)
     s = sub.add_parser("models", help="list the embedded models and supported families")

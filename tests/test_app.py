@@ -71,8 +71,10 @@ def test_outliers_page():
     assert len(at.dataframe) >= 1
 
 
-def test_benchmarks_page():
-    _run("pages/3_Benchmarks.py")
+def test_benchmarks_page_without_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
+    at = _run("pages/3_Benchmarks.py")
+    assert any("No results yet" in i.value for i in at.info)
 
 
 def test_hosted_mode_asks_for_a_password(monkeypatch):
@@ -91,3 +93,18 @@ def test_hosted_mode_asks_for_a_password(monkeypatch):
     assert at.title[0].value == "Explain one example"
     # the allow-list hides arbitrary hub ids
     assert "other (Hugging Face id or local folder)" not in at.selectbox(key="model_select").options
+
+
+def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
+    from ctxmix.runner import run_bench, validate_config
+
+    plan = validate_config({"name": "tiny", "models": ["minilm"], "methods": ["alti", "attention", "globenc"],
+                            "datasets": [{"id": "agreement", "source": "agreement", "per_phenomenon": 1, "seed": 0}],
+                            "metrics": ["cue_dot", "cue_ap"]})
+    run_bench(plan, db=tmp_path / "tiny.sqlite", quiet=True, threads=1)
+    monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
+    at = _run("pages/3_Benchmarks.py")
+    assert at.subheader[0].value == "minilm on agreement"
+    assert len(at.dataframe) >= 1 and _charts(at) >= 2
+    shown = at.dataframe[0].value
+    assert {"alti", "attention", "globenc"} <= set(shown.index)

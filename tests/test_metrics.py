@@ -1,0 +1,245 @@
+"""Metrics on hand-computable cases: a toy classifier whose logits we control, rank correlations,
+cue alignment, batching of perturbed inputs, and the metric metadata."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ctxmix.errors import BadInput
+from ctxmix.metrics import (METRICS, TargetProbability, attcat_ks, average_precision, cue_alignment,
+                            cue_alignment_layers, cue_ap, cue_dot, cue_probes, deletion_metrics, deyoung_ks,
+                            get_metric, method_agreement, model_agreement, normalise_scores, perturb,
+                            protected_positions, ranked_positions, reference_spearman, spearman)
+
+from conftest import tiny_model
+
+CLS, SEP, PAD, A, B, C = 101, 102, 0, 7, 8, 9  # token ids of the toy vocabulary
+WEIGHTS = {A: 3.0, B: 1.0, C: 0.0}  # the toy's class-1 logit is the sum of these over the tokens present
+
+
+def sig(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+class ToyNet(torch.nn.Module):
+    """logits = [0, sum_i w(id_i) * mask_i]; p(class 1) = sigmoid(sum of the weights present)."""
+
+    def __init__(self):
+        super().__init__()
+        w = torch.zeros(200, dtype=torch.float64)
+        for t, v in WEIGHTS.items():
+            w[t] = v
+        self.register_buffer("w", w)
+        self.seen = []
+
+    def forward(self, input_ids, attention_mask):
+        self.seen.append(input_ids.clone())
+        z = (self.w[input_ids] * attention_mask).sum(-1)
+        return SimpleNamespace(logits=torch.stack([torch.zeros_like(z), z], -1))
+
+
+def toy_model():
+    tok = SimpleNamespace(pad_token_id=PAD, unk_token_id=100, all_special_ids=[PAD, 100, CLS, SEP, 103])
+    return SimpleNamespace(kind="classifier", device=torch.device("cpu"), tokenizer=tok, hf=ToyNet(), name="toy")
+
+
+IDS = [CLS, A, B, C, SEP]
+PERFECT = np.array([9.0, 3.0, 1.0, 0.0, 9.0])  # specials scored highest: they must still never be deleted
+REVERSED = np.array([9.0, 0.0, 1.0, 3.0, 9.0])
+
+
+def run_deletion(sal, metrics):
+    m = toy_model()
+    predict = TargetProbability(m, 1, batch_size=4)
+    out, p0 = deletion_metrics(predict, IDS, {"s": sal}, metrics, protected=protected_positions(m, IDS, 0),
+                               position=0, pad_id=PAD)
+    return out["s"], p0, m.hf.seen
+
+
+def test_levels_by_hand():
+    # n = 5 tokens, 3 deletable: round(j/9 * 5) = 0,1,1,2,2,3,3,4,4,5 -> 1..5, capped at 3
+    assert attcat_ks(5, 3) == [1, 2, 3, 3, 3]
+    # n >= 10 always gives nine levels
+    assert len(attcat_ks(10, 8)) == 9 and len(attcat_ks(40, 38)) == 9
+    # DeYoung bins of 3 tokens: max(1, round(b * 3)) for 1, 5, 10, 20, 50 %
+    assert deyoung_ks(3) == [1, 1, 1, 1, 2]
+    assert deyoung_ks(100) == [1, 5, 10, 20, 50]
+
+
+def test_aopc_perfect_and_reversed_ranking_by_hand():
+    p0 = sig(4)
+    (perfect, q0, seen), (rev, _, _) = run_deletion(PERFECT, ["aopc"]), run_deletion(REVERSED, ["aopc"])
+    assert q0 == pytest.approx(p0)
+    # perfect: delete A, then A B, then A B C (three times): p = sig(1), sig(0), sig(0) x3
+    assert perfect["aopc"] == pytest.approx(np.mean([p0 - sig(1), p0 - 0.5, p0 - 0.5, p0 - 0.5, p0 - 0.5]))
+    # reversed: delete C (no change), then C B, then all
+    assert rev["aopc"] == pytest.approx(np.mean([0.0, p0 - sig(3), p0 - 0.5, p0 - 0.5, p0 - 0.5]))
+    assert perfect["aopc"] > rev["aopc"]
+    # special tokens are never deleted, whatever their score
+    for batch in seen:
+        for row in batch.tolist():
+            assert row.count(CLS) == 1
+
+
+def test_lodds_and_deyoung_by_hand():
+    p0 = sig(4)
+    perfect, _, _ = run_deletion(PERFECT, ["lodds", "lodds_delete", "comprehensiveness", "sufficiency", "aopc_pad"])
+    # [PAD] has weight 0 in the toy, so replacing equals deleting here
+    expect_lodds = np.mean([math.log(sig(1) / p0)] + [math.log(0.5 / p0)] * 4)
+    assert perfect["lodds"] == pytest.approx(expect_lodds)
+    assert perfect["lodds_delete"] == pytest.approx(expect_lodds)
+    assert perfect["aopc_pad"] == pytest.approx(np.mean([p0 - sig(1)] + [p0 - 0.5] * 4))
+    # DeYoung, k = 1,1,1,1,2: comprehensiveness removes the top k, sufficiency keeps only them
+    assert perfect["comprehensiveness"] == pytest.approx(np.mean([p0 - sig(1)] * 4 + [p0 - 0.5]))
+    assert perfect["sufficiency"] == pytest.approx(np.mean([p0 - sig(3)] * 4 + [p0 - p0]))
+    rev, _, _ = run_deletion(REVERSED, ["comprehensiveness", "sufficiency"])
+    assert rev["comprehensiveness"] == pytest.approx(np.mean([0.0] * 4 + [p0 - sig(3)]))
+    assert rev["sufficiency"] == pytest.approx(np.mean([p0 - sig(0)] * 4 + [p0 - sig(1)]))
+    assert perfect["comprehensiveness"] > rev["comprehensiveness"]
+    assert perfect["sufficiency"] < rev["sufficiency"]
+
+
+def test_identical_perturbations_run_once():
+    m = toy_model()
+    predict = TargetProbability(m, 1, batch_size=1000)
+    deletion_metrics(predict, IDS, {"a": PERFECT, "b": PERFECT.copy()}, ["aopc", "lodds_delete", "comprehensiveness"],
+                     protected={0, 4}, position=0, pad_id=PAD)
+    # original + deletions of {A}, {A,B}, {A,B,C}: four distinct inputs for two methods and three metrics
+    assert sum(len(b) for b in m.hf.seen) == 4
+
+
+def test_no_deletable_token_gives_nan():
+    m = toy_model()
+    out, _ = deletion_metrics(TargetProbability(m, 1), [CLS, SEP], {"s": np.ones(2)}, ["aopc", "comprehensiveness"],
+                              protected={0, 1}, pad_id=PAD)
+    assert np.isnan(out["s"]["aopc"]) and np.isnan(out["s"]["comprehensiveness"])
+
+
+def test_perturb_moves_the_explained_position():
+    assert perturb([1, 2, 3, 4, 5], [0, 2], "delete", 0, position=3) == ([2, 4, 5], 1)
+    assert perturb([1, 2, 3, 4, 5], [0, 2], "pad", 0, position=3) == ([0, 2, 0, 4, 5], 3)
+    with pytest.raises(ValueError):
+        perturb([1], [0], "mask", 0)
+
+
+def test_ranking_ties_by_position_nan_last():
+    s = np.array([1.0, np.nan, 2.0, 2.0, -1.0])
+    assert ranked_positions(s, [0, 1, 2, 3, 4]) == [2, 3, 0, 4, 1]
+
+
+def test_target_probability_batches_equal_single_calls(tokenizer):
+    m = tiny_model("bert", tokenizer)
+    texts = ["a", "the keys to the cabinet are here", "nice", "a small dog barked at the old man on the hill"]
+    seqs = [m.encode(t)[0] for t in texts]
+    one = TargetProbability(m, 1, batch_size=1)
+    batched = TargetProbability(m, 1, batch_size=3, max_tokens=10_000)
+    a, b = one(seqs), batched(seqs)
+    assert one.calls == 4 and batched.calls == 2  # bounded batch size
+    np.testing.assert_allclose(a, b, atol=1e-9)
+    # the same probability as a plain forward pass
+    with torch.no_grad():
+        p = torch.softmax(m.hf(input_ids=torch.tensor([seqs[1]])).logits[0].double(), -1)[1].item()
+    assert a[1] == pytest.approx(p, abs=1e-12)
+    # a token budget splits batches too
+    tight = TargetProbability(m, 1, batch_size=100, max_tokens=len(seqs[3]))
+    tight(seqs)
+    assert tight.calls >= 2
+
+
+def test_target_probability_masked_lm_position_and_foil(tokenizer):
+    m = tiny_model("roberta", tokenizer)
+    ids = m.encode("the keys [MASK] here")[0]
+    pos = ids.index(tokenizer.mask_token_id)
+    with torch.no_grad():
+        logits = m.hf(input_ids=torch.tensor([ids])).logits[0, pos].double()
+    full = TargetProbability(m, 2024)([ids], [pos])[0]
+    two = TargetProbability(m, 2024, foil=2003)([ids], [pos])[0]
+    assert full == pytest.approx(torch.softmax(logits, -1)[2024].item(), abs=1e-12)
+    assert two == pytest.approx(torch.sigmoid(logits[2024] - logits[2003]).item(), abs=1e-12)
+    assert protected_positions(m, ids, pos) >= {0, len(ids) - 1, pos}
+
+
+def test_encoder_has_no_deletion_metrics(minilm):
+    with pytest.raises(BadInput, match="head"):
+        TargetProbability(minilm, 0)
+
+
+def test_spearman_cases():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # d = (0, 0, 1, -1): rho = 1 - 6 * 2 / (4 * 15) = 0.8
+    assert spearman([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(0.8)
+    assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    assert np.isnan(spearman([1, 2], [1, 2, 3]))
+
+
+def test_reference_spearman_absolute_and_nopos():
+    s = np.array([0.1, 0.2, 0.3, 0.4])
+    r = np.array([-0.4, 0.1, 0.2, 0.3])
+    assert reference_spearman(s, r, get_metric("spearman:x")) == pytest.approx(spearman(s, r))
+    assert reference_spearman(s, r, get_metric("spearman:|x|")) == pytest.approx(spearman(s, np.abs(r)))
+    m = get_metric("spearman:|x|/nopos")
+    assert m.reference == "x" and m.reference_abs and m.exclude_position
+    assert reference_spearman(s, r, m, position=0) == pytest.approx(1.0)
+
+
+def test_cue_metrics_by_hand():
+    scores = np.array([0.1, 0.5, 0.2, 0.2])
+    assert cue_dot(scores, [2]) == pytest.approx(0.2)
+    # thresholds 0.5 (no cue: P = 0) and 0.2 (1 cue in 3 tokens: P = 1/3, R = 1)
+    assert cue_ap(scores, [2]) == pytest.approx(1 / 3)
+    assert cue_probes(scores, [2]) == 1  # only token 1 is strictly above the cue; the tie does not count
+    assert cue_ap([0.1, 0.9, 0.5], [1]) == 1.0 and cue_probes([0.1, 0.9, 0.5], [1]) == 0
+    # two cues ranked 1st and 3rd: AP = (1/1 + 2/3) / 2
+    assert cue_ap([0.9, 0.5, 0.4, 0.1], [0, 2]) == pytest.approx((1 + 2 / 3) / 2)
+    # signed scores are compared by magnitude
+    assert cue_dot([-3.0, 1.0], [0]) == pytest.approx(0.75)
+    np.testing.assert_allclose(normalise_scores([0, 0]), [0.5, 0.5])
+    with pytest.raises(BadInput):
+        cue_dot([1.0, 2.0], [])
+
+
+def test_average_precision_matches_sklearn():
+    sk = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        s = rng.integers(0, 4, size=9).astype(float)  # ties on purpose
+        y = rng.random(9) < 0.3
+        if not y.any():
+            continue
+        assert average_precision(s, y) == pytest.approx(sk.average_precision_score(y, s))
+
+
+def test_cue_alignment_per_layer():
+    maps = np.zeros((2, 3, 3))
+    maps[0, 1] = [0.6, 0.2, 0.2]  # layer 1: row 1 looks at token 0
+    maps[1, 1] = [0.1, 0.1, 0.8]  # layer 2: row 1 looks at token 2 (the cue)
+    out = cue_alignment_layers(maps, 1, [2])
+    np.testing.assert_allclose(out["cue_dot"], [0.2, 0.8])
+    np.testing.assert_allclose(out["cue_probes"], [1, 0])
+    assert cue_alignment(maps[1, 1], [2], ["cue_ap"]) == {"cue_ap": 1.0}
+
+
+def test_agreement_between_methods_and_models():
+    sal = {"a": np.array([1.0, 2, 3]), "b": np.array([3.0, 2, 1]), "c": np.array([1.0, 3, 2])}
+    M = method_agreement(sal)
+    assert M.loc["a", "b"] == pytest.approx(-1.0) and M.loc["b", "a"] == pytest.approx(-1.0)
+    assert (np.diag(M) == 1).all()
+    assert model_agreement([1, 2, 3], [1, 2, 3], ["x", "y", "z"], ["x", "y", "z"]) == pytest.approx(1.0)
+    assert np.isnan(model_agreement([1, 2, 3], [1, 2, 3], ["x", "y", "z"], ["x", "yy", "z"]))
+
+
+def test_metric_metadata():
+    assert METRICS["aopc"].higher_is_better is True and METRICS["lodds"].higher_is_better is False
+    assert METRICS["sufficiency"].direction == "lower" and METRICS["comprehensiveness"].arrow == "↑"
+    assert METRICS["cue_dot"].per_layer and METRICS["cue_dot"].range == (0.0, 1.0)
+    assert METRICS["change"].higher_is_better is None
+    for m in METRICS.values():
+        assert m.description and m.title and m.range[0] <= m.range[1]
+    with pytest.raises(BadInput, match="valid metrics"):
+        get_metric("aopcc")
+    with pytest.raises(BadInput, match="malformed"):
+        get_metric("spearman:")

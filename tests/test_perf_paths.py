@@ -1,0 +1,70 @@
+"""The optimised paths that bench/perf.py times give the same maps as the straightforward ones,
+in float32 (the default dtype) as well as float64, and with the work split into several chunks."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ctxmix.methods
+from ctxmix.methods import scope_layer_maps, value_zeroing_maps
+from ctxmix.trace import trace_ids
+
+from conftest import FAMILIES, tiny_model
+
+IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
+
+
+def _bench_perf():
+    path = Path(__file__).resolve().parents[1] / "bench" / "perf.py"
+    spec = importlib.util.spec_from_file_location("ctxmix_bench_perf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+perf = _bench_perf()
+
+
+@pytest.fixture(params=["one chunk", "many chunks"])
+def chunking(request, monkeypatch):
+    if request.param == "many chunks":  # a few rows (or zeroed tokens) per chunk
+        monkeypatch.setattr(ctxmix.methods, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra"])
+def test_batched_value_zeroing_equals_the_per_token_loop(tokenizer, family, dtype, chunking):
+    m = tiny_model(family, tokenizer, dtype=dtype)
+    loop = perf.value_zeroing_loop(m, IDS)
+    fast = value_zeroing_maps(trace_ids(m, IDS))
+    assert loop.shape == fast.shape == (m.n_layers, len(IDS), len(IDS))
+    np.testing.assert_allclose(fast.sum(-1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(fast, loop, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_factorised_scope_maps_equal_straightforward_in_float32(tokenizer, family, chunking):
+    m = tiny_model(family, tokenizer, dtype=torch.float32)
+    tr = trace_ids(m, IDS)
+    fast, slow = scope_layer_maps(tr, next_ln=True), scope_layer_maps(tr, next_ln=True, factorised=False)
+    assert fast.keys() == slow.keys()
+    for k in fast:
+        assert np.abs(slow[k]).max() > 0.1, k  # non-trivial maps
+        np.testing.assert_allclose(fast[k], slow[k], rtol=0, atol=1e-5, err_msg=f"{family} {k}")
+
+
+def test_loop_baseline_refuses_other_families(tokenizer):
+    with pytest.raises(ValueError, match="BERT-like"):
+        perf.value_zeroing_loop(tiny_model("gpt2", tokenizer), IDS)
+
+
+def test_perf_table_helpers():
+    assert perf.ids_for(5) == [101, 1000, 1007, 1014, 102]
+    r = perf.row("x", "1 s", "3 s", 3.0, ">= 3x", True)
+    assert list(r) == ["target", "measured", "baseline", "ratio", "goal", "pass"]
+    assert r["ratio"] == "3.00" and r["pass"] == "yes"
+    assert perf.row("y", "-")["pass"] == "-"
