@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .errors import BadInput
 from .methods import scope_layer_maps
 from .models import Model
-from .trace import Trace, trace_ids
+from .trace import Trace, iter_trace_batch
 
 POST_COMPARISONS = {  # name -> (before, after)
     "+Ff": ("Atb", "AtbFf"), "+Res": ("AtbFf", "AtbFfRes"), "+Ln": ("AtbFfRes", "AtbFfResLn"),
@@ -54,25 +54,41 @@ def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -
 Progress = bool | Callable[[int, int], None]
 
 
+TRACE_BATCH = 8  # sequences per padded forward pass in corpus loops
+
+
 def corpus_traces(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                  progress: Progress = True, desc: str = "sequences") -> Iterator[Trace]:
-    """Trace each text in turn; empty texts are skipped (and counted in a warning).
+                  progress: Progress = True, desc: str = "sequences", batch_size: int | None = None) -> Iterator[Trace]:
+    """Trace the texts in order, `batch_size` sequences per padded forward pass (one sequence's
+    layer states held at a time); empty texts are skipped (and counted in a warning).
     progress: True for a tqdm bar, or a callable(done, total) (the dashboard's progress bar)."""
     texts = list(texts)
     if not texts:
         raise BadInput("the corpus is empty")
+    batch_size = TRACE_BATCH if batch_size is None else batch_size
+    if batch_size < 1:
+        raise BadInput("batch_size must be at least 1")
     rng = random.Random(seed)
     skipped = 0
-    for k, text in enumerate(tqdm(texts, desc=desc, disable=progress is not True)):
-        if callable(progress):
-            progress(k, len(texts))
-        if not isinstance(text, str) or not text.strip():
-            skipped += 1
-            continue
-        ids, notes = model.encode(text)
-        if mask_rate:
-            ids = mask_tokens(model, ids, mask_rate, rng)
-        yield trace_ids(model, ids, notes)
+    bar = tqdm(total=len(texts), desc=desc, disable=progress is not True)
+    for start in range(0, len(texts), batch_size):
+        batch, notes = [], []
+        for text in texts[start: start + batch_size]:
+            if not isinstance(text, str) or not text.strip():
+                skipped += 1
+                continue
+            ids, note = model.encode(text)
+            batch.append(mask_tokens(model, ids, mask_rate, rng) if mask_rate else ids)
+            notes.append(note)
+        done = start
+        for tr in iter_trace_batch(model, batch, notes) if batch else ():
+            if callable(progress):
+                progress(done, len(texts))
+            yield tr
+            done += 1
+            bar.update(1)
+        bar.update(min(len(texts), start + batch_size) - done)
+    bar.close()
     if callable(progress):
         progress(len(texts), len(texts))
     if skipped:

@@ -23,8 +23,8 @@ from .arch import LayerWeights
 # ---------------------------------------------------------------- attention parts
 
 
-def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-    """f^h(x_j) = (x_j W_V^h [+ b_V^h]) W_O^h for every head: x (n, d) -> (H, n, d).
+def head_values(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """v^h(x_j) = x_j W_V^h [+ b_V^h] for every (query) head: x (n, d) -> (H, n, dh).
 
     Grouped-query attention (Hkv < H) shares each value head among H/Hkv query heads.
     """
@@ -35,8 +35,43 @@ def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Te
     v = v.view(n, lw.n_kv_heads, lw.head_dim)
     if lw.n_kv_heads != lw.n_heads:
         v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=1)
-    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
-    return torch.matmul(v.transpose(0, 1), Wo)
+    return v.transpose(0, 1)
+
+
+def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """f^h(x_j) = (x_j W_V^h [+ b_V^h]) W_O^h for every head: x (n, d) -> (H, n, d)."""
+    return torch.matmul(head_values(lw, x, with_bias), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+
+
+def ff_in_norm(lw: LayerWeights):
+    """The norm whose output the FF reads: LN1 in post-LN layers, LN2 in pre-LN layers."""
+    return lw.ln1 if lw.position == "post" else lw.ln2
+
+
+def ff_input_projections(lw: LayerWeights) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W, b) of the FF's input projections: [(W_1, b_1)], or [(W_g, b_g), (W_u, b_u)] when gated."""
+    return [(lw.Wg, lw.bg), (lw.Wu, lw.bu)] if lw.gated else [(lw.W1, lw.b1)]
+
+
+def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
+    """Per FF input projection W, M^h = W_O^h C diag(gamma) W, (H, dh, d'): C centres (LayerNorm;
+    identity for RMSNorm). A head vector's normalised share times W is then v^h M^h, so the
+    factorised paths project the n*H head values (n*d*d' FLOPs) instead of the n*H head vectors
+    (n*H*d*d'). Depends only on the weights, so it is computed once and kept with them."""
+    key = "head_ff_maps"
+    if key not in lw.extra:
+        norm = ff_in_norm(lw)
+        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+        if norm.kind == "layernorm":
+            Wo = Wo - Wo.mean(-1, keepdim=True)
+        lw.extra[key] = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
+    return lw.extra[key]
+
+
+def project_heads(lw: LayerWeights, v: torch.Tensor) -> list[torch.Tensor]:
+    """Each head value's normalised share (before 1/s) times each FF input projection:
+    v (H, n, dh) -> [(n, H, d')], contiguous in (j, h) order for the per-chunk GEMMs."""
+    return [torch.matmul(v, M).transpose(0, 1).contiguous() for M in head_ff_maps(lw)]
 
 
 def value_bias_rows(lw: LayerWeights, ln_beta: torch.Tensor | None, alpha: torch.Tensor) -> torch.Tensor:
@@ -210,28 +245,27 @@ def ff_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Ten
     return hj @ lw.W2, hb @ lw.W2 + lw.b2
 
 
-def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor, f: torch.Tensor,
+def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor,
                          norm, s: torch.Tensor, b: torch.Tensor, cache: dict,
                          gated_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """`ff_pieces` without the second n^2*d*d' product.
 
     The FF reads pieces norm(sum_h alpha^h_ij f^h_j + [i=j] x_i) / s_i, linear in f and x, so
-    W_1 (or W_g, W_u) is applied to the H*n head vectors once per layer (cached in `cache`)
-    and mixed with alpha afterwards (H*n^2*d' instead of n^2*d*d'). Only the product with W_2,
+    W_1 (or W_g, W_u) is applied to the H*n head vectors once per layer (cached in `cache`, through
+    the head values and `head_ff_maps`) and mixed with alpha afterwards (H*n^2*d' instead of n^2*d*d'). Only the product with W_2,
     which exact maps cannot avoid, stays n^2*d'*d. Works in (j, i) order so that the big
-    tensors stay contiguous for the GEMM. f (H, n, d); s (c, 1); b (c, d) the bias piece.
+    tensors stay contiguous for the GEMM. cache["v"] (H, n, dh) the head values; s (c, 1); b (c, d)
+    the bias piece.
     """
     c = len(rows)
-    ones_h = torch.ones(f.shape[0], 1, dtype=f.dtype, device=f.device)
-    ones_c = torch.ones(c, 1, dtype=f.dtype, device=f.device)
-    Wins = (lw.Wg, lw.Wu) if lw.gated else (lw.W1,)
-    if "G" not in cache:  # (H, n, d') per projection
-        cache["G"] = [norm.decompose_pieces(f, ones_h) @ W for W in Wins]
+    ones_c = torch.ones(c, 1, dtype=st.x.dtype, device=st.x.device)
+    if "G" not in cache:  # (n, H, d') per projection
+        cache["G"] = project_heads(lw, cache["v"])
     xg = norm.decompose_pieces(st.x[rows].unsqueeze(1), ones_c).squeeze(1)  # (c, d)
     ar = torch.arange(c, device=rows.device)
 
     def project(G, W):  # (n, c, d') = pieces @ W, in (j, i) order
-        P = mix_T(st.alpha[:, rows], G)
+        P = torch.matmul(st.alpha[:, rows].permute(2, 1, 0).contiguous(), G)
         P[rows, ar] += xg @ W
         return P.div_(s.view(1, c, 1))
 
@@ -268,7 +302,8 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if lw.position == "post":
         if "f" not in cache:
-            cache["f"] = head_vectors(lw, st.x, with_bias=False)
+            cache["v"] = head_values(lw, st.x, with_bias=False)
+            cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
         f = cache["f"]
         b = value_bias_rows(lw, None, alpha) + lw.bo
         F = _diag_add(mix(alpha, f), rows, st.x[rows])
@@ -276,7 +311,7 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
         F_atb, b_atb = lw.ln1.decompose_pieces(F, s1), lw.ln1.decompose_bias(b, s1)
         out["Atb"] = (F_atb, b_atb)
         if factorised:
-            F_ff, b_ff = ff_pieces_factorised(lw, st, rows, f, lw.ln1, s1, b_atb, cache)
+            F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache)
         else:
             F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb)
         out["AtbFf"] = (F_ff, b_ff)
@@ -291,7 +326,8 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     # pre-LN: LN1 acts on each token alone; its beta goes to the bias with b_V and b_O
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(1), lw.ln1.scale(st.x)).squeeze(1)  # LN1(x_j) - beta
-        cache["f"] = head_vectors(lw, xhat, with_bias=False)
+        cache["v"] = head_values(lw, xhat, with_bias=False)
+        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
     f = cache["f"]
     b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
     F_atb = _diag_add(mix(alpha, f), rows, st.x[rows])
@@ -300,7 +336,7 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
     out["AtbLn"] = (F_ln, b_ln)
     if factorised:
-        F_ff, b_ff = ff_pieces_factorised(lw, st, rows, f, lw.ln2, s2, b_ln, cache)
+        F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache)
     else:
         F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
     out["AtbLnFf"] = (F_ff, b_ff)
@@ -358,16 +394,62 @@ def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return C / C.sum(-1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
 
 
-def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor) -> torch.Tensor:
+def _centre(z: torch.Tensor, norm) -> torch.Tensor:
+    return z - z.mean(-1, keepdim=True) if norm.kind == "layernorm" else z
+
+
+def value_zeroing_prepare(lw: LayerWeights, st: LayerState) -> dict:
+    """Per-layer products that every chunk of zeroed tokens shares (see value_zeroing_columns):
+    the head vectors f^h(x_t) (n, H, d), and for each FF input projection W (W_1, or gate and up)
+    A = centre(r1) (gamma W) (n, d'), B^h_t = centre(f^h(x_t)) (gamma W) (n, H, d') and the
+    constant beta W + b."""
+    src = st.x if lw.position == "post" else st.x1
+    norm = ff_in_norm(lw)
+    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
+    f = torch.matmul(v, lw.Wo.view(lw.n_heads, lw.head_dim, -1))  # (H, n, d)
+    r1c = _centre(st.r1, norm) * norm.gamma
+    proj = [(r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
+            for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v))]
+    return {"f": f.transpose(0, 1).contiguous(), "norm": norm, "proj": proj}
+
+
+def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
+                          prep: dict | None = None, factorised: bool = True) -> torch.Tensor:
     """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (c, n) cosine distances
     between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept.
 
-    Zeroing v_t only removes sum_h alpha_it f^h(x_t) from each attention output, so Q, K and
-    the weights are not recomputed and the c variants run as one batch. Distances in float64.
+    Zeroing v_t only removes R_ti = sum_h alpha^h_it f^h(x_t) from each attention output, so Q, K
+    and the weights are not recomputed and the c variants run as one batch. Factorised, the FF
+    input projection is not applied to the c*n perturbed vectors: the norm before the FF is
+    affine once its scale s_ti is known, so u_ti = (A_i - sum_h alpha^h_it B^h_t) / s_ti + const
+    (see value_zeroing_prepare), and only the W_2 product runs on c*n vectors. Rows i that give
+    no weight to the zeroed token (i < t in causal models) are unchanged: distance exactly 0.
+    Distances in float64.
     """
-    src = st.x if lw.position == "post" else st.x1
-    f_t = head_vectors(lw, src[cols], with_bias=True)  # (H, c, d)
-    removed = mix_T(st.alpha[:, :, cols], f_t)  # (c, n, d): [t, i] = sum_h alpha^h_it f^h(x_t)
-    y = after_attention(lw, st.x.unsqueeze(0), st.attn.unsqueeze(0) - removed)
-    cos = torch.nn.functional.cosine_similarity(y.double(), st.y.double().unsqueeze(0), dim=-1)
-    return (1.0 - cos).clamp(min=0.0)  # (c zeroed, n outputs)
+    c, n = len(cols), st.x.shape[0]
+    out = torch.zeros(c, n, dtype=torch.float64, device=st.x.device)
+    live = (st.alpha[:, :, cols] != 0).any(0).any(-1).nonzero()
+    if len(live) == 0:
+        return out
+    first = int(live[0])  # the rows before it receive nothing from the zeroed tokens
+    alT = st.alpha[:, first:, cols].permute(2, 1, 0).contiguous()  # (c, m, H)
+    if not factorised:
+        src = st.x if lw.position == "post" else st.x1
+        f_t = head_vectors(lw, src[cols], with_bias=True)  # (H, c, d)
+        removed = torch.matmul(alT, f_t.transpose(0, 1).contiguous())  # (c, m, d)
+        y = after_attention(lw, st.x[first:].unsqueeze(0), st.attn[first:].unsqueeze(0) - removed)
+    else:
+        prep = prep if prep is not None else value_zeroing_prepare(lw, st)
+        norm = prep["norm"]
+        removed = torch.matmul(alT, prep["f"][cols])  # (c, m, d)
+        h = st.r1[first:].unsqueeze(0) - removed  # residual stream after attention, v_t zeroed
+        s = norm.scale(h)  # (c, m, 1)
+        us = [torch.baddbmm(A[first:].expand(c, -1, -1), alT, B[cols], alpha=-1.0).div_(s).add_(const)
+              for A, B, const in prep["proj"]]
+        inner = lw.act(us[0]) * us[1] if lw.gated else lw.act(us[0])
+        ff = inner @ lw.W2 + lw.b2
+        y = lw.ln2(norm.decompose_bias(h, s) + ff) if lw.position == "post" else h + ff
+    cos = torch.nn.functional.cosine_similarity(y.double(), st.y[first:].double().unsqueeze(0), dim=-1)
+    # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
+    out[:, first:] = (1.0 - cos).clamp(min=0.0) * (alT != 0).any(-1)
+    return out  # (c zeroed, n outputs)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import BadInput
-from .layer import alti_layer, norm_family_pieces, scope_pieces, value_zeroing_columns
+from .layer import alti_layer, norm_family_pieces, scope_pieces, value_zeroing_columns, value_zeroing_prepare
 from .trace import Trace
 
 # Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
@@ -148,7 +148,7 @@ def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = No
     for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
         keep = None if keep_dims is None else keep_dims[l]
         cache: dict = {}  # per-layer products shared by the row chunks
-        for rows in _chunks(n, _ff_width(lw), copies=3):
+        for rows in _chunks(n, _ff_width(lw), copies=6):  # see value_zeroing_maps
             pieces = scope_pieces(lw, st, rows.to(st.x.device), res2=res2, next_ln=next_ln, cache=cache,
                                   factorised=factorised)
             for s, (F, _) in pieces.items():
@@ -177,13 +177,17 @@ def norm_layer_maps(tr: Trace, names: list[str]) -> dict[str, np.ndarray]:
 
 
 @torch.no_grad()
-def value_zeroing_maps(tr: Trace) -> np.ndarray:
-    """Row-normalised value-zeroing maps (L, n, n), one batched layer call per chunk of zeroed tokens."""
+def value_zeroing_maps(tr: Trace, factorised: bool = True) -> np.ndarray:
+    """Row-normalised value-zeroing maps (L, n, n), one batched layer call per chunk of zeroed
+    tokens; `factorised=False` applies the FF input projection to every perturbed vector."""
     n, L = tr.n, tr.model.n_layers
     out = np.zeros((L, n, n))
     for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
-        for cols in _chunks(n, _ff_width(lw), copies=3):
-            D = value_zeroing_columns(lw, st, cols.to(st.x.device))  # (c zeroed, n outputs)
+        prep = value_zeroing_prepare(lw, st) if factorised else None
+        # copies=6 (as for the scopes): smaller chunks keep the (c, n, d') temporaries nearer the
+        # cache, 5-20 % faster on CPU than chunks twice as large
+        for cols in _chunks(n, _ff_width(lw), copies=6):
+            D = value_zeroing_columns(lw, st, cols.to(st.x.device), prep, factorised)  # (c zeroed, n outputs)
             out[l][:, cols.numpy()] = D.T.cpu().numpy()
     s = out.sum(-1, keepdims=True)
     return out / np.where(s > 0, s, 1.0)

@@ -73,7 +73,8 @@ from .errors import BadInput, CtxmixError
 CONFIG_KINDS = ("methods", "contextualization_change")
 DATASET_SOURCES = ("pang_lee", "agreement", "file", "hf", "blimp", "linzen_goldberg")
 TARGETS = ("predicted", "gold")
-EXPLAIN_OPTIONS = {"ig_baseline": ("pad", "mask", "unk", "zero"), "ig_steps": int, "blank_replacement": ("unk", "mask")}
+EXPLAIN_OPTIONS = {"ig_baseline": ("pad", "mask", "unk", "zero"), "ig_steps": int, "blank_replacement": ("unk", "mask"),
+                   "cat_mask_special": (True, False)}
 DONE_STATUSES = ("done", "na", "skipped")
 METHOD_ALIASES = {"all": "every method that applies to each model"}
 
@@ -399,7 +400,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 errors.append(f"explain.{k} must be a positive integer")
         elif v not in EXPLAIN_OPTIONS[k]:
-            errors.append(f"explain.{k} must be one of {', '.join(EXPLAIN_OPTIONS[k])}")
+            errors.append(f"explain.{k} must be one of {', '.join(map(str, EXPLAIN_OPTIONS[k]))}")
     options = {"batch_size": raw.get("batch_size", 32), "min_tokens": raw.get("min_tokens", 0),
                "seed": raw.get("seed", 0), "mask_rate": raw.get("mask_rate", 0.0),
                "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads")}

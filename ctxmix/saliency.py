@@ -24,12 +24,14 @@ SALIENCY_METHODS: dict[str, MethodInfo] = {
         MethodInfo("grad_x_input", "saliency", "Gradient x input (L2)", "GlobEnc Eq. 17",
                    doc="||(d p_target / d e_i) * e_i||_2, GlobEnc's reference saliency."),
         MethodInfo("integrated_gradients", "saliency", "Integrated gradients", "Sundararajan et al. 2017 (captum)",
-                   doc="captum IntegratedGradients (Gauss-Legendre) from a [PAD], [MASK] or zero baseline "
-                       "(special tokens kept); per token |sum over dimensions| as in the ALTI code."),
+                   doc="captum IntegratedGradients (Gauss-Legendre) from a [PAD], [MASK] or [UNK] baseline "
+                       "(special tokens kept) or all-zero word embeddings; per token |sum over dimensions| "
+                       "as in the ALTI code."),
         MethodInfo("blank_out", "saliency", "Blank-out", "Abnar & Zuidema 2020; ALTI",
                    doc="p_target(x) - p_target(x with token i replaced by [UNK] or [MASK]); signed drop."),
         MethodInfo("cat", "saliency", "CAT", "Qiang et al. 2022",
-                   doc="sum over layers of <d logit / d h^l_i, h^l_i>, h^l the input of layer l; signed."),
+                   doc="sum over layers of <d logit / d h^l_i, h^l_i>, h^l the input of layer l; signed. "
+                       "As in the AttCAT code, the explanation pass masks [CLS]/[SEP] as keys."),
         MethodInfo("attcat", "saliency", "AttCAT", "Qiang et al. 2022",
                    doc="CAT weighted per layer by the attention token i receives (mean over heads and queries); signed."),
     ]
@@ -84,7 +86,11 @@ def _forward_embeds(model: Model, E: torch.Tensor, **kw):
     return model.hf(inputs_embeds=E, attention_mask=mask, **kw)
 
 
+IG_BASELINES = ("pad", "mask", "unk", "zero")
+
+
 def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
+    """The input with every non-special token replaced by the baseline token."""
     tok = model.tokenizer
     rep = {"pad": tok.pad_token_id, "mask": getattr(tok, "mask_token_id", None),
            "unk": tok.unk_token_id}.get(baseline)
@@ -108,9 +114,13 @@ def integrated_gradients(model: Model, tr: Trace, target: int, position: int, ba
     """captum's IntegratedGradients on the word embeddings; per token |sum over dimensions|."""
     from captum.attr import IntegratedGradients
 
+    if baseline not in IG_BASELINES:
+        raise BadInput(f"unknown IG baseline {baseline!r}; choose one of {', '.join(IG_BASELINES)}")
+    if n_steps < 1:
+        raise BadInput("IG needs at least one step")
     ids = torch.tensor([tr.input_ids], device=model.device)
     E = _embed(model, ids).detach()
-    if baseline == "zero":
+    if baseline == "zero":  # all word embeddings zero, special tokens included (position embeddings stay)
         B = torch.zeros_like(E)
     else:
         B = _embed(model, torch.tensor([_baseline_ids(model, tr.input_ids, baseline)], device=model.device)).detach()
@@ -130,8 +140,10 @@ def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: 
     """Drop of p_target when each token in turn is replaced by [UNK] (or [MASK])."""
     tok = model.tokenizer
     rep = tok.unk_token_id if replacement == "unk" else getattr(tok, "mask_token_id", None)
+    if replacement not in ("unk", "mask"):
+        raise BadInput(f"unknown blank-out replacement {replacement!r}; choose 'unk' or 'mask'")
     if rep is None:
-        raise BadInput(f"this tokenizer has no {replacement} token")
+        raise BadInput(f"this tokenizer has no {replacement} token; choose the other replacement")
     ids = torch.tensor(tr.input_ids, device=model.device)
     n = len(ids)
     mask = torch.ones(1, n, dtype=torch.long, device=model.device)
@@ -145,13 +157,23 @@ def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: 
     return torch.cat(out).double().cpu().numpy()
 
 
-def cat_scores(model: Model, tr: Trace, target: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+def cat_scores(model: Model, tr: Trace, target: int, position: int,
+               mask_special: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per-layer CAT and AttCAT rows (L, n): <d logit/d h^l, h^l> on layer inputs, AttCAT times the
-    attention each token receives (mean over heads, then queries)."""
+    attention each token receives (mean over heads, then queries).
+
+    mask_special: the AttCAT code explains with attention_mask 0 at [CLS] and [SEP] (no query
+    attends to them as keys, so they get about zero AttCAT); False explains the unmasked pass."""
     ids = torch.tensor([tr.input_ids], device=model.device)
+    mask = torch.ones_like(ids)
+    if mask_special and model.kind != "causal_lm":  # a causal LM's first token is its attention sink
+        special = set(model.tokenizer.all_special_ids)
+        keep = torch.tensor([[t not in special for t in tr.input_ids]], device=model.device)
+        if keep.any():
+            mask = keep.long()
     with torch.enable_grad():
         E = _embed(model, ids).detach().requires_grad_(True)
-        out = _forward_embeds(model, E, output_hidden_states=True, output_attentions=True)
+        out = model.hf(inputs_embeds=E, attention_mask=mask, output_hidden_states=True, output_attentions=True)
         hs = list(out.hidden_states[: model.n_layers])
         y = _score(model, out.logits, target, position, prob=False).sum()
         grads = torch.autograd.grad(y, hs, allow_unused=True)
@@ -162,7 +184,8 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int) -> tuple[np.
 
 
 def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
-                    ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk") -> tuple[int, dict]:
+                    ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk",
+                    cat_mask_special: bool = True) -> tuple[int, dict]:
     """{method: (n,)} for the saliency methods among `methods`; returns (target, scores)."""
     tgt = resolve_target(model, tr, target, position)
     out: dict[str, np.ndarray] = {}
@@ -177,6 +200,6 @@ def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, po
     if "blank_out" in methods:
         out["blank_out"] = blank_out(model, tr, tgt, position, blank_replacement)
     if {"cat", "attcat"} & set(methods):
-        c, a = cat_scores(model, tr, tgt, position)
+        c, a = cat_scores(model, tr, tgt, position, cat_mask_special)
         out["cat"], out["attcat"] = c.sum(0), a.sum(0)
     return tgt, {m: out[m] for m in methods if m in out}

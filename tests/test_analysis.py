@@ -11,7 +11,9 @@ from scipy import stats
 import ctxmix
 from ctxmix.analysis import POST_COMPARISONS, PRE_COMPARISONS, low_gamma_dims, mask_tokens
 
-from conftest import tiny_model
+from ctxmix.trace import trace_batch, trace_ids
+
+from conftest import FAMILIES, tiny_model
 
 TEXTS = ["the keys to the cabinet are on the table .", "a small dog barked at the old man .",
          "she loves math rather than engaging in sports ."]
@@ -35,6 +37,23 @@ def test_contextualization_change_matches_direct_spearman(tokenizer, family):
     assert row.change == pytest.approx(np.mean(vals), abs=1e-12)
     assert row["std"] == pytest.approx(np.std(vals), abs=1e-12)
     assert df["change"].between(0, 2).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_traces_equal_single_traces(tokenizer, family):
+    """Corpus loops trace several sequences per padded forward pass: same states and logits."""
+    m = tiny_model(family, tokenizer)
+    batch = [m.encode(t)[0] for t in TEXTS]
+    assert len({len(ids) for ids in batch}) > 1  # really padded
+    for tb, ids in zip(trace_batch(m, batch), batch):
+        ts = trace_ids(m, ids)
+        assert tb.input_ids == ids and tb.tokens == ts.tokens
+        for a, b in zip(tb.states, ts.states):
+            torch.testing.assert_close(a.alpha, b.alpha, rtol=0, atol=1e-12)
+            torch.testing.assert_close(a.y, b.y, rtol=0, atol=1e-10)
+        if ts.logits is not None:
+            torch.testing.assert_close(tb.logits, ts.logits, rtol=0, atol=1e-10)
+        assert tb.reconstruction_error == pytest.approx(ts.reconstruction_error, abs=1e-10)
 
 
 def test_low_gamma_dims_drop_the_lowest(tokenizer):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import ctxmix
 from ctxmix.layer import gated_ig_weights, ig_ratio
 from ctxmix.methods import MIXING_METHODS, rollout
+from ctxmix.errors import BadInput
 from ctxmix.trace import trace_ids
 
 from conftest import tiny_model
@@ -205,6 +206,34 @@ def test_saliency_methods(tokenizer, family):
         assert ex.saliency[k].shape == (len(IDS),) and np.all(np.isfinite(ex.saliency[k])), k
     assert np.all(ex.saliency["grad"] >= 0)
     assert ex.target is not None
+
+
+def test_attcat_masks_special_tokens_as_the_attcat_code_does(tokenizer):
+    """Explained with [CLS]/[SEP] masked as keys, no query attends to them: AttCAT is 0 there;
+    unmasked they receive attention. CAT of the last layer input is <d logit/d h, h>, summed."""
+    m = tiny_model("bert", tokenizer)
+    tr = trace_ids(m, IDS)
+    from ctxmix.saliency import cat_scores
+
+    _, masked = cat_scores(m, tr, 1, 0, mask_special=True)
+    cat, plain = cat_scores(m, tr, 1, 0, mask_special=False)
+    assert np.abs(masked[:, [0, -1]]).max() < 1e-6 < np.abs(plain[:, [0, -1]]).max()
+    assert np.abs(masked[:, 1:-1]).max() > 1e-6
+    with torch.enable_grad():  # the last layer's input: grad of the class-1 logit, by hand
+        E = m.hf.get_input_embeddings()(torch.tensor([IDS])).requires_grad_(True)
+        out = m.hf(inputs_embeds=E, output_hidden_states=True)
+        h = out.hidden_states[m.n_layers - 1]
+        (g,) = torch.autograd.grad(out.logits[0, 1], h)
+    np.testing.assert_allclose(cat[-1], (g[0] * h[0]).sum(-1).detach().numpy(), atol=1e-10)
+
+
+@pytest.mark.parametrize("opts, msg", [({"ig_baseline": "blank"}, "unknown IG baseline 'blank'"),
+                                       ({"ig_steps": 0}, "at least one step"),
+                                       ({"blank_replacement": "pad"}, "unknown blank-out replacement")])
+def test_saliency_options_are_checked(tokenizer, opts, msg):
+    m = tiny_model("bert", tokenizer)
+    with pytest.raises(BadInput, match=msg):
+        ctxmix.explain(m, None, ["integrated_gradients", "blank_out"], input_ids=IDS, **opts)
 
 
 def test_blank_out_known_value(tokenizer):

@@ -103,3 +103,14 @@ def test_cli_explain_and_change(tmp_path):
     assert r.returncode == 0, r.stderr
     df = pd.read_csv(csv)
     assert list(df.columns) == ["layer", "comparison", "change", "std", "n"] and (df.n == 2).all()
+
+
+def test_cpu_models_keep_malloc_buffers(tokenizer):
+    """On glibc, loading a CPU model applies the allocator settings once (and only there)."""
+    import platform
+
+    from ctxmix import models
+
+    tiny_model("bert", tokenizer)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert models._ALLOCATOR_TUNED and models.keep_cpu_buffers()

@@ -47,6 +47,20 @@ def test_batched_value_zeroing_equals_the_per_token_loop(tokenizer, family, dtyp
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_factorised_value_zeroing_equals_straightforward(tokenizer, family, chunking):
+    """Every family (pre-LN, RMSNorm, gated FF, causal row skipping), float32, against the
+    path that applies the FF input projection to every perturbed vector."""
+    m = tiny_model(family, tokenizer, dtype=torch.float32)
+    tr = trace_ids(m, IDS)
+    fast, slow = value_zeroing_maps(tr), value_zeroing_maps(tr, factorised=False)
+    assert np.abs(slow).max() > 0.05
+    np.testing.assert_allclose(fast.sum(-1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-5, err_msg=family)
+    if m.spec.causal:
+        assert np.abs(np.triu(fast, 1)).max() == 0.0  # a token never mixes later tokens in
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_factorised_scope_maps_equal_straightforward_in_float32(tokenizer, family, chunking):
     m = tiny_model(family, tokenizer, dtype=torch.float32)
     tr = trace_ids(m, IDS)
