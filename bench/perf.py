@@ -153,14 +153,24 @@ def bert_base(device, layers: int = 12, head: bool = False, dtype=torch.float32,
     return ctxmix.model_from_hf(hf, tokenizer(), name=name)
 
 
-def matmul_rate(device, size: int, repeat: int = 5) -> float:
-    """Best-of-`repeat` float32 FLOP/s of one (size x size) @ (size x size) product."""
+def matmul_rates(device, size: int, seconds: float = 3.0) -> tuple[float, float]:
+    """(sustained, peak) float32 FLOP/s of (size x size) @ (size x size) products run back to back
+    for `seconds` (at least 10): sustained = all FLOPs / all time, measured the way the methods
+    are (one wall time over many GEMMs); peak = the best single product."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     for _ in range(2):
         a @ b
-    sec, _ = timed(lambda: a @ b, device, repeat)
-    return 2 * size**3 / sec
+    sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 10 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    fl = 2 * size**3
+    return fl * len(times) / sum(times), fl / min(times)
 
 
 def rss_mb() -> float:
@@ -294,18 +304,18 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     ctxmix.explain(m, None, MIXING, input_ids=ids_for(8))  # warm-up
     ctxmix.scope_maps(m, input_ids=ids_for(8))
     size = a.gemm or (8192 if cuda else 2048)
-    rates = [matmul_rate(dev, size, 10)]
+    rates = [matmul_rates(dev, size)]
     parts: dict[str, float] = {}
     if "explain" in sections:
         for meth in MIXING:
             log(f"explain n={n}: {meth} alone")
             parts[meth], _ = timed(lambda: ctxmix.explain(m, None, [meth], input_ids=ids), dev)
-        rates.append(matmul_rate(dev, size, 10))
+        rates.append(matmul_rates(dev, size))
     t_scope = t_vz = t_slow = t_all = None
     if "flops" in sections:
         log(f"scope_maps n={n} (factorised)")
         t_scope, fast = timed(lambda: ctxmix.scope_maps(m, input_ids=ids), dev, a.repeat)
-        rates.append(matmul_rate(dev, size, 10))
+        rates.append(matmul_rates(dev, size))
         if "value_zeroing" in parts:
             t_vz = parts["value_zeroing"]
         else:
@@ -318,19 +328,23 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     if "explain" in sections:
         log(f"explain n={n}: all {len(MIXING)} mixing methods together")
         t_all, _ = timed(lambda: ctxmix.explain(m, None, MIXING, input_ids=ids), dev)
-        rates.append(matmul_rate(dev, size, 10))
-    rate = max(rates)
-    rows = [row(f"dense float32 matmul rate ({size}^3, best of 10, measured {len(rates)} times in this section)",
-                f"{rate / 1e9:.1f} GFLOP/s", f"range {min(rates) / 1e9:.0f}-{rate / 1e9:.0f} GFLOP/s", None,
-                "reference for the FLOP rates")]
+        rates.append(matmul_rates(dev, size))
+    rate = max(r[0] for r in rates)  # the best sustained rate: the strictest like-for-like reference
+    peak = max(r[1] for r in rates)
+    rows = [row(f"dense float32 matmul rate ({size}^3 back to back for 3 s, all FLOPs / all time; "
+                f"measured {len(rates)} times in this section)",
+                f"{rate / 1e9:.1f} GFLOP/s sustained", f"range {min(r[0] for r in rates) / 1e9:.0f}-{rate / 1e9:.0f}; "
+                f"best single product {peak / 1e9:.0f} GFLOP/s", None, "reference for the FLOP rates"),]
     if t_scope is not None:
         fl, fl_vz = L * 2 * n * n * d * dff, vz_flops(m, n)
         rows += [
-            row(f"scope_maps n={n}: achieved FLOP rate (2 n^2 d d' per layer) / matmul rate",
-                f"{fl / t_scope / 1e9:.1f} GFLOP/s ({t_scope:.2f} s)", f"{rate / 1e9:.1f} GFLOP/s",
+            row(f"scope_maps n={n}: achieved FLOP rate (2 n^2 d d' per layer) / sustained matmul rate",
+                f"{fl / t_scope / 1e9:.1f} GFLOP/s ({t_scope:.2f} s)",
+                f"{rate / 1e9:.1f} GFLOP/s ({fl / t_scope / peak:.2f} of the best single product)",
                 fl / t_scope / rate, ">= 0.60", fl / t_scope / rate >= 0.6),
-            row(f"value zeroing n={n}: achieved FLOP rate (2 n^2 (d d' + H d' + H d) per layer) / matmul rate",
-                f"{fl_vz / t_vz / 1e9:.1f} GFLOP/s ({t_vz:.2f} s, explain(value_zeroing))", f"{rate / 1e9:.1f} GFLOP/s",
+            row(f"value zeroing n={n}: achieved FLOP rate (2 n^2 (d d' + H d' + H d) per layer) / sustained matmul rate",
+                f"{fl_vz / t_vz / 1e9:.1f} GFLOP/s ({t_vz:.2f} s, explain(value_zeroing))",
+                f"{rate / 1e9:.1f} GFLOP/s ({fl_vz / t_vz / peak:.2f} of the best single product)",
                 fl_vz / t_vz / rate, ">= 0.60", fl_vz / t_vz / rate >= 0.6),
             row(f"scope_maps n={n}: factorised W_1 vs the straightforward FF product (speed-up)",
                 f"{t_scope:.2f} s", f"{t_slow:.2f} s (factorised=False)", t_slow / t_scope, "report"),
