@@ -389,8 +389,9 @@ def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     normalised over j. T (c, n, d), y (c, d) the real block output. Exact L1 (no eps).
     A row whose every contribution is clipped (y_i dominated by the bias) stays all zero
     rather than being given a made-up distribution."""
-    dist = (y.unsqueeze(1) - T).abs().sum(-1)
-    C = (y.abs().sum(-1, keepdim=True) - dist).clamp(min=0)
+    acc = torch.promote_types(T.dtype, torch.float32)  # half-precision models: sums and rows in float32
+    dist = (y.unsqueeze(1) - T).abs().sum(-1, dtype=acc)
+    C = (y.abs().sum(-1, keepdim=True, dtype=acc) - dist).clamp(min=0)
     return C / C.sum(-1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
 
 

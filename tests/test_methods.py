@@ -301,3 +301,23 @@ def test_minilm_explain_real_model(minilm):
     assert ex.reconstruction_error < 1e-4
     s = ctxmix.scope_maps(minilm, text)
     assert set(s) == {"Atb", "AtbFf", "AtbFfRes", "AtbFfResLn"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_half_precision_models_give_finite_maps_near_float32(tokenizer, family, dtype):
+    """The float16 / bfloat16 options (meant for CUDA) run every mixing method on CPU too: finite
+    maps, rows that sum to one where promised, near the float32 maps (bench/perf.py reports the
+    exact differences on a CUDA device)."""
+    import copy
+
+    m32 = tiny_model(family, tokenizer, dtype=torch.float32)
+    half = ctxmix.model_from_hf(copy.deepcopy(m32.hf).to(dtype), tokenizer, name=f"tiny-{family}-half")
+    ref = ctxmix.explain(m32, None, ALL_MIXING, input_ids=IDS)
+    ex = ctxmix.explain(half, None, ALL_MIXING, input_ids=IDS)
+    for m in ALL_MIXING:
+        assert np.all(np.isfinite(ex.layer_maps[m])), m
+        if MIXING_METHODS[m].rows_sum_to_one:  # the model's own probabilities sum to 1 to its precision
+            tol = torch.finfo(dtype).eps if m.startswith("attention") else 1e-6
+            np.testing.assert_allclose(ex.layer_maps[m].sum(-1), 1.0, atol=tol, err_msg=m)
+        np.testing.assert_allclose(ex.layer_maps[m], ref.layer_maps[m], atol=0.1, err_msg=m)
