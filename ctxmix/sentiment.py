@@ -143,6 +143,17 @@ def _length_sorted(n: int, lengths: Sequence[int]) -> list[int]:
     return sorted(range(n), key=lambda i: lengths[i])
 
 
+def _padded_batches(tokenizer, encoded, order: list[int], batch_size: int):
+    """(indices, padded tensors) for consecutive slices of `order` (length-sorted, little padding)."""
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        yield chunk, tokenizer.pad(
+            {"input_ids": [encoded["input_ids"][i] for i in chunk],
+             "attention_mask": [encoded["attention_mask"][i] for i in chunk]},
+            return_tensors="pt",
+        )  # fmt: skip
+
+
 def predict(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 32) -> list[int]:
     """Predicted class ids of ``texts`` (eval mode, no gradients, length-sorted batches)."""
     import torch
@@ -157,13 +168,7 @@ def predict(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(order), batch_size):
-                chunk = order[start : start + batch_size]
-                batch = tokenizer.pad(
-                    {"input_ids": [ids[i] for i in chunk],
-                     "attention_mask": [encoded["attention_mask"][i] for i in chunk]},
-                    return_tensors="pt",
-                )  # fmt: skip
+            for chunk, batch in _padded_batches(tokenizer, encoded, order, batch_size):
                 logits = model(**batch).logits
                 for i, p in zip(chunk, logits.argmax(-1).tolist()):
                     preds[i] = int(p)
@@ -244,13 +249,7 @@ def _train_head(
     model.eval()
     bar = _progress_bar(math.ceil(len(ids) / batch_size) + 1, f"{MODEL_NAME}: head", progress)
     with bar, torch.no_grad():
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            batch = tokenizer.pad(
-                {"input_ids": [ids[i] for i in chunk],
-                 "attention_mask": [encoded["attention_mask"][i] for i in chunk]},
-                return_tensors="pt",
-            )  # fmt: skip
+        for chunk, batch in _padded_batches(tokenizer, encoded, order, batch_size):
             feats[chunk] = model.bert(**batch).pooler_output
             bar.update()
         labels = torch.tensor([it.label for it in train])
