@@ -393,6 +393,9 @@ def build_minilm_sentiment(
     heldout_acc = sum(p == it.label for p, it in zip(test_preds, test)) / len(test)
     train_acc = accuracy(model, tokenizer, train)
 
+    for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a build killed while saving
+        if time.time() - stale.stat().st_mtime > 3600:  # a younger one may be a concurrent build
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         umask = os.umask(0)

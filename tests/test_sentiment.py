@@ -1,6 +1,8 @@
 """The embedded classifier minilm-sentiment: built from scratch, accurate, reloadable."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -30,6 +32,9 @@ def test_build_minilm_sentiment_is_accurate_and_reloads(tmp_path):
     import transformers as T
 
     out = tmp_path / "minilm-sentiment"
+    stale = tmp_path / ".minilm-sentiment.partial-killed"  # a build killed while saving, 2 h ago
+    stale.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     meta = build_minilm_sentiment(out, progress=False, seed=0)
 
     # Chance is 0.5; the frozen-encoder head reaches ~0.6, fine-tuning ~0.74 (seed 0: 0.76).
@@ -38,7 +43,7 @@ def test_build_minilm_sentiment_is_accurate_and_reloads(tmp_path):
     assert meta["split"]["train"] == 150 and meta["split"]["heldout"] == 50
     assert meta["method"] == "finetune" and meta["seed"] == 0
     assert load_meta(out) == meta
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["minilm-sentiment"]  # no temp folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["minilm-sentiment"]  # no temp folder left, stale one gone
 
     model = T.BertForSequenceClassification.from_pretrained(out, attn_implementation="eager", use_safetensors=True)
     tok = T.AutoTokenizer.from_pretrained(out)
