@@ -11,8 +11,9 @@ from .trace import Trace, trace
 from .methods import MIXING_METHODS, rollout
 from .saliency import SALIENCY_METHODS
 from .explain import Explanation, explain, scope_maps
-from .analysis import (contextualization_change, ff_amp, ff_outlier_correlations, ff_outliers,
-                       ff_residual_norms)
+from .analysis import (contextualization_change, corpus_report, ff_amp, ff_outlier_correlations, ff_outliers,
+                       ff_report, ff_residual_norms)
+from . import analysis  # noqa: F401 - ctxmix.analysis.* reachable after `import ctxmix`
 
 __version__ = "0.1.0"
 
@@ -22,5 +23,5 @@ __all__ = [
     "BadInput", "CtxmixError", "ModelLoadError", "UnsupportedArchitecture", "EMBEDDED", "Model",
     "load_model", "model_from_hf", "Trace", "trace", "MIXING_METHODS", "SALIENCY_METHODS", "METHODS",
     "rollout", "Explanation", "explain", "scope_maps", "contextualization_change", "ff_amp",
-    "ff_outliers", "ff_outlier_correlations", "ff_residual_norms", "__version__",
+    "ff_outliers", "ff_outlier_correlations", "ff_residual_norms", "corpus_report", "ff_report", "__version__",
 ]

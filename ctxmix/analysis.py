@@ -17,9 +17,11 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from .errors import BadInput
-from .methods import scope_layer_maps
+from .budget import batch_size_for, job_slot
+from .methods import scope_maps_batch
 from .models import Model
-from .trace import Trace, iter_trace_batch
+from .ranks import masked_ranks, spearman_from_ranks
+from .trace import Trace, TraceBatch, trace_batch_tensors
 
 POST_COMPARISONS = {  # name -> (before, after)
     "+Ff": ("Atb", "AtbFf"), "+Res": ("AtbFf", "AtbFfRes"), "+Ln": ("AtbFfRes", "AtbFfResLn"),
@@ -54,45 +56,86 @@ def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -
 Progress = bool | Callable[[int, int], None]
 
 
-TRACE_BATCH = 8  # sequences per padded forward pass in corpus loops
+TRACE_BATCH = None  # sequences per padded batch in corpus loops: None sizes it from the memory budget
+
+
+def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0,
+                  seed: int = 0) -> tuple[list[int], list[list[int]], list[list[str]], int]:
+    """Token ids of every non-empty text, masked in text order (so masking does not depend on
+    batching). Returns (text indices, ids, notes, number of empty texts skipped)."""
+    if isinstance(texts, str):
+        raise BadInput("texts must be a list of strings, not one string")
+    texts = list(texts)
+    if not texts:
+        raise BadInput("the corpus is empty")
+    rng = random.Random(seed)
+    index, ids_list, notes, skipped = [], [], [], 0
+    for k, text in enumerate(texts):
+        if not isinstance(text, str) or not text.strip():
+            skipped += 1
+            continue
+        ids, note = model.encode(text)
+        ids_list.append(mask_tokens(model, ids, mask_rate, rng) if mask_rate else ids)
+        notes.append(note)
+        index.append(k)
+    return index, ids_list, notes, skipped
+
+
+def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None) -> list[list[int]]:
+    """Length-bucketed batches: positions into `lengths`, sorted by length (stable), each batch
+    as many sequences as the memory budget holds at its longest length (or `batch_size`)."""
+    if batch_size is not None and batch_size < 1:
+        raise BadInput("batch_size must be at least 1")
+    order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+    batches: list[list[int]] = []
+    start = 0
+    while start < len(order):
+        # sorted ascending, so the batch's longest sequence is its last one: grow while it fits
+        size = 1
+        while start + size < len(order):
+            n = lengths[order[start + size]]
+            cap = batch_size if batch_size is not None else batch_size_for(model, n)
+            if size + 1 > cap:
+                break
+            size += 1
+        batches.append(order[start: start + size])
+        start += size
+    return batches
+
+
+def corpus_batches(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
+                   progress: Progress = True, desc: str = "sequences",
+                   batch_size: int | None = None) -> Iterator[tuple[list[int], TraceBatch]]:
+    """Trace the corpus in length-bucketed padded batches: yields (text indices, TraceBatch).
+    Empty texts are skipped (and counted in a warning). progress: True for a tqdm bar, or a
+    callable(done, total) (the dashboard's progress bar)."""
+    index, ids_list, notes, skipped = encode_corpus(model, texts, mask_rate, seed)
+    total = len(index) + skipped
+    bar = tqdm(total=total, desc=desc, disable=progress is not True)
+    done = skipped
+    bar.update(skipped)
+    batch_size = TRACE_BATCH if batch_size is None else batch_size
+    for batch in plan_batches(model, [len(ids) for ids in ids_list], batch_size):
+        if callable(progress):
+            progress(done, total)
+        tb = trace_batch_tensors(model, [ids_list[k] for k in batch], [notes[k] for k in batch])
+        yield [index[k] for k in batch], tb
+        done += len(batch)
+        bar.update(len(batch))
+    bar.close()
+    if callable(progress):
+        progress(total, total)
+    if skipped:
+        warnings.warn(f"{skipped} empty text(s) skipped", stacklevel=2)
 
 
 def corpus_traces(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
                   progress: Progress = True, desc: str = "sequences", batch_size: int | None = None) -> Iterator[Trace]:
-    """Trace the texts in order, `batch_size` sequences per padded forward pass (one sequence's
-    layer states held at a time); empty texts are skipped (and counted in a warning).
-    progress: True for a tqdm bar, or a callable(done, total) (the dashboard's progress bar)."""
-    texts = list(texts)
-    if not texts:
-        raise BadInput("the corpus is empty")
-    batch_size = TRACE_BATCH if batch_size is None else batch_size
-    if batch_size < 1:
-        raise BadInput("batch_size must be at least 1")
-    rng = random.Random(seed)
-    skipped = 0
-    bar = tqdm(total=len(texts), desc=desc, disable=progress is not True)
-    for start in range(0, len(texts), batch_size):
-        batch, notes = [], []
-        for text in texts[start: start + batch_size]:
-            if not isinstance(text, str) or not text.strip():
-                skipped += 1
-                continue
-            ids, note = model.encode(text)
-            batch.append(mask_tokens(model, ids, mask_rate, rng) if mask_rate else ids)
-            notes.append(note)
-        done = start
-        for tr in iter_trace_batch(model, batch, notes) if batch else ():
-            if callable(progress):
-                progress(done, len(texts))
-            yield tr
-            done += 1
-            bar.update(1)
-        bar.update(min(len(texts), start + batch_size) - done)
-    bar.close()
-    if callable(progress):
-        progress(len(texts), len(texts))
-    if skipped:
-        warnings.warn(f"{skipped} empty text(s) skipped", stacklevel=2)
+    """One-sequence Traces of the corpus (views into length-bucketed batches), in batch order."""
+    for _, tb in corpus_batches(model, texts, mask_rate, seed, progress, desc, batch_size):
+        errs = tb.errors.tolist()
+        for b in range(tb.B):
+            yield tb.trace(b, errs[b])
 
 
 def low_gamma_dims(model: Model, fraction: float) -> list[torch.Tensor] | None:
@@ -111,35 +154,46 @@ def low_gamma_dims(model: Model, fraction: float) -> list[torch.Tensor] | None:
     return keep
 
 
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(stats.spearmanr(a, b).statistic)
-
-
 class _ChangeAcc:
-    """Accumulates 1 - rho per (layer, comparison) over sequences."""
+    """1 - Spearman rho per (sequence, layer, comparison), computed and kept on the device."""
 
     def __init__(self, model: Model, lower_triangle: bool):
         self.comps = comparisons(model)
-        self.L = model.n_layers
         self.lower = lower_triangle
-        self.scores: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self.index: list[int] = []
+        self.values: list[torch.Tensor] = []  # (B, L, K) float64 per batch
+        self.names: list[str] | None = None
 
-    def add(self, n: int, maps: dict[str, np.ndarray]) -> None:
-        sel = np.tril_indices(n) if self.lower else (slice(None), slice(None))
-        for l in range(self.L):
-            for name, (a, b) in self.comps.items():
-                if a in maps and b in maps:
-                    rho = _spearman(maps[a][l][sel].ravel(), maps[b][l][sel].ravel())
-                    if not np.isnan(rho):
-                        self.scores[(l + 1, name)].append(1.0 - rho)
+    def add(self, index: list[int], tb: TraceBatch, maps: dict[str, torch.Tensor]) -> None:
+        names = [c for c, (a, b) in self.comps.items() if a in maps and b in maps]
+        self.names = names
+        mask = tb.mask
+        valid = mask[:, :, None] & mask[:, None, :]  # (B, n, n)
+        if self.lower:
+            valid = valid & torch.ones_like(valid[0]).tril()
+        valid = valid.flatten(1)[:, None]  # (B, 1, n*n)
+        scopes = dict.fromkeys(s for c in names for s in self.comps[c])
+        ranks = {s: masked_ranks(maps[s].flatten(2), valid) for s in scopes}
+        rho = torch.stack([spearman_from_ranks(ranks[self.comps[c][0]], ranks[self.comps[c][1]], valid)
+                           for c in names], -1)  # (B, L, K)
+        self.index += index
+        self.values.append(1.0 - rho)
 
     def frame(self) -> pd.DataFrame:
-        order = list(self.comps)
-        rows = [{"layer": l, "comparison": c, "change": float(np.mean(v)), "std": float(np.std(v)), "n": len(v)}
-                for (l, c), v in sorted(self.scores.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1])))]
-        return pd.DataFrame(rows, columns=["layer", "comparison", "change", "std", "n"])
+        cols = ["layer", "comparison", "change", "std", "n"]
+        if not self.values:
+            return pd.DataFrame(columns=cols)
+        order = np.argsort(self.index, kind="stable")  # text order: the result does not depend on batching
+        V = torch.cat(self.values).cpu().numpy()[order]  # (N, L, K): the one transfer of the pass
+        rows = []
+        for l in range(V.shape[1]):
+            for k, c in enumerate(self.names):
+                v = V[:, l, k]
+                v = v[~np.isnan(v)]
+                if len(v):
+                    rows.append({"layer": l + 1, "comparison": c, "change": float(np.mean(v)),
+                                 "std": float(np.std(v)), "n": len(v)})
+        return pd.DataFrame(rows, columns=cols)
 
 
 def ff_amp_matrix(before: np.ndarray, after: np.ndarray, normalise: str = "column") -> np.ndarray:
@@ -157,36 +211,114 @@ def ff_amp_scopes(model: Model) -> tuple[str, str]:
     return ("Atb", "AtbFf") if model.spec.position == "post" else ("AtbLn", "AtbLnFf")
 
 
+def _ff_amp_t(before: torch.Tensor, after: torch.Tensor, normalise: str) -> torch.Tensor:
+    """`ff_amp_matrix` on batched maps (..., n, n) in float64 (zero padding adds nothing to a sum)."""
+    dim = -2 if normalise == "column" else -1
+    before, after = before.double(), after.double()
+    return after / after.sum(dim, keepdim=True).clamp(min=1e-30) - before / before.sum(dim, keepdim=True).clamp(min=1e-30)
+
+
 class _AmpAcc:
-    """Accumulates FF-amp scores per (layer, output token type, input token type), i != j."""
+    """FF-amp sums and counts per (layer, output token id, input token id), i != j, kept sparse on
+    the device: one int64 key per cell, coalesced (sorted, summed) when the pending cells outgrow
+    the coalesced ones, never a V x V table."""
 
     def __init__(self, model: Model, normalise: str):
         ff_amp_matrix(np.ones((1, 1)), np.ones((1, 1)), normalise)  # validates the option early
+        self.model = model
         self.before, self.after = ff_amp_scopes(model)
         self.normalise = normalise
-        self.acc = [defaultdict(lambda: [0.0, 0]) for _ in range(model.n_layers)]
+        self.V = max(int(getattr(model.config, "vocab_size", 0) or 0), len(model.tokenizer))
+        self.keys = self.sums = self.counts = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending_size = 0
 
-    def add(self, tokens: list[str], maps: dict[str, np.ndarray]) -> None:
-        ii, jj = np.nonzero(~np.eye(len(tokens), dtype=bool))
-        for l, acc in enumerate(self.acc):
-            D = ff_amp_matrix(maps[self.before][l], maps[self.after][l], self.normalise)
-            for i, j, v in zip(ii, jj, D[ii, jj]):
-                cell = acc[(tokens[i], tokens[j])]
-                cell[0] += v
-                cell[1] += 1
+    def add(self, tb: TraceBatch, maps: dict[str, torch.Tensor]) -> None:
+        dev = maps[self.before].device
+        D = _ff_amp_t(maps[self.before], maps[self.after], self.normalise)  # (B, L, n, n)
+        B, L, n, _ = D.shape
+        ids = tb.ids
+        mask = tb.mask
+        valid = mask[:, :, None] & mask[:, None, :] & ~torch.eye(n, dtype=torch.bool, device=dev)
+        layer = torch.arange(L, device=dev).view(1, L, 1, 1)
+        keys = (layer * self.V + ids.view(B, 1, n, 1)) * self.V + ids.view(B, 1, 1, n)
+        keys = torch.where(valid[:, None], keys, torch.full_like(keys, -1))  # -1: no cell (dropped later)
+        self.pending.append((keys.flatten(), D.flatten()))
+        self.pending_size += keys.numel()
+        if self.pending_size > max(2**24, 0 if self.keys is None else 2 * self.keys.numel()):
+            self._coalesce()
+
+    def _coalesce(self) -> None:
+        if not self.pending:
+            return
+        keys = torch.cat([k for k, _ in self.pending])
+        vals = torch.cat([v for _, v in self.pending])
+        cnts = torch.ones_like(keys)
+        if self.keys is not None:
+            keys = torch.cat([self.keys, keys])
+            vals = torch.cat([self.sums, vals])
+            cnts = torch.cat([self.counts, cnts])
+        uniq, inv = torch.unique(keys, sorted=True, return_inverse=True)
+        sums = torch.zeros(len(uniq), dtype=torch.float64, device=keys.device).index_add_(0, inv, vals)
+        counts = torch.zeros(len(uniq), dtype=torch.long, device=keys.device).index_add_(0, inv, cnts)
+        keep = uniq >= 0
+        self.keys, self.sums, self.counts = uniq[keep], sums[keep], counts[keep]
+        self.pending, self.pending_size = [], 0
 
     def frame(self, top_k: int, min_count: int) -> pd.DataFrame:
+        cols = ["layer", "out_token", "in_token", "score", "count"]
+        self._coalesce()
+        if self.keys is None or not len(self.keys):
+            return pd.DataFrame(columns=cols)
+        keys, sums, counts = self.keys.cpu().numpy(), self.sums.cpu().numpy(), self.counts.cpu().numpy()
+        layer, rest = np.divmod(keys, self.V * self.V)
+        out_id, in_id = np.divmod(rest, self.V)
+        score = sums / counts
         rows = []
-        for l, d in enumerate(self.acc):
-            pairs = sorted(((k, s / c, c) for k, (s, c) in d.items() if c >= min_count), key=lambda t: -t[1])
-            rows += [{"layer": l + 1, "out_token": k[0], "in_token": k[1], "score": s, "count": c}
-                     for k, s, c in pairs[:top_k]]
-        return pd.DataFrame(rows, columns=["layer", "out_token", "in_token", "score", "count"])
+        for l in range(self.model.n_layers):
+            sel = np.nonzero((layer == l) & (counts >= min_count))[0]
+            sel = sel[np.argsort(-score[sel], kind="stable")][:top_k]
+            out_tok = self.model.tokens(out_id[sel].tolist())
+            in_tok = self.model.tokens(in_id[sel].tolist())
+            rows += [{"layer": l + 1, "out_token": o, "in_token": i, "score": float(score[k]), "count": int(counts[k])}
+                     for o, i, k in zip(out_tok, in_tok, sel)]
+        return pd.DataFrame(rows, columns=cols)
+
+
+class _FFStats:
+    """Sums over all real tokens, on the device: |FF input| and |FF output| per dimension,
+    ||FF output|| and ||RES2 bypass|| per layer, and the token count."""
+
+    def __init__(self, model: Model):
+        L, d = model.n_layers, model.layers[0].Wo.shape[1]
+        dev = model.device
+        self.model = model
+        self.s_in = torch.zeros(L, d, dtype=torch.float64, device=dev)
+        self.s_out = torch.zeros(L, d, dtype=torch.float64, device=dev)
+        self.n_out = torch.zeros(L, dtype=torch.float64, device=dev)
+        self.n_byp = torch.zeros(L, dtype=torch.float64, device=dev)
+        self.count = torch.zeros((), dtype=torch.float64, device=dev)
+
+    def add(self, tb: TraceBatch) -> None:
+        w = tb.mask.double()  # (B, n)
+        self.count += w.sum()
+        for l, st in enumerate(tb.states):
+            bypass = st.z if self.model.spec.position == "post" else st.r1
+            self.s_in[l] += torch.einsum("bn,bnd->d", w, st.z.abs().double())
+            self.s_out[l] += torch.einsum("bn,bnd->d", w, st.ff.abs().double())
+            self.n_out[l] += (st.ff.double().norm(dim=-1) * w).sum()
+            self.n_byp[l] += (bypass.double().norm(dim=-1) * w).sum()
+
+    def means(self):
+        c = float(self.count.clamp(min=1))
+        return (self.s_in.cpu().numpy() / c, self.s_out.cpu().numpy() / c,
+                self.n_out.cpu().numpy() / c, self.n_byp.cpu().numpy() / c)
 
 
 def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0,
                              mask_rate: float = 0.0, seed: int = 0, lower_triangle: bool = False,
-                             res2: str = "exact", progress: Progress = True) -> pd.DataFrame:
+                             res2: str = "exact", progress: Progress = True, batch_size: int | None = None,
+                             precision: str | None = None) -> pd.DataFrame:
     """Per layer and comparison, mean and std over sequences of 1 - Spearman rho between the
     flattened scope maps before and after a component (FF paper §5.1).
 
@@ -198,7 +330,8 @@ def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_g
     Columns: layer (from 1), comparison, change, std, n (sequences with a defined rho).
     """
     return corpus_report(model, texts, ignore_low_gamma=ignore_low_gamma, mask_rate=mask_rate, seed=seed,
-                         lower_triangle=lower_triangle, res2=res2, progress=progress, amp=False)["change"]
+                         lower_triangle=lower_triangle, res2=res2, progress=progress, amp=False,
+                         batch_size=batch_size, precision=precision)["change"]
 
 
 def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top_k: int = 50, min_count: int = 2,
@@ -213,48 +346,76 @@ def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top
                          min_count=min_count, progress=progress, change=False)["ff_amp"]
 
 
+def _check_fraction(name: str, v, low: float, high: float, high_open: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v < high if high_open else low <= v <= high):
+        raise BadInput(f"{name} must be a number in [{low}, {high}{')' if high_open else ']'}, got {v!r}")
+    return float(v)
+
+
 def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0, mask_rate: float = 0.0,
                   seed: int = 0, lower_triangle: bool = False, res2: str = "exact", normalise: str = "column",
-                  top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True,
-                  progress: Progress = True) -> dict[str, pd.DataFrame]:
-    """The contextualization change and the FF-amp pairs from one pass over the corpus
-    (the scope maps, the expensive part, are computed once per sequence; twice only when the
-    outlier ablation needs norms without the lowest-gamma dimensions)."""
+                  top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True, norms: bool = False,
+                  outliers: bool = False, progress: Progress = True, batch_size: int | None = None,
+                  precision: str | None = None) -> dict[str, pd.DataFrame]:
+    """The FF paper's corpus reports from one pass over the corpus: "change"
+    (`contextualization_change`), "ff_amp" (`ff_amp`), "residual_norms" (`ff_residual_norms`) and
+    "outliers" (`ff_outliers`), each asked for by its flag.
+
+    Sequences go through in length-bucketed padded batches (`batch_size` per batch, or as many as
+    the memory budget holds); the scope maps, their ranks and every sum stay on the model's device
+    and only the final tables come back. The scope maps are computed once per batch (twice only
+    when the outlier ablation needs norms without the lowest-gamma dimensions and FF-amp needs
+    them with). `precision` ("float32", "tf32", "bf16"; the model's default if None) applies to
+    the large products of the scope decomposition."""
+    from .precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
+    _check_fraction("ignore_low_gamma", ignore_low_gamma, 0.0, 1.0)
+    _check_fraction("mask_rate", mask_rate, 0.0, 1.0, high_open=False)
+    for name, v in (("top_k", top_k), ("min_count", min_count)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"{name} must be a whole number of at least 1, got {v!r}")
     keep = low_gamma_dims(model, ignore_low_gamma)
     ch = _ChangeAcc(model, lower_triangle) if change else None
     am = _AmpAcc(model, normalise) if amp else None
-    for tr in corpus_traces(model, texts, mask_rate, seed, progress, desc="FF analyses"):
-        maps = scope_layer_maps(tr, res2=res2, keep_dims=keep, next_ln=change)
-        if ch is not None:
-            ch.add(tr.n, maps)
-        if am is not None:
-            am.add(tr.tokens, maps if keep is None else scope_layer_maps(tr, res2=res2))
+    st = _FFStats(model) if (norms or outliers) else None
+    with job_slot(), torch.no_grad():
+        for index, tb in corpus_batches(model, texts, mask_rate, seed, progress, desc="FF analyses",
+                                        batch_size=batch_size):
+            if ch is not None or am is not None:
+                maps = scope_maps_batch(tb, res2=res2, keep_dims=keep, next_ln=change, precision=precision)
+                if ch is not None:
+                    ch.add(index, tb, maps)
+                if am is not None:
+                    am.add(tb, maps if keep is None else scope_maps_batch(tb, res2=res2, precision=precision))
+                del maps
+            if st is not None:
+                st.add(tb)
     out = {}
     if ch is not None:
         out["change"] = ch.frame()
     if am is not None:
         out["ff_amp"] = am.frame(top_k, min_count)
+    if st is not None:
+        m_in, m_out, n_out, n_byp = st.means()
+        if norms:
+            out["residual_norms"] = pd.DataFrame({"layer": np.arange(1, model.n_layers + 1), "ff_out_norm": n_out,
+                                                  "bypass_norm": n_byp, "ratio": n_byp / np.clip(n_out, 1e-30, None)})
+        if outliers:
+            frames = []
+            for l, lw in enumerate(model.layers):
+                gamma = lw.ff_norm.gamma.double().cpu().numpy()
+                frames.append(pd.DataFrame({"layer": l + 1, "dim": np.arange(len(gamma)), "gamma": gamma,
+                                            "ff_in_mean_abs": m_in[l], "ff_out_mean_abs": m_out[l]}))
+            out["outliers"] = pd.concat(frames, ignore_index=True)
     return out
 
 
-def _ff_stats(model: Model, texts, mask_rate, seed, progress, desc):
-    """Sums over all tokens: |FF input|, |FF output| per dimension; ||FF out||, ||bypass|| per token."""
-    L = model.n_layers
-    d = model.layers[0].Wo.shape[1]
-    s_in = np.zeros((L, d))
-    s_out = np.zeros((L, d))
-    n_out, n_byp = np.zeros(L), np.zeros(L)
-    count = 0
-    with torch.no_grad():
-        for tr in corpus_traces(model, texts, mask_rate, seed, progress, desc=desc):
-            count += tr.n
-            for l, st in enumerate(tr.states):
-                bypass = st.z if model.spec.position == "post" else st.r1
-                s_in[l] += st.z.abs().sum(0).double().cpu().numpy()
-                s_out[l] += st.ff.abs().sum(0).double().cpu().numpy()
-                n_out[l] += st.ff.norm(dim=-1).sum().item()
-                n_byp[l] += bypass.norm(dim=-1).sum().item()
-    return s_in / count, s_out / count, n_out / count, n_byp / count
+def ff_report(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
+              progress: Progress = True) -> dict[str, pd.DataFrame]:
+    """`ff_outliers` ("outliers") and `ff_residual_norms` ("residual_norms") from one pass."""
+    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True,
+                         outliers=True, progress=progress)
 
 
 def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
@@ -263,13 +424,8 @@ def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, s
     post-LN; the next layer's LN1, or the final norm, in pre-LN), and the mean |FF input| and
     mean |FF output| over all tokens of the corpus (FF paper §6.2, Fig. 8).
     Columns: layer (from 1), dim, gamma, ff_in_mean_abs, ff_out_mean_abs."""
-    m_in, m_out, _, _ = _ff_stats(model, texts, mask_rate, seed, progress, "FF outliers")
-    frames = []
-    for l, lw in enumerate(model.layers):
-        gamma = lw.ff_norm.gamma.double().cpu().numpy()
-        frames.append(pd.DataFrame({"layer": l + 1, "dim": np.arange(len(gamma)), "gamma": gamma,
-                                    "ff_in_mean_abs": m_in[l], "ff_out_mean_abs": m_out[l]}))
-    return pd.concat(frames, ignore_index=True)
+    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, outliers=True,
+                         progress=progress)["outliers"]
 
 
 def ff_outlier_correlations(outliers: pd.DataFrame) -> pd.DataFrame:
@@ -289,6 +445,5 @@ def ff_residual_norms(model: Model, texts: Iterable[str], *, mask_rate: float = 
     """Per layer, mean L2 norm over tokens of the FF output and of the vector RES2 bypasses
     around it (the attention-block output in post-LN, the residual stream in pre-LN; §6.1).
     Columns: layer, ff_out_norm, bypass_norm, ratio (bypass / FF)."""
-    _, _, n_out, n_byp = _ff_stats(model, texts, mask_rate, seed, progress, "RES2 norms")
-    return pd.DataFrame({"layer": np.arange(1, model.n_layers + 1), "ff_out_norm": n_out,
-                         "bypass_norm": n_byp, "ratio": n_byp / np.clip(n_out, 1e-30, None)})
+    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True,
+                         progress=progress)["residual_norms"]

@@ -27,10 +27,13 @@ _LOCK = threading.Lock()
 
 
 def model_fingerprint(model: Model) -> str:
-    """Name, dtype and what identifies the weights (hub commit, or the build's metadata)."""
+    """Name, dtype, the engine's default precision and what identifies the weights (hub commit,
+    or the build's metadata)."""
     c = model.hf.config
     parts = [model.name, str(model.dtype), str(getattr(c, "_commit_hash", "") or ""),
              json.dumps(model.info, sort_keys=True, default=str)]
+    if getattr(model, "precision", "float32") != "float32":  # float32 keys stay as they were
+        parts.append(f"precision={model.precision}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -151,9 +154,7 @@ def cached_explain(model: Model, text: str, methods: list[str], disk: bool = Tru
     return out
 
 
-def cached_frame(kind: str, parts: tuple, compute, disk: bool = True) -> pd.DataFrame:
-    """A DataFrame computed once per key (e.g. a corpus analysis), kept in memory and as csv."""
-    k = key(kind, *parts)
+def _frame_get(k: str, kind: str, disk: bool) -> pd.DataFrame | None:
     hit = _mem_get(k)
     if hit is not None:
         return hit.copy()
@@ -165,11 +166,37 @@ def cached_frame(kind: str, parts: tuple, compute, disk: bool = True) -> pd.Data
             return df.copy()
         except Exception:  # noqa: BLE001
             path.unlink(missing_ok=True)
-    df = compute()
+    return None
+
+
+def _frame_put(k: str, kind: str, df: pd.DataFrame, disk: bool) -> None:
     _mem_put(k, df)
     if disk:
         try:
-            _atomic_write(path, lambda p: df.to_csv(p, index=False))
+            _atomic_write(_dir(kind) / f"{k}.csv", lambda p: df.to_csv(p, index=False))
         except OSError:
             pass
+
+
+def cached_frame(kind: str, parts: tuple, compute, disk: bool = True) -> pd.DataFrame:
+    """A DataFrame computed once per key (e.g. a corpus analysis), kept in memory and as csv."""
+    k = key(kind, *parts)
+    df = _frame_get(k, kind, disk)
+    if df is None:
+        df = compute()
+        _frame_put(k, kind, df, disk)
     return df.copy()
+
+
+def cached_frames(entries: dict[str, tuple], compute, disk: bool = True) -> dict[str, pd.DataFrame]:
+    """Several DataFrames, each under its own key {kind: key parts}; those not cached are computed
+    together by compute(missing kinds) -> {kind: DataFrame} (one corpus pass for several reports)."""
+    keys = {kind: key(kind, *parts) for kind, parts in entries.items()}
+    out = {kind: _frame_get(k, kind, disk) for kind, k in keys.items()}
+    missing = [kind for kind, df in out.items() if df is None]
+    if missing:
+        new = compute(missing)
+        for kind in missing:
+            _frame_put(keys[kind], kind, new[kind], disk)
+            out[kind] = new[kind].copy()
+    return out

@@ -83,13 +83,21 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
 
 
 def explain(model: Model, text: str | None, methods, target=None, *, position: int | None = None,
-            input_ids: list[int] | None = None, res2: str = "exact", **saliency_options) -> Explanation:
+            input_ids: list[int] | None = None, res2: str = "exact", precision: str | None = None,
+            **saliency_options) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
 
     target: the class (index or label) for gradient methods on classifiers, or the token id
     for language models; the predicted one by default.
     position: the output row whose aggregated map is a mixing method's saliency.
+    precision: "float32" (exact), "tf32" or "bf16" for the large products of the scope and
+    value-zeroing decompositions; the model's default (`load_model(..., precision=)`) if None.
+    For a model loaded in float16/bfloat16 the decompositions run on float32 activations, and
+    `reconstruction_error` then includes the model's own half-precision rounding.
     """
+    from .precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
     methods = check_methods(methods, model.spec.position)
     if input_ids is None:
         tr = trace(model, text)
@@ -105,7 +113,7 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
                      model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes))
     ex.prediction = prediction_of(model, tr, pos)
-    for m, (lm, gm) in compute_maps(tr, methods, res2=res2).items():
+    for m, (lm, gm) in compute_maps(tr, methods, res2=res2, precision=precision).items():
         ex.layer_maps[m] = lm
         ex.global_maps[m] = gm
         ex.saliency[m] = gm[-1][pos].copy()
@@ -120,9 +128,13 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
 
 
 def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | None = None,
-               res2: str = "exact") -> dict[str, np.ndarray]:
+               res2: str = "exact", precision: str | None = None) -> dict[str, np.ndarray]:
     """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes
     layer l's outputs to layer l's inputs). Post-LN keys Atb, AtbFf, AtbFfRes, AtbFfResLn;
-    pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2."""
+    pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2.
+    precision: see `explain`."""
+    from .precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
     tr = trace(model, text) if input_ids is None else trace_ids(model, list(input_ids))
-    return scope_layer_maps(tr, res2=res2)
+    return scope_layer_maps(tr, res2=res2, precision=precision)

@@ -15,7 +15,9 @@ import torch
 
 from .errors import BadInput
 from .layer import alti_layer, norm_family_pieces, scope_pieces, value_zeroing_columns, value_zeroing_prepare
-from .trace import Trace
+from .budget import chunk_elements
+from .precision import engine_precision
+from .trace import Trace, TraceBatch
 
 # Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
 CHUNK_ELEMENTS = 2**25
@@ -116,9 +118,9 @@ def check_methods(methods, position: str | None = None) -> list[str]:
     return methods
 
 
-def _chunks(n: int, width: int, copies: int = 4) -> list[torch.Tensor]:
-    """Row index chunks so that a (rows, n, width) tensor times `copies` stays in budget."""
-    size = max(1, CHUNK_ELEMENTS // max(1, n * width * copies))
+def _chunks(n: int, width: int, copies: int = 4, batch: int = 1, device="cpu") -> list[torch.Tensor]:
+    """Row index chunks so that a (batch, rows, n, width) tensor times `copies` stays in budget."""
+    size = max(1, chunk_elements(device, CHUNK_ELEMENTS) // max(1, batch * n * width * copies))
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -132,91 +134,147 @@ def _ff_width(lw) -> int:
     return (lw.W1 if lw.W1 is not None else lw.Wg).shape[1]
 
 
+def _crop(maps: torch.Tensor, tb: TraceBatch) -> torch.Tensor:
+    """Zero the padded rows and columns of batched maps (B, L, n, n) (padded rows hold values of
+    no real token; padded columns are exactly zero already)."""
+    if tb.B == 1:
+        return maps
+    m = tb.mask
+    return maps * (m[:, None, :, None] & m[:, None, None, :])
+
+
+def _numpy(maps: torch.Tensor) -> np.ndarray:
+    """A batch of one's maps (1, L, n, n) as float64 numpy (L, n, n)."""
+    return maps[0].double().cpu().numpy()
+
+
 @torch.no_grad()
-def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,
-                     next_ln: bool = False, factorised: bool = True) -> dict[str, np.ndarray]:
-    """Per-layer scope maps {scope: (L, n, n)}: cell = ||F_i(x_j)||_2 of the exact pieces.
+def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None = None, next_ln: bool = False,
+                     factorised: bool = True, precision: str = "float32") -> dict[str, torch.Tensor]:
+    """Per-layer scope maps of a batch {scope: (B, L, n, n)} on the model's device, padding zeroed:
+    cell = ||F_i(x_j)||_2 of the exact pieces. One decomposition per layer and row chunk for the
+    whole batch; nothing leaves the device.
 
     keep_dims: per layer a boolean (d,) mask of the dimensions that enter the norm (the FF
     paper's outlier ablation drops the lowest-gamma 1 %), or None for all dimensions.
     """
-    n = tr.n
-    names = list(scope_names(tr.model.spec.position))
-    if next_ln and tr.model.spec.position == "pre":
+    model = tb.model
+    names = list(scope_names(model.spec.position))
+    if next_ln and model.spec.position == "pre":
         names.append("AtbLnFfResLn")
-    maps = {s: np.zeros((tr.model.n_layers, n, n)) for s in names}
-    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
-        keep = None if keep_dims is None else keep_dims[l]
-        cache: dict = {}  # per-layer products shared by the row chunks
-        for rows in _chunks(n, _ff_width(lw), copies=6):  # see value_zeroing_maps
-            pieces = scope_pieces(lw, st, rows.to(st.x.device), res2=res2, next_ln=next_ln, cache=cache,
-                                  factorised=factorised)
-            for s, (F, _) in pieces.items():
-                if s in maps:
-                    maps[s][l, rows.numpy()] = _norms(F, keep).double().cpu().numpy()
-    return maps
+    B, n, L = tb.B, tb.n, model.n_layers
+    dev = tb.states[0].x.device
+    maps = {s: torch.zeros(B, L, n, n, dtype=tb.states[0].x.dtype, device=dev) for s in names}
+    with engine_precision(precision, dev):
+        for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
+            keep = None if keep_dims is None else keep_dims[l]
+            cache: dict = {}  # per-layer products shared by the row chunks
+            for rows in _chunks(n, _ff_width(lw), copies=6, batch=B, device=dev):  # see value_zeroing_maps_batch
+                rows_d = rows.to(dev)
+                pieces = scope_pieces(lw, st, rows_d, res2=res2, next_ln=next_ln, cache=cache,
+                                      factorised=factorised, precision=precision)
+                for s, (F, _) in pieces.items():
+                    if s in maps:
+                        maps[s][:, l, rows_d] = _norms(F, keep)
+    return {s: _crop(v, tb) for s, v in maps.items()}
+
+
+def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,
+                     next_ln: bool = False, factorised: bool = True, precision: str = "float32") -> dict[str, np.ndarray]:
+    """Per-layer scope maps of one sequence {scope: (L, n, n)} as float64 numpy (see scope_maps_batch)."""
+    maps = scope_maps_batch(TraceBatch.of(tr), res2, keep_dims, next_ln, factorised, precision)
+    return {s: _numpy(v) for s, v in maps.items()}
 
 
 @torch.no_grad()
-def norm_layer_maps(tr: Trace, names: list[str]) -> dict[str, np.ndarray]:
-    """GlobEnc's N family and ALTI, per layer, from one shared decomposition per chunk."""
-    n, L = tr.n, tr.model.n_layers
-    maps = {m: np.zeros((L, n, n)) for m in names}
-    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
+def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]:
+    """GlobEnc's N family and ALTI per layer, {name: (B, L, n, n)} on the device, padding zeroed."""
+    model = tb.model
+    B, n, L = tb.B, tb.n, model.n_layers
+    dev = tb.states[0].x.device
+    acc = torch.promote_types(tb.states[0].x.dtype, torch.float32)
+    maps = {m: torch.zeros(B, L, n, n, dtype=acc, device=dev) for m in names}
+    for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
         y_alti = st.z if lw.position == "post" else st.r1
-        for rows in _chunks(n, st.x.shape[1], copies=6):
-            rows_d = rows.to(st.x.device)
+        for rows in _chunks(n, st.x.shape[-1], copies=6, batch=B, device=dev):
+            rows_d = rows.to(dev)
             P = norm_family_pieces(lw, st, rows_d)
             for m in names:
-                if m == "alti":
-                    v = alti_layer(P["alti_T"], y_alti[rows_d])
-                else:
-                    v = P[m].norm(dim=-1)
-                maps[m][l, rows.numpy()] = v.double().cpu().numpy()
-    return maps
+                maps[m][:, l, rows_d] = alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti" else P[m].norm(dim=-1)
+    return {m: _crop(v, tb) for m, v in maps.items()}
+
+
+def norm_layer_maps(tr: Trace, names: list[str]) -> dict[str, np.ndarray]:
+    """GlobEnc's N family and ALTI, per layer, from one shared decomposition per chunk."""
+    return {m: _numpy(v) for m, v in norm_maps_batch(TraceBatch.of(tr), names).items()}
 
 
 @torch.no_grad()
-def value_zeroing_maps(tr: Trace, factorised: bool = True) -> np.ndarray:
-    """Row-normalised value-zeroing maps (L, n, n), one batched layer call per chunk of zeroed
-    tokens; `factorised=False` applies the FF input projection to every perturbed vector."""
-    n, L = tr.n, tr.model.n_layers
-    out = np.zeros((L, n, n))
-    for l, (lw, st) in enumerate(zip(tr.model.layers, tr.states)):
-        prep = value_zeroing_prepare(lw, st) if factorised else None
-        # copies=6 (as for the scopes): smaller chunks keep the (c, n, d') temporaries nearer the
-        # cache, 5-20 % faster on CPU than chunks twice as large
-        for cols in _chunks(n, _ff_width(lw), copies=6):
-            D = value_zeroing_columns(lw, st, cols.to(st.x.device), prep, factorised)  # (c zeroed, n outputs)
-            out[l][:, cols.numpy()] = D.T.cpu().numpy()
-    s = out.sum(-1, keepdims=True)
-    return out / np.where(s > 0, s, 1.0)
+def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision: str = "float32") -> torch.Tensor:
+    """Row-normalised value-zeroing maps (B, L, n, n) in float64 on the device, one batched layer
+    call per chunk of zeroed tokens for the whole batch; `factorised=False` applies the FF input
+    projection to every perturbed vector."""
+    model = tb.model
+    B, n, L = tb.B, tb.n, model.n_layers
+    dev = tb.states[0].x.device
+    out = torch.zeros(B, L, n, n, dtype=torch.float64, device=dev)
+    with engine_precision(precision, dev):
+        for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
+            prep = value_zeroing_prepare(lw, st, precision) if factorised else None
+            # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
+            # cache, 5-20 % faster on CPU than chunks twice as large
+            for cols in _chunks(n, _ff_width(lw), copies=6, batch=B, device=dev):
+                cols_d = cols.to(dev)
+                D = value_zeroing_columns(lw, st, cols_d, prep, factorised, precision)  # (B, c zeroed, n outputs)
+                out[:, l, :, cols_d] = D.transpose(1, 2)
+    out = _crop(out, tb)
+    s = out.sum(-1, keepdim=True)
+    return out / torch.where(s > 0, s, torch.ones_like(s))
+
+
+def value_zeroing_maps(tr: Trace, factorised: bool = True, precision: str = "float32") -> np.ndarray:
+    """Row-normalised value-zeroing maps (L, n, n) of one sequence (see value_zeroing_maps_batch)."""
+    return _numpy(value_zeroing_maps_batch(TraceBatch.of(tr), factorised, precision))
 
 
 @torch.no_grad()
+def attention_maps_batch(tb: TraceBatch) -> torch.Tensor:
+    """Head-mean attention probabilities (B, L, n, n) in float64 on the device, padding zeroed."""
+    return _crop(torch.stack([st.alpha.double().mean(1) for st in tb.states], 1), tb)
+
+
 def attention_maps(tr: Trace) -> np.ndarray:
     """Head-mean attention probabilities (L, n, n)."""
-    return np.stack([st.alpha.double().mean(0).cpu().numpy() for st in tr.states])
+    return _numpy(attention_maps_batch(TraceBatch.of(tr)))
 
 
-def compute_maps(tr: Trace, methods: list[str], res2: str = "exact") -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{method: (layer maps, aggregated maps)} for the mixing methods among `methods`."""
-    res: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+def mixing_maps_batch(tb: TraceBatch, methods: list[str], res2: str = "exact",
+                      precision: str = "float32") -> dict[str, torch.Tensor]:
+    """Per-layer maps {method: (B, L, n, n)} on the device for the mixing methods among `methods`;
+    methods that share a decomposition share one computation."""
     want = [m for m in methods if m in MIXING_METHODS]
-    layer: dict[str, np.ndarray] = {}
+    layer: dict[str, torch.Tensor] = {}
     if {"attention", "attention_rollout"} & set(want):
-        A = attention_maps(tr)
+        A = attention_maps_batch(tb)
         layer["attention"] = A
-        layer["attention_rollout"] = 0.5 * A + 0.5 * np.eye(tr.n)
+        eye = torch.eye(tb.n, dtype=A.dtype, device=A.device) * tb.mask[:, None, :, None]
+        layer["attention_rollout"] = 0.5 * A + 0.5 * eye
     norm_names = [m for m in want if MIXING_METHODS[m].group == "norm"]
     if norm_names:
-        layer.update(norm_layer_maps(tr, norm_names))
+        layer.update(norm_maps_batch(tb, norm_names))
     if "value_zeroing" in want:
-        layer["value_zeroing"] = value_zeroing_maps(tr)
+        layer["value_zeroing"] = value_zeroing_maps_batch(tb, precision=precision)
     if any(MIXING_METHODS[m].group == "scope" for m in want):
-        layer.update(scope_layer_maps(tr, res2=res2))
-    for m in want:
-        info = MIXING_METHODS[m]
+        layer.update(scope_maps_batch(tb, res2=res2, precision=precision))
+    return {m: layer[m] for m in want}
+
+
+def compute_maps(tr: Trace, methods: list[str], res2: str = "exact",
+                 precision: str = "float32") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{method: (layer maps, aggregated maps)} for the mixing methods among `methods`, one sequence."""
+    res: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for m, maps in mixing_maps_batch(TraceBatch.of(tr), methods, res2, precision).items():
+        lm = _numpy(maps)
         # attention_rollout's layer map already holds 0.5*A + 0.5*I
-        res[m] = (layer[m], rollout(layer[m], row_normalise=info.rollout_normalise))
+        res[m] = (lm, rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise))
     return res

@@ -86,6 +86,7 @@ class Model:
     kind: str
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
+    precision: str = "float32"  # the engine's default precision for this model (ctxmix.precision)
 
     def __post_init__(self):
         if torch.device(self.device).type == "cpu":
@@ -95,9 +96,20 @@ class Model:
     def config(self):
         return self.hf.config
 
+    @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the decompositions run in: the model's, but float32 for half-precision
+        models (their activations and weights are upcast, so maps differ from the float32
+        model's only by what the rounded weights and the model's own half-precision forward change)."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
     @cached_property
     def layers(self) -> list[LayerWeights]:
-        return layer_weights(self.hf.base_model, self.hf.config, self.spec)
+        lws = layer_weights(self.hf.base_model, self.hf.config, self.spec)
+        if self.work_dtype != self.dtype:
+            for lw in lws:
+                _upcast(lw, self.work_dtype)
+        return lws
 
     @property
     def n_layers(self) -> int:
@@ -129,6 +141,16 @@ class Model:
 
     def tokens(self, ids: list[int]) -> list[str]:
         return list(self.tokenizer.convert_ids_to_tokens(ids))
+
+
+def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
+    """Copy one half-precision layer's weights to `dtype` in place (its norms included)."""
+    for k, v in list(lw.__dict__.items()):
+        if isinstance(v, torch.Tensor):
+            setattr(lw, k, v.to(dtype))
+    for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm) if n is not None}.values():
+        norm.gamma = norm.gamma.to(dtype)
+        norm.beta = None if norm.beta is None else norm.beta.to(dtype)
 
 
 def _kind_and_class(config):
@@ -239,10 +261,21 @@ def _build_sentiment(folder: Path) -> None:
     build_minilm_sentiment(folder)
 
 
-def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32") -> Model:
+def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32",
+               precision: str = "float32") -> Model:
     """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
     or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
-    unless `dtype` says otherwise ("float64" for exactness tests)."""
+    unless `dtype` says otherwise ("float64" for exactness tests). `precision` ("float32",
+    "tf32", "bf16") is the engine's default for this model's large products (ctxmix.precision)."""
+    from .precision import check_precision
+
+    check_precision(precision)
+    model = _load_model(name_or_path, device, dtype)
+    model.precision = precision
+    return model
+
+
+def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype) -> Model:
     dev = resolve_device(device)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -263,7 +296,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype
     return _from_folder_or_hub(name, name, dev, dtype)
 
 
-def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom") -> Model:
+def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
     """Wrap an already built transformers model (tests use tiny random ones)."""
     spec = spec_for(hf.config)
     cls = type(hf).__name__
@@ -273,4 +306,7 @@ def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom") -> Model
         hf.set_attn_implementation("eager")
     p = next(hf.parameters())
     hf.eval().requires_grad_(False)
-    return Model(hf=hf, tokenizer=tokenizer, name=name, device=p.device, spec=spec, kind=kind, dtype=p.dtype)
+    from .precision import check_precision
+
+    return Model(hf=hf, tokenizer=tokenizer, name=name, device=p.device, spec=spec, kind=kind, dtype=p.dtype,
+                 precision=check_precision(precision))

@@ -35,27 +35,85 @@ class Trace:
         return len(self.input_ids)
 
 
-def _build_trace(model: Model, input_ids: list[int], hs: list[torch.Tensor], atts: list[torch.Tensor],
-                 logits: torch.Tensor | None, notes: list[str] | None) -> Trace:
-    """Rebuild every layer of one sequence from its hidden states hs (L+1 of (n, d)) and
-    attention probabilities atts (L of (H, n, n))."""
+@dataclass
+class TraceBatch:
+    """Per-layer internals of B right-padded sequences, batch-first: states[l].x is (B, n, d)
+    with n the longest sequence, alpha (B, H, n, n). Padded keys have exactly zero attention;
+    padded rows hold finite values that every consumer crops (`lengths`, `mask`)."""
+
+    model: Model
+    input_ids: list[list[int]]
+    states: list[LayerState]
+    logits: torch.Tensor | None  # (B, n, vocab) or (B, n_labels) or None
+    errors: torch.Tensor  # (B,) reconstruction error of each sequence, on the device
+    notes: list[list[str]] = field(default_factory=list)
+    ids: torch.Tensor | None = None  # (B, n) padded input ids on the device
+    _mask: torch.Tensor | None = None
+
+    @property
+    def B(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n(self) -> int:
+        return self.states[0].x.shape[1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, n) bool on the device: True at real tokens."""
+        if self._mask is None:
+            lens = torch.tensor(self.lengths, device=self.states[0].x.device)
+            self._mask = torch.arange(self.n, device=lens.device)[None] < lens[:, None]
+        return self._mask
+
+    def trace(self, b: int, error: float | None = None) -> Trace:
+        """Sequence b as a one-sequence Trace (views into the batch, cropped to its tokens)."""
+        n = len(self.input_ids[b])
+        lg = None if self.logits is None else (self.logits[b] if self.logits.dim() == 2 else self.logits[b, :n])
+        states = [st.select(b, n) for st in self.states]
+        hidden = [st.x for st in states] + [states[-1].y]
+        return Trace(model=self.model, input_ids=list(self.input_ids[b]), tokens=self.model.tokens(self.input_ids[b]),
+                     hidden=hidden, states=states, logits=lg,
+                     reconstruction_error=float(self.errors[b]) if error is None else error,
+                     notes=list(self.notes[b]) if self.notes else [])
+
+    @classmethod
+    def of(cls, tr: "Trace | TraceBatch") -> "TraceBatch":
+        """A Trace as a batch of one (views), or a TraceBatch as it is."""
+        if isinstance(tr, TraceBatch):
+            return tr
+        err = torch.tensor([tr.reconstruction_error])
+        lg = None if tr.logits is None else tr.logits.unsqueeze(0)
+        dev = tr.states[0].x.device
+        return cls(model=tr.model, input_ids=[list(tr.input_ids)], states=[st.as_batch() for st in tr.states],
+                   logits=lg, errors=err, notes=[list(tr.notes)], ids=torch.tensor([tr.input_ids], device=dev),
+                   _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev))
+
+
+def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mask: torch.Tensor | None):
+    """Rebuild every layer from hidden states hs (L+1 of (..., n, d)) and attention probabilities
+    atts (L of (..., H, n, n)). Returns the states and the largest error per sequence against the
+    model's own states, counted on real tokens only (mask (..., n), or all tokens)."""
     if atts is None or len(atts) != model.n_layers or atts[0] is None:
         raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
     states = []
-    err = 0.0
+    err = torch.zeros(hs[0].shape[:-2], dtype=torch.float64, device=hs[0].device)
     for l, lw in enumerate(model.layers):
         st = layer_forward(lw, hs[l], atts[l])
         states.append(st)
         real = hs[l + 1]
+        mine = st.y
         if l == model.n_layers - 1 and model.spec.final_norm is not None:
-            # transformers hands back the last hidden state after the final norm
-            final = lw.next_norm
-            err = max(err, float((final(st.y) - real).abs().max()))
-        else:
-            err = max(err, float((st.y - real).abs().max()))
-    hidden = hs[:-1] + [states[-1].y]
-    return Trace(model=model, input_ids=list(input_ids), tokens=model.tokens(input_ids), hidden=hidden,
-                 states=states, logits=logits, reconstruction_error=err, notes=list(notes or []))
+            mine = lw.next_norm(st.y)  # transformers hands back the last hidden state after the final norm
+        diff = (mine - real).abs().amax(-1).double()
+        if mask is not None:
+            diff = diff * mask
+        err = torch.maximum(err, diff.amax(-1))
+    return states, err
 
 
 def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor):
@@ -65,50 +123,59 @@ def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor):
     return out
 
 
+def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
+    """The model's activations in the dtype the decompositions run in (its layer weights' dtype)."""
+    return t if t.dtype == model.work_dtype else t.to(model.work_dtype)
+
+
 @torch.no_grad()
 def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights."""
     ids = torch.tensor([input_ids], device=model.device)
     out = _forward(model, ids, torch.ones_like(ids))
     logits = getattr(out, "logits", None)
-    return _build_trace(model, input_ids, [h[0] for h in out.hidden_states], [a[0] for a in out.attentions],
-                        None if logits is None else logits[0], notes)
-
-
-def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:
-    """Trace several sequences with one padded forward pass (right padding, masked keys).
-
-    Masked keys get exactly zero attention, so each sequence's states equal its unpadded
-    trace up to float rounding (tests/test_methods.py checks it for every family); the layer
-    rebuilding and every decomposition then run per sequence on the unpadded part."""
-    return list(iter_trace_batch(model, batch, notes))
+    hs = [_activations(model, h[0]) for h in out.hidden_states]
+    states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
+    return Trace(model=model, input_ids=list(input_ids), tokens=model.tokens(input_ids), hidden=hs[:-1] + [states[-1].y],
+                 states=states, logits=None if logits is None else logits[0], reconstruction_error=float(err),
+                 notes=list(notes or []))
 
 
 @torch.no_grad()
-def iter_trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None):
-    """`trace_batch` as a generator: one forward pass, each Trace rebuilt only when asked for,
-    so a corpus loop holds one sequence's layer states at a time."""
+def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> TraceBatch:
+    """Trace B sequences with one padded forward pass (right padding, masked keys) and rebuild
+    every layer for the whole batch at once. Masked keys get exactly zero attention, so each
+    sequence's states equal its unpadded trace up to float rounding (tests check every family)."""
     if not batch or any(len(ids) == 0 for ids in batch):
         raise ValueError("trace_batch needs non-empty sequences")
-    notes = notes or [[] for _ in batch]
-    if len(batch) == 1:
-        yield trace_ids(model, batch[0], notes[0])
-        return
     n_max = max(len(ids) for ids in batch)
     pad = model.tokenizer.pad_token_id
     pad = 0 if pad is None else pad
-    ids = torch.full((len(batch), n_max), pad, dtype=torch.long, device=model.device)
-    mask = torch.zeros_like(ids)
-    for b, seq in enumerate(batch):
-        ids[b, : len(seq)] = torch.tensor(seq, device=model.device)
-        mask[b, : len(seq)] = 1
-    out = _forward(model, ids, mask)
+    ids = torch.tensor([list(seq) + [pad] * (n_max - len(seq)) for seq in batch], dtype=torch.long, device=model.device)
+    lens = torch.tensor([len(seq) for seq in batch], device=model.device)
+    mask = torch.arange(n_max, device=model.device)[None] < lens[:, None]
+    out = _forward(model, ids, mask.long())
     logits = getattr(out, "logits", None)
-    for b, seq in enumerate(batch):
-        n = len(seq)
-        lg = None if logits is None else (logits[b] if logits.dim() == 2 else logits[b, :n])
-        yield _build_trace(model, seq, [h[b, :n] for h in out.hidden_states],
-                           [a[b, :, :n, :n].contiguous() for a in out.attentions], lg, notes[b])
+    states, err = _rebuild(model, [_activations(model, h) for h in out.hidden_states],
+                           [_activations(model, a) for a in out.attentions], mask)
+    return TraceBatch(model=model, input_ids=[list(s) for s in batch], states=states, logits=logits, errors=err,
+                      notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask)
+
+
+def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:
+    """Trace several sequences with one padded forward pass; one Trace per sequence."""
+    return list(iter_trace_batch(model, batch, notes))
+
+
+def iter_trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None):
+    """`trace_batch` as a generator of one-sequence Traces (views into one batched trace)."""
+    if len(batch) == 1 and batch[0]:
+        yield trace_ids(model, batch[0], (notes or [[]])[0])
+        return
+    tb = trace_batch_tensors(model, batch, notes)
+    errs = tb.errors.tolist()
+    for b in range(tb.B):
+        yield tb.trace(b, errs[b])
 
 
 def trace(model: Model, text: str) -> Trace:

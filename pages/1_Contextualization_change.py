@@ -3,8 +3,8 @@ for each component, the dynamics against the pre-FF map, RES2 norms, FF-amplifie
 
 import streamlit as st
 
-from ctxmix.analysis import comparisons, corpus_report, ff_residual_norms
-from ctxmix.cache import cached_frame, model_fingerprint
+from ctxmix.analysis import comparisons, corpus_report
+from ctxmix.cache import cached_frames, model_fingerprint
 from ctxmix import plots
 from ui import common
 
@@ -39,14 +39,15 @@ with common.errors_as_messages():
     def progress(done, total):
         bar.progress(done / max(total, 1), text=f"{done}/{total} sequences")
 
-    report = {}
-    report["change"] = cached_frame("change", (fp, corpus_key, len(texts), opts),
-                                    lambda: corpus_report(model, texts, amp=False, progress=progress, **opts)["change"])
-    report["ff_amp"] = cached_frame("ff_amp", (fp, corpus_key, len(texts), opts["mask_rate"]),
-                                    lambda: corpus_report(model, texts, change=False, progress=progress,
-                                                          mask_rate=opts["mask_rate"])["ff_amp"])
-    res2 = cached_frame("res2", (fp, corpus_key, len(texts), opts["mask_rate"]),
-                        lambda: ff_residual_norms(model, texts, mask_rate=opts["mask_rate"], progress=progress))
+    # one pass over the corpus for whichever of the three reports is not cached yet; each keeps its own key
+    report = cached_frames(
+        {"change": (fp, corpus_key, len(texts), opts), "ff_amp": (fp, corpus_key, len(texts), opts["mask_rate"]),
+         "res2": (fp, corpus_key, len(texts), opts["mask_rate"])},
+        lambda missing: {
+            {"residual_norms": "res2"}.get(k, k): v
+            for k, v in corpus_report(model, texts, change="change" in missing, amp="ff_amp" in missing,
+                                      norms="res2" in missing, progress=progress, **opts).items()})
+    res2 = report["res2"]
     bar.empty()
 
     df = report["change"]

@@ -4,7 +4,7 @@ import streamlit as st
 
 import ctxmix
 from ctxmix import plots
-from ctxmix.cache import cached_frame, model_fingerprint
+from ctxmix.cache import cached_frames, model_fingerprint
 from ui import common
 
 common.page_setup()
@@ -19,8 +19,12 @@ texts, corpus_key = common.corpus_picker()
 
 with common.errors_as_messages():
     bar = st.progress(0.0, text="Collecting FF statistics…")
-    df = cached_frame("outliers", (model_fingerprint(model), corpus_key, len(texts)),
-                      lambda: ctxmix.ff_outliers(model, texts, progress=lambda d, t: bar.progress(d / max(t, 1))))
+    fp = model_fingerprint(model)
+    # one FF-statistics pass gives the outliers and the RES2 norms the Contextualization change page shows
+    df = cached_frames(
+        {"outliers": (fp, corpus_key, len(texts)), "res2": (fp, corpus_key, len(texts), 0.0)},
+        lambda missing: {{"residual_norms": "res2"}.get(k, k): v for k, v in ctxmix.analysis.ff_report(
+            model, texts, progress=lambda d, t: bar.progress(d / max(t, 1))).items()})["outliers"]
     bar.empty()
     corr = ctxmix.ff_outlier_correlations(df)
 

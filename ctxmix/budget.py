@@ -1,0 +1,91 @@
+"""How much memory the engine may use, and the batch sizes that follow from it.
+
+The budget on CUDA is min(free device memory + what torch's allocator holds unused,
+per-process fraction x total - what is allocated), so `torch.cuda.set_per_process_memory_fraction`
+(a small card simulated on a big one) is honoured, which `mem_get_info` alone ignores. Concurrent
+engine jobs of one process share it (`job_slot`). On a CPU it is a quarter of the available
+memory, at most 4 GiB.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+_ACTIVE = 0
+_LOCK = threading.Lock()
+
+CPU_MAX_BYTES = 4 * 2**30
+CPU_MAX_BATCH = 8  # sequences per batch on a CPU: larger batches hold more states for no speed
+CUDA_MAX_BATCH = 64
+
+
+@contextmanager
+def job_slot():
+    """Count this engine job among the concurrent ones that share the memory budget."""
+    global _ACTIVE
+    with _LOCK:
+        _ACTIVE += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ACTIVE -= 1
+
+
+def _cpu_available() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def memory_budget(device) -> int:
+    """Bytes one engine job may use on `device` now (shared among the concurrent jobs)."""
+    dev = torch.device(device)
+    share = max(1, _ACTIVE)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        allocated = torch.cuda.memory_allocated(dev)
+        cached = torch.cuda.memory_reserved(dev) - allocated
+        frac = torch.cuda.get_per_process_memory_fraction(dev)
+        budget = min(free + cached, int(frac * total) - allocated)
+        return max(0, budget) // share
+    return min(CPU_MAX_BYTES, _cpu_available() // 4) // share
+
+
+def sequence_bytes(model, n: int, n_maps: int = 6) -> int:
+    """Memory one sequence of n tokens holds during a corpus pass: its traced layer states
+    (8 vectors of width d and 2 of width d' per token, H x n x n attention per layer), and
+    `n_maps` float64 maps per layer with their ranks and sort indices."""
+    lw = model.layers[0]
+    d, dff, H, L = lw.Wo.shape[1], lw.W2.shape[0], lw.n_heads, model.n_layers
+    elem = torch.finfo(model.work_dtype).bits // 8
+    states = L * (n * (8 * d + 2 * dff) + H * n * n) * elem
+    maps = 3 * n_maps * L * n * n * 8
+    return states + maps
+
+
+def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | None = None) -> int:
+    """Sequences of up to n tokens per batch: as many as half the budget holds (the other half is
+    for the chunked decompositions), at least 1, at most `max_batch`."""
+    dev = torch.device(model.device)
+    if max_batch is None:
+        max_batch = CUDA_MAX_BATCH if dev.type == "cuda" else CPU_MAX_BATCH
+    budget = memory_budget(dev) if budget is None else budget
+    return int(max(1, min(max_batch, (budget // 2) // max(1, sequence_bytes(model, n)))))
+
+
+def chunk_elements(device, default: int) -> int:
+    """Elements of the largest temporary of a chunked decomposition: `default` on a CPU (sized to
+    stay near the cache); on CUDA an eighth of the budget in float32 words, so that fewer, larger
+    products keep the GPU busy."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return default
+    return max(default, memory_budget(dev) // (8 * 4))

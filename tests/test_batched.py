@@ -1,0 +1,213 @@
+"""The batched engine: each sequence of a padded batch gets exactly its own unbatched maps,
+on every family, for every mixing method and scope, in float32 and float64."""
+
+import numpy as np
+import pytest
+import torch
+
+from ctxmix.methods import MIXING_METHODS, compute_maps, mixing_maps_batch, scope_maps_batch, scope_names
+from ctxmix.trace import trace_batch_tensors, trace_ids
+
+from conftest import FAMILIES, tiny_model
+
+TEXTS = ["the keys to the cabinet are on the table .", "a small dog barked .",
+         "she loves math rather than engaging in sports , and her brother does not ."]
+MIXING = [m for m, info in MIXING_METHODS.items() if info.group != "scope"]
+
+
+def _float32_inside(m) -> bool:
+    """Families whose Hugging Face code runs a softmax or RMSNorm in float32 even in a float64
+    model (OPT, Llama): a padded and an unpadded forward pass then differ at float32 rounding."""
+    return m.spec.family in ("OPT", "Llama")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("reference", ["own states", "own forward pass"])
+def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, reference):
+    """"own states": the engine on the batch against the engine on each sequence's cropped states of
+    the same forward pass (isolates the batched decompositions: 1e-10 in float64, 1e-5 in float32);
+    "own forward pass": against an unpadded trace of the sequence alone (adds the model's own
+    padded-vs-unpadded rounding, float32-sized in families that compute in float32 inside)."""
+    m = tiny_model(family, tokenizer, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    if reference == "own forward pass" and _float32_inside(m):
+        tol = max(tol, 1e-6)
+    batch = [m.encode(t)[0] for t in TEXTS]
+    lens = [len(ids) for ids in batch]
+    assert len(set(lens)) == len(lens)  # really padded
+    methods = MIXING + list(scope_names(m.spec.position))
+    tb = trace_batch_tensors(m, batch)
+    got = mixing_maps_batch(tb, methods)
+    scopes = scope_maps_batch(tb, next_ln=True)
+    for b, ids in enumerate(batch):
+        n = len(ids)
+        tr = tb.trace(b) if reference == "own states" else trace_ids(m, ids)
+        assert float(tb.errors[b]) == pytest.approx(tr.reconstruction_error, abs=tol)
+        ref = compute_maps(tr, methods)
+        for meth in methods:
+            g = got[meth][b].double().cpu().numpy()
+            np.testing.assert_allclose(g[:, :n, :n], ref[meth][0], rtol=0, atol=tol, err_msg=f"{family} {meth}")
+            assert np.all(g[:, n:, :] == 0) and np.all(g[:, :, n:] == 0), f"padding leaked into {meth}"
+        ref_scopes = {k: v for k, v in __import__("ctxmix").methods.scope_layer_maps(tr, next_ln=True).items()}
+        assert set(ref_scopes) == set(scopes)
+        for k, v in ref_scopes.items():
+            np.testing.assert_allclose(scopes[k][b, :, :n, :n].double().cpu().numpy(), v, rtol=0, atol=tol)
+
+
+def test_batched_rows_sum_to_one_where_promised(tokenizer):
+    m = tiny_model("bert", tokenizer)
+    batch = [m.encode(t)[0] for t in TEXTS]
+    tb = trace_batch_tensors(m, batch)
+    got = mixing_maps_batch(tb, ["attention", "alti", "value_zeroing"])
+    for b, ids in enumerate(batch):
+        n = len(ids)
+        for meth, maps in got.items():
+            np.testing.assert_allclose(maps[b, :, :n, :n].sum(-1).cpu().numpy(), 1.0, atol=1e-10, err_msg=meth)
+
+
+# ----------------------------------------------------------------- corpus analyses on the device
+
+CORPUS = TEXTS + ["the cat sat .", "", "why do the dogs that the cats chase bark at night ?",
+                  "a very long sentence about nothing in particular that goes on and on for a while ."]
+
+
+def _reports(m, batch_size):
+    import warnings
+
+    from ctxmix.analysis import corpus_report
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the empty text's warning
+        return corpus_report(m, CORPUS, change=True, amp=True, norms=True, outliers=True, min_count=1,
+                             top_k=1000, progress=False, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_corpus_reports_do_not_depend_on_batching(tokenizer, family, dtype):
+    """Every corpus report (change, FF-amp, RES2 norms, outliers) from one-sequence batches equals
+    the one from padded, length-bucketed batches (float64 1e-10, float32 1e-5)."""
+    m = tiny_model(family, tokenizer, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    if _float32_inside(m):
+        tol = max(tol, 1e-6)
+    one, many = _reports(m, 1), _reports(m, 3)
+    for k in one:
+        a, b = one[k], many[k]
+        assert list(a.columns) == list(b.columns) and len(a) == len(b) > 0, k
+        if k == "ff_amp":  # ties may order differently: compare as a table keyed by the pair
+            a = a.sort_values(["layer", "out_token", "in_token"]).reset_index(drop=True)
+            b = b.sort_values(["layer", "out_token", "in_token"]).reset_index(drop=True)
+        for c in a.columns:
+            if a[c].dtype.kind in "fc":
+                np.testing.assert_allclose(a[c].to_numpy(), b[c].to_numpy(), rtol=0, atol=tol, err_msg=f"{k} {c}")
+            else:
+                assert a[c].tolist() == b[c].tolist(), (k, c)
+    assert set(one["change"]["n"]) == {len(CORPUS) - 1}  # the empty text is skipped
+
+
+def test_ff_amp_matches_the_dictionary_definition(tokenizer):
+    """FF-amp averaged per (output token, input token) pair, i != j, by hand from scope maps."""
+    from collections import defaultdict
+
+    import ctxmix
+    from ctxmix.analysis import ff_amp_matrix, ff_amp_scopes
+
+    m = tiny_model("bert", tokenizer)
+    df = ctxmix.ff_amp(m, CORPUS[:4], min_count=1, top_k=10**6, progress=False)
+    before, after = ff_amp_scopes(m)
+    acc = defaultdict(list)
+    for t in CORPUS[:4]:
+        s = ctxmix.scope_maps(m, t)
+        toks = m.tokens(m.encode(t)[0])
+        D = ff_amp_matrix(s[before][1], s[after][1])
+        for i in range(len(toks)):
+            for j in range(len(toks)):
+                if i != j:
+                    acc[(toks[i], toks[j])].append(D[i, j])
+    got = df[df.layer == 2].set_index(["out_token", "in_token"])
+    assert len(got) == len(acc)
+    for pair, v in acc.items():
+        assert got.loc[pair, "score"] == pytest.approx(np.mean(v), abs=1e-12)
+        assert got.loc[pair, "count"] == len(v)
+
+
+def test_device_spearman_equals_scipy_with_ties():
+    from scipy import stats
+
+    from ctxmix.ranks import average_ranks, spearman
+
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(average_ranks(torch.tensor([3.0, 1.0, 3.0, 2.0, 3.0])).numpy(), [4, 1, 4, 2, 4])
+    a = rng.integers(0, 4, size=(6, 50)).astype(float)  # many ties
+    b = rng.normal(size=(6, 50))
+    b[:, :10] = 0.5
+    got = spearman(torch.tensor(a), torch.tensor(b)).numpy()
+    ref = [stats.spearmanr(x, y).statistic for x, y in zip(a, b)]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
+    # masked cells leave the others' ranks alone, and a constant side gives NaN as in scipy
+    valid = torch.zeros(50, dtype=torch.bool)
+    valid[:30] = True
+    got = spearman(torch.tensor(a), torch.tensor(b), valid).numpy()
+    np.testing.assert_allclose(got, [stats.spearmanr(x[:30], y[:30]).statistic for x, y in zip(a, b)], atol=1e-12)
+    assert np.isnan(float(spearman(torch.ones(5), torch.arange(5.0))))
+
+
+def test_corpus_pass_does_not_synchronise_per_sequence(tokenizer, monkeypatch):
+    """No .cpu()/.item()/.tolist()/.numpy() in the corpus loop: the count of such calls is the
+    same for a corpus twice as long (only the final tables come back from the device)."""
+    from ctxmix.analysis import corpus_report
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    calls = {"n": 0}
+    for name in ("cpu", "item", "tolist", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            calls["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = []
+    for k in (1, 2):
+        calls["n"] = 0
+        corpus_report(m, TEXTS * 2 * k, change=True, amp=True, norms=True, outliers=True, progress=False,
+                      batch_size=2)
+        counts.append(calls["n"])
+    assert counts[0] == counts[1], counts
+
+
+def test_batches_are_length_bucketed_and_fit_the_budget(tokenizer):
+    from ctxmix.analysis import plan_batches
+    from ctxmix.budget import batch_size_for, memory_budget, sequence_bytes
+
+    m = tiny_model("bert", tokenizer)
+    lengths = [5, 40, 7, 40, 6, 12, 39, 8]
+    plan = plan_batches(m, lengths, batch_size=3)
+    assert sorted(k for b in plan for k in b) == list(range(len(lengths)))
+    assert [len(b) for b in plan] == [3, 3, 2]
+    flat = [lengths[k] for b in plan for k in b]
+    assert flat == sorted(flat)
+    assert memory_budget("cpu") > 0
+    one = sequence_bytes(m, 128)
+    assert batch_size_for(m, 128, budget=2 * one * 3, max_batch=64) == 3  # half the budget for states
+    assert batch_size_for(m, 128, budget=1) == 1  # never zero
+    assert sequence_bytes(m, 512) > 4 * sequence_bytes(m, 128)  # the n^2 terms
+
+
+def test_corpus_api_rejects_bad_arguments(tokenizer):
+    import ctxmix
+    from ctxmix.errors import BadInput
+
+    m = tiny_model("bert", tokenizer)
+    with pytest.raises(BadInput, match="not one string"):
+        ctxmix.contextualization_change(m, "a string", progress=False)
+    with pytest.raises(BadInput, match="ignore_low_gamma"):
+        ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=1.5, progress=False)
+    with pytest.raises(BadInput, match="mask_rate"):
+        ctxmix.contextualization_change(m, TEXTS, mask_rate=-1, progress=False)
+    with pytest.raises(BadInput, match="top_k"):
+        ctxmix.ff_amp(m, TEXTS, top_k=-1, progress=False)
+    with pytest.raises(BadInput, match="batch_size"):
+        ctxmix.contextualization_change(m, TEXTS, batch_size=0, progress=False)
