@@ -213,6 +213,10 @@ class LayerState:
             return self
         return LayerState(**{k: (None if v is None else v.unsqueeze(0)) for k, v in self.__dict__.items()})
 
+    def sub_batch(self, part: slice) -> "LayerState":
+        """Sequences `part` of a batch (views)."""
+        return LayerState(**{k: (None if v is None else v[part]) for k, v in self.__dict__.items()})
+
     def select(self, b: int, n: int) -> "LayerState":
         """Sequence b of a batch, cropped to its n real tokens (views)."""
         crop = {k: (None if v is None else v[b, ..., :n, :]) for k, v in self.__dict__.items() if k != "alpha"}

@@ -124,6 +124,18 @@ def _chunks(n: int, width: int, copies: int = 4, batch: int = 1, device="cpu") -
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
+MIN_ROWS = 16  # fewest output rows per chunk before the batch is split instead
+
+
+def _sub_batches(B: int, n: int, width: int, copies: int, device) -> list[slice]:
+    """Split a batch so that each part gets chunks of at least MIN_ROWS rows (or all n): every row
+    chunk re-reads the per-layer products of its whole part (B x n x H x d'), so many thin chunks
+    of a big batch cost more than a few thick chunks of a smaller one."""
+    per_seq = n * width * copies * min(n, MIN_ROWS)
+    size = max(1, min(B, chunk_elements(device, CHUNK_ELEMENTS) // max(1, per_seq)))
+    return [slice(i, min(B, i + size)) for i in range(0, B, size)]
+
+
 def _norms(F: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     if keep is not None:
         F = F[..., keep]
@@ -166,16 +178,18 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
     dev = tb.states[0].x.device
     maps = {s: torch.zeros(B, L, n, n, dtype=tb.states[0].x.dtype, device=dev) for s in names}
     with engine_precision(precision, dev):
-        for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
+        for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             keep = None if keep_dims is None else keep_dims[l]
-            cache: dict = {}  # per-layer products shared by the row chunks
-            for rows in _chunks(n, _ff_width(lw), copies=6, batch=B, device=dev):  # see value_zeroing_maps_batch
-                rows_d = rows.to(dev)
-                pieces = scope_pieces(lw, st, rows_d, res2=res2, next_ln=next_ln, cache=cache,
-                                      factorised=factorised, precision=precision)
-                for s, (F, _) in pieces.items():
-                    if s in maps:
-                        maps[s][:, l, rows_d] = _norms(F, keep)
+            for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
+                st = st_all.sub_batch(part)
+                cache: dict = {}  # per-layer products shared by the row chunks
+                for rows in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):  # see value_zeroing_maps_batch
+                    rows_d = rows.to(dev)
+                    pieces = scope_pieces(lw, st, rows_d, res2=res2, next_ln=next_ln, cache=cache,
+                                          factorised=factorised, precision=precision)
+                    for s, (F, _) in pieces.items():
+                        if s in maps:
+                            maps[s][part, l, rows_d] = _norms(F, keep)
     return {s: _crop(v, tb) for s, v in maps.items()}
 
 
@@ -194,13 +208,17 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
     dev = tb.states[0].x.device
     acc = torch.promote_types(tb.states[0].x.dtype, torch.float32)
     maps = {m: torch.zeros(B, L, n, n, dtype=acc, device=dev) for m in names}
-    for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
-        y_alti = st.z if lw.position == "post" else st.r1
-        for rows in _chunks(n, st.x.shape[-1], copies=6, batch=B, device=dev):
-            rows_d = rows.to(dev)
-            P = norm_family_pieces(lw, st, rows_d)
-            for m in names:
-                maps[m][:, l, rows_d] = alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti" else P[m].norm(dim=-1)
+    for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
+        d = st_all.x.shape[-1]
+        for part in _sub_batches(B, n, d, 6, dev):
+            st = st_all.sub_batch(part)
+            y_alti = st.z if lw.position == "post" else st.r1
+            for rows in _chunks(n, d, copies=6, batch=st.x.shape[0], device=dev):
+                rows_d = rows.to(dev)
+                P = norm_family_pieces(lw, st, rows_d)
+                for m in names:
+                    maps[m][part, l, rows_d] = (alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti"
+                                                else P[m].norm(dim=-1))
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
@@ -219,14 +237,16 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
     dev = tb.states[0].x.device
     out = torch.zeros(B, L, n, n, dtype=torch.float64, device=dev)
     with engine_precision(precision, dev):
-        for l, (lw, st) in enumerate(zip(model.layers, tb.states)):
-            prep = value_zeroing_prepare(lw, st, precision) if factorised else None
-            # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
-            # cache, 5-20 % faster on CPU than chunks twice as large
-            for cols in _chunks(n, _ff_width(lw), copies=6, batch=B, device=dev):
-                cols_d = cols.to(dev)
-                D = value_zeroing_columns(lw, st, cols_d, prep, factorised, precision)  # (B, c zeroed, n outputs)
-                out[:, l, :, cols_d] = D.transpose(1, 2)
+        for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
+            for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
+                st = st_all.sub_batch(part)
+                prep = value_zeroing_prepare(lw, st, precision) if factorised else None
+                # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
+                # cache, 5-20 % faster on CPU than chunks twice as large
+                for cols in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):
+                    cols_d = cols.to(dev)
+                    D = value_zeroing_columns(lw, st, cols_d, prep, factorised, precision)  # (B, c zeroed, n outputs)
+                    out[part, l, :, cols_d] = D.transpose(1, 2)
     out = _crop(out, tb)
     s = out.sum(-1, keepdim=True)
     return out / torch.where(s > 0, s, torch.ones_like(s))

@@ -21,10 +21,22 @@ def _float32_inside(m) -> bool:
     return m.spec.family in ("OPT", "Llama")
 
 
+@pytest.fixture(params=["whole batch", "sub-batches"])
+def splitting(request, monkeypatch):
+    """"sub-batches": a budget that splits a batch of three into parts of two and one, with
+    their own row chunks (ctxmix.methods._sub_batches)."""
+    import ctxmix.methods as M
+
+    if request.param == "sub-batches":
+        n = max(len(t.split()) for t in TEXTS) + 4
+        monkeypatch.setattr(M, "CHUNK_ELEMENTS", 2 * n * 40 * 6 * M.MIN_ROWS)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("reference", ["own states", "own forward pass"])
-def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, reference):
+def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, reference, splitting):
     """"own states": the engine on the batch against the engine on each sequence's cropped states of
     the same forward pass (isolates the batched decompositions: 1e-10 in float64, 1e-5 in float32);
     "own forward pass": against an unpadded trace of the sequence alone (adds the model's own
