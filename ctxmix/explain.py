@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from .errors import BadInput
-from .methods import MIXING_METHODS, check_methods, compute_maps, scope_layer_maps
+from .methods import MIXING_METHODS, check_methods, mixing_maps_batch, rollout, scope_layer_maps
 from .models import Model
-from .trace import Trace, trace, trace_ids
+from .trace import Trace, TraceBatch, trace, trace_batch_tensors, trace_ids
 
 
 @dataclass
@@ -95,9 +95,6 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     For a model loaded in float16/bfloat16 the decompositions run on float32 activations, and
     `reconstruction_error` then includes the model's own half-precision rounding.
     """
-    from .precision import resolve_precision
-
-    precision = resolve_precision(model, precision)
     methods = check_methods(methods, model.spec.position)
     if input_ids is None:
         tr = trace(model, text)
@@ -105,26 +102,80 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
         if not input_ids:
             raise BadInput("input_ids is empty")
         tr = trace_ids(model, list(input_ids))
-    n = tr.n
-    pos = default_position(model, tr.input_ids) if position is None else int(position)
-    if not -n <= pos < n:
-        raise BadInput(f"position {pos} is outside the {n} tokens")
-    pos %= n
-    ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
-                     model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes))
-    ex.prediction = prediction_of(model, tr, pos)
-    for m, (lm, gm) in compute_maps(tr, methods, res2=res2, precision=precision).items():
-        ex.layer_maps[m] = lm
-        ex.global_maps[m] = gm
-        ex.saliency[m] = gm[-1][pos].copy()
-    sal = [m for m in methods if m not in MIXING_METHODS]
-    if sal:
-        from .saliency import saliency_scores
+    return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
+                         saliency_options)[0]
 
-        ex.target, scores = saliency_scores(model, tr, sal, target=target, position=pos, **saliency_options)
-        ex.saliency.update(scores)
-    ex.methods = methods
-    return ex
+
+def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
+                  methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
+                  **saliency_options) -> list[Explanation]:
+    """`explain` on several texts (strings, or lists of token ids) with one padded forward pass and
+    one batched decomposition for all their mixing methods; the gradient and perturbation methods
+    still run per text. targets / positions: one per text (None for the defaults).
+    methods_per_text: the methods each text needs, when they differ (a text with none only pads the
+    batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
+    float rounding (tests/test_batched.py)."""
+    if isinstance(texts, (str, tuple)) or not texts:
+        raise BadInput("explain_batch takes a non-empty list of texts")
+    methods = check_methods(methods, model.spec.position)
+    per = [methods] * len(texts) if methods_per_text is None else [
+        [m for m in methods if m in set(ms)] for ms in methods_per_text]
+    if len(per) != len(texts):
+        raise BadInput("methods_per_text needs one list per text")
+    batch, notes = [], []
+    for t in texts:
+        if isinstance(t, str):
+            ids, note = model.encode(t)
+        else:
+            ids, note = [int(i) for i in t], []
+            if not ids:
+                raise BadInput("input_ids is empty")
+        batch.append(ids)
+        notes.append(note)
+    tb = trace_batch_tensors(model, batch, notes)
+    targets = [None] * len(texts) if targets is None else list(targets)
+    positions = [None] * len(texts) if positions is None else list(positions)
+    if len(targets) != len(texts) or len(positions) != len(texts):
+        raise BadInput("targets and positions need one entry per text")
+    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options)
+
+
+def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
+                  precision: str | None, saliency_options: dict) -> list[Explanation]:
+    """Explanations of the sequences of one traced batch: the mixing maps of every method any
+    sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
+    from .precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
+    union = list(dict.fromkeys(m for ms in per for m in ms))
+    maps = mixing_maps_batch(tb, union, res2, precision) if union else {}
+    errs = tb.errors.tolist()
+    out = []
+    for b, methods in enumerate(per):
+        tr = tb.trace(b, errs[b])
+        n = tr.n
+        pos = default_position(model, tr.input_ids) if positions[b] is None else int(positions[b])
+        if not -n <= pos < n:
+            raise BadInput(f"position {pos} is outside the {n} tokens")
+        pos %= n
+        ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
+                         model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes))
+        ex.prediction = prediction_of(model, tr, pos)
+        for m in methods:
+            if m in maps:
+                lm = maps[m][b, :, :n, :n].double().cpu().numpy()
+                # attention_rollout's layer map already holds 0.5*A + 0.5*I
+                gm = rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise)
+                ex.layer_maps[m], ex.global_maps[m] = lm, gm
+                ex.saliency[m] = gm[-1][pos].copy()
+        sal = [m for m in methods if m not in MIXING_METHODS]
+        if sal:
+            from .saliency import saliency_scores
+
+            ex.target, scores = saliency_scores(model, tr, sal, target=targets[b], position=pos, **saliency_options)
+            ex.saliency.update(scores)
+        out.append(ex)
+    return out
 
 
 def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | None = None,

@@ -76,6 +76,7 @@ TARGETS = ("predicted", "gold")
 EXPLAIN_OPTIONS = {"ig_baseline": ("pad", "mask", "unk", "zero"), "ig_steps": int, "blank_replacement": ("unk", "mask"),
                    "cat_mask_special": (True, False)}
 DONE_STATUSES = ("done", "na", "skipped")
+EXAMPLE_BATCH = 8  # examples of one (model, dataset) traced and decomposed together; fixed per run
 METHOD_ALIASES = {"all": "every method that applies to each model"}
 
 DERIVED_METHODS: dict[str, str] = {
@@ -143,7 +144,8 @@ class Plan:
 
     def config_hash(self) -> str:
         """Hash of what changes per-unit results (not the lists of models, datasets, methods, limits)."""
-        opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads")}  # no effect on results
+        # no effect on results (example_batch moves them by float rounding only; a run keeps its own)
+        opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads", "example_batch")}
         keep = {"kind": self.kind, "metrics": sorted(self.metrics), "target": self.target, "explain": self.explain,
                 "options": opts}
         return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -290,7 +292,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     errors: list[str] = []
     known = {"name", "description", "kind", "models", "datasets", "runs", "methods", "metrics", "target",
              "explain", "options", "paper", "batch_size", "min_tokens", "seed", "mask_rate", "lower_triangle",
-             "device", "dtype", "threads"}
+             "device", "dtype", "threads", "example_batch"}
     unknown = sorted(set(raw) - known)
     if unknown:
         errors.append(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -403,13 +405,17 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
             errors.append(f"explain.{k} must be one of {', '.join(map(str, EXPLAIN_OPTIONS[k]))}")
     options = {"batch_size": raw.get("batch_size", 32), "min_tokens": raw.get("min_tokens", 0),
                "seed": raw.get("seed", 0), "mask_rate": raw.get("mask_rate", 0.0),
-               "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads")}
+               "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads"),
+               "example_batch": raw.get("example_batch", EXAMPLE_BATCH)}
     if options["threads"] is not None and (isinstance(options["threads"], bool) or not isinstance(options["threads"], int)
                                            or options["threads"] < 1):
         errors.append("threads must be a positive integer")
     for k in ("batch_size", "min_tokens", "seed"):
         if isinstance(options[k], bool) or not isinstance(options[k], int) or options[k] < 0:
             errors.append(f"{k} must be a non-negative integer")
+    eb = options["example_batch"]
+    if isinstance(eb, bool) or not isinstance(eb, int) or not 1 <= eb <= 1024:
+        errors.append("example_batch must be a whole number from 1 to 1024 (examples per engine batch)")
     if not isinstance(options["mask_rate"], (int, float)) or not 0 <= options["mask_rate"] < 1:
         errors.append("mask_rate must be a number in [0, 1)")
     paper = raw.get("paper") or {}
@@ -777,28 +783,67 @@ def _derived(name: str, ex_obj, position: int, n: int, seed_key: int, model=None
 
 
 def compute_example(task: dict) -> dict:
-    """Compute the units of one example. `task`: model (label, name, device, dtype), dataset,
-    example (Example as dict), methods (to compute), references {ref: saliency list} already
-    stored, metrics, target, explain options, options, seed. Returns plain data (picklable)."""
+    """Compute the units of one example (see `compute_batch`)."""
+    return compute_batch([task])[0]
+
+
+def compute_batch(tasks: list[dict]) -> list[dict | None]:
+    """Compute the units of a batch of examples of one (model, dataset). Each task: model (label,
+    name, device, dtype), dataset, example (Example as dict), methods (to compute; none for an
+    example that only fills its batch), references {ref: saliency list} already stored, metrics,
+    target, explain options, options, seed. The examples are traced in one padded forward pass and
+    their mixing maps decomposed together; the rest runs per example. Batch membership is fixed by
+    example index (`plan_groups`), so a resumed run recomputes whole batches and gets results
+    bit-identical to an uninterrupted run. Returns one result per task (None for the fillers),
+    plain data (picklable)."""
     t0 = time.time()
-    ms = task["model"]
+    ms = tasks[0]["model"]
     model = get_model(ms["name"], ms.get("device", "auto"), ms.get("dtype", "float32"))
     rev, fp = model_revision(model)
     base = {"model_revision": rev, "fingerprint": fp, "pid": os.getpid(), "methods": {}, "references": {}}
+    if tasks[0].get("kind") == "contextualization_change":
+        return [None if r is None else {**base, **r} for r in _compute_change_batch(model, tasks)]
+    preps = [_prepare_example(model, t) for t in tasks]
+    members = [k for k, p in enumerate(preps) if p.get("ids") is not None]
+    exos: dict[int, Any] = {}
+    if members and any(preps[k]["explain_methods"] for k in members):
+        from .explain import explain_batch
+
+        opts = dict(tasks[0].get("explain") or {})
+        union = list(dict.fromkeys(m for k in members for m in preps[k]["explain_methods"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = explain_batch(model, [preps[k]["ids"] for k in members], union,
+                                targets=[preps[k].get("target") for k in members],
+                                positions=[preps[k]["position"] for k in members],
+                                methods_per_text=[preps[k]["explain_methods"] for k in members], **opts)
+        exos = dict(zip(members, got))
+    out: list[dict | None] = []
+    for k, (task, prep) in enumerate(zip(tasks, preps)):
+        if not task["methods"]:
+            out.append(None)
+        elif "result" in prep:
+            out.append({**base, **prep["result"], "seconds": time.time() - t0})
+        else:
+            out.append({**base, **_finish_example(model, task, prep, exos.get(k)), "seconds": time.time() - t0})
+    return out
+
+
+def _prepare_example(model, task: dict) -> dict:
+    """Encode one example and decide what it needs: {"ids": None, "result": skipped} or ids,
+    position, target, the methods explain must compute and the rest `_finish_example` needs."""
     ex = task["example"]
-    if task.get("kind") == "contextualization_change":
-        return {**base, **_compute_change(model, task)}
     ids, position, cues, lm_target, foil, why = _encode_example(model, ex, task["options"])
     if why is None and len(ids) < task["options"].get("min_tokens", 0):
         why = f"fewer than {task['options']['min_tokens']} tokens"
     if why is not None:
-        return {**base, "status": "skipped", "reason": why, "seconds": time.time() - t0}
-    ok, na = applicable_methods(model, task["methods"], has_foil=foil is not None)
-    from .metrics import (CUE_METRICS, DELETION_METRICS, TargetProbability, cue_alignment, cue_alignment_layers,
-                          deletion_metrics, get_metric, pad_token_id, protected_positions, reference_spearman)
+        return {"ids": None, "result": {"status": "skipped", "reason": why}}
+    if not task["methods"]:  # fills its batch only
+        return {"ids": ids, "position": position, "explain_methods": []}
+    from .metrics import get_metric
     from . import METHODS
-    from .explain import explain
 
+    ok, na = applicable_methods(model, task["methods"], has_foil=foil is not None)
     metrics = [get_metric(m) for m in task["metrics"]]
     refs_needed = {m.reference for m in metrics if m.reference}
     have = {k: np.asarray(v) for k, v in (task.get("references") or {}).items()}
@@ -810,16 +855,23 @@ def compute_example(task: dict) -> dict:
     explain_methods = [m for m in compute if m in METHODS]
     for m in compute:
         explain_methods += [b for b in _DERIVED_BASES.get(m, []) if b not in explain_methods]
-    exo = None
-    if explain_methods:
-        opts = dict(task.get("explain") or {})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            exo = explain(model, None, explain_methods, target=target, position=position, input_ids=ids, **opts)
+    return {"ids": ids, "position": position, "cues": cues, "foil": foil, "ok": ok, "na": na, "metrics": metrics,
+            "refs_needed": refs_needed, "have": have, "ref_na": ref_na, "compute": compute, "has_head": has_head,
+            "target": target, "target_note": target_note, "explain_methods": explain_methods}
+
+
+def _finish_example(model, task: dict, p: dict, exo) -> dict:
+    """Saliency of the derived methods, the metrics and the result record of one example."""
+    from .metrics import (CUE_METRICS, DELETION_METRICS, TargetProbability, cue_alignment, cue_alignment_layers,
+                          deletion_metrics, pad_token_id, protected_positions, reference_spearman)
+    from . import METHODS
+
+    ex = task["example"]
+    ids, position, target, foil, ok = p["ids"], p["position"], p["target"], p["foil"], p["ok"]
     n = len(ids)
     saliency: dict[str, np.ndarray] = {}
     layer_maps: dict[str, np.ndarray] = {}
-    for m in compute:
+    for m in p["compute"]:
         if m in METHODS:
             saliency[m] = np.asarray(exo.saliency[m], dtype=np.float64)
             if m in exo.layer_maps:
@@ -830,10 +882,11 @@ def compute_example(task: dict) -> dict:
             saliency[m] = np.asarray(s, dtype=np.float64)
             if L is not None:
                 layer_maps[m] = L
-    refs = {**have, **{r: saliency[r] for r in refs_needed if r in saliency}}
+    refs = {**p["have"], **{r: saliency[r] for r in p["refs_needed"] if r in saliency}}
     scores: dict[str, list] = {m: [] for m in ok}
+    metrics = p["metrics"]
     del_metrics = [x.name for x in metrics if x.name in DELETION_METRICS]
-    if del_metrics and has_head and ok:
+    if del_metrics and p["has_head"] and ok:
         predict = TargetProbability(model, target, batch_size=task["options"].get("batch_size", 32))
         dm, p0 = deletion_metrics(predict, ids, {m: saliency[m] for m in ok}, del_metrics,
                                   protected=protected_positions(model, ids, position), position=position,
@@ -841,6 +894,7 @@ def compute_example(task: dict) -> dict:
         for m, vals in dm.items():
             scores[m] += [(k, -1, v) for k, v in vals.items()]
     cue_metrics = [x.name for x in metrics if x.name in CUE_METRICS]
+    cues = p["cues"]
     for m in ok:
         for met in metrics:
             if met.family == "reference" and met.reference != m and met.reference in refs:
@@ -851,57 +905,80 @@ def compute_example(task: dict) -> dict:
             if m in layer_maps:
                 for k, arr in cue_alignment_layers(layer_maps[m], position, cues, cue_metrics).items():
                     scores[m] += [(k, l + 1, float(v)) for l, v in enumerate(arr)]
-    tokens = model.tokens(ids)
-    out = {**base, "status": "ok", "tokens": tokens, "position": position, "target": target,
-           "target_note": target_note, "n_tokens": n}
+    out = {"status": "ok", "tokens": model.tokens(ids), "position": position, "target": target,
+           "target_note": p["target_note"], "n_tokens": n, "methods": {}}
     for m in ok:
         out["methods"][m] = {"status": "done", "saliency": saliency[m].tolist(), "scores": scores[m]}
-    for m, why in na.items():
+    for m, why in p["na"].items():
         out["methods"][m] = {"status": "na", "detail": why}
-    out["references"] = {r: saliency[r].tolist() for r in refs_needed if r in saliency and r not in ok and r not in have}
-    out["reference_na"] = ref_na
-    out["seconds"] = time.time() - t0
+    out["references"] = {r: saliency[r].tolist() for r in p["refs_needed"]
+                         if r in saliency and r not in ok and r not in p["have"]}
+    out["reference_na"] = p["ref_na"]
     return out
 
 
-def _compute_change(model, task: dict) -> dict:
-    """FF paper §5.1 on one text: per comparison and layer, 1 - rho of the two scope maps."""
+def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
+    """FF paper §5.1 on a batch of texts: per comparison and layer, 1 - rho of the two scope maps
+    (scope maps and ranks of the whole batch on the device, one transfer per batch)."""
+    import torch
+
     from .analysis import comparisons, mask_tokens
-    from .methods import scope_layer_maps
-    from .metrics import spearman
-    from .trace import trace_ids
+    from .methods import scope_maps_batch
+    from .ranks import spearman
+    from .trace import trace_batch_tensors
 
-    ex = task["example"]
-    ids, position, _, _, _, why = _encode_example(model, ex, task["options"])
-    if why is None and len(ids) < task["options"].get("min_tokens", 0):
-        why = f"fewer than {task['options']['min_tokens']} tokens"
-    if why is not None:
-        return {"status": "skipped", "reason": why}
-    rate = task["options"].get("mask_rate", 0.0)
-    if rate and model.kind == "masked_lm":
-        ids = mask_tokens(model, ids, rate, random.Random(_example_seed(task["seed"], task["dataset"], ex["id"])))
     comps = comparisons(model)
-    wanted = list(comps) if "all" in task["methods"] else task["methods"]
-    tr = trace_ids(model, ids)
-    maps = scope_layer_maps(tr, next_ln=model.spec.position == "pre")
-    n = len(ids)
-    sel = np.tril_indices(n) if task["options"].get("lower_triangle") else (slice(None), slice(None))
-    out = {"status": "ok", "tokens": model.tokens(ids), "position": None, "target": None, "target_note": "",
-           "n_tokens": n, "methods": {}, "references": {}, "reference_na": {}}
-    for c in wanted:
-        if c not in comps or comps[c][0] not in maps or comps[c][1] not in maps:
-            out["methods"][c] = {"status": "na", "detail": f"no comparison {c!r} for a {model.spec.position}-LN model"}
+    out: list[dict | None] = [None] * len(tasks)
+    members, batch = [], []
+    for k, task in enumerate(tasks):
+        ex = task["example"]
+        ids, _, _, _, _, why = _encode_example(model, ex, task["options"])
+        if why is None and len(ids) < task["options"].get("min_tokens", 0):
+            why = f"fewer than {task['options']['min_tokens']} tokens"
+        if why is not None:
+            if task["methods"]:
+                out[k] = {"status": "skipped", "reason": why}
             continue
-        a, b = comps[c]
-        vals = [1.0 - spearman(maps[a][l][sel].ravel(), maps[b][l][sel].ravel()) for l in range(model.n_layers)]
-        sc = [("change", l + 1, v) for l, v in enumerate(vals)]
-        finite = [v for v in vals if np.isfinite(v)]
-        sc.append(("change", -1, float(np.mean(finite)) if finite else float("nan")))
-        out["methods"][c] = {"status": "done", "saliency": None, "scores": sc}
+        rate = task["options"].get("mask_rate", 0.0)
+        if rate and model.kind == "masked_lm":
+            ids = mask_tokens(model, ids, rate, random.Random(_example_seed(task["seed"], task["dataset"], ex["id"])))
+        members.append(k)
+        batch.append(ids)
+    if not members:
+        return out
+    lower = bool(tasks[0]["options"].get("lower_triangle"))
+    with torch.no_grad():
+        tb = trace_batch_tensors(model, batch)
+        maps = scope_maps_batch(tb, next_ln=model.spec.position == "pre")
+        mask = tb.mask
+        valid = mask[:, :, None] & mask[:, None, :]
+        if lower:
+            valid = valid & torch.ones_like(valid[0]).tril()
+        valid = valid.flatten(1)[:, None]  # (B, 1, n*n)
+        names = [c for c, (a, b) in comps.items() if a in maps and b in maps]
+        change = torch.stack([1.0 - spearman(maps[comps[c][0]].flatten(2), maps[comps[c][1]].flatten(2), valid)
+                              for c in names], -1).cpu().numpy()  # (B, L, K): one transfer per batch
+    for b, k in enumerate(members):
+        task = tasks[k]
+        if not task["methods"]:
+            continue
+        wanted = list(comps) if "all" in task["methods"] else task["methods"]
+        r = {"status": "ok", "tokens": model.tokens(batch[b]), "position": None, "target": None, "target_note": "",
+             "n_tokens": len(batch[b]), "methods": {}, "references": {}, "reference_na": {}}
+        for c in wanted:
+            if c not in names:
+                r["methods"][c] = {"status": "na", "detail": f"no comparison {c!r} for a {model.spec.position}-LN model"}
+                continue
+            vals = [float(v) for v in change[b, :, names.index(c)]]
+            sc = [("change", l + 1, v) for l, v in enumerate(vals)]
+            finite = [v for v in vals if np.isfinite(v)]
+            sc.append(("change", -1, float(np.mean(finite)) if finite else float("nan")))
+            r["methods"][c] = {"status": "done", "saliency": None, "scores": sc}
+        out[k] = r
     return out
 
 
-def _ray_task(task: dict) -> dict:
+def _ray_task(tasks: list[dict]) -> list[dict | None]:
     try:
         import torch
 
@@ -909,9 +986,10 @@ def _ray_task(task: dict) -> dict:
     except Exception:  # noqa: BLE001
         pass
     try:
-        return compute_example(task)
+        return compute_batch(tasks)
     except (CtxmixError, RuntimeError) as e:
-        return {"status": "error", "reason": f"{type(e).__name__}: {e}", "methods": {}}
+        return [None if not t["methods"] else {"status": "error", "reason": f"{type(e).__name__}: {e}", "methods": {}}
+                for t in tasks]
 
 
 # =============================================================================================
@@ -1138,12 +1216,48 @@ class ResultsStore:
 
 @dataclass
 class Group:
-    """One example of one (model, dataset): the units still to compute."""
+    """One example of one (model, dataset): the units still to compute. `batch` numbers the
+    engine batch it belongs to (its index in the dataset // example_batch) and `members` are all
+    the examples of that batch, finished ones included, so the batch is always traced whole."""
 
     model: ModelSpec
     dataset: str
     example: Example
     methods: list[str]
+    batch: int = 0
+    members: list = field(default_factory=list)
+
+
+def _batches(groups: list[Group]) -> list[list[Group]]:
+    """Consecutive groups of one (model, dataset, batch number)."""
+    out: list[list[Group]] = []
+    for g in groups:
+        if out and (out[-1][0].model.label, out[-1][0].dataset, out[-1][0].batch) == (g.model.label, g.dataset, g.batch):
+            out[-1].append(g)
+        else:
+            out.append([g])
+    return out
+
+
+def _batch_tasks(plan: Plan, gs: list[Group], store: ResultsStore) -> list[dict]:
+    """One task per member example of the batch: the unfinished ones with their methods, the
+    others with none (they only keep the batch's padding, hence its numbers, the same)."""
+    todo = {g.example.id: g for g in gs}
+    tasks = []
+    for e in gs[0].members:
+        g = todo.get(e.id) or Group(model=gs[0].model, dataset=gs[0].dataset, example=e, methods=[], batch=gs[0].batch)
+        tasks.append(_task(plan, g, store))
+    return tasks
+
+
+def _commit_batch(plan: Plan, gs: list[Group], tasks: list[dict], results: list, store: ResultsStore, bar) -> None:
+    by_id = {g.example.id: g for g in gs}
+    for task, res in zip(tasks, results):
+        g = by_id.get(task["example"]["id"])
+        if g is None:
+            continue
+        store.commit_result(plan.run_id, g.model, g.dataset, g.example.id, res, g.methods)
+        bar.update(len(g.methods))
 
 
 def _task(plan: Plan, g: Group, store: ResultsStore) -> dict:
@@ -1157,7 +1271,8 @@ def _task(plan: Plan, g: Group, store: ResultsStore) -> dict:
     return {"kind": plan.kind, "model": asdict(g.model), "dataset": g.dataset, "example": asdict(g.example),
             "methods": g.methods, "metrics": plan.metrics, "target": plan.target, "explain": plan.explain,
             "options": options, "seed": plan.options["seed"],
-            "references": store.stored_saliency(plan.run_id, g.model.label, g.dataset, g.example.id, refs)}
+            "references": store.stored_saliency(plan.run_id, g.model.label, g.dataset, g.example.id, refs)
+            if g.methods else {}}
 
 
 class _Stop:
@@ -1201,16 +1316,16 @@ def _throttle() -> None:
 
 def run_local(plan: Plan, groups: list[Group], store: ResultsStore, bar) -> None:
     with _Stop() as stop:
-        for g in groups:
+        for gs in _batches(groups):
             if stop.requested:
                 break
+            tasks = _batch_tasks(plan, gs, store)
             try:
-                res = compute_example(_task(plan, g, store))
+                results = compute_batch(tasks)
             except (CtxmixError, RuntimeError) as e:  # recorded, not committed: retried by the next run
-                res = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+                results = [{"status": "error", "reason": f"{type(e).__name__}: {e}"} for _ in tasks]
             _throttle()
-            store.commit_result(plan.run_id, g.model, g.dataset, g.example.id, res, g.methods)
-            bar.update(len(g.methods))
+            _commit_batch(plan, gs, tasks, results, store, bar)
         if stop.requested:
             raise KeyboardInterrupt
 
@@ -1228,7 +1343,7 @@ def _ray_env() -> dict:
 
 def run_ray(plan: Plan, groups: list[Group], store: ResultsStore, bar, address: str | None = None,
             num_cpus: int | None = None) -> None:
-    """Each example is a Ray task (one CPU); at most 2 x CPUs in flight; the driver commits."""
+    """Each batch of examples is a Ray task (one CPU); at most 2 x CPUs in flight; the driver commits."""
     try:
         import ray
     except ImportError:
@@ -1244,21 +1359,22 @@ def run_ray(plan: Plan, groups: list[Group], store: ResultsStore, bar, address: 
         remote = ray.remote(num_cpus=1, max_retries=1)(_ray_task)
         cap = max(1, int(2 * (ray.available_resources().get("CPU", 1) or 1)))
         pending: dict = {}
-        todo = list(groups)
+        todo = _batches(groups)
         with _Stop() as stop:
             while (todo and not stop.requested) or pending:
                 while todo and len(pending) < cap and not stop.requested:
-                    g = todo.pop(0)
-                    pending[remote.remote(_task(plan, g, store))] = g
+                    gs = todo.pop(0)
+                    tasks = _batch_tasks(plan, gs, store)
+                    pending[remote.remote(tasks)] = (gs, tasks)
                 done, _ = ray.wait(list(pending), num_returns=1)
                 for ref in done:
-                    g = pending.pop(ref)
+                    gs, tasks = pending.pop(ref)
                     try:
-                        res = ray.get(ref)
+                        results = ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - a worker crash is recorded, the run goes on
-                        res = {"status": "error", "reason": f"ray task failed: {type(e).__name__}: {e}"}
-                    store.commit_result(plan.run_id, g.model, g.dataset, g.example.id, res, g.methods)
-                    bar.update(len(g.methods))
+                        results = [{"status": "error", "reason": f"ray task failed: {type(e).__name__}: {e}"}
+                                   for _ in tasks]
+                    _commit_batch(plan, gs, tasks, results, store, bar)
             if stop.requested:
                 raise KeyboardInterrupt
     finally:
@@ -1305,14 +1421,18 @@ def plan_groups(plan: Plan, store: ResultsStore) -> tuple[list[Group], int]:
     skipped = store.skipped_examples(plan.run_id)
     methods = {label: expand_methods(plan, models[label]) for label in dict.fromkeys(l for l, _ in plan.runs)}
     groups, total = [], 0
+    size = plan.options.get("example_batch", EXAMPLE_BATCH)
     for label, ds in plan.runs:
-        for e in loaded[ds]:
+        exs = loaded[ds]
+        for k, e in enumerate(exs):
             total += 1
             if (label, ds, e.id) in skipped:
                 continue
             todo = [m for m in methods[label] if (label, ds, e.id, m) not in finished]
             if todo:
-                groups.append(Group(model=models[label], dataset=ds, example=e, methods=todo))
+                b = k // size
+                groups.append(Group(model=models[label], dataset=ds, example=e, methods=todo, batch=b,
+                                    members=exs[b * size: (b + 1) * size]))
     return groups, total
 
 
@@ -1422,5 +1542,5 @@ def cmd_bench(args) -> None:
 
 
 __all__ = ["Plan", "DatasetSpec", "ModelSpec", "Example", "ResultsStore", "DERIVED_METHODS", "validate_config",
-           "load_config", "load_examples", "compute_example", "run_bench", "plan_groups", "add_bench_arguments",
+           "load_config", "load_examples", "compute_example", "compute_batch", "run_bench", "plan_groups", "add_bench_arguments",
            "cmd_bench", "get_model", "applicable_methods", "check_model_name"]

@@ -109,9 +109,21 @@ def _gradients(model: Model, tr: Trace, target: int, position: int) -> tuple[tor
     return g[0], E[0].detach()
 
 
+def ig_batch_size(model: Model, n: int, n_steps: int) -> int | None:
+    """Interpolation steps per forward/backward pass of IG: all of them in one pass (captum's own
+    default, and its speed) unless their activations, kept for the backward pass (about three
+    times a traced sequence's states), would not fit half the memory budget; then as many as fit."""
+    from .budget import memory_budget, sequence_bytes
+
+    per_step = 3 * sequence_bytes(model, n, n_maps=0)
+    fit = max(1, (memory_budget(model.device) // 2) // max(1, per_step))
+    return None if fit >= n_steps else int(fit)
+
+
 def integrated_gradients(model: Model, tr: Trace, target: int, position: int, baseline: str = "pad",
-                         n_steps: int = 50, internal_batch_size: int = 16) -> np.ndarray:
-    """captum's IntegratedGradients on the word embeddings; per token |sum over dimensions|."""
+                         n_steps: int = 50, internal_batch_size: int | None = None) -> np.ndarray:
+    """captum's IntegratedGradients on the word embeddings; per token |sum over dimensions|.
+    internal_batch_size: steps per pass; by default all in one pass when memory allows (`ig_batch_size`)."""
     from captum.attr import IntegratedGradients
 
     if baseline not in IG_BASELINES:
@@ -128,6 +140,8 @@ def integrated_gradients(model: Model, tr: Trace, target: int, position: int, ba
     def f(x):
         return _score(model, _forward_embeds(model, x).logits, target, position).to(x.dtype)
 
+    if internal_batch_size is None:
+        internal_batch_size = ig_batch_size(model, len(tr.input_ids), n_steps)
     with torch.enable_grad():
         attr = IntegratedGradients(f).attribute(E, baselines=B, n_steps=n_steps, method="gausslegendre",
                                                 internal_batch_size=internal_batch_size)

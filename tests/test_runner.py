@@ -242,26 +242,56 @@ def test_run_store_and_resume(tmp_path, tiny_dir):
 
 
 def test_interrupted_run_resumes_without_recomputing(tmp_path, tiny_dir, monkeypatch):
-    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 5}])
+    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 5}], example_batch=2)
     db = tmp_path / "r.sqlite"
-    real = runner.compute_example
+    real = runner.compute_batch
     calls = {"n": 0}
 
-    def flaky(task):
+    def flaky(tasks):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(task)
+        return real(tasks)
 
-    monkeypatch.setattr(runner, "compute_example", flaky)
+    monkeypatch.setattr(runner, "compute_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         runner.run_bench(p, db=db, quiet=True)
     done_before = set(q(db, "SELECT example_id, method FROM units"))
-    assert len(done_before) == 8  # two examples x four methods, each committed
-    monkeypatch.setattr(runner, "compute_example", real)
+    assert len(done_before) == 8  # the first batch: two examples x four methods, each committed
+    monkeypatch.setattr(runner, "compute_batch", real)
     runner.run_bench(p, db=db, quiet=True)
     log = q(db, "SELECT example_id, method, COUNT(*) FROM computations GROUP BY 1, 2")
     assert len(log) == 20 and all(n == 1 for *_, n in log)
+
+
+@pytest.mark.parametrize("kind", ["methods", "contextualization_change"])
+def test_resumed_batches_are_bit_identical(tmp_path, tiny_dir, kind, monkeypatch):
+    """Examples go through the engine in batches of fixed membership: after units of one example
+    are lost (a kill between the commits of one batch), the resumed run recomputes its whole batch
+    and stores exactly the numbers of an uninterrupted run."""
+    extra = ({"methods": ["attention", "alti", "value_zeroing", "random"], "metrics": ["spearman:grad_x_input"]}
+             if kind == "methods" else {"kind": kind, "methods": ["all"], "metrics": ["change"]})
+    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 7}], example_batch=3,
+            **extra)
+    db = tmp_path / "r.sqlite"
+    runner.run_bench(p, db=db, quiet=True)
+    sql = ("SELECT example_id, method, metric, layer, value FROM scores ORDER BY 1, 2, 3, 4"
+           if kind != "methods" else "SELECT example_id, method, values_json FROM saliency ORDER BY 1, 2")
+    whole = q(db, sql)
+    assert len(whole) > 20
+    lost = q(db, "SELECT DISTINCT example_id FROM units ORDER BY example_id")[4][0]  # one member of the 2nd batch
+    for table in ("units", "scores", "saliency"):
+        q(db, f"DELETE FROM {table} WHERE example_id = ?", lost)
+    seen = []
+    real = runner.compute_batch
+    monkeypatch.setattr(runner, "compute_batch", lambda tasks: seen.append(tasks) or real(tasks))
+    runner.run_bench(p, db=db, quiet=True)
+    assert q(db, sql) == whole  # exactly, not approximately
+    # the whole batch (examples 3-5) went through the engine again, only the lost one with methods
+    assert len(seen) == 1 and len(seen[0]) == 3
+    assert [t["example"]["id"] for t in seen[0] if t["methods"]] == [lost]
+    recomputed = q(db, "SELECT DISTINCT example_id FROM computations GROUP BY example_id, method HAVING COUNT(*) > 1")
+    assert [e for (e,) in recomputed] == [lost]
 
 
 def test_methods_that_do_not_apply_are_marked_na(tmp_path):
@@ -449,3 +479,12 @@ def test_embedded_config_end_to_end(tmp_path):
     assert {"aopc", "lodds", "comprehensiveness", "sufficiency", "spearman:grad_x_input"} <= set(t.attrs["metrics"])
     assert t["mean rank"].notna().all()
     assert (tmp_path / "out" / "minilm-sentiment__pang_lee.tex").read_text().count(r"\textbf") >= 5
+
+
+def test_example_batch_is_checked(tmp_path):
+    for bad in (0, -2, True, 1.5, 10**6):
+        with pytest.raises(BadInput, match="example_batch"):
+            runner.load_config(cfg(tmp_path, "minilm", example_batch=bad), check_models=False)
+    plan = runner.load_config(cfg(tmp_path, "minilm", example_batch=4), check_models=False)
+    assert plan.options["example_batch"] == 4
+    assert plan.config_hash() == runner.load_config(cfg(tmp_path, "minilm"), check_models=False).config_hash()
