@@ -223,3 +223,25 @@ def test_corpus_api_rejects_bad_arguments(tokenizer):
         ctxmix.ff_amp(m, TEXTS, top_k=-1, progress=False)
     with pytest.raises(BadInput, match="batch_size"):
         ctxmix.contextualization_change(m, TEXTS, batch_size=0, progress=False)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_explain_batch_equals_explain(tokenizer, family):
+    """explain_batch (one padded pass, batched maps) gives each text what explain gives it alone,
+    saliency methods, prediction and per-text method lists included."""
+    import ctxmix
+
+    m = tiny_model(family, tokenizer)
+    sal = ["grad", "grad_x_input", "integrated_gradients", "blank_out", "cat", "attcat"]
+    methods = ["alti", "value_zeroing", "globenc"] + sal
+    per = [methods, ["alti"], sal]
+    got = ctxmix.explain_batch(m, TEXTS, methods, methods_per_text=per, ig_steps=8)
+    for t, ms, ex in zip(TEXTS, per, got):
+        ref = ctxmix.explain(m, t, ms, ig_steps=8)
+        assert ex.tokens == ref.tokens and ex.methods == ms and ex.position == ref.position
+        assert set(ex.saliency) == set(ms) and ex.target == ref.target
+        for k in ms:
+            np.testing.assert_allclose(ex.saliency[k], ref.saliency[k], rtol=1e-9, atol=1e-10, err_msg=k)
+        for k in ex.layer_maps:
+            np.testing.assert_allclose(ex.layer_maps[k], ref.layer_maps[k], rtol=0, atol=1e-10, err_msg=k)
+        assert ex.prediction["label"] == ref.prediction["label"]
