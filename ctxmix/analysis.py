@@ -81,23 +81,30 @@ def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0,
     return index, ids_list, notes, skipped
 
 
-def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None) -> list[list[int]]:
-    """Length-bucketed batches: positions into `lengths`, sorted by length (stable), each batch
-    as many sequences as the memory budget holds at its longest length (or `batch_size`)."""
+def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None,
+                 max_waste: float | None = None) -> list[list[int]]:
+    """Length-bucketed batches: positions into `lengths`, sorted by length (stable). A batch grows
+    while the memory budget holds it at its longest length (or up to `batch_size`) and while
+    padding adds at most `max_waste` to its n^2 work (the decompositions cost n^2 per sequence:
+    a 33-token text padded to 120 would cost 13 times its own work). Default waste: 10 % on a
+    CPU, where batching saves only Python and launch overhead, 30 % on CUDA."""
     if batch_size is not None and batch_size < 1:
         raise BadInput("batch_size must be at least 1")
+    if max_waste is None:
+        max_waste = 0.3 if torch.device(model.device).type == "cuda" else 0.1
     order = sorted(range(len(lengths)), key=lambda k: lengths[k])
     batches: list[list[int]] = []
     start = 0
     while start < len(order):
         # sorted ascending, so the batch's longest sequence is its last one: grow while it fits
-        size = 1
+        size, work = 1, lengths[order[start]] ** 2
         while start + size < len(order):
             n = lengths[order[start + size]]
             cap = batch_size if batch_size is not None else batch_size_for(model, n)
-            if size + 1 > cap:
+            if size + 1 > cap or (batch_size is None and (size + 1) * n * n > (1 + max_waste) * (work + n * n)):
                 break
             size += 1
+            work += n * n
         batches.append(order[start: start + size])
         start += size
     return batches

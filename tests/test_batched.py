@@ -201,6 +201,9 @@ def test_batches_are_length_bucketed_and_fit_the_budget(tokenizer):
     assert [len(b) for b in plan] == [3, 3, 2]
     flat = [lengths[k] for b in plan for k in b]
     assert flat == sorted(flat)
+    # by default, padding may add at most 10 % (CPU) to a batch's n^2 work: short and long apart
+    lens = [33, 120, 118, 34, 60]
+    assert [[lens[k] for k in b] for b in plan_batches(m, lens)] == [[33, 34], [60], [118, 120]]
     assert memory_budget("cpu") > 0
     one = sequence_bytes(m, 128)
     assert batch_size_for(m, 128, budget=2 * one * 3, max_batch=64) == 3  # half the budget for states
@@ -245,3 +248,25 @@ def test_explain_batch_equals_explain(tokenizer, family):
         for k in ex.layer_maps:
             np.testing.assert_allclose(ex.layer_maps[k], ref.layer_maps[k], rtol=0, atol=1e-10, err_msg=k)
         assert ex.prediction["label"] == ref.prediction["label"]
+
+
+def test_lower_triangle_change_matches_scipy(tokenizer):
+    """lower_triangle keeps only j <= i of each sequence (padding excluded) before ranking."""
+    from scipy import stats
+
+    import ctxmix
+    from ctxmix.analysis import PRE_COMPARISONS
+
+    m = tiny_model("gpt2", tokenizer)
+    df = ctxmix.contextualization_change(m, TEXTS, lower_triangle=True, progress=False, batch_size=3)
+    a, b = PRE_COMPARISONS["+Ff"]
+    vals = []
+    for t in TEXTS:
+        s = ctxmix.scope_maps(m, t)
+        il = np.tril_indices(s[a].shape[-1])
+        vals.append(1 - stats.spearmanr(s[a][0][il], s[b][0][il]).statistic)
+    row = df[(df.layer == 1) & (df.comparison == "+Ff")].iloc[0]
+    assert row.change == pytest.approx(np.mean(vals), abs=1e-12)
+    assert row["std"] == pytest.approx(np.std(vals), abs=1e-12)
+    full = ctxmix.contextualization_change(m, TEXTS, progress=False, batch_size=3)
+    assert not np.allclose(full["change"], df["change"])
