@@ -436,7 +436,16 @@ def bench_batch(a, dev) -> list[dict]:
     t_v, _ = timed(lambda: value_zeroing_maps_batch(tb), dev)
     fl_s, fl_v = B * L * 2 * n * n * d * dff, B * vz_flops(m, n)
     goal = ">= 0.50" if cuda else "report (CPU goal: the one-sequence rows)"
-    return [
+    long_rows = []
+    if cuda:  # one long sequence: all 8 mixing methods, and the scope maps (minutes on a CPU: GPU only)
+        import ctxmix
+
+        ids = ids_for(512)
+        t_e, _ = timed(lambda: ctxmix.explain(m, None, MIXING, input_ids=ids), dev)
+        t_sc, _ = timed(lambda: ctxmix.scope_maps(m, input_ids=ids), dev)
+        long_rows = [row("explain n=512, all 8 mixing methods, float32", f"{t_e:.2f} s", "-", None, "~0.3 s", t_e <= 0.45),
+                     row("scope_maps n=512, float32", f"{t_sc:.2f} s", "-", None, "~0.3 s", t_sc <= 0.45)]
+    return long_rows + [
         row(f"scope maps, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
             f"{fl_s / t_s / 1e9:.1f} GFLOP/s ({t_s:.2f} s)", f"{rate / 1e9:.1f} GFLOP/s", fl_s / t_s / rate, goal,
             (fl_s / t_s / rate >= 0.5) if cuda else None),
