@@ -342,7 +342,8 @@ def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_g
 
 
 def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top_k: int = 50, min_count: int = 2,
-           mask_rate: float = 0.0, seed: int = 0, progress: Progress = True) -> pd.DataFrame:
+           mask_rate: float = 0.0, seed: int = 0, progress: Progress = True, batch_size: int | None = None,
+           precision: str | None = None) -> pd.DataFrame:
     """FF-amplified token pairs (FF paper §5.2): normalised map after the FF minus before it
     (AtbFf - Atb; AtbLnFf - AtbLn in pre-LN), averaged per (output token, input token) type
     pair over the corpus, i != j, pairs seen fewer than `min_count` times dropped; top k per layer.
@@ -350,7 +351,8 @@ def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top
     literally); "row" makes each output row sum to 1.
     Columns: layer, out_token, in_token, score, count."""
     return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, normalise=normalise, top_k=top_k,
-                         min_count=min_count, progress=progress, change=False)["ff_amp"]
+                         min_count=min_count, progress=progress, change=False, batch_size=batch_size,
+                         precision=precision)["ff_amp"]
 
 
 def _check_fraction(name: str, v, low: float, high: float, high_open: bool = True) -> float:

@@ -24,6 +24,12 @@ def _write_table(df, out: str | None) -> None:
     print(f"wrote {p} ({len(df)} rows)")
 
 
+def _load(args):
+    import ctxmix
+
+    return ctxmix.load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
+
+
 def _texts(args) -> list[str]:
     from .data import corpus
 
@@ -33,7 +39,7 @@ def _texts(args) -> list[str]:
 def cmd_explain(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     ex = ctxmix.explain(m, args.text, args.method, target=args.target, position=args.position)
     d = ex.to_dict()
     if not args.maps:
@@ -60,7 +66,7 @@ def cmd_explain(args) -> None:
 def cmd_scopes(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     maps = ctxmix.scope_maps(m, args.text, res2=args.res2)
     tokens = m.tokens(m.encode(args.text)[0])
     p = Path(args.out)
@@ -75,7 +81,7 @@ def cmd_scopes(args) -> None:
 def cmd_change(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     df = ctxmix.contextualization_change(m, _texts(args), ignore_low_gamma=args.ignore_low_gamma,
                                          mask_rate=args.mask_rate, seed=args.seed, res2=args.res2,
                                          lower_triangle=args.lower_triangle)
@@ -85,7 +91,7 @@ def cmd_change(args) -> None:
 def cmd_outliers(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     df = ctxmix.ff_outliers(m, _texts(args))
     _write_table(ctxmix.ff_outlier_correlations(df) if args.summary else df, args.out)
 
@@ -93,14 +99,14 @@ def cmd_outliers(args) -> None:
 def cmd_ffamp(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     _write_table(ctxmix.ff_amp(m, _texts(args), normalise=args.normalise, top_k=args.top_k), args.out)
 
 
 def cmd_res2(args) -> None:
     import ctxmix
 
-    m = ctxmix.load_model(args.model, device=args.device)
+    m = _load(args)
     _write_table(ctxmix.ff_residual_norms(m, _texts(args)), args.out)
 
 
@@ -129,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(s):
         s.add_argument("--model", default="minilm", help="minilm, minilm-sentiment, smollm2, a HF id or a folder")
         s.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+        s.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"],
+                       help="the dtype the model is held in (half precision: decomposed on float32 activations)")
+        s.add_argument("--precision", default="float32", choices=["float32", "tf32", "bf16"],
+                       help="the engine's precision for the large products (float32 is exact)")
 
     def corpus_args(s):
         s.add_argument("--corpus", default="wiki", help="wiki, pang_lee, lee, a .txt/.jsonl file, or hf:NAME:SPLIT:FIELD")

@@ -114,3 +114,20 @@ def test_cpu_models_keep_malloc_buffers(tokenizer):
     tiny_model("bert", tokenizer)
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert models._ALLOCATOR_TUNED and models.keep_cpu_buffers()
+
+
+def test_cli_precision_and_dtype(tmp_path):
+    """--precision and --dtype reach the engine (in-process: the CLI's main, as `python -m ctxmix`)."""
+    from ctxmix.cli import main
+
+    out32, out16 = tmp_path / "a.npz", tmp_path / "b.npz"
+    text = "The keys to the cabinet are on the table ."
+    assert main(["scopes", text, "--model", "minilm", "--device", "cpu", "--out", str(out32)]) == 0
+    assert main(["scopes", text, "--model", "minilm", "--device", "cpu", "--precision", "bf16", "--dtype", "bfloat16",
+                 "--out", str(out16)]) == 0
+    a, b = np.load(out32), np.load(out16)
+    d = np.abs(a["AtbFf"] - b["AtbFf"]).max() / np.abs(a["AtbFf"]).max()
+    assert 0 < d < 2e-2
+    with pytest.raises(SystemExit) as e:
+        main(["scopes", text, "--precision", "fp8", "--out", str(out32)])
+    assert e.value.code == 2
