@@ -16,7 +16,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
 install: $(STAMP)
 
 run: install
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(VENV)/bin/streamlit run app.py
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(PY) -m ctxmix serve
 
 # pytest exits 5 when it collects nothing: not a failure of the code under test
 test: install

@@ -197,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(s)
     s.set_defaults(func=cmd_bench)
 
+    s = sub.add_parser("serve", help="start the dashboard (local: 127.0.0.1; --hosted: login, caps, no error details)")
+    from .serve import add_serve_arguments, cmd_serve
+
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
     s = sub.add_parser("methods", help="list the methods")
     s.set_defaults(func=cmd_methods)
     s = sub.add_parser("models", help="list the embedded models and supported families")
@@ -209,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
+    if args.verb not in ("serve", "methods", "models"):
+        from .models import keep_cpu_buffers
+
+        keep_cpu_buffers()  # this process is ours: faster chunked products on CPU (see its docstring)
     try:
         args.func(args)
     except (CtxmixError, ValueError, FileNotFoundError) as e:

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -530,9 +529,6 @@ def read_labelled(
 # Hugging Face datasets (optional, online)
 # --------------------------------------------------------------------------------------
 
-_HUB_HOST = ("huggingface.co", 443)
-
-
 def _offline_hint(reason: str) -> RuntimeError:
     """The RuntimeError raised whenever the dataset hub cannot be used."""
     return RuntimeError(
@@ -543,12 +539,10 @@ def _offline_hint(reason: str) -> RuntimeError:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Cheap TCP probe so an offline machine fails in seconds, not after long retries."""
-    try:
-        with socket.create_connection(_HUB_HOST, timeout=timeout):
-            return True
-    except OSError:
-        return False
+    """One probe through huggingface_hub's session (ctxmix.hub), so mirrors and proxies count."""
+    from ctxmix.hub import hub_reachable
+
+    return hub_reachable(timeout)
 
 
 def hf_dataset_texts(name: str, split: str, field: str, limit: int | None = None) -> list[str]:
@@ -562,12 +556,10 @@ def hf_dataset_texts(name: str, split: str, field: str, limit: int | None = None
         import datasets  # type: ignore[import-not-found]  # optional, not a dependency
     except ImportError:
         raise _offline_hint("the 'datasets' package is not installed") from None
-    offline = any(
-        os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"}
-        for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    )
-    if not offline and not _hub_reachable():
-        raise _offline_hint(f"cannot connect to {_HUB_HOST[0]}")
+    from ctxmix.hub import endpoint, offline
+
+    if not offline() and not _hub_reachable():
+        raise _offline_hint(f"cannot connect to {endpoint()}")
     try:
         data = datasets.load_dataset(name, split=split)
     except Exception as exc:  # noqa: BLE001 - any hub/cache failure means "not available"

@@ -45,7 +45,9 @@ _ALLOCATOR_TUNED = False
 
 def keep_cpu_buffers() -> bool:
     """Let glibc keep freed blocks of up to 32 MB in the heap instead of returning them to the
-    system, once per process (set CTXMIX_MALLOC_TUNING=0 to leave malloc alone).
+    system, once per process (set CTXMIX_MALLOC_TUNING=0 to leave malloc alone). An explicit
+    opt-in of whole programs that own their process (the CLI, the benchmark runner, bench/):
+    loading a model never changes the malloc settings of a notebook or a server that imports ctxmix.
 
     The chunked n^2 paths allocate and free (c, n, d') temporaries of up to 22 MB per chunk;
     with glibc's defaults each is a fresh mmap whose pages fault in on first touch, which cost
@@ -87,10 +89,6 @@ class Model:
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
     precision: str = "float32"  # the engine's default precision for this model (ctxmix.precision)
-
-    def __post_init__(self):
-        if torch.device(self.device).type == "cpu":
-            keep_cpu_buffers()
 
     @property
     def config(self):

@@ -56,7 +56,6 @@ import math
 import os
 import random
 import signal
-import socket
 import sqlite3
 import sys
 import time
@@ -159,16 +158,15 @@ def _suggest(name: str, valid: Iterable[str]) -> str:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    from .hub import hub_reachable
+
+    return hub_reachable(timeout)
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"}
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    from .hub import offline
+
+    return offline()
 
 
 def check_model_name(name: str) -> str | None:
@@ -1471,6 +1469,9 @@ def _run_bench(plan: Plan, db, executor: str, fresh: bool, ray_address, num_cpus
         except ImportError:
             raise BadInput("--executor ray needs Ray: pip install ray==2.60.0 (see requirements-dev.txt)") from None
     path = Path(db) if db else default_db(plan)
+    from .models import keep_cpu_buffers
+
+    keep_cpu_buffers()  # a benchmark owns its process (see the docstring); a no-op once set
     with ResultsStore(path) as store:
         store.start_run(plan, fresh=fresh)
         _ensure_built(plan.models)

@@ -105,15 +105,21 @@ def test_cli_explain_and_change(tmp_path):
     assert list(df.columns) == ["layer", "comparison", "change", "std", "n"] and (df.n == 2).all()
 
 
-def test_cpu_models_keep_malloc_buffers(tokenizer):
-    """On glibc, loading a CPU model applies the allocator settings once (and only there)."""
+def test_malloc_tuning_is_an_explicit_opt_in():
+    """Loading a CPU model leaves glibc's malloc settings alone (a notebook or server that imports
+    ctxmix keeps its own); the CLI, which owns its process, opts in."""
     import platform
 
-    from ctxmix import models
-
-    tiny_model("bert", tokenizer)
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert models._ALLOCATOR_TUNED and models.keep_cpu_buffers()
+    if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
+        pytest.skip("glibc only")
+    code = ("import ctxmix, ctxmix.models as M; ctxmix.load_model('minilm', device='cpu'); a = M._ALLOCATOR_TUNED; "
+            "from ctxmix.cli import main; main(['scopes', 'a b', '--device', 'cpu', '--out', '{out}']); "
+            "print(a, M._ALLOCATOR_TUNED)")
+    with __import__("tempfile").TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-c", code.format(out=f"{tmp}/s.npz")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-2:] == ["False", "True"]
 
 
 def test_cli_precision_and_dtype(tmp_path):

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import math
 import os
 import re
+from dataclasses import asdict
 
 import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
 
 import ctxmix
 from ctxmix import plots
+from ctxmix.limits import hosted_mode, load_limits
+from ctxmix.limits import password as ctxmix_password
 
 EMBEDDED_MODELS = ["minilm", "minilm-sentiment", "smollm2"]
 DEFAULT_TEXT = "The keys to the cabinet are on the table ."
@@ -30,17 +34,22 @@ def _secret(name: str, default=None):
         return default
 
 
+def _secrets() -> dict:
+    try:
+        return st.secrets.to_dict()
+    except Exception:  # noqa: BLE001 - no secrets.toml at all
+        return {}
+
+
 def hosted() -> bool:
-    """Hosted mode: CTXMIX_HOSTED=1 or `hosted = true` in .streamlit/secrets.toml."""
-    return os.environ.get("CTXMIX_HOSTED", "") not in ("", "0", "false") or bool(_secret("hosted", False))
+    """Hosted mode: CTXMIX_HOSTED, `hosted = true` in .streamlit/secrets.toml, or any password
+    (ctxmix.limits.hosted_mode: a password means the server is shared, so everything applies)."""
+    return hosted_mode(os.environ, _secrets())
 
 
 def limits() -> dict:
-    """Caps that keep a shared server responsive; generous when running locally."""
-    if hosted():
-        return {"max_tokens": int(_secret("max_tokens", 128)), "max_sequences": int(_secret("max_sequences", 100)),
-                "max_upload_mb": float(_secret("max_upload_mb", 1.0))}
-    return {"max_tokens": 512, "max_sequences": 2000, "max_upload_mb": 200.0}
+    """The caps of this server (ctxmix.limits): generous locally, tight in hosted mode."""
+    return asdict(load_limits(hosted(), _secrets()))
 
 
 def allowed_models() -> list[str]:
@@ -62,7 +71,7 @@ def require_login() -> bool:
         st.sidebar.caption(f"Signed in as {getattr(st.user, 'email', '') or getattr(st.user, 'name', '')}")
         st.sidebar.button("Log out", on_click=st.logout)
         return True
-    password = os.environ.get("CTXMIX_PASSWORD") or _secret("password")
+    password = ctxmix_password(os.environ, _secrets())
     if not password:
         st.error("Hosted mode needs a login: set CTXMIX_PASSWORD (or `password` in .streamlit/secrets.toml), "
                  "or configure OIDC in an [auth] section of secrets.toml.")
@@ -244,12 +253,13 @@ def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
     n = st.number_input("Sequences", 1, lim["max_sequences"], min(int(qp("n", 20)), lim["max_sequences"]), key=f"{key}_n")
     set_qp(corpus=choice, n=n)
     if choice == "upload":
-        up = st.file_uploader("Text file", type=["txt", "jsonl", "json"], key=f"{key}_file")
+        up = st.file_uploader("Text file", type=["txt", "jsonl", "json"], key=f"{key}_file",
+                              max_upload_size=max(1, math.ceil(lim["max_upload_mb"])))  # the browser enforces it
         if up is None:
             st.info("Upload a file to analyse it.")
             st.stop()
-        if up.size > lim["max_upload_mb"] * 2**20:
-            st.error(f"The file is {up.size / 2**20:.1f} MB; the limit here is {lim['max_upload_mb']} MB.")
+        if up.size > lim["max_upload_mb"] * 2**20:  # checked again here: a client can skip the browser's check
+            st.error(f"The file is {up.size / 2**20:.1f} MB; the limit here is {lim['max_upload_mb']:g} MB.")
             st.stop()
         import tempfile
         from pathlib import Path
@@ -258,8 +268,9 @@ def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
         with tempfile.NamedTemporaryFile(suffix=suffix, delete=False) as fh:
             fh.write(up.getvalue())
         try:
-            with errors_as_messages():
-                return data.read_texts(fh.name, limit=int(n)), f"upload:{up.name}:{hash(up.getvalue())}"
+            return data.read_texts(fh.name, limit=int(n)), f"upload:{up.name}:{hash(up.getvalue())}"
+        except (ctxmix.CtxmixError, ValueError, UnicodeError) as e:  # the message names the upload, not the temp path
+            st.error(str(e).replace(fh.name, up.name).replace(str(Path(fh.name).parent), "(upload)"))
             st.stop()
         finally:
             os.unlink(fh.name)
