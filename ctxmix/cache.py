@@ -2,8 +2,12 @@
 
 A restart does not recompute, and asking for one more method computes only that one.
 Files are written atomically (temporary name, then rename), so a killed process never leaves
-a half-written entry; an unreadable entry is dropped and recomputed. Formats are npz + json
-and csv (no pickle), so a shared cache folder cannot run code.
+a half-written entry; every entry's metadata records the SHA-256 of its data file, and an entry
+that does not match (truncated, edited, half-copied) is dropped and recomputed. Formats are
+npz + json and csv + json (no pickle), so a shared cache folder cannot run code.
+
+Both caches are bounded: the in-memory one by bytes (CTXMIX_MEMCACHE_MB, default 256), the
+folder by CTXMIX_CACHE_MAX_MB (default 1024), least recently used entries removed first.
 """
 
 from __future__ import annotations
@@ -21,9 +25,36 @@ import pandas as pd
 from .explain import Explanation, explain
 from .models import Model, cache_dir
 
-_MEM: "OrderedDict[str, object]" = OrderedDict()
-_MEM_MAX = 256
+_MEM: "OrderedDict[str, tuple[object, int]]" = OrderedDict()  # key -> (value, bytes)
+_MEM_BYTES = 0
 _LOCK = threading.Lock()
+_DISK_LOCK = threading.Lock()
+
+
+def _env_mb(name: str, default: float) -> int:
+    try:
+        v = float(os.environ.get(name, default))
+    except ValueError:
+        v = default
+    return int(max(0.0, v) * 2**20)
+
+
+def mem_limit_bytes() -> int:
+    return _env_mb("CTXMIX_MEMCACHE_MB", 256)
+
+
+def disk_limit_bytes() -> int:
+    return _env_mb("CTXMIX_CACHE_MAX_MB", 1024)
+
+
+def _size_of(v) -> int:
+    """Bytes an entry holds: its arrays and metadata, or a DataFrame's memory."""
+    if isinstance(v, pd.DataFrame):
+        return int(v.memory_usage(deep=True).sum())
+    if isinstance(v, tuple):
+        meta, arrays = v
+        return sum(int(np.asarray(a).nbytes) for a in arrays.values()) + len(json.dumps(meta, default=str))
+    return 1024
 
 
 def model_fingerprint(model: Model) -> str:
@@ -41,8 +72,12 @@ def key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _root() -> Path:
+    return Path(os.environ.get("CTXMIX_RESULTS") or cache_dir() / "results")
+
+
 def _dir(kind: str) -> Path:
-    p = Path(os.environ.get("CTXMIX_RESULTS") or cache_dir() / "results") / kind
+    p = _root() / kind
     p.mkdir(parents=True, exist_ok=True)
     return p
 
@@ -51,16 +86,77 @@ def _mem_get(k):
     with _LOCK:
         if k in _MEM:
             _MEM.move_to_end(k)
-            return _MEM[k]
+            return _MEM[k][0]
     return None
 
 
 def _mem_put(k, v) -> None:
+    global _MEM_BYTES
+    size = _size_of(v)
     with _LOCK:
-        _MEM[k] = v
-        _MEM.move_to_end(k)
-        while len(_MEM) > _MEM_MAX:
-            _MEM.popitem(last=False)
+        if k in _MEM:
+            _MEM_BYTES -= _MEM.pop(k)[1]
+        if size > mem_limit_bytes():
+            return  # larger than the whole budget: kept on disk only
+        _MEM[k] = (v, size)
+        _MEM_BYTES += size
+        while _MEM_BYTES > mem_limit_bytes() and _MEM:
+            _MEM_BYTES -= _MEM.popitem(last=False)[1][1]
+
+
+def mem_clear() -> None:
+    global _MEM_BYTES
+    with _LOCK:
+        _MEM.clear()
+        _MEM_BYTES = 0
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _touch(*paths: Path) -> None:
+    """Mark an entry as used now (its files' mtime): the folder is trimmed by it."""
+    for p in paths:
+        try:
+            os.utime(p)
+        except OSError:
+            pass
+
+
+def trim_disk(limit: int | None = None) -> int:
+    """Remove least recently used entries (all files of one key together) until the results
+    folder fits `limit` bytes (CTXMIX_CACHE_MAX_MB). Returns the bytes removed."""
+    limit = disk_limit_bytes() if limit is None else limit
+    root = _root()
+    if not root.is_dir():
+        return 0
+    with _DISK_LOCK:
+        entries: dict[Path, list] = {}  # (folder / key) -> [last use, bytes, files]
+        for f in root.glob("*/*"):
+            if not f.is_file() or f.name.startswith("."):
+                continue
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            e = entries.setdefault(f.parent / f.name.split(".")[0], [0.0, 0, []])
+            e[0] = max(e[0], st.st_mtime)
+            e[1] += st.st_size
+            e[2].append(f)
+        total = sum(e[1] for e in entries.values())
+        removed = 0
+        for _, (_, size, files) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+            if total - removed <= limit:
+                break
+            for f in files:
+                f.unlink(missing_ok=True)
+            removed += size
+        return removed
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -94,19 +190,24 @@ def _save_method(k: str, entry: tuple[dict, dict]) -> None:
             np.savez_compressed(fh, **arrays)
 
     _atomic_write(d / f"{k}.npz", write_npz)
+    meta = {**meta, "_sha256": _sha256(d / f"{k}.npz")}  # written after the data: a json names a whole npz
     _atomic_write(d / f"{k}.json", lambda p: p.write_text(json.dumps(meta, default=str)))
+    trim_disk()
 
 
 def _load_method(k: str):
     d = _dir("explain")
     try:
         meta = json.loads((d / f"{k}.json").read_text())
+        if meta.pop("_sha256", None) != _sha256(d / f"{k}.npz"):
+            raise ValueError("checksum mismatch")
         with np.load(d / f"{k}.npz", allow_pickle=False) as z:
             arrays = {n: z[n] for n in z.files}
+        _touch(d / f"{k}.json", d / f"{k}.npz")
         return meta, arrays
     except FileNotFoundError:
         return None
-    except Exception:  # noqa: BLE001 - a corrupt entry is recomputed
+    except Exception:  # noqa: BLE001 - a corrupt, truncated or unverified entry is recomputed
         for suffix in (".json", ".npz"):
             (d / f"{k}{suffix}").unlink(missing_ok=True)
         return None
@@ -158,22 +259,33 @@ def _frame_get(k: str, kind: str, disk: bool) -> pd.DataFrame | None:
     hit = _mem_get(k)
     if hit is not None:
         return hit.copy()
-    path = _dir(kind) / f"{k}.csv"
+    path, meta_path = _dir(kind) / f"{k}.csv", _dir(kind) / f"{k}.json"
     if disk and path.exists():
         try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("sha256") != _sha256(path):
+                raise ValueError("checksum mismatch")
             df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+            if len(df) != meta.get("rows"):
+                raise ValueError("row count mismatch")
+            _touch(path, meta_path)
             _mem_put(k, df)
             return df.copy()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - truncated, edited or unverified: recomputed
             path.unlink(missing_ok=True)
+            meta_path.unlink(missing_ok=True)
     return None
 
 
 def _frame_put(k: str, kind: str, df: pd.DataFrame, disk: bool) -> None:
     _mem_put(k, df)
     if disk:
+        d = _dir(kind)
         try:
-            _atomic_write(_dir(kind) / f"{k}.csv", lambda p: df.to_csv(p, index=False))
+            _atomic_write(d / f"{k}.csv", lambda p: df.to_csv(p, index=False))
+            meta = {"sha256": _sha256(d / f"{k}.csv"), "rows": len(df)}
+            _atomic_write(d / f"{k}.json", lambda p: p.write_text(json.dumps(meta)))
+            trim_disk()
         except OSError:
             pass
 

@@ -64,10 +64,10 @@ def test_result_cache_survives_corruption(tmp_path, monkeypatch, tokenizer):
     assert len(files) == 2
     for f in files:
         f.write_bytes(b"garbage")
-    cache._MEM.clear()
+    cache.mem_clear()
     b = cache.cached_explain(m, "the keys are here", ["alti", "norm"])
     np.testing.assert_allclose(a.layer_maps["alti"], b.layer_maps["alti"])
-    cache._MEM.clear()
+    cache.mem_clear()
     c = cache.cached_explain(m, "the keys are here", ["alti"])  # from disk, rewritten after the corruption
     np.testing.assert_allclose(a.global_maps["alti"], c.global_maps["alti"])
 

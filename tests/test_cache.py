@@ -1,0 +1,86 @@
+"""The results cache: bounded in memory (bytes) and on disk (least recently used first), and
+every entry verified by the checksum its metadata records."""
+
+import os
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ctxmix import cache
+
+from conftest import tiny_model
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path))
+    cache.mem_clear()
+    yield tmp_path
+    cache.mem_clear()
+
+
+def _frame(n: int) -> pd.DataFrame:
+    return pd.DataFrame({"layer": np.arange(n), "change": np.linspace(0, 1, n)})
+
+
+def test_a_truncated_or_edited_table_is_recomputed(results):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return _frame(50)
+
+    a = cache.cached_frame("change", ("k",), compute)
+    (csv,) = (results / "change").glob("*.csv")
+    text = csv.read_text()
+    csv.write_text(text[: len(text) // 2])  # half a file, still parseable
+    cache.mem_clear()
+    b = cache.cached_frame("change", ("k",), compute)
+    assert len(calls) == 2 and len(b) == 50
+    pd.testing.assert_frame_equal(a, b)
+    cache.mem_clear()
+    cache.cached_frame("change", ("k",), compute)  # verified: served from disk
+    assert len(calls) == 2
+
+
+def test_an_npz_that_does_not_match_its_checksum_is_recomputed(results, tokenizer):
+    m = tiny_model("bert", tokenizer)
+    a = cache.cached_explain(m, "the keys are here", ["alti"])
+    (npz,) = (results / "explain").glob("*.npz")
+    with np.load(npz) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["layer"] = arrays["layer"] * 0 + 0.5  # a valid file with other numbers
+    with open(npz, "wb") as fh:
+        np.savez_compressed(fh, **arrays)
+    cache.mem_clear()
+    b = cache.cached_explain(m, "the keys are here", ["alti"])
+    np.testing.assert_array_equal(a.layer_maps["alti"], b.layer_maps["alti"])
+
+
+def test_the_folder_is_trimmed_least_recently_used_first(results, monkeypatch):
+    for i in range(6):
+        cache.cached_frame("change", (i,), lambda: _frame(2000))
+        time.sleep(0.02)
+    sizes = sum(f.stat().st_size for f in results.glob("*/*"))
+    one = sizes / 6
+    # reading entry 0 makes it recent; then a budget of about three entries keeps 0 and the newest
+    cache.mem_clear()
+    cache.cached_frame("change", (0,), lambda: pytest.fail("entry 0 should come from disk"))
+    monkeypatch.setenv("CTXMIX_CACHE_MAX_MB", str(3.5 * one / 2**20))
+    cache.cached_frame("change", (6,), lambda: _frame(2000))
+    left = sum(f.stat().st_size for f in results.glob("*/*"))
+    assert left <= 3.5 * one
+    kept = {f.stem for f in (results / "change").glob("*.csv")}
+    assert cache.key("change", 0) in kept and cache.key("change", 6) in kept
+    assert cache.key("change", 1) not in kept
+    assert all((results / "change" / f"{k}.json").exists() for k in kept)  # entries go whole
+
+
+def test_memory_is_bounded_in_bytes(results, monkeypatch):
+    monkeypatch.setenv("CTXMIX_MEMCACHE_MB", "0.5")
+    for i in range(20):
+        cache.cached_frame("change", (i,), lambda: _frame(5000), disk=False)  # ~80 kB each
+    assert 0 < cache._MEM_BYTES <= 0.5 * 2**20
+    assert len(cache._MEM) < 20
