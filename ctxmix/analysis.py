@@ -78,6 +78,8 @@ def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0,
         ids_list.append(mask_tokens(model, ids, mask_rate, rng) if mask_rate else ids)
         notes.append(note)
         index.append(k)
+    if not index:
+        raise BadInput(f"every text of the corpus ({len(texts)}) is empty")
     return index, ids_list, notes, skipped
 
 
@@ -381,6 +383,11 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     precision = resolve_precision(model, precision)
     _check_fraction("ignore_low_gamma", ignore_low_gamma, 0.0, 1.0)
     _check_fraction("mask_rate", mask_rate, 0.0, 1.0, high_open=False)
+    if mask_rate and model.spec.causal:
+        raise BadInput(f"mask_rate applies to bidirectional models (the FF paper masks BERT's and RoBERTa's input); "
+                       f"{model.name!r} is causal")
+    if res2 not in ("exact", "diagonal"):
+        raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
     for name, v in (("top_k", top_k), ("min_count", min_count)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BadInput(f"{name} must be a whole number of at least 1, got {v!r}")

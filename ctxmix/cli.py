@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         keep_cpu_buffers()  # this process is ours: faster chunked products on CPU (see its docstring)
     try:
         args.func(args)
-    except (CtxmixError, ValueError, FileNotFoundError) as e:
+    except (CtxmixError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that is a folder, not writable, missing...
+        where = f": {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     return 0

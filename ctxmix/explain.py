@@ -96,14 +96,42 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     `reconstruction_error` then includes the model's own half-precision rounding.
     """
     methods = check_methods(methods, model.spec.position)
+    _check_call(res2, position, saliency_options)
     if input_ids is None:
+        if not isinstance(text, str):
+            raise BadInput(f"text must be a string (or give input_ids=), got {type(text).__name__}")
         tr = trace(model, text)
     else:
-        if not input_ids:
-            raise BadInput("input_ids is empty")
-        tr = trace_ids(model, list(input_ids))
+        tr = trace_ids(model, check_input_ids(model, input_ids))
     return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
                          saliency_options)[0]
+
+
+def check_input_ids(model: Model, input_ids) -> list[int]:
+    """Token ids as a list of ints inside the vocabulary and the model's length."""
+    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+        raise BadInput("input_ids must be a list of token ids")
+    ids = list(input_ids)
+    if not ids:
+        raise BadInput("input_ids is empty")
+    V = max(int(getattr(model.config, "vocab_size", 0) or 0), len(model.tokenizer))
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= int(i) < V:
+            raise BadInput(f"input_ids must be whole numbers from 0 to {V - 1}, got {i!r}")
+    if len(ids) > model.max_length:
+        raise BadInput(f"input_ids has {len(ids)} tokens; the model takes at most {model.max_length}")
+    return [int(i) for i in ids]
+
+
+def _check_call(res2, position, saliency_options: dict) -> None:
+    """explain's options, checked before any work: a wrong value names the argument and what it takes."""
+    from .saliency import check_saliency_options
+
+    if res2 not in ("exact", "diagonal"):
+        raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
+    if position is not None and (isinstance(position, bool) or not isinstance(position, (int, np.integer))):
+        raise BadInput(f"position must be a whole number (a token index; negative counts from the end), got {position!r}")
+    check_saliency_options(saliency_options)
 
 
 def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
@@ -118,6 +146,7 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     if isinstance(texts, (str, tuple)) or not texts:
         raise BadInput("explain_batch takes a non-empty list of texts")
     methods = check_methods(methods, model.spec.position)
+    _check_call(res2, None, saliency_options)
     per = [methods] * len(texts) if methods_per_text is None else [
         [m for m in methods if m in set(ms)] for ms in methods_per_text]
     if len(per) != len(texts):
@@ -127,9 +156,7 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
         if isinstance(t, str):
             ids, note = model.encode(t)
         else:
-            ids, note = [int(i) for i in t], []
-            if not ids:
-                raise BadInput("input_ids is empty")
+            ids, note = check_input_ids(model, t), []
         batch.append(ids)
         notes.append(note)
     tb = trace_batch_tensors(model, batch, notes)
@@ -187,5 +214,8 @@ def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | 
     from .precision import resolve_precision
 
     precision = resolve_precision(model, precision)
-    tr = trace(model, text) if input_ids is None else trace_ids(model, list(input_ids))
+    _check_call(res2, None, {})
+    if input_ids is None and not isinstance(text, str):
+        raise BadInput(f"text must be a string (or give input_ids=), got {type(text).__name__}")
+    tr = trace(model, text) if input_ids is None else trace_ids(model, check_input_ids(model, input_ids))
     return scope_layer_maps(tr, res2=res2, precision=precision)

@@ -34,7 +34,12 @@ def cache_dir() -> Path:
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BadInput(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise BadInput(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BadInput("device 'cuda' was asked for but no CUDA device is available")
     return dev
@@ -127,10 +132,24 @@ class Model:
     def encode(self, text: str) -> tuple[list[int], list[str]]:
         """Token ids with the model's special tokens; truncated to `max_length` with a warning.
         Returns (ids, warnings)."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise BadInput(f"the text must be a string, got {type(text).__name__}")
+        if not text.strip():
             raise BadInput("the text is empty: give at least one word")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
+                           f"position {e.start}") from None
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         notes = []
+        special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+        content = [i for i in ids if i not in special]
+        if not content or all(i == self.tokenizer.unk_token_id for i in content):
+            notes.append("the text has no token this model knows: it became "
+                         + (f"{len(content)} unknown token(s) ({self.tokenizer.unk_token})" if content
+                            else "nothing but the special tokens") + "; the maps say little")
+            warnings.warn(notes[-1], stacklevel=3)
         if len(ids) > self.max_length:
             notes.append(f"the text has {len(ids)} tokens; truncated to the model's maximum of {self.max_length}")
             warnings.warn(notes[-1], stacklevel=3)

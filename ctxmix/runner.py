@@ -428,17 +428,49 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
                 target=target, explain=explain_opts, options=options, paper=paper, raw=raw, source=source)
 
 
+CONFIG_MAX_BYTES = 1 << 20  # a benchmark config is a page of YAML
+CONFIG_MAX_ALIASES = 100  # YAML aliases expand by reference; nested ones blow up whatever walks the tree
+CONFIG_MAX_DEPTH = 20
+
+
+def _yaml_limits(text: str, where: str) -> None:
+    """Refuse YAML that would be expensive to walk: many aliases (an alias bomb) or deep nesting."""
+    import yaml
+
+    aliases, depth, deepest = 0, 0, 0
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(ev, yaml.AliasEvent):
+            aliases += 1
+        elif isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+        if aliases > CONFIG_MAX_ALIASES:
+            raise BadInput(f"{where}: more than {CONFIG_MAX_ALIASES} YAML aliases; write the config out in full")
+        if deepest > CONFIG_MAX_DEPTH:
+            raise BadInput(f"{where}: nested more than {CONFIG_MAX_DEPTH} levels deep")
+
+
 def load_config(path: str | os.PathLike, *, limit: int | None = None, check_models: bool = True) -> Plan:
-    """Read and validate a YAML config."""
+    """Read and validate a YAML config: size, aliases and depth checked before it is built."""
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"no such config file: {str(p)!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise BadInput(f"--limit must be a whole number of at least 1, got {limit!r}")
+    if p.stat().st_size > CONFIG_MAX_BYTES:
+        raise BadInput(f"{p}: {p.stat().st_size} bytes; a config may have at most {CONFIG_MAX_BYTES}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        _yaml_limits(text, str(p))
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise BadInput(f"{p}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{p}: not UTF-8 text") from None
     return validate_config(raw, limit=limit, check_models=check_models, source=str(p))
 
 
@@ -1028,12 +1060,17 @@ class ResultsStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise BadInput(f"{self.path} is a folder; --db takes a results file (.sqlite)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(str(self.path), timeout=60)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.executescript(_SCHEMA)
-        self.conn.commit()
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=60)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.executescript(_SCHEMA)
+            self.conn.commit()
+        except sqlite3.Error as e:
+            raise BadInput(f"{self.path} is not a ctxmix results file (SQLite): {e}") from None
 
     def close(self) -> None:
         self.conn.close()

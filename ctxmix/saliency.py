@@ -197,6 +197,25 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int,
     return cat.double().cpu().numpy(), (cat * received).double().cpu().numpy()
 
 
+SALIENCY_OPTIONS = {"ig_baseline": IG_BASELINES, "ig_steps": (1, 10_000), "blank_replacement": ("unk", "mask"),
+                    "cat_mask_special": (True, False)}
+
+
+def check_saliency_options(options: dict) -> dict:
+    """The options of the gradient and perturbation methods, checked by name, type and range."""
+    for k, v in options.items():
+        if k not in SALIENCY_OPTIONS:
+            raise BadInput(f"unknown option {k!r}; explain takes target, position, input_ids, res2, precision and "
+                           f"the saliency options {', '.join(SALIENCY_OPTIONS)}")
+        allowed = SALIENCY_OPTIONS[k]
+        if k == "ig_steps":
+            if isinstance(v, bool) or not isinstance(v, int) or not allowed[0] <= v <= allowed[1]:
+                raise BadInput(f"ig_steps must be a whole number from {allowed[0]} to {allowed[1]}, got {v!r}")
+        elif not any(v is a or (type(v) is type(a) and v == a) for a in allowed):
+            raise BadInput(f"{k} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+    return options
+
+
 def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
                     ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk",
                     cat_mask_special: bool = True) -> tuple[int, dict]:

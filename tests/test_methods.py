@@ -227,9 +227,10 @@ def test_attcat_masks_special_tokens_as_the_attcat_code_does(tokenizer):
     np.testing.assert_allclose(cat[-1], (g[0] * h[0]).sum(-1).detach().numpy(), atol=1e-10)
 
 
-@pytest.mark.parametrize("opts, msg", [({"ig_baseline": "blank"}, "unknown IG baseline 'blank'"),
-                                       ({"ig_steps": 0}, "at least one step"),
-                                       ({"blank_replacement": "pad"}, "unknown blank-out replacement")])
+@pytest.mark.parametrize("opts, msg", [({"ig_baseline": "blank"}, "ig_baseline must be one of 'pad'"),
+                                       ({"ig_steps": 0}, "ig_steps must be a whole number from 1"),
+                                       ({"blank_replacement": "pad"}, "blank_replacement must be one of 'unk'"),
+                                       ({"ig_stepz": 3}, "unknown option 'ig_stepz'")])
 def test_saliency_options_are_checked(tokenizer, opts, msg):
     m = tiny_model("bert", tokenizer)
     with pytest.raises(BadInput, match=msg):

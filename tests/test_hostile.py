@@ -1,0 +1,308 @@
+"""Hostile and mistaken inputs, across the API, the command line, configs and settings: every
+case ends in a short message (BadInput / ModelLoadError, or exit code 2 with one `error:` line),
+never a traceback, a hang or a silent wrong number. Fast: tiny models, the CLI in-process."""
+
+import io
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+import ctxmix
+from ctxmix.errors import BadInput, CtxmixError
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
+TEXTS = ["the keys to the cabinet are on the table .", "a small dog barked ."]
+
+
+@pytest.fixture(scope="module")
+def bert(tokenizer):
+    return tiny_model("bert", tokenizer, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tokenizer):
+    return tiny_model("gpt2", tokenizer, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- the Python API
+
+EXPLAIN = {  # name -> (text, methods, keyword arguments, words the message must contain)
+    "text not a string": (123, ["alti"], {}, "text must be a string"),
+    "no text and no ids": (None, ["alti"], {}, "text must be a string"),
+    "blank text": ("   ", ["alti"], {}, "empty"),
+    "lone surrogate": ("a \ud800 b", ["alti"], {}, "not valid Unicode"),
+    "no methods": ("a b", [], {}, "at least one method"),
+    "unknown method": ("a b", ["nope"], {}, "unknown method"),
+    "method with a space": ("a b", ["alti "], {}, "unknown method"),
+    "position not a number": ("a b", ["alti"], {"position": "x"}, "position must be a whole number"),
+    "position a bool": ("a b", ["alti"], {"position": True}, "position must be a whole number"),
+    "position past the end": ("a b", ["alti"], {"position": 999}, "outside"),
+    "position before the start": ("a b", ["alti"], {"position": -999}, "outside"),
+    "res2 unknown": ("a b", ["alti"], {"res2": "x"}, "res2 must be"),
+    "precision unknown": ("a b", ["alti"], {"precision": "fp8"}, "precision must be one of"),
+    "unknown keyword": ("a b", ["alti"], {"foo": 1}, "unknown option 'foo'"),
+    "ig_steps zero": ("a b", ["integrated_gradients"], {"ig_steps": 0}, "ig_steps"),
+    "ig_steps fractional": ("a b", ["integrated_gradients"], {"ig_steps": 1.5}, "ig_steps"),
+    "ig_steps huge": ("a b", ["integrated_gradients"], {"ig_steps": 10**7}, "ig_steps"),
+    "ig baseline unknown": ("a b", ["integrated_gradients"], {"ig_baseline": "blank"}, "ig_baseline"),
+    "blank-out replacement unknown": ("a b", ["blank_out"], {"blank_replacement": "pad"}, "blank_replacement"),
+    "cat_mask_special a string": ("a b", ["cat"], {"cat_mask_special": "yes"}, "cat_mask_special"),
+    "input_ids empty": (None, ["alti"], {"input_ids": []}, "empty"),
+    "input_ids a string": (None, ["alti"], {"input_ids": "abc"}, "list of token ids"),
+    "input_ids negative": (None, ["alti"], {"input_ids": [101, -1]}, "whole numbers from 0"),
+    "input_ids past the vocabulary": (None, ["alti"], {"input_ids": [101, 10**9]}, "whole numbers from 0"),
+    "input_ids fractional": (None, ["alti"], {"input_ids": [101, 1.5]}, "whole numbers from 0"),
+    "input_ids too long": (None, ["alti"], {"input_ids": [101] * 600}, "at most"),
+    "target class out of range": ("a b", ["grad"], {"target": 99}, "target"),
+    "target label unknown": ("a b", ["grad"], {"target": "nolabel"}, "unknown label"),
+    "pre-LN scope on a post-LN model": ("a b", ["AtbLn"], {}, "do not exist in a post-LN model"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPLAIN))
+def test_explain_rejects(bert, case):
+    text, methods, kw, words = EXPLAIN[case]
+    with pytest.raises(BadInput, match=words):
+        ctxmix.explain(bert, text, methods, **kw)
+
+
+SCOPES = {
+    "text not a string": (5, {}, "text must be a string"),
+    "res2 unknown": ("a b", {"res2": "x"}, "res2 must be"),
+    "precision unknown": ("a b", {"precision": "x"}, "precision must be one of"),
+    "input_ids empty": (None, {"input_ids": []}, "empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCOPES))
+def test_scope_maps_rejects(bert, case):
+    text, kw, words = SCOPES[case]
+    with pytest.raises(BadInput, match=words):
+        ctxmix.scope_maps(bert, text, **kw)
+
+
+BATCH = {
+    "one string": (lambda m: ctxmix.explain_batch(m, "a string", ["alti"]), "non-empty list"),
+    "empty list": (lambda m: ctxmix.explain_batch(m, [], ["alti"]), "non-empty list"),
+    "methods per text of the wrong length": (
+        lambda m: ctxmix.explain_batch(m, TEXTS, ["alti"], methods_per_text=[["alti"]]), "one list per text"),
+    "targets of the wrong length": (lambda m: ctxmix.explain_batch(m, TEXTS, ["grad"], targets=[0]), "one entry per text"),
+    "a bad option": (lambda m: ctxmix.explain_batch(m, TEXTS, ["alti"], ig_steps=-1), "ig_steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(BATCH))
+def test_explain_batch_rejects(bert, case):
+    call, words = BATCH[case]
+    with pytest.raises(BadInput, match=words):
+        call(bert)
+
+
+CORPUS = {
+    "one string": (lambda m: ctxmix.contextualization_change(m, "a string", progress=False), "not one string"),
+    "empty corpus": (lambda m: ctxmix.contextualization_change(m, [], progress=False), "empty"),
+    "only blank texts": (lambda m: ctxmix.contextualization_change(m, ["", "  "], progress=False), "every text"),
+    "ignore_low_gamma above 1": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=1.5,
+                                                                            progress=False), "ignore_low_gamma"),
+    "ignore_low_gamma negative": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=-0.1,
+                                                                             progress=False), "ignore_low_gamma"),
+    "ignore_low_gamma a string": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma="x",
+                                                                             progress=False), "ignore_low_gamma"),
+    "mask_rate negative": (lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=-1, progress=False),
+                           "mask_rate"),
+    "mask_rate above 1": (lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=2, progress=False),
+                          "mask_rate"),
+    "batch_size zero": (lambda m: ctxmix.contextualization_change(m, TEXTS, batch_size=0, progress=False),
+                        "batch_size"),
+    "precision unknown": (lambda m: ctxmix.contextualization_change(m, TEXTS, precision="x", progress=False),
+                          "precision"),
+    "res2 unknown": (lambda m: ctxmix.contextualization_change(m, TEXTS, res2="x", progress=False), "res2"),
+    "top_k negative": (lambda m: ctxmix.ff_amp(m, TEXTS, top_k=-1, progress=False), "top_k"),
+    "top_k zero": (lambda m: ctxmix.ff_amp(m, TEXTS, top_k=0, progress=False), "top_k"),
+    "min_count zero": (lambda m: ctxmix.ff_amp(m, TEXTS, min_count=0, progress=False), "min_count"),
+    "normalise unknown": (lambda m: ctxmix.ff_amp(m, TEXTS, normalise="x", progress=False), "normalise"),
+    "outliers of one string": (lambda m: ctxmix.ff_outliers(m, "a string", progress=False), "not one string"),
+    "norms with a bad mask rate": (lambda m: ctxmix.ff_residual_norms(m, TEXTS, mask_rate=7, progress=False),
+                                   "mask_rate"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_corpus_analyses_reject(bert, case):
+    call, words = CORPUS[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(BadInput, match=words):
+            call(bert)
+
+
+def test_masking_a_causal_model(gpt2):
+    with pytest.raises(BadInput, match="is causal"):
+        ctxmix.contextualization_change(gpt2, TEXTS, mask_rate=0.12, progress=False)
+
+
+LOAD = {
+    "empty name": (dict(name_or_path=""), BadInput, "give a model name"),
+    "name not a string": (dict(name_or_path=5), BadInput, "give a model name"),
+    "dtype unknown": (dict(name_or_path="minilm", dtype="float8"), BadInput, "dtype must be one of"),
+    "device unknown": (dict(name_or_path="minilm", device="tpu"), BadInput, "device must be"),
+    "device malformed": (dict(name_or_path="minilm", device="cuda:x"), BadInput, "device must be"),
+    "precision unknown": (dict(name_or_path="minilm", precision="x"), BadInput, "precision must be one of"),
+    "missing folder": (dict(name_or_path="./no/such/folder"), CtxmixError, "no such folder"),
+    "a folder that is no model": (dict(name_or_path=str(ROOT / "configs")), CtxmixError, "could not load"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOAD))
+def test_load_model_rejects(case):
+    kw, exc, words = LOAD[case]
+    with pytest.raises(exc, match=words):
+        ctxmix.load_model(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_device():
+    with pytest.raises(BadInput, match="no CUDA device"):
+        ctxmix.load_model("minilm", device="cuda")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _cli(argv) -> tuple[int, str]:
+    from ctxmix.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with redirect_stderr(err), redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse: usage line + one error line
+            code = e.code
+    return code, err.getvalue()
+
+
+def _bomb(tmp: Path) -> Path:
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, 12):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 12) + "]")
+    p = tmp / "bomb.yaml"
+    p.write_text("\n".join(lines + ["name: bomb", "models: [minilm]", "datasets: [pang_lee]"]) + "\n")
+    return p
+
+
+CLI = {
+    "explain an empty text": ["explain", "  "],
+    "explain an unknown method": ["explain", "hi", "--method", "nope"],
+    "explain a position that is no number": ["explain", "hi", "--position", "abc"],
+    "explain with an unknown dtype": ["explain", "hi", "--dtype", "float8"],
+    "explain with an unknown precision": ["explain", "hi", "--precision", "x"],
+    "explain on an unknown device": ["explain", "hi", "--device", "tpu"],
+    "explain a missing model folder": ["explain", "hi", "--model", "./no/such/folder"],
+    "change with a negative limit": ["change", "--limit", "-3"],
+    "change with a limit that is no number": ["change", "--limit", "abc"],
+    "change with a mask rate of 5": ["change", "--mask-rate", "5", "--limit", "2"],
+    "change ignoring twice every dimension": ["change", "--ignore-low-gamma", "2", "--limit", "2"],
+    "change on a missing corpus file": ["change", "--corpus", "no_such_file.txt"],
+    "change on a hub corpus offline": ["change", "--corpus", "hf:x:y:z", "--limit", "2"],
+    "scopes written to a folder": ["scopes", "hi", "--out", "/"],
+    "outliers written to a folder": ["outliers", "--limit", "2", "--out", "/tmp"],
+    "ff-amp with a negative top-k": ["ff-amp", "--top-k", "-1", "--limit", "2"],
+    "ff-amp with an unknown normalisation": ["ff-amp", "--normalise", "x"],
+    "serve on port 0": ["serve", "--dry-run", "--port", "0"],
+    "no verb": [],
+    "an unknown verb": ["frobnicate"],
+    "bench without a config": ["bench"],
+    "bench a missing config": ["bench", "--config", "no_such.yaml", "--check"],
+    "bench with a negative limit": ["bench", "--config", "configs/embedded.yaml", "--check", "--limit", "-3"],
+    "bench with an unknown executor": ["bench", "--config", "configs/embedded.yaml", "--executor", "x"],
+}
+
+
+@pytest.mark.parametrize("case", list(CLI))
+def test_cli_answers_with_a_message(case, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = _cli(CLI[case])
+    assert code == 2, (case, code, err)
+    assert "Traceback" not in err and "error" in err, (case, err)
+
+
+@pytest.mark.parametrize("case", ["bomb", "folder db", "not a database", "binary config", "huge config"])
+def test_cli_bench_files(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["bench", "--config", "configs/embedded.yaml", "--limit", "1"]
+    if case == "bomb":
+        argv = ["bench", "--config", str(_bomb(tmp_path)), "--check"]
+        words = "aliases"
+    elif case == "folder db":
+        argv += ["--db", str(tmp_path)]
+        words = "is a folder"
+    elif case == "not a database":
+        (tmp_path / "x.sqlite").write_text("hello")
+        argv += ["--db", str(tmp_path / "x.sqlite")]
+        words = "not a ctxmix results file"
+    elif case == "binary config":
+        (tmp_path / "c.yaml").write_bytes(b"\xff\xfe\x00garbage")
+        argv = ["bench", "--config", str(tmp_path / "c.yaml"), "--check"]
+        words = "UTF-8"
+    else:
+        (tmp_path / "c.yaml").write_text("name: x\n" + "# padding\n" * 200_000)
+        argv = ["bench", "--config", str(tmp_path / "c.yaml"), "--check"]
+        words = "at most"
+    code, err = _cli(argv)
+    assert code == 2 and words in err and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- configs and settings
+
+BASE = {"name": "t", "models": ["minilm"], "datasets": ["pang_lee"], "methods": ["alti"], "metrics": []}
+CONFIGS = {
+    "not a mapping": (None, "must be a YAML mapping"),
+    "a list": ([1, 2], "must be a YAML mapping"),
+    "unknown key": ({**BASE, "colour": "red"}, "unknown config key"),
+    "no models": ({**BASE, "models": []}, "model"),
+    "no datasets": ({**BASE, "datasets": []}, "dataset"),
+    "unknown method": ({**BASE, "methods": ["nope"]}, "nope"),
+    "unknown metric": ({**BASE, "metrics": ["nope"]}, "nope"),
+    "unknown dataset source": ({**BASE, "datasets": [{"id": "x", "source": "sst9"}]}, "sst9"),
+    "unknown kind": ({**BASE, "kind": "x"}, "kind"),
+    "unknown target": ({**BASE, "target": "x"}, "target"),
+    "example_batch zero": ({**BASE, "example_batch": 0}, "example_batch"),
+    "negative seed": ({**BASE, "seed": -1}, "seed"),
+    "mask_rate 5": ({**BASE, "mask_rate": 5}, "mask_rate"),
+    "threads zero": ({**BASE, "threads": 0}, "threads"),
+    "negative batch_size": ({**BASE, "batch_size": -1}, "batch_size"),
+    "ig_steps zero": ({**BASE, "explain": {"ig_steps": 0}}, "ig_steps"),
+    "unknown explain option": ({**BASE, "explain": {"foo": 1}}, "foo"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_configs_are_validated_before_any_work(case):
+    from ctxmix.runner import validate_config
+
+    raw, words = CONFIGS[case]
+    with pytest.raises(BadInput, match=words):
+        validate_config(raw, check_models=False)
+
+
+@pytest.mark.parametrize("secrets, words", [({"max_tokens": -1}, "max_tokens"), ({"max_sequences": 2.5}, "max_sequences"),
+                                            ({"max_upload_mb": "big"}, "max_upload_mb"), ({"max_tokens": True}, "max_tokens")])
+def test_server_caps_in_secrets_are_checked(secrets, words):
+    from ctxmix.limits import load_limits
+
+    with pytest.raises(BadInput, match=words):
+        load_limits(True, secrets)
+
+
+def test_the_suite_is_large_enough():
+    n = (len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS) + 4)
+    assert n >= 100, n
