@@ -28,7 +28,7 @@ available = mixing + saliency_methods
 default = ["attention_rollout", "globenc", "alti", "value_zeroing"] + (["grad_x_input"] if saliency_methods else [])
 chosen_qp = [m for m in common.qp_list("method", default) if m in available] or default
 
-text = st.text_area("Text", value=common.qp("text", common.DEFAULT_TEXT), height=80, key="text",
+text = st.text_area("Text", value=common.qp_text("text", common.DEFAULT_TEXT), height=80, key="text",
                     help="Special tokens are added by the model's tokenizer.")
 methods = st.multiselect("Methods", available, default=chosen_qp, key="methods",
                          format_func=lambda m: f"{m} ({ctxmix.METHODS[m].paper})",
@@ -83,7 +83,7 @@ with common.errors_as_messages():
         c1, c2 = st.columns([1, 2])
         mm = c1.selectbox("Method", map_methods, index=map_methods.index(common.qp("map", map_methods[0]))
                           if common.qp("map") in map_methods else 0, key="map_method")
-        layer = c2.slider("Layer", 1, L, min(int(common.qp("layer", L)), L), key="layer")
+        layer = c2.slider("Layer", 1, L, common.qp_int("layer", L, 1, L), key="layer")
         common.set_qp(map=mm, layer=layer)
         st.caption(MIXING_METHODS[mm].doc)
         a, b = st.columns(2)
@@ -97,7 +97,7 @@ with common.errors_as_messages():
     st.subheader("Scope maps of one layer (Kobayashi et al. 2024)")
     scopes = list(scope_names(model.spec.position))
     if st.toggle("Show the FF paper's scope maps", value=common.qp("scopes", "1") == "1", key="scopes_on"):
-        layer_s = st.slider("Layer for the scopes", 1, L, min(int(common.qp("slayer", L)), L), key="slayer")
+        layer_s = st.slider("Layer for the scopes", 1, L, common.qp_int("slayer", L, 1, L), key="slayer")
         common.set_qp(scopes="1", slayer=layer_s)
         sx = cached_explain(model, text, scopes)
         maps = {s: sx.layer_maps[s][layer_s - 1] for s in scopes}

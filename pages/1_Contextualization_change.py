@@ -68,7 +68,7 @@ with common.errors_as_messages():
 
     st.subheader("Token pairs the FF amplifies most")
     amp = report["ff_amp"]
-    layer = st.slider("Layer", 1, model.n_layers, min(int(common.qp("layer", 1)), model.n_layers), key="amp_layer")
+    layer = st.slider("Layer", 1, model.n_layers, common.qp_int("layer", 1, 1, model.n_layers), key="amp_layer")
     common.set_qp(layer=layer)
     top = amp[amp.layer == layer].reset_index(drop=True)
     st.dataframe(top, width="stretch")

@@ -28,7 +28,7 @@ with common.errors_as_messages():
     bar.empty()
     corr = ctxmix.ff_outlier_correlations(df)
 
-    layer = st.slider("Layer", 1, model.n_layers, min(int(common.qp("layer", model.n_layers)), model.n_layers), key="layer")
+    layer = st.slider("Layer", 1, model.n_layers, common.qp_int("layer", model.n_layers, 1, model.n_layers), key="layer")
     common.set_qp(layer=layer)
     d = df[df.layer == layer]
     st.subheader(f"Layer {layer}")

@@ -83,10 +83,20 @@ def test_hosted_mode_asks_for_a_password(monkeypatch):
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
     assert not at.exception
     assert not at.get("plotly_chart")
+    import ui.throttle
+
+    now = [1000.0]
+    monkeypatch.setattr(ui.throttle.THROTTLE, "clock", lambda: now[0])
+    ui.throttle.THROTTLE.succeeded("local")
     at.text_input[0].input("wrong")
     at.button[0].click()
     at.run()
     assert any("Wrong password" in e.value for e in at.error)
+    at.text_input[0].input("s3cret")  # right at once: refused, the delay is not over
+    at.button[0].click()
+    at.run()
+    assert any("try again in" in e.value for e in at.error)
+    now[0] += 1.5
     at.text_input[0].input("s3cret")
     at.button[0].click()
     at.run()
@@ -108,3 +118,40 @@ def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
     assert len(at.dataframe) >= 1 and _charts(at) >= 2
     shown = at.dataframe[0].value
     assert {"alti", "attention", "globenc"} <= set(shown.index)
+
+
+@pytest.mark.parametrize("params", [{"layer": "abc"}, {"layer": "99"}, {"slayer": "-5"}, {"layer": "1e9"},
+                                    {"text": "word " * 5000}])
+def test_bad_url_parameters_fall_back_with_a_notice(params):
+    """A mistyped or hostile link shows the default view and says so: no traceback, no raw error."""
+    at = _run("app.py", **params)
+    assert any("link" in w.value for w in at.warning), [w.value for w in at.warning]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [{"n": "abc"}, {"n": "-4"}, {"n": "10000000"}, {"layer": "x"}])
+def test_bad_url_parameters_on_a_corpus_page(params):
+    at = _run("pages/2_LN_gamma_vs_FF_outliers.py", corpus="pang_lee", **({"n": "3"} | params))
+    assert any("link" in w.value for w in at.warning)
+
+
+def test_login_delays_grow_per_client_up_to_a_ceiling():
+    from ui.throttle import LoginThrottle
+
+    now = [0.0]
+    t = LoginThrottle(base=1.0, ceiling=8.0, clock=lambda: now[0])
+    assert [t.failed("a") for _ in range(6)] == [1, 2, 4, 8, 8, 8]
+    assert t.wait("a") == 8 and t.wait("b") == 0  # another address is not held up
+    now[0] += 8
+    assert t.wait("a") == 0
+    t.succeeded("a")
+    assert t.failed("a") == 1  # a success starts over
+
+
+def test_hosted_error_messages_hide_server_paths(monkeypatch):
+    from ui import common
+
+    monkeypatch.setenv("CTXMIX_HOSTED", "1")
+    assert common.public_message("cannot read /srv/ctxmix/cache/x.npz now") == "cannot read (path) now"
+    monkeypatch.delenv("CTXMIX_HOSTED")
+    assert "/srv/ctxmix" in common.public_message("cannot read /srv/ctxmix/cache/x.npz now")

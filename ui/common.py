@@ -78,15 +78,39 @@ def require_login() -> bool:
         return False
     if st.session_state.get("authenticated"):
         return True
+    from ui.throttle import THROTTLE
+
     st.title("ctxmix")
+    client = client_address()
     with st.form("login"):
         given = st.text_input("Password", type="password")
         if st.form_submit_button("Enter", type="primary"):
-            if hmac.compare_digest(given.encode(), str(password).encode()):
+            wait = THROTTLE.wait(client)
+            if wait > 0:
+                st.error(f"Too many wrong passwords from here: try again in {wait:.0f} s.")
+            elif hmac.compare_digest(given.encode(), str(password).encode()):
+                THROTTLE.succeeded(client)
                 st.session_state["authenticated"] = True
                 st.rerun()
-            st.error("Wrong password.")
+            else:
+                delay = THROTTLE.failed(client)
+                st.error(f"Wrong password. The next try is possible in {delay:.0f} s.")
     return False
+
+
+def client_address() -> str:
+    """Who is logging in: the address the proxy forwarded (its rightmost X-Forwarded-For entry,
+    only when CTXMIX_TRUST_PROXY is set: clients can write that header themselves), else the
+    connection's address, else "local"."""
+    try:
+        if os.environ.get("CTXMIX_TRUST_PROXY", "") not in ("", "0"):
+            fwd = st.context.headers.get("X-Forwarded-For")
+            if isinstance(fwd, str) and fwd.strip():
+                return fwd.split(",")[-1].strip()
+        ip = st.context.ip_address
+        return ip if isinstance(ip, str) and ip else "local"
+    except Exception:  # noqa: BLE001 - no request context (tests)
+        return "local"
 
 
 # ---------------------------------------------------------------- pages
@@ -117,6 +141,34 @@ def qp(name: str, default=None):
     if v in (None, ""):
         v = st.session_state.get(f"_qp_{name}")
     return default if v in (None, "") else v
+
+
+def qp_int(name: str, default: int, lo: int, hi: int) -> int:
+    """A whole-number view setting from the URL, within [lo, hi]; anything else falls back to
+    the default (clamped) with a notice, never an error."""
+    default = min(max(int(default), lo), hi)
+    v = qp(name)
+    if v is None:
+        return default
+    try:
+        n = int(str(v).strip())
+    except ValueError:
+        n = None
+    if n is None or not lo <= n <= hi:
+        shown = str(v) if len(str(v)) <= 40 else str(v)[:40] + "…"
+        st.warning(f"The link's `{name}={shown}` is not a whole number from {lo} to {hi}; showing {default}.")
+        st.session_state.pop(f"_qp_{name}", None)
+        return default
+    return n
+
+
+def qp_text(name: str, default: str, max_chars: int = 20_000) -> str:
+    """A text setting from the URL, at most max_chars characters (longer ones fall back with a notice)."""
+    v = qp(name, default)
+    if len(v) > max_chars:
+        st.warning(f"The link's `{name}` has {len(v)} characters; at most {max_chars} are taken from a link.")
+        return default
+    return v
 
 
 def qp_list(name: str, default: list[str]) -> list[str]:
@@ -183,20 +235,34 @@ def load_or_stop(name: str) -> ctxmix.Model:
 # ---------------------------------------------------------------- errors
 
 
+_PATH = re.compile(r"(?:[A-Za-z]:)?[\\/](?:[\w.\-~]+[\\/])+[\w.\-~]*")
+
+
+def public_message(msg: str) -> str:
+    """An error message as a browser may see it: in hosted mode, server paths become "(path)"."""
+    return _PATH.sub("(path)", msg) if hosted() else msg
+
+
 @contextlib.contextmanager
 def errors_as_messages():
-    """Show errors as messages in the page, never as tracebacks."""
+    """Show errors as messages in the page, never as tracebacks (hosted mode: no server paths,
+    and unexpected errors only as an id to look up in the server log)."""
     try:
         yield
     except ScriptControlException:  # st.stop() and st.rerun() must pass through
         raise
     except (ctxmix.CtxmixError, ValueError, FileNotFoundError) as e:
-        st.error(str(e))
+        st.error(public_message(str(e)))
     except Exception as e:  # noqa: BLE001 - anything else: a short message, the details in the server log
         import logging
+        import uuid
 
-        logging.getLogger("ctxmix").exception("page error")
-        st.error(f"Something went wrong: {type(e).__name__}: {e}")
+        ref = uuid.uuid4().hex[:8]
+        logging.getLogger("ctxmix").exception("page error %s", ref)
+        if hosted():
+            st.error(f"Something went wrong (error {ref}); the details are in the server's log.")
+        else:
+            st.error(f"Something went wrong: {type(e).__name__}: {e} (error {ref} in the server's log)")
 
 
 # ---------------------------------------------------------------- exports
@@ -250,7 +316,7 @@ def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
              "upload": "Upload a .txt (one sequence per line) or .jsonl file (field 'text')"}
     choice = st.selectbox("Corpus", list(names), format_func=names.get, key=f"{key}_name",
                           index=list(names).index(qp("corpus", "wiki")) if qp("corpus", "wiki") in names else 0)
-    n = st.number_input("Sequences", 1, lim["max_sequences"], min(int(qp("n", 20)), lim["max_sequences"]), key=f"{key}_n")
+    n = st.number_input("Sequences", 1, lim["max_sequences"], qp_int("n", 20, 1, lim["max_sequences"]), key=f"{key}_n")
     set_qp(corpus=choice, n=n)
     if choice == "upload":
         up = st.file_uploader("Text file", type=["txt", "jsonl", "json"], key=f"{key}_file",
