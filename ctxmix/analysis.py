@@ -59,27 +59,54 @@ Progress = bool | Callable[[int, int], None]
 TRACE_BATCH = None  # sequences per padded batch in corpus loops: None sizes it from the memory budget
 
 
-def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0,
-                  seed: int = 0) -> tuple[list[int], list[list[int]], list[list[str]], int]:
+def _cut(model: Model, ids: list[int], max_tokens: int) -> list[int]:
+    """ids cut to max_tokens, keeping the closing special token where the model adds one."""
+    if len(ids) <= max_tokens:
+        return ids
+    special = set(model.tokenizer.all_special_ids) - {model.tokenizer.unk_token_id}
+    return ids[: max_tokens - 1] + [ids[-1]] if ids[-1] in special and max_tokens > 1 else ids[:max_tokens]
+
+
+def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
+                  max_tokens: int | None = None,
+                  max_total_tokens: int | None = None) -> tuple[list[int], list[list[int]], list[list[str]], int]:
     """Token ids of every non-empty text, masked in text order (so masking does not depend on
-    batching). Returns (text indices, ids, notes, number of empty texts skipped)."""
+    batching). `max_tokens` cuts longer sequences (with a warning: a server's cap), and a corpus
+    of more than `max_total_tokens` tokens in all is refused before any work.
+    Returns (text indices, ids, notes, number of empty texts skipped)."""
     if isinstance(texts, str):
         raise BadInput("texts must be a list of strings, not one string")
     texts = list(texts)
     if not texts:
         raise BadInput("the corpus is empty")
+    for name, v in (("max_tokens", max_tokens), ("max_total_tokens", max_total_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
+            raise BadInput(f"{name} must be a whole number of at least 2, got {v!r}")
     rng = random.Random(seed)
-    index, ids_list, notes, skipped = [], [], [], 0
+    index, ids_list, notes, skipped, cut = [], [], [], 0, 0
     for k, text in enumerate(texts):
         if not isinstance(text, str) or not text.strip():
             skipped += 1
             continue
-        ids, note = model.encode(text)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one warning for the corpus, below
+            ids, note = model.encode(text)
+        if max_tokens is not None and len(ids) > max_tokens:
+            ids, cut = _cut(model, ids, max_tokens), cut + 1
         ids_list.append(mask_tokens(model, ids, mask_rate, rng) if mask_rate else ids)
         notes.append(note)
         index.append(k)
     if not index:
         raise BadInput(f"every text of the corpus ({len(texts)}) is empty")
+    total = sum(len(ids) for ids in ids_list)
+    if max_total_tokens is not None and total > max_total_tokens:
+        raise BadInput(f"the corpus has {total} tokens in all; the cap here is {max_total_tokens}: "
+                       "use fewer or shorter sequences")
+    if cut:
+        warnings.warn(f"{cut} sequence(s) cut to {max_tokens} tokens", stacklevel=3)
+    long = sum(1 for note in notes if note)
+    if long:
+        warnings.warn(f"{long} sequence(s) truncated to the model's maximum of {model.max_length} tokens", stacklevel=3)
     return index, ids_list, notes, skipped
 
 
@@ -113,12 +140,13 @@ def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None
 
 
 def corpus_batches(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                   progress: Progress = True, desc: str = "sequences",
-                   batch_size: int | None = None) -> Iterator[tuple[list[int], TraceBatch]]:
+                   progress: Progress = True, desc: str = "sequences", batch_size: int | None = None,
+                   max_tokens: int | None = None,
+                   max_total_tokens: int | None = None) -> Iterator[tuple[list[int], TraceBatch]]:
     """Trace the corpus in length-bucketed padded batches: yields (text indices, TraceBatch).
     Empty texts are skipped (and counted in a warning). progress: True for a tqdm bar, or a
     callable(done, total) (the dashboard's progress bar)."""
-    index, ids_list, notes, skipped = encode_corpus(model, texts, mask_rate, seed)
+    index, ids_list, notes, skipped = encode_corpus(model, texts, mask_rate, seed, max_tokens, max_total_tokens)
     total = len(index) + skipped
     bar = tqdm(total=total, desc=desc, disable=progress is not True)
     done = skipped
@@ -367,7 +395,8 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
                   seed: int = 0, lower_triangle: bool = False, res2: str = "exact", normalise: str = "column",
                   top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True, norms: bool = False,
                   outliers: bool = False, progress: Progress = True, batch_size: int | None = None,
-                  precision: str | None = None) -> dict[str, pd.DataFrame]:
+                  precision: str | None = None, max_tokens: int | None = None,
+                  max_total_tokens: int | None = None) -> dict[str, pd.DataFrame]:
     """The FF paper's corpus reports from one pass over the corpus: "change"
     (`contextualization_change`), "ff_amp" (`ff_amp`), "residual_norms" (`ff_residual_norms`) and
     "outliers" (`ff_outliers`), each asked for by its flag.
@@ -377,7 +406,8 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     and only the final tables come back. The scope maps are computed once per batch (twice only
     when the outlier ablation needs norms without the lowest-gamma dimensions and FF-amp needs
     them with). `precision` ("float32", "tf32", "bf16"; the model's default if None) applies to
-    the large products of the scope decomposition."""
+    the large products of the scope decomposition. `max_tokens` cuts longer sequences and
+    `max_total_tokens` refuses a larger corpus before any work (a shared server's caps)."""
     from .precision import resolve_precision
 
     precision = resolve_precision(model, precision)
@@ -397,7 +427,8 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     st = _FFStats(model) if (norms or outliers) else None
     with job_slot(), torch.no_grad():
         for index, tb in corpus_batches(model, texts, mask_rate, seed, progress, desc="FF analyses",
-                                        batch_size=batch_size):
+                                        batch_size=batch_size, max_tokens=max_tokens,
+                                        max_total_tokens=max_total_tokens):
             if ch is not None or am is not None:
                 maps = scope_maps_batch(tb, res2=res2, keep_dims=keep, next_ln=change, precision=precision)
                 if ch is not None:
@@ -428,10 +459,11 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
 
 
 def ff_report(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-              progress: Progress = True) -> dict[str, pd.DataFrame]:
-    """`ff_outliers` ("outliers") and `ff_residual_norms` ("residual_norms") from one pass."""
+              progress: Progress = True, **caps) -> dict[str, pd.DataFrame]:
+    """`ff_outliers` ("outliers") and `ff_residual_norms` ("residual_norms") from one pass;
+    `caps`: max_tokens, max_total_tokens (see corpus_report)."""
     return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True,
-                         outliers=True, progress=progress)
+                         outliers=True, progress=progress, **caps)
 
 
 def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,

@@ -39,14 +39,17 @@ with common.errors_as_messages():
     def progress(done, total):
         bar.progress(done / max(total, 1), text=f"{done}/{total} sequences")
 
+    def compute(missing):
+        with common.corpus_job():
+            out = corpus_report(model, texts, change="change" in missing, amp="ff_amp" in missing,
+                                norms="res2" in missing, progress=progress, **opts, **common.corpus_caps())
+        return {{"residual_norms": "res2"}.get(k, k): v for k, v in out.items()}
+
     # one pass over the corpus for whichever of the three reports is not cached yet; each keeps its own key
+    caps = common.corpus_caps()
     report = cached_frames(
-        {"change": (fp, corpus_key, len(texts), opts), "ff_amp": (fp, corpus_key, len(texts), opts["mask_rate"]),
-         "res2": (fp, corpus_key, len(texts), opts["mask_rate"])},
-        lambda missing: {
-            {"residual_norms": "res2"}.get(k, k): v
-            for k, v in corpus_report(model, texts, change="change" in missing, amp="ff_amp" in missing,
-                                      norms="res2" in missing, progress=progress, **opts).items()})
+        {"change": (fp, corpus_key, len(texts), opts, caps), "ff_amp": (fp, corpus_key, len(texts), opts["mask_rate"], caps),
+         "res2": (fp, corpus_key, len(texts), opts["mask_rate"], caps)}, compute)
     res2 = report["res2"]
     bar.empty()
 

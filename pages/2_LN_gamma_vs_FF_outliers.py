@@ -20,11 +20,16 @@ texts, corpus_key = common.corpus_picker()
 with common.errors_as_messages():
     bar = st.progress(0.0, text="Collecting FF statistics…")
     fp = model_fingerprint(model)
+    caps = common.corpus_caps()
+
+    def compute(missing):
+        with common.corpus_job():
+            out = ctxmix.analysis.ff_report(model, texts, progress=lambda d, t: bar.progress(d / max(t, 1)), **caps)
+        return {{"residual_norms": "res2"}.get(k, k): v for k, v in out.items()}
+
     # one FF-statistics pass gives the outliers and the RES2 norms the Contextualization change page shows
-    df = cached_frames(
-        {"outliers": (fp, corpus_key, len(texts)), "res2": (fp, corpus_key, len(texts), 0.0)},
-        lambda missing: {{"residual_norms": "res2"}.get(k, k): v for k, v in ctxmix.analysis.ff_report(
-            model, texts, progress=lambda d, t: bar.progress(d / max(t, 1))).items()})["outliers"]
+    df = cached_frames({"outliers": (fp, corpus_key, len(texts), caps), "res2": (fp, corpus_key, len(texts), 0.0, caps)},
+                       compute)["outliers"]
     bar.empty()
     corr = ctxmix.ff_outlier_correlations(df)
 

@@ -155,3 +155,19 @@ def test_hosted_error_messages_hide_server_paths(monkeypatch):
     assert common.public_message("cannot read /srv/ctxmix/cache/x.npz now") == "cannot read (path) now"
     monkeypatch.delenv("CTXMIX_HOSTED")
     assert "/srv/ctxmix" in common.public_message("cannot read /srv/ctxmix/cache/x.npz now")
+
+
+def test_a_full_server_answers_busy(monkeypatch):
+    """When the server already runs its cap of corpus jobs, a new one gets a polite notice."""
+    import ui.common
+
+    from ctxmix.limits import LOCAL
+
+    monkeypatch.setattr(ui.common, "_JOBS", [LOCAL.max_concurrent_jobs])
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
+    at.query_params["corpus"] = "pang_lee"
+    at.query_params["n"] = "2"
+    at.run()
+    assert not at.exception
+    assert any("busy" in i.value for i in at.info), [i.value for i in at.info]

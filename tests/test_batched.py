@@ -270,3 +270,18 @@ def test_lower_triangle_change_matches_scipy(tokenizer):
     assert row["std"] == pytest.approx(np.std(vals), abs=1e-12)
     full = ctxmix.contextualization_change(m, TEXTS, progress=False, batch_size=3)
     assert not np.allclose(full["change"], df["change"])
+
+
+def test_server_caps_on_a_corpus(tokenizer):
+    """max_tokens cuts long sequences (the closing special token kept, with a warning);
+    max_total_tokens refuses a larger corpus before any work."""
+    from ctxmix.analysis import encode_corpus
+    from ctxmix.errors import BadInput
+
+    m = tiny_model("bert", tokenizer)
+    long = "one two three four five six seven eight nine ten eleven twelve"
+    with pytest.warns(UserWarning, match="cut to 6 tokens"):
+        _, ids, _, _ = encode_corpus(m, [long, "a b"], max_tokens=6)
+    assert len(ids[0]) == 6 and ids[0][0] == 101 and ids[0][-1] == 102 and len(ids[1]) == 4
+    with pytest.raises(BadInput, match="cap here is 10"):
+        encode_corpus(m, [long, long], max_total_tokens=10)

@@ -232,6 +232,36 @@ def load_or_stop(name: str) -> ctxmix.Model:
     st.stop()
 
 
+# ---------------------------------------------------------------- corpus jobs
+
+_JOBS = [0]  # corpus jobs running in this server process (module state: shared by every session)
+_JOBS_LOCK = __import__("threading").Lock()
+
+
+@contextlib.contextmanager
+def corpus_job():
+    """A slot for one corpus job, or a polite "busy" and st.stop() when the server runs its cap."""
+    cap = limits()["max_concurrent_jobs"]
+    with _JOBS_LOCK:
+        busy = _JOBS[0] >= cap
+        if not busy:
+            _JOBS[0] += 1
+    if busy:
+        st.info(f"The server is busy with {cap} corpus job(s) already; try again in a minute.")
+        st.stop()
+    try:
+        yield
+    finally:
+        with _JOBS_LOCK:
+            _JOBS[0] -= 1
+
+
+def corpus_caps() -> dict:
+    """The per-sequence and per-job token caps every corpus computation gets (ctxmix.limits)."""
+    lim = limits()
+    return {"max_tokens": lim["max_tokens"], "max_total_tokens": lim["max_job_tokens"]}
+
+
 # ---------------------------------------------------------------- errors
 
 
