@@ -197,26 +197,110 @@ def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.
     spec = spec_for(config)
     kind, cls = _kind_and_class(config)
     try:
-        hf = cls.from_pretrained(
-            src, attn_implementation="eager", use_safetensors=True, trust_remote_code=False, dtype=dtype
+        hf, loading = cls.from_pretrained(
+            src, attn_implementation="eager", use_safetensors=True, trust_remote_code=False, dtype=dtype,
+            output_loading_info=True,
         )
         tok = T.AutoTokenizer.from_pretrained(src)
     except Exception as e:  # noqa: BLE001
+        if "ignore_mismatched_sizes" in str(e):
+            raise ModelLoadError(f"{name!r} cannot be used as it is: tensors of the wrong shape for its config "
+                                 "(a checkpoint of another size, or an edited file)") from None
         raise ModelLoadError(
             f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             "ctxmix reads safetensors weights only (never pickle files, never remote code)."
         ) from None
+    check_loaded(name, hf, loading, tok)
     hf.eval().to(device).requires_grad_(False)  # gradients are taken w.r.t. inputs only
     return Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
 
 
+def _listing(keys, most: int = 8) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def check_loaded(name: str, hf: torch.nn.Module, loading: dict, tokenizer) -> list[str]:
+    """Refuse a model folder that would give silently wrong numbers; warn about what is normal.
+
+    ModelLoadError for: tensors the model (its head included) reads but the checkpoint lacks
+    (transformers would initialise them at random: a classifier head that is not the trained
+    one, a layer left out), tensors of the wrong shape, non-finite weights, and a tokenizer that
+    does not match the embedding (a missing tokenizer falls back to a handful of tokens).
+    A warning lists unexpected tensors: real checkpoints carry some (bert-base-uncased's NSP
+    head and pooler when loaded as a masked LM). Returns the warnings."""
+    problems = []
+    missing = set(loading.get("missing_keys") or ())
+    if missing:
+        problems.append(f"tensors missing from the checkpoint (they would be random): {_listing(missing)}")
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in (loading.get("mismatched_keys") or ())]
+    if mismatched:
+        problems.append(f"tensors of the wrong shape: {_listing(mismatched)}")
+    if loading.get("error_msgs"):
+        problems.append("; ".join(map(str, loading["error_msgs"]))[:500])
+    bad = [n for n, p in hf.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        problems.append(f"non-finite weights (NaN or inf) in: {_listing(bad)}")
+    rows = hf.get_input_embeddings().weight.shape[0]
+    n_tok = len(tokenizer)
+    if n_tok > rows or n_tok < 0.9 * rows:
+        problems.append(f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
+                        "missing or belong to another model")
+    if problems:
+        raise ModelLoadError(f"{name!r} cannot be used as it is: " + "; ".join(problems))
+    notes = []
+    unexpected = set(loading.get("unexpected_keys") or ())
+    if unexpected:
+        notes.append(f"{name!r}: the checkpoint has tensors this model does not use (normal for a checkpoint saved "
+                     f"with another head): {_listing(unexpected)}")
+        warnings.warn(notes[-1], stacklevel=3)
+    return notes
+
+
+def _weights_record(folder: Path) -> dict:
+    """Size, mtime and SHA-256 of a built model's weight files."""
+    import hashlib
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(2**22), b""):
+                h.update(block)
+        st = f.stat()
+        out[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    return out
+
+
+def verify_weights(folder: Path, meta: dict) -> None:
+    """Check a built model's weights against the checksums its metadata records (size and mtime
+    first, the SHA-256 when they moved); a model built before checksums existed gets them now."""
+    recorded = meta.get("weights")
+    if not recorded:
+        meta["weights"] = _weights_record(folder)
+        tmp = folder / ".ctxmix_meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, folder / "ctxmix_meta.json")
+        return
+    files = sorted(f.name for f in folder.glob("*.safetensors"))
+    if files != sorted(recorded):
+        raise ModelLoadError(f"{folder}: weight files {files} differ from the recorded {sorted(recorded)}")
+    for fname, rec in recorded.items():
+        st = (folder / fname).stat()
+        if st.st_size == rec["size"] and st.st_mtime_ns == rec["mtime_ns"]:
+            continue
+        if _weights_record(folder)[fname]["sha256"] != rec["sha256"]:
+            raise ModelLoadError(f"{folder / fname}: the weights changed since the model was built")
+
+
 def _cached_build(folder: Path, build, name: str, device, dtype) -> Model:
-    """Load a model built once into the cache; rebuild when missing or corrupt."""
+    """Load a model built once into the cache; rebuild when missing, corrupt or altered."""
     for attempt in range(2):
         if not (folder / "ctxmix_meta.json").exists():
             build(folder)
         try:
             meta = json.loads((folder / "ctxmix_meta.json").read_text())
+            verify_weights(folder, meta)
             return _from_folder_or_hub(str(folder), name, device, dtype, info=meta)
         except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt, once
             if attempt:

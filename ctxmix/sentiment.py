@@ -223,6 +223,7 @@ def _load_base(seed: int) -> tuple[Any, Any]:
             label2id={v: k for k, v in ID2LABEL.items()},
             attn_implementation="eager",
             use_safetensors=True,
+            dtype=torch.float32,  # whatever the stored dtype: a float16 base would train in float16 and collapse
         )
     model.config.problem_type = "single_label_classification"
     return model, tokenizer

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import transformers as T
 
 import ctxmix
@@ -47,11 +48,63 @@ def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
 
     folder = tmp_path / "m"
     m1 = _cached_build(folder, build, "tiny", ctxmix.models.resolve_device("cpu"), ctxmix.models._DTYPES["float32"])
-    assert len(builds) == 1 and m1.info == {"built": 1}
+    assert len(builds) == 1 and m1.info["built"] == 1 and "model.safetensors" in m1.info["weights"]
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.warns(UserWarning, match="rebuilding"):
         m2 = _cached_build(folder, build, "tiny", ctxmix.models.resolve_device("cpu"), ctxmix.models._DTYPES["float32"])
-    assert len(builds) == 2 and m2.info == {"built": 2}
+    assert len(builds) == 2 and m2.info["built"] == 2
+    # weights altered but still a valid file (same size): the recorded checksum catches it
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    sd["classifier.weight"] = sd["classifier.weight"] * 2
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="rebuilding"):
+        m3 = _cached_build(folder, build, "tiny", ctxmix.models.resolve_device("cpu"), ctxmix.models._DTYPES["float32"])
+    assert len(builds) == 3 and m3.info["built"] == 3
+
+
+def _saved(tmp_path, tokenizer, edit=None, tokenizer_files=True):
+    """A tiny BERT classifier saved as a folder, its tensors edited by `edit(state_dict)`."""
+    from safetensors.torch import load_file, save_file
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    d = tmp_path / "model"
+    m.hf.save_pretrained(d, safe_serialization=True)
+    if tokenizer_files:
+        tokenizer.save_pretrained(d)
+    if edit is not None:
+        sd = load_file(d / "model.safetensors")
+        edit(sd)
+        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    return str(d)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("head missing", "missing from the checkpoint"), ("a layer tensor missing", "missing from the checkpoint"),
+    ("wrong shape", "wrong shape"), ("NaN weights", "non-finite"), ("no tokenizer", "tokenizer has"),
+])
+def test_broken_model_folders_are_refused(tmp_path, tokenizer, case, words):
+    def edit(sd):
+        if case == "head missing":
+            del sd["classifier.weight"]
+        elif case == "a layer tensor missing":
+            del sd["bert.encoder.layer.1.output.dense.weight"]
+        elif case == "wrong shape":
+            sd["classifier.weight"] = torch.zeros(2, 7)
+        elif case == "NaN weights":
+            sd["bert.encoder.layer.0.attention.self.value.weight"][0, 0] = float("nan")
+
+    path = _saved(tmp_path, tokenizer, None if case == "no tokenizer" else edit, tokenizer_files=case != "no tokenizer")
+    with pytest.raises(ctxmix.ModelLoadError, match=words):
+        ctxmix.load_model(path, device="cpu")
+
+
+def test_unexpected_tensors_are_listed_in_a_warning(tmp_path, tokenizer):
+    path = _saved(tmp_path, tokenizer, lambda sd: sd.__setitem__("cls.predictions.bias", torch.zeros(3)))
+    with pytest.warns(UserWarning, match="cls.predictions.bias"):
+        m = ctxmix.load_model(path, device="cpu")
+    assert m.kind == "classifier"
 
 
 def test_result_cache_survives_corruption(tmp_path, monkeypatch, tokenizer):
