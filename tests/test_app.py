@@ -171,3 +171,34 @@ def test_a_full_server_answers_busy(monkeypatch):
     at.run()
     assert not at.exception
     assert any("busy" in i.value for i in at.info), [i.value for i in at.info]
+
+
+UPLOADS = {  # name -> (file name, bytes)
+    "over the size cap": ("big.txt", b"word " * (6 * 2**20 // 5)),
+    "not UTF-8": ("bin.txt", bytes(range(256)) * 10),
+    "a malformed JSON line": ("bad.jsonl", b'{"text": "fine"}\n{"text": \n'),
+    "a JSON line without the field": ("nofield.jsonl", b'{"body": "x"}\n'),
+    "a text that is a number": ("num.jsonl", b'{"text": 5}\n'),
+    "an empty file": ("empty.txt", b""),
+    "blank lines only": ("blank.txt", b"\n   \n\t\n"),
+}
+
+
+@pytest.mark.parametrize("case", list(UPLOADS))
+def test_hostile_uploads_are_messages(case, tmp_path):
+    """Uploads on a corpus page: each bad file gets one message that names the upload, never a
+    traceback or the server's temporary path."""
+    name, data = UPLOADS[case]
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
+    at.query_params["corpus"] = "upload"
+    at.query_params["n"] = "3"
+    at.run()
+    at.file_uploader[0].set_value((name, data, "text/plain"))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert errors, case
+    import tempfile
+
+    assert not any(tempfile.gettempdir() in e for e in errors), errors

@@ -285,3 +285,26 @@ def test_server_caps_on_a_corpus(tokenizer):
     assert len(ids[0]) == 6 and ids[0][0] == 101 and ids[0][-1] == 102 and len(ids[1]) == 4
     with pytest.raises(BadInput, match="cap here is 10"):
         encode_corpus(m, [long, long], max_total_tokens=10)
+
+
+def test_a_corpus_job_stops_at_its_progress_callback(tokenizer):
+    """The dashboard cancels a job by raising from its progress callback (Streamlit interrupts a
+    script at its next call when the user stops or reruns it): the pass ends there, and the
+    memory-budget slot is given back."""
+    import ctxmix.budget as budget
+    from ctxmix.analysis import corpus_report
+
+    m = tiny_model("bert", tokenizer)
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def progress(done, total):
+        calls.append(done)
+        if len(calls) == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        corpus_report(m, TEXTS * 4, progress=progress, batch_size=2)
+    assert len(calls) == 2 and budget._ACTIVE == 0
