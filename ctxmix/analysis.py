@@ -16,7 +16,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from .errors import BadInput
+from .errors import BadInput, checked_arguments
 from .budget import batch_size_for, job_slot
 from .methods import scope_maps_batch
 from .models import Model
@@ -352,6 +352,7 @@ class _FFStats:
                 self.n_out.cpu().numpy() / c, self.n_byp.cpu().numpy() / c)
 
 
+@checked_arguments
 def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0,
                              mask_rate: float = 0.0, seed: int = 0, lower_triangle: bool = False,
                              res2: str = "exact", progress: Progress = True, batch_size: int | None = None,
@@ -371,6 +372,7 @@ def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_g
                          batch_size=batch_size, precision=precision)["change"]
 
 
+@checked_arguments
 def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top_k: int = 50, min_count: int = 2,
            mask_rate: float = 0.0, seed: int = 0, progress: Progress = True, batch_size: int | None = None,
            precision: str | None = None) -> pd.DataFrame:
@@ -391,6 +393,7 @@ def _check_fraction(name: str, v, low: float, high: float, high_open: bool = Tru
     return float(v)
 
 
+@checked_arguments
 def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0, mask_rate: float = 0.0,
                   seed: int = 0, lower_triangle: bool = False, res2: str = "exact", normalise: str = "column",
                   top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True, norms: bool = False,
@@ -458,6 +461,7 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     return out
 
 
+@checked_arguments
 def ff_report(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
               progress: Progress = True, **caps) -> dict[str, pd.DataFrame]:
     """`ff_outliers` ("outliers") and `ff_residual_norms` ("residual_norms") from one pass;
@@ -466,6 +470,7 @@ def ff_report(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, see
                          outliers=True, progress=progress, **caps)
 
 
+@checked_arguments
 def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
                 progress: Progress = True) -> pd.DataFrame:
     """Per layer and dimension: gamma of the norm that next processes the FF output (LN2 in
@@ -488,6 +493,7 @@ def ff_outlier_correlations(outliers: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["layer", "pearson", "spearman"])
 
 
+@checked_arguments
 def ff_residual_norms(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
                       progress: Progress = True) -> pd.DataFrame:
     """Per layer, mean L2 norm over tokens of the FF output and of the vector RES2 bypasses

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import BadInput
+from .errors import BadInput, checked_arguments
 from .methods import MIXING_METHODS, check_methods, mixing_maps_batch, rollout, scope_layer_maps
 from .models import Model
 from .trace import Trace, TraceBatch, trace, trace_batch_tensors, trace_ids
@@ -134,6 +134,7 @@ def _check_call(res2, position, saliency_options: dict) -> None:
     check_saliency_options(saliency_options)
 
 
+@checked_arguments
 def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
                   methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
                   **saliency_options) -> list[Explanation]:
@@ -205,6 +206,7 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
     return out
 
 
+@checked_arguments
 def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | None = None,
                res2: str = "exact", precision: str | None = None) -> dict[str, np.ndarray]:
     """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes

@@ -29,6 +29,7 @@ class Limits:
     max_archive_mb: float  # an uploaded archive (a saved explanation's .npz), compressed
     max_job_tokens: int  # tokens in all the sequences of one corpus job
     max_concurrent_jobs: int  # corpus jobs running at once on the server
+    max_archive_ratio: float = 20.0  # an archive's decompressed size / its compressed cap
 
     @property
     def server_upload_mb(self) -> int:
@@ -91,3 +92,32 @@ def load_limits(hosted: bool, secrets: Mapping | None = None) -> Limits:
                 raise BadInput(f"secrets: {f.name} must be a positive {'whole ' if kind is int else ''}number, got {v!r}")
             over[f.name] = kind(v)
     return replace(HOSTED, **over)
+
+
+def check_archive(data: bytes | Path, limits: Limits, name: str = "the file") -> None:
+    """Refuse an uploaded .npz (a zip of arrays) before numpy opens it: larger than the archive cap,
+    not a zip, too many members, anything but .npy members, or members that would decompress to
+    more than `max_archive_ratio` times the cap (a zip bomb). numpy then reads it with
+    allow_pickle=False, so no member can run code."""
+    import io
+    import zipfile
+
+    size = len(data) if isinstance(data, (bytes, bytearray)) else Path(data).stat().st_size
+    cap = limits.max_archive_mb * 2**20
+    if size > cap:
+        raise BadInput(f"{name} is {size / 2**20:.1f} MB; archives may be at most {limits.max_archive_mb:g} MB here")
+    src = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        with zipfile.ZipFile(src) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError):
+        raise BadInput(f"{name} is not an .npz archive") from None
+    if len(members) > 1000:
+        raise BadInput(f"{name} holds {len(members)} files; an explanation holds far fewer")
+    bad = [m.filename for m in members if not m.filename.endswith(".npy")]
+    if bad:
+        raise BadInput(f"{name} holds files that are not arrays: {', '.join(bad[:5])}")
+    total = sum(m.file_size for m in members)
+    if total > limits.max_archive_ratio * cap:
+        raise BadInput(f"{name} would decompress to {total / 2**20:.0f} MB; at most "
+                       f"{limits.max_archive_ratio * limits.max_archive_mb:g} MB here")

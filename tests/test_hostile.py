@@ -142,6 +142,18 @@ def test_corpus_analyses_reject(bert, case):
             call(bert)
 
 
+@pytest.mark.parametrize("call", ["contextualization_change", "ff_amp", "ff_outliers", "ff_residual_norms",
+                                  "corpus_report", "scope_maps", "explain_batch", "load_model"])
+def test_unknown_keywords_are_the_same_message_everywhere(bert, call):
+    """Every public function answers an unknown keyword with a BadInput naming what it takes."""
+    fn = getattr(ctxmix, call)
+    args = {"load_model": ("minilm",), "scope_maps": (bert, "a b"), "explain_batch": (bert, TEXTS, ["alti"])}.get(
+        call, (bert, TEXTS))
+    words = "unknown option 'colour'" if call == "explain_batch" else f"{call}: .*unexpected keyword.*; it takes"
+    with pytest.raises(BadInput, match=words):  # explain and explain_batch name their saliency options too
+        fn(*args, colour="red")
+
+
 def test_masking_a_causal_model(gpt2):
     with pytest.raises(BadInput, match="is causal"):
         ctxmix.contextualization_change(gpt2, TEXTS, mask_rate=0.12, progress=False)
@@ -304,5 +316,6 @@ def test_server_caps_in_secrets_are_checked(secrets, words):
 
 
 def test_the_suite_is_large_enough():
-    n = (len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS) + 4)
+    n = (len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 8 + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS)
+         + 4)
     assert n >= 100, n

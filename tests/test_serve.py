@@ -152,3 +152,37 @@ def test_hub_probe_honours_the_endpoint_and_offline_switches(monkeypatch):
     assert hub.hub_reachable() is True and calls == ["https://mirror.example.org"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub.hub_reachable() is False and len(calls) == 1
+
+
+def test_archives_are_checked_before_numpy_opens_them(tmp_path):
+    """A saved explanation (.npz) upload: size cap, a zip, .npy members only, and a cap on the
+    decompressed size (a zip bomb of zeros is refused without being expanded)."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    from ctxmix.limits import check_archive
+
+    lim = HOSTED
+    ok = io.BytesIO()
+    np.savez_compressed(ok, a=np.ones((10, 10)))
+    check_archive(ok.getvalue(), lim)
+    bomb = io.BytesIO()
+    np.savez_compressed(bomb, a=np.zeros(60 * 2**20, dtype=np.uint8))  # 60 MB of zeros, ~60 kB compressed
+    check_archive(bomb.getvalue(), lim)  # within 20 x the cap
+    big_bomb = io.BytesIO()
+    with zipfile.ZipFile(big_bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        for i in range(12):  # 12 x 40 MB > 20 x the 20 MB cap
+            z.writestr(f"a{i}.npy", b"\\0" * (20 * 2**20))
+    with pytest.raises(BadInput, match="decompress"):
+        check_archive(big_bomb.getvalue(), lim)
+    with pytest.raises(BadInput, match="not an .npz"):
+        check_archive(b"hello", lim)
+    evil = io.BytesIO()
+    with zipfile.ZipFile(evil, "w") as z:
+        z.writestr("payload.pkl", b"x")
+    with pytest.raises(BadInput, match="not arrays"):
+        check_archive(evil.getvalue(), lim)
+    with pytest.raises(BadInput, match="at most"):
+        check_archive(b"x" * int((lim.max_archive_mb + 1) * 2**20), lim)
