@@ -88,6 +88,7 @@ def start_server(port: int, results: Path) -> subprocess.Popen:
 
 
 def browser():
+    """Headless Debian Chromium through selenium, with the flags a closed network needs (tests/test_browser.py uses it too)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -53,16 +53,13 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    import importlib.util
 
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1400,2400", "--disable-dev-shm-usage"):
-        opts.add_argument(a)
-    drv = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    # one headless-Chromium recipe, shared with the load test (bench/load.py)
+    spec = importlib.util.spec_from_file_location("ctxmix_bench_load", ROOT / "bench" / "load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    drv = load.browser()
     yield drv
     drv.quit()
 
