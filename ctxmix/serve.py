@@ -10,7 +10,6 @@ model"). Streamlit itself is started as a subprocess: nothing here imports it.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,10 +64,12 @@ def cmd_serve(args) -> None:
     if args.dry_run:
         print(" ".join(plan["command"]))
         return
-    try:
-        raise SystemExit(subprocess.call(plan["command"], env=plan["env"], cwd=str(ROOT)))
-    except KeyboardInterrupt:
-        raise SystemExit(0) from None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(ROOT)
+    # become Streamlit (same process): a SIGTERM from a supervisor or a container stops the server
+    # itself, where a launcher waiting on a child would die and leave the server running
+    os.execve(plan["command"][0], plan["command"], plan["env"])
 
 
 def add_serve_arguments(s) -> None:

@@ -128,6 +128,9 @@ def test_serve_starts_on_localhost_only():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    # the launcher became the server: stopping it stopped the server (no orphan keeps the port)
+    time.sleep(1)
+    assert _bound_addresses(port) == set()
 
 
 def test_hub_probe_honours_the_endpoint_and_offline_switches(monkeypatch):
