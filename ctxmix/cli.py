@@ -48,10 +48,8 @@ def cmd_explain(args) -> None:
     if args.out:
         p = Path(args.out)
         p.parent.mkdir(parents=True, exist_ok=True)
-        if p.suffix == ".npz":
-            np.savez_compressed(p, tokens=np.array(ex.tokens), **{f"layer_{k}": v for k, v in ex.layer_maps.items()},
-                                **{f"global_{k}": v for k, v in ex.global_maps.items()},
-                                **{f"saliency_{k}": v for k, v in ex.saliency.items()})
+        if p.suffix == ".npz":  # the saved-explanation format: ctxmix.load_explanation reopens it
+            p = ex.save(p, half=args.half)
         else:
             p.write_text(json.dumps(d, indent=1))
         print(f"wrote {p}")
@@ -153,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="class index/label or target token (gradient methods)")
     s.add_argument("--position", type=int, default=None, help="row used for mixing-method saliency")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
-    s.add_argument("--out", help="output .json or .npz (default: print a summary)")
+    s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
+    s.add_argument("--half", action="store_true", help="with --out .npz: maps in float16, for viewing (half the size)")
     s.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("scopes", help="the FF paper's per-layer scope maps of one text")

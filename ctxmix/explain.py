@@ -33,6 +33,16 @@ class Explanation:
     model_name: str = ""
     reconstruction_error: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    options: dict = field(default_factory=dict)  # res2, precision and the saliency options used
+    provenance: dict = field(default_factory=dict)  # ctxmix version, model, dtype, date
+
+    def save(self, path, half: bool = False) -> "Path":
+        """Write everything to one compressed .npz (metadata as a JSON string entry, so it opens
+        with allow_pickle=False); `half=True` stores the maps in float16, "for viewing" (about
+        half the size; saliency stays float64). Reopen with `ctxmix.load_explanation`."""
+        from .saved import save_explanation
+
+        return save_explanation(self, path, half=half)
 
     def to_dict(self) -> dict:
         """JSON-ready dict (lists of floats)."""
@@ -168,6 +178,17 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options)
 
 
+def _provenance(model: Model) -> dict:
+    import datetime
+
+    from . import __version__
+
+    return {"ctxmix_version": __version__, "model": model.name, "model_family": model.spec.family,
+            "model_dtype": str(model.dtype).replace("torch.", ""), "model_info": {k: v for k, v in model.info.items()
+                                                                                if k != "weights"},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
                   precision: str | None, saliency_options: dict) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
@@ -187,7 +208,9 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
             raise BadInput(f"position {pos} is outside the {n} tokens")
         pos %= n
         ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
-                         model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes))
+                         model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes),
+                         options={"res2": res2, "precision": precision, **saliency_options},
+                         provenance=_provenance(model))
         ex.prediction = prediction_of(model, tr, pos)
         for m in methods:
             if m in maps:

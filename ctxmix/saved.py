@@ -1,0 +1,83 @@
+"""Saved explanations: one compressed .npz per Explanation, reopened without any model.
+
+Arrays go in as `layer/<method>`, `global/<method>`, `saliency/<method>`; everything else
+(tokens, methods, prediction, options, provenance) as one JSON string entry, `meta`, so the
+file opens with `numpy.load(..., allow_pickle=False)` and can run no code. Layout version 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BadInput
+from .explain import Explanation
+
+FORMAT = "ctxmix-explanation"
+VERSION = 1
+KINDS = ("layer", "global", "saliency")
+
+
+def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
+    """Write `ex` to `path` (.npz added if missing); see `Explanation.save`."""
+    p = Path(path)
+    if p.suffix != ".npz":
+        p = p.with_name(p.name + ".npz")
+    if p.is_dir():
+        raise BadInput(f"{p} is a folder; give a file name")
+    meta = {"format": FORMAT, "version": VERSION, "tokens": ex.tokens, "input_ids": ex.input_ids,
+            "methods": ex.methods, "prediction": ex.prediction, "position": ex.position, "target": ex.target,
+            "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error, "warnings": ex.warnings,
+            "options": ex.options, "provenance": ex.provenance, "maps_dtype": "float16" if half else "float64"}
+    arrays = {"meta": np.array(json.dumps(meta, default=str))}
+    for kind, maps in (("layer", ex.layer_maps), ("global", ex.global_maps), ("saliency", ex.saliency)):
+        for m, a in maps.items():
+            a = np.asarray(a, dtype=np.float64)
+            arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and kind != "saliency" else a
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    with open(tmp, "wb") as fh:
+        np.savez_compressed(fh, **arrays)
+    tmp.replace(p)
+    return p
+
+
+def load_explanation(path, limits=None) -> Explanation:
+    """Reopen a saved explanation (no model needed). `limits` (a `ctxmix.limits.Limits`) checks the
+    file as an upload first: size, members, decompressed size. Maps come back in float64."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"no such file: {str(p)!r}")
+    if limits is not None:
+        from .limits import check_archive
+
+        check_archive(p, limits, name=p.name)
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if "meta" not in z.files:
+                raise BadInput(f"{p.name} is not a saved ctxmix explanation (no metadata)")
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: z[k] for k in z.files if k != "meta"}
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{p.name} could not be read as a saved explanation: {type(e).__name__}: {e}") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise BadInput(f"{p.name} is not a saved ctxmix explanation this version can read")
+    ex = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=list(meta["methods"]),
+                     prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"],
+                     model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
+                     warnings=list(meta["warnings"]), options=dict(meta.get("options") or {}),
+                     provenance=dict(meta.get("provenance") or {}))
+    n = len(ex.tokens)
+    for key, a in arrays.items():
+        kind, _, m = key.partition("/")
+        if kind not in KINDS or not m:
+            raise BadInput(f"{p.name}: unexpected entry {key!r}")
+        a = a.astype(np.float64)
+        if (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and (a.ndim != 3 or a.shape[1:] != (n, n))):
+            raise BadInput(f"{p.name}: {key} has shape {a.shape}, which does not fit {n} tokens")
+        {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency}[kind][m] = a
+    return ex
