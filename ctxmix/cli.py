@@ -112,7 +112,8 @@ def cmd_methods(args) -> None:
     from . import METHODS
 
     for name, info in METHODS.items():
-        print(f"{name:22} {info.group:14} {info.paper}: {info.doc}")
+        print(f"{name:22} {info.group:14} {info.paper}: {info.doc}"
+              + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else ""))
 
 
 def cmd_models(args) -> None:

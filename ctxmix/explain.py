@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from .errors import BadInput, checked_arguments
-from .methods import MIXING_METHODS, check_methods, mixing_maps_batch, rollout, scope_layer_maps
+from .methods import (MIXING_METHODS, PER_HEAD_METHODS, check_methods, head_maps_batch, mixing_maps_batch, rollout,
+                      scope_layer_maps)
 from .models import Model
 from .trace import Trace, TraceBatch, trace, trace_batch_tensors, trace_ids
 
@@ -33,6 +34,7 @@ class Explanation:
     model_name: str = ""
     reconstruction_error: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    head_maps: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n, n), with per_head=True
     options: dict = field(default_factory=dict)  # res2, precision and the saliency options used
     provenance: dict = field(default_factory=dict)  # ctxmix version, model, dtype, date
 
@@ -94,7 +96,7 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
 
 def explain(model: Model, text: str | None, methods, target=None, *, position: int | None = None,
             input_ids: list[int] | None = None, res2: str = "exact", precision: str | None = None,
-            **saliency_options) -> Explanation:
+            per_head: bool = False, **saliency_options) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
 
     target: the class (index or label) for gradient methods on classifiers, or the token id
@@ -104,8 +106,13 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     value-zeroing decompositions; the model's default (`load_model(..., precision=)`) if None.
     For a model loaded in float16/bfloat16 the decompositions run on float32 activations, and
     `reconstruction_error` then includes the model's own half-precision rounding.
+    per_head: also fill `head_maps[m]` (L, H, n, n) for the requested methods that have a per-head
+    form (`ctxmix.methods.PER_HEAD_METHODS`: attention and norm; `python -m ctxmix methods` says how
+    each relates to its layer map).
     """
     methods = check_methods(methods, model.spec.position)
+    if not isinstance(per_head, bool):
+        raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
     if input_ids is None:
         if not isinstance(text, str):
@@ -114,7 +121,7 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     else:
         tr = trace_ids(model, check_input_ids(model, input_ids))
     return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
-                         saliency_options)[0]
+                         saliency_options, per_head)[0]
 
 
 def check_input_ids(model: Model, input_ids) -> list[int]:
@@ -147,7 +154,7 @@ def _check_call(res2, position, saliency_options: dict) -> None:
 @checked_arguments
 def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
                   methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
-                  **saliency_options) -> list[Explanation]:
+                  per_head: bool = False, **saliency_options) -> list[Explanation]:
     """`explain` on several texts (strings, or lists of token ids) with one padded forward pass and
     one batched decomposition for all their mixing methods; the gradient and perturbation methods
     still run per text. targets / positions: one per text (None for the defaults).
@@ -175,7 +182,7 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     positions = [None] * len(texts) if positions is None else list(positions)
     if len(targets) != len(texts) or len(positions) != len(texts):
         raise BadInput("targets and positions need one entry per text")
-    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options)
+    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head))
 
 
 def _provenance(model: Model) -> dict:
@@ -190,7 +197,7 @@ def _provenance(model: Model) -> dict:
 
 
 def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
-                  precision: str | None, saliency_options: dict) -> list[Explanation]:
+                  precision: str | None, saliency_options: dict, per_head: bool = False) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
     from .precision import resolve_precision
@@ -198,6 +205,7 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
     precision = resolve_precision(model, precision)
     union = list(dict.fromkeys(m for ms in per for m in ms))
     maps = mixing_maps_batch(tb, union, res2, precision) if union else {}
+    heads = head_maps_batch(tb, union) if per_head else {}
     errs = tb.errors.tolist()
     out = []
     for b, methods in enumerate(per):
@@ -219,6 +227,11 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
                 gm = rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise)
                 ex.layer_maps[m], ex.global_maps[m] = lm, gm
                 ex.saliency[m] = gm[-1][pos].copy()
+            if m in heads:
+                ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
+        if per_head and not any(m in heads for m in methods):
+            ex.warnings.append(f"per_head: none of {', '.join(methods)} has a per-head form "
+                               f"(those that do: {', '.join(PER_HEAD_METHODS)})")
         sal = [m for m in methods if m not in MIXING_METHODS]
         if sal:
             from .saliency import saliency_scores

@@ -35,18 +35,22 @@ class MethodInfo:
     rollout_normalise: bool = False
     rows_sum_to_one: bool = False
     doc: str = ""
+    per_head: str = ""  # how the per-head maps relate to the layer map ("" = no per-head form)
 
 
 MIXING_METHODS: dict[str, MethodInfo] = {
     m.name: m
     for m in [
         MethodInfo("attention", "attention", "Attention (head mean)", "Abnar & Zuidema 2020",
-                   rows_sum_to_one=True, doc="Mean over heads of the attention probabilities; rolled out as is (GlobEnc's 'W')."),
+                   rows_sum_to_one=True, doc="Mean over heads of the attention probabilities; rolled out as is (GlobEnc's 'W').",
+                   per_head="head h: alpha^h; the layer map is the heads' mean"),
         MethodInfo("attention_rollout", "attention", "Attention rollout", "Abnar & Zuidema 2020",
                    rows_sum_to_one=True,
                    doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product."),
         MethodInfo("norm", "norm", "N (norm)", "Kobayashi et al. 2020; GlobEnc",
-                   doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity."),
+                   doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity.",
+                   per_head="head h: ||alpha^h_ij f^h(x_j)||; the heads' vectors sum to the layer's vector, whose "
+                            "norm is the layer map (so the layer map is at most the sum of the head maps)"),
         MethodInfo("norm_res", "norm", "N_Res", "Kobayashi et al. 2021; GlobEnc",
                    doc="N plus the residual x_i on the diagonal; rolled out unnormalised, no identity (GlobEnc code)."),
         MethodInfo("norm_res_ln", "norm", "N_ResLN", "Kobayashi et al. 2021; GlobEnc",
@@ -266,6 +270,33 @@ def attention_maps_batch(tb: TraceBatch) -> torch.Tensor:
 def attention_maps(tr: Trace) -> np.ndarray:
     """Head-mean attention probabilities (L, n, n)."""
     return _numpy(attention_maps_batch(TraceBatch.of(tr)))
+
+
+PER_HEAD_METHODS = ("attention", "norm")
+
+
+@torch.no_grad()
+def head_maps_batch(tb: TraceBatch, methods: list[str]) -> dict[str, torch.Tensor]:
+    """Per-head maps {method: (B, L, H, n, n)} in float64 for the methods with a per-head form
+    (PER_HEAD_METHODS; see each MethodInfo.per_head). Norm per head is alpha^h_ij ||f^h(x_j)||:
+    alpha is a non-negative scalar, so the norm of head h's piece needs no n^2 x d tensor."""
+    from .layer import head_vectors
+
+    out = {}
+    if "attention" in methods:
+        out["attention"] = torch.stack([st.alpha.double() for st in tb.states], 1)
+    if "norm" in methods:
+        per = []
+        for lw, st in zip(tb.model.layers, tb.states):
+            src = st.x if lw.position == "post" else st.x1
+            fnorm = head_vectors(lw, src, with_bias=True).double().norm(dim=-1)  # (B, H, n)
+            per.append(st.alpha.double() * fnorm[:, :, None, :])
+        out["norm"] = torch.stack(per, 1)
+    if tb.B > 1:
+        m = tb.mask
+        keep = (m[:, None, None, :, None] & m[:, None, None, None, :])
+        out = {k: v * keep for k, v in out.items()}
+    return out
 
 
 def mixing_maps_batch(tb: TraceBatch, methods: list[str], res2: str = "exact",

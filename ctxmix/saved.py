@@ -17,7 +17,7 @@ from .explain import Explanation
 
 FORMAT = "ctxmix-explanation"
 VERSION = 1
-KINDS = ("layer", "global", "saliency")
+KINDS = ("layer", "global", "saliency", "head")
 
 
 def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
@@ -32,7 +32,8 @@ def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
             "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error, "warnings": ex.warnings,
             "options": ex.options, "provenance": ex.provenance, "maps_dtype": "float16" if half else "float64"}
     arrays = {"meta": np.array(json.dumps(meta, default=str))}
-    for kind, maps in (("layer", ex.layer_maps), ("global", ex.global_maps), ("saliency", ex.saliency)):
+    for kind, maps in (("layer", ex.layer_maps), ("global", ex.global_maps), ("saliency", ex.saliency),
+                       ("head", ex.head_maps)):
         for m, a in maps.items():
             a = np.asarray(a, dtype=np.float64)
             arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and kind != "saliency" else a
@@ -77,7 +78,8 @@ def load_explanation(path, limits=None) -> Explanation:
         if kind not in KINDS or not m:
             raise BadInput(f"{p.name}: unexpected entry {key!r}")
         a = a.astype(np.float64)
-        if (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and (a.ndim != 3 or a.shape[1:] != (n, n))):
+        ndim = {"saliency": 1, "head": 4}.get(kind, 3)
+        if a.ndim != ndim or (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and a.shape[-2:] != (n, n)):
             raise BadInput(f"{p.name}: {key} has shape {a.shape}, which does not fit {n} tokens")
-        {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency}[kind][m] = a
+        {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency, "head": ex.head_maps}[kind][m] = a
     return ex
