@@ -58,11 +58,15 @@ def _size_of(v) -> int:
 
 
 def model_fingerprint(model: Model) -> str:
-    """Name, dtype, the engine's default precision and what identifies the weights (hub commit,
-    or the build's metadata)."""
+    """Name, dtype, the engine's default precision, the hub commit and build metadata, and the
+    SHA-256 of the weights themselves (`ctxmix.models.weights_sha256`), so a local folder whose
+    weights change never gets the old folder's cached maps."""
+    from .models import weights_sha256
+
     c = model.hf.config
+    info = {k: v for k, v in model.info.items() if k != "weights"}  # file times are not identity
     parts = [model.name, str(model.dtype), str(getattr(c, "_commit_hash", "") or ""),
-             json.dumps(model.info, sort_keys=True, default=str)]
+             json.dumps(info, sort_keys=True, default=str), weights_sha256(model)]
     if getattr(model, "precision", "float32") != "float32":  # float32 keys stay as they were
         parts.append(f"precision={model.precision}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -189,8 +189,10 @@ def _provenance(model: Model) -> dict:
     import datetime
 
     from . import __version__
+    from .models import weights_sha256
 
     return {"ctxmix_version": __version__, "model": model.name, "model_family": model.spec.family,
+            "weights_sha256": weights_sha256(model),
             "model_dtype": str(model.dtype).replace("torch.", ""), "model_info": {k: v for k, v in model.info.items()
                                                                                 if k != "weights"},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

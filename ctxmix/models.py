@@ -170,6 +170,56 @@ def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
         norm.beta = None if norm.beta is None else norm.beta.to(dtype)
 
 
+_FILE_SHA: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_SHA:  # size and mtime unchanged: the file was hashed already
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(2**22), b""):
+                h.update(block)
+        _FILE_SHA[key] = h.hexdigest()
+    return _FILE_SHA[key]
+
+
+def weights_sha256(model: "Model") -> str:
+    """A fingerprint of the weights themselves: the SHA-256 of the model folder's safetensors
+    files (size and mtime as a fast path), or, for a model built in memory, of its tensors. A local
+    folder whose weights change gets a new fingerprint, so no cache serves maps of the old ones."""
+    import hashlib
+
+    if getattr(model, "_weights_sha256", None):  # fixed when the model was loaded (see _from_folder_or_hub)
+        return model._weights_sha256
+    folder = Path(str(getattr(model.hf, "name_or_path", "") or ""))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:  # a hub id: the files transformers read from its cache
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            for fname in ("model.safetensors", "model.safetensors.index.json"):
+                hit = try_to_load_from_cache(str(folder), fname)
+                if isinstance(hit, str):
+                    files = sorted(Path(hit).parent.glob("*.safetensors"))
+                    break
+        except Exception:  # noqa: BLE001 - not a hub id
+            files = []
+    h = hashlib.sha256()
+    if files:
+        for f in files:
+            h.update(f.name.encode() + _file_sha256(f).encode())
+    else:
+        for name, t in sorted(model.hf.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    model._weights_sha256 = h.hexdigest()
+    return model._weights_sha256
+
+
 def _kind_and_class(config):
     import transformers as T
 
@@ -212,7 +262,9 @@ def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.
         ) from None
     check_loaded(name, hf, loading, tok)
     hf.eval().to(device).requires_grad_(False)  # gradients are taken w.r.t. inputs only
-    return Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+    model = Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+    weights_sha256(model)  # now, while the files are the ones just read
+    return model
 
 
 def _listing(keys, most: int = 8) -> str:

@@ -5,6 +5,7 @@ import os
 import time
 
 import numpy as np
+import torch
 import pandas as pd
 import pytest
 
@@ -84,3 +85,26 @@ def test_memory_is_bounded_in_bytes(results, monkeypatch):
         cache.cached_frame("change", (i,), lambda: _frame(5000), disk=False)  # ~80 kB each
     assert 0 < cache._MEM_BYTES <= 0.5 * 2**20
     assert len(cache._MEM) < 20
+
+
+def test_changed_weights_in_a_local_folder_are_not_served_old_maps(results, tokenizer, tmp_path):
+    """The fingerprint hashes the weights: edit a folder's weights and the cache recomputes."""
+    from safetensors.torch import load_file, save_file
+
+    import ctxmix
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    d = tmp_path / "m"
+    m.hf.save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    m1 = ctxmix.load_model(str(d), device="cpu")
+    a = cache.cached_explain(m1, "the keys are here", ["norm"])
+    sd = load_file(d / "model.safetensors")
+    sd["bert.encoder.layer.0.attention.self.value.weight"] *= 3
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    m2 = ctxmix.load_model(str(d), device="cpu")
+    # a model keeps the fingerprint of the weights it was loaded with, even after the files change
+    assert cache.model_fingerprint(m2) != cache.model_fingerprint(m1)
+    b = cache.cached_explain(m2, "the keys are here", ["norm"])
+    assert not np.allclose(a.layer_maps["norm"], b.layer_maps["norm"])  # recomputed with the new weights
+    assert b.layer_maps["norm"].shape == a.layer_maps["norm"].shape
