@@ -31,6 +31,7 @@ class Explanation:
     prediction: dict | None = None
     position: int = 0
     target: int | None = None
+    foil: int | None = None  # with a foil, the gradient and perturbation methods explain target minus foil
     model_name: str = ""
     reconstruction_error: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -96,11 +97,14 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
 
 def explain(model: Model, text: str | None, methods, target=None, *, position: int | None = None,
             input_ids: list[int] | None = None, res2: str = "exact", precision: str | None = None,
-            per_head: bool = False, **saliency_options) -> Explanation:
+            per_head: bool = False, foil=None, **saliency_options) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
 
     target: the class (index or label) for gradient methods on classifiers, or the token id
     for language models; the predicted one by default.
+    foil: a contrasting class or token ("why positive rather than negative", "why keys rather
+    than key"): the gradient and perturbation methods then explain the logit difference
+    l_target - l_foil (its sigmoid where a probability is needed); `Explanation.foil` records it.
     position: the output row whose aggregated map is a mixing method's saliency.
     precision: "float32" (exact), "tf32" or "bf16" for the large products of the scope and
     value-zeroing decompositions; the model's default (`load_model(..., precision=)`) if None.
@@ -120,6 +124,8 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
         tr = trace(model, text)
     else:
         tr = trace_ids(model, check_input_ids(model, input_ids))
+    if foil is not None:
+        saliency_options = {**saliency_options, "foil": foil}
     return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
                          saliency_options, per_head)[0]
 
@@ -144,6 +150,7 @@ def _check_call(res2, position, saliency_options: dict) -> None:
     """explain's options, checked before any work: a wrong value names the argument and what it takes."""
     from .saliency import check_saliency_options
 
+    saliency_options = {k: v for k, v in saliency_options.items() if k != "foil"}
     if res2 not in ("exact", "diagonal"):
         raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
     if position is not None and (isinstance(position, bool) or not isinstance(position, (int, np.integer))):
@@ -235,10 +242,15 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
             ex.warnings.append(f"per_head: none of {', '.join(methods)} has a per-head form "
                                f"(those that do: {', '.join(PER_HEAD_METHODS)})")
         sal = [m for m in methods if m not in MIXING_METHODS]
+        if saliency_options.get("foil") is not None and not sal:
+            ex.warnings.append("the foil applies to the gradient and perturbation methods only; none was asked for")
         if sal:
             from .saliency import saliency_scores
 
+            from .saliency import resolve_foil
+
             ex.target, scores = saliency_scores(model, tr, sal, target=targets[b], position=pos, **saliency_options)
+            ex.foil = resolve_foil(model, tr, saliency_options.get("foil"), ex.target, pos)
             ex.saliency.update(scores)
         out.append(ex)
     return out

@@ -70,9 +70,16 @@ def resolve_target(model: Model, tr: Trace, target, position: int) -> int:
     return int(target)
 
 
-def _score(model: Model, logits: torch.Tensor, target: int, position: int, prob: bool = True) -> torch.Tensor:
-    """Target scalar per batch element: logits (b, labels) or (b, n, vocab) -> (b,)."""
+def _score(model: Model, logits: torch.Tensor, target, position: int, prob: bool = True) -> torch.Tensor:
+    """Target scalar per batch element: logits (b, labels) or (b, n, vocab) -> (b,).
+
+    target: a class / token id, or a (target, foil) pair: then the scalar is the logit difference
+    l_t - l_f, and its sigmoid where a probability is needed (the runner's foil metrics use the same)."""
     z = logits if model.kind == "classifier" else logits[:, position]
+    if isinstance(target, tuple):
+        t, f = target
+        d = z[:, t].double() - z[:, f].double()
+        return torch.sigmoid(d) if prob else d
     z = torch.softmax(z.double(), -1) if prob else z
     return z[:, target]
 
@@ -216,23 +223,37 @@ def check_saliency_options(options: dict) -> dict:
     return options
 
 
+def resolve_foil(model: Model, tr: Trace, foil, target: int, position: int) -> int | None:
+    """The foil class or token (as `resolve_target` reads a target), or None; never the target itself."""
+    if foil is None:
+        return None
+    f = resolve_target(model, tr, foil, position)
+    if f == target:
+        raise BadInput(f"the foil is the target ({foil!r}); a contrastive explanation needs two different outputs")
+    return f
+
+
 def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
                     ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk",
-                    cat_mask_special: bool = True) -> tuple[int, dict]:
-    """{method: (n,)} for the saliency methods among `methods`; returns (target, scores)."""
+                    cat_mask_special: bool = True, foil=None) -> tuple[int, dict]:
+    """{method: (n,)} for the saliency methods among `methods`; returns (target, scores).
+    With a foil every method explains target minus foil (`_score`); `saliency_scores.foil` is
+    not returned: call `resolve_foil` for it."""
     tgt = resolve_target(model, tr, target, position)
+    f = resolve_foil(model, tr, foil, tgt, position)
+    scored = tgt if f is None else (tgt, f)
     out: dict[str, np.ndarray] = {}
     if {"grad", "grad_x_input"} & set(methods):
-        g, E = _gradients(model, tr, tgt, position)
+        g, E = _gradients(model, tr, scored, position)
         if "grad" in methods:
             out["grad"] = g.norm(dim=-1).double().cpu().numpy()
         if "grad_x_input" in methods:
             out["grad_x_input"] = (g * E).norm(dim=-1).double().cpu().numpy()
     if "integrated_gradients" in methods:
-        out["integrated_gradients"] = integrated_gradients(model, tr, tgt, position, ig_baseline, ig_steps)
+        out["integrated_gradients"] = integrated_gradients(model, tr, scored, position, ig_baseline, ig_steps)
     if "blank_out" in methods:
-        out["blank_out"] = blank_out(model, tr, tgt, position, blank_replacement)
+        out["blank_out"] = blank_out(model, tr, scored, position, blank_replacement)
     if {"cat", "attcat"} & set(methods):
-        c, a = cat_scores(model, tr, tgt, position, cat_mask_special)
+        c, a = cat_scores(model, tr, scored, position, cat_mask_special)
         out["cat"], out["attcat"] = c.sum(0), a.sum(0)
     return tgt, {m: out[m] for m in methods if m in out}

@@ -29,6 +29,7 @@ def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
         raise BadInput(f"{p} is a folder; give a file name")
     meta = {"format": FORMAT, "version": VERSION, "tokens": ex.tokens, "input_ids": ex.input_ids,
             "methods": ex.methods, "prediction": ex.prediction, "position": ex.position, "target": ex.target,
+            "foil": ex.foil,
             "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error, "warnings": ex.warnings,
             "options": ex.options, "provenance": ex.provenance, "maps_dtype": "float16" if half else "float64"}
     arrays = {"meta": np.array(json.dumps(meta, default=str))}
@@ -68,7 +69,7 @@ def load_explanation(path, limits=None) -> Explanation:
     if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
         raise BadInput(f"{p.name} is not a saved ctxmix explanation this version can read")
     ex = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=list(meta["methods"]),
-                     prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"],
+                     prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"], foil=meta.get("foil"),
                      model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
                      warnings=list(meta["warnings"]), options=dict(meta.get("options") or {}),
                      provenance=dict(meta.get("provenance") or {}))
