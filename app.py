@@ -13,8 +13,9 @@ import ctxmix  # noqa: E402
 from ctxmix import plots  # noqa: E402
 from ctxmix.analysis import ff_amp_matrix, ff_amp_scopes  # noqa: E402
 from ctxmix.cache import cached_explain  # noqa: E402
+from ctxmix.saved import explanation_bytes  # noqa: E402
 from ctxmix.methods import MIXING_METHODS, scope_names  # noqa: E402
-from ui import common  # noqa: E402
+from ui import common, views  # noqa: E402
 
 common.page_setup()
 
@@ -54,45 +55,12 @@ with common.errors_as_messages():
     for w in ex.warnings:
         st.warning(w)
 
-    if ex.prediction:
-        st.subheader("Prediction")
-        probs = ex.prediction["probabilities"]
-        cols = st.columns(min(5, len(probs)))
-        for c, (label, p) in zip(cols, probs.items()):
-            c.metric(common.plots.display_tokens([label])[0], f"{p:.1%}")
-        if ex.prediction.get("what"):
-            st.caption(f"Top tokens: {ex.prediction['what']}.")
-
-    st.subheader("Saliency")
-    tgt = ex.tokens[ex.position]
-    st.caption(f"Mixing methods: row of token {ex.position} ({plots.display_tokens([tgt])[0]}) of the last "
-               f"aggregated map. Rows are scaled by their largest |value|.")
-    fig = plots.saliency_figure(ex.tokens, ex.saliency)
-    common.plot(fig, "saliency", data={"tokens": ex.tokens, **ex.saliency})
-
-    if len(ex.saliency) > 1:
-        st.subheader("Rank correlation between methods (this example)")
-        corr = plots.rank_correlation_table(ex.saliency)
-        st.dataframe(corr.style.format("{:.2f}").background_gradient(cmap="RdBu", vmin=-1, vmax=1), width="stretch")
-        common.export_table(corr, "rank_correlations", caption="Spearman rho between saliencies on one example")
-
-    map_methods = [m for m in methods if m in ex.layer_maps]
     L = model.n_layers
-    if map_methods:
-        st.subheader("Token-to-token maps")
-        c1, c2 = st.columns([1, 2])
-        mm = c1.selectbox("Method", map_methods, index=map_methods.index(common.qp("map", map_methods[0]))
-                          if common.qp("map") in map_methods else 0, key="map_method")
-        layer = c2.slider("Layer", 1, L, common.qp_int("layer", L, 1, L), key="layer")
-        common.set_qp(map=mm, layer=layer)
-        st.caption(MIXING_METHODS[mm].doc)
-        a, b = st.columns(2)
-        with a:
-            common.plot(plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}"),
-                        f"{mm}_layer{layer}", data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]})
-        with b:
-            common.plot(plots.map_heatmap(ex.tokens, ex.global_maps[mm][layer - 1], f"{mm}: aggregated up to layer {layer}"),
-                        f"{mm}_global{layer}", data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]})
+    views.show_explanation(ex, L)
+    st.download_button("Download this explanation (.npz)", data=lambda: explanation_bytes(ex),
+                       file_name="explanation.npz", mime="application/octet-stream", key="download_npz",
+                       on_click="ignore", help="Reopen it on the Saved explanation page or with "
+                                               "ctxmix.load_explanation, without the model.")
 
     st.subheader("Scope maps of one layer (Kobayashi et al. 2024)")
     scopes = list(scope_names(model.spec.position))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .explain import Explanation, explain
+from .explain import Explanation, _provenance, explain
 from .models import Model, cache_dir
 
 _MEM: "OrderedDict[str, tuple[object, int]]" = OrderedDict()  # key -> (value, bytes)
@@ -249,7 +249,7 @@ def cached_explain(model: Model, text: str, methods: list[str], disk: bool = Tru
     out = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=methods,
                       prediction=meta["prediction"], position=meta["position"], target=meta["target"],
                       model_name=meta["model_name"], reconstruction_error=meta["reconstruction_error"],
-                      warnings=list(meta["warnings"]))
+                      warnings=list(meta["warnings"]), options=dict(options), provenance=_provenance(model))
     for m in methods:
         _, arrays = found[m]
         out.saliency[m] = np.asarray(arrays["saliency"])

@@ -20,13 +20,7 @@ VERSION = 1
 KINDS = ("layer", "global", "saliency", "head")
 
 
-def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
-    """Write `ex` to `path` (.npz added if missing); see `Explanation.save`."""
-    p = Path(path)
-    if p.suffix != ".npz":
-        p = p.with_name(p.name + ".npz")
-    if p.is_dir():
-        raise BadInput(f"{p} is a folder; give a file name")
+def _arrays(ex: Explanation, half: bool) -> dict:
     meta = {"format": FORMAT, "version": VERSION, "tokens": ex.tokens, "input_ids": ex.input_ids,
             "methods": ex.methods, "prediction": ex.prediction, "position": ex.position, "target": ex.target,
             "foil": ex.foil,
@@ -38,6 +32,26 @@ def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
         for m, a in maps.items():
             a = np.asarray(a, dtype=np.float64)
             arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and kind != "saliency" else a
+    return arrays
+
+
+def explanation_bytes(ex: Explanation, half: bool = False) -> bytes:
+    """The saved-explanation file as bytes (a download button's data)."""
+    import io
+
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **_arrays(ex, half))
+    return buf.getvalue()
+
+
+def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
+    """Write `ex` to `path` (.npz added if missing); see `Explanation.save`."""
+    p = Path(path)
+    if p.suffix != ".npz":
+        p = p.with_name(p.name + ".npz")
+    if p.is_dir():
+        raise BadInput(f"{p} is a folder; give a file name")
+    arrays = _arrays(ex, half)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
     with open(tmp, "wb") as fh:
@@ -46,28 +60,36 @@ def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
     return p
 
 
-def load_explanation(path, limits=None) -> Explanation:
-    """Reopen a saved explanation (no model needed). `limits` (a `ctxmix.limits.Limits`) checks the
-    file as an upload first: size, members, decompressed size. Maps come back in float64."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"no such file: {str(p)!r}")
+def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
+    """Reopen a saved explanation (no model needed) from a path or the file's bytes (an upload).
+    `limits` (a `ctxmix.limits.Limits`) checks it as an upload first: size, members, decompressed
+    size. Maps come back in float64."""
+    import io
+
+    if isinstance(path, (bytes, bytearray)):
+        src, label = io.BytesIO(path), name or "the file"
+        data = bytes(path)
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise BadInput(f"no such file: {str(p)!r}")
+        src, label, data = p, name or p.name, p
     if limits is not None:
         from .limits import check_archive
 
-        check_archive(p, limits, name=p.name)
+        check_archive(data, limits, name=label)
     try:
-        with np.load(p, allow_pickle=False) as z:
+        with np.load(src, allow_pickle=False) as z:
             if "meta" not in z.files:
-                raise BadInput(f"{p.name} is not a saved ctxmix explanation (no metadata)")
+                raise BadInput(f"{label} is not a saved ctxmix explanation (no metadata)")
             meta = json.loads(str(z["meta"]))
             arrays = {k: z[k] for k in z.files if k != "meta"}
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
-        raise BadInput(f"{p.name} could not be read as a saved explanation: {type(e).__name__}: {e}") from None
+        raise BadInput(f"{label} could not be read as a saved explanation: {type(e).__name__}: {e}") from None
     if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-        raise BadInput(f"{p.name} is not a saved ctxmix explanation this version can read")
+        raise BadInput(f"{label} is not a saved ctxmix explanation this version can read")
     ex = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=list(meta["methods"]),
                      prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"], foil=meta.get("foil"),
                      model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
@@ -77,10 +99,10 @@ def load_explanation(path, limits=None) -> Explanation:
     for key, a in arrays.items():
         kind, _, m = key.partition("/")
         if kind not in KINDS or not m:
-            raise BadInput(f"{p.name}: unexpected entry {key!r}")
+            raise BadInput(f"{label}: unexpected entry {key!r}")
         a = a.astype(np.float64)
         ndim = {"saliency": 1, "head": 4}.get(kind, 3)
         if a.ndim != ndim or (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and a.shape[-2:] != (n, n)):
-            raise BadInput(f"{p.name}: {key} has shape {a.shape}, which does not fit {n} tokens")
+            raise BadInput(f"{label}: {key} has shape {a.shape}, which does not fit {n} tokens")
         {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency, "head": ex.head_maps}[kind][m] = a
     return ex

@@ -202,3 +202,35 @@ def test_hostile_uploads_are_messages(case, tmp_path):
     import tempfile
 
     assert not any(tempfile.gettempdir() in e for e in errors), errors
+
+
+def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
+    """A saved explanation opens on its own page with every view of the Explain page."""
+    import ctxmix
+    from ctxmix.saved import explanation_bytes
+
+    m = ctxmix.load_model("minilm", device="cpu")
+    ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["attention", "alti", "norm"], per_head=True)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/4_Saved_explanation.py")
+    at.run()
+    assert any("Upload a saved explanation" in i.value for i in at.info)
+    at.file_uploader[0].set_value(("keys.npz", explanation_bytes(ex), "application/octet-stream"))
+    at.query_params["map"] = "norm"
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert [s.value for s in at.subheader][:3] == ["Saliency", "Rank correlation between methods (this example)",
+                                                   "Token-to-token maps"]
+    assert _charts(at) >= 4  # saliency, layer map, aggregated map, one head
+    assert any("Made by ctxmix" in c.value for c in at.caption)
+    at.selectbox(key="head").set_value(3)
+    at.run()
+    assert any("head 3" in str(c.proto) for c in at.get("plotly_chart"))
+    at.file_uploader[0].set_value(("bad.npz", b"not a zip", "application/octet-stream"))
+    at.run()
+    assert not at.exception and any("not an .npz" in e.value for e in at.error)
+
+
+def test_explain_page_offers_the_saved_explanation():
+    at = _run("app.py")
+    assert any(b.label.startswith("Download this explanation") for b in at.get("download_button"))

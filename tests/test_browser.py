@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # URL path -> plots the page must show at least
-PAGES = {"": 4, "Contextualization_change": 3, "LN_gamma_vs_FF_outliers": 2, "Benchmarks": 0}
+PAGES = {"": 4, "Contextualization_change": 3, "LN_gamma_vs_FF_outliers": 2, "Benchmarks": 0, "Saved_explanation": 0}
 
 pytestmark = pytest.mark.slow
 

@@ -115,14 +115,18 @@ def client_address() -> str:
 
 # ---------------------------------------------------------------- pages
 
-PAGES = [("app.py", "Explain", "🔎"), ("pages/1_Contextualization_change.py", "Contextualization change", "📊"),
-         ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", "📈"), ("pages/3_Benchmarks.py", "Benchmarks", "🏁")]
+# Material icons (Streamlit ships their font): emoji render as empty boxes where no emoji font is installed
+PAGES = [("app.py", "Explain", ":material/search:"),
+         ("pages/1_Contextualization_change.py", "Contextualization change", ":material/bar_chart:"),
+         ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", ":material/scatter_plot:"),
+         ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
+         ("pages/4_Saved_explanation.py", "Saved explanation", ":material/folder_open:")]
 SHARED = ("model", "corpus", "n")  # carried from page to page
 
 
 def page_setup() -> None:
     """First call of every page: page config, login in hosted mode, the shared sidebar links."""
-    st.set_page_config(page_title="ctxmix", page_icon="🔀", layout="wide")
+    st.set_page_config(page_title="ctxmix", page_icon=":material/shuffle:", layout="wide")
     if not require_login():
         st.stop()
     for path, label, icon in PAGES:

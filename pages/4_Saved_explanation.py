@@ -1,0 +1,32 @@
+"""Open a saved explanation (an .npz from the Explain page's download, `Explanation.save` or the
+CLI's `explain --out x.npz`) and see every view of the Explain page, without loading any model."""
+
+import streamlit as st
+
+import ctxmix
+from ctxmix.limits import load_limits
+from ctxmix.saved import load_explanation
+from ui import common, views
+
+common.page_setup()
+
+st.title("Saved explanation")
+st.caption("Open a file someone computed (on a GPU, on another machine): no model is loaded here.")
+lim = common.limits()
+up = st.file_uploader("Saved explanation (.npz)", type=["npz"], key="saved_file",
+                      max_upload_size=max(1, int(lim["max_archive_mb"] + 0.999)))
+if up is None:
+    st.info("Upload a saved explanation to see it.")
+    st.stop()
+
+with common.errors_as_messages():
+    ex = load_explanation(up.getvalue(), limits=load_limits(common.hosted(), common._secrets()), name=up.name)
+    pv = ex.provenance
+    st.markdown(f"**{ex.model_name or 'unknown model'}** · {len(ex.tokens)} tokens · methods: {', '.join(ex.methods)}")
+    if pv:
+        st.caption(f"Made by ctxmix {pv.get('ctxmix_version', '?')} on {pv.get('date', '?')}; weights "
+                   f"{str(pv.get('weights_sha256', '?'))[:12]}…; options {ex.options}. This ctxmix: {ctxmix.__version__}.")
+    for w in ex.warnings:
+        st.warning(w)
+    layers = next((v.shape[0] for v in ex.layer_maps.values()), 1)
+    views.show_explanation(ex, layers)

@@ -1,0 +1,64 @@
+"""The views of one explanation, shared by the Explain page and the Saved explanation page:
+prediction, saliency, rank correlations between methods, per-layer and aggregated maps, and
+per-head maps. Layout only; every number comes from the Explanation."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from ctxmix import plots
+from ctxmix.methods import MIXING_METHODS
+from ui import common
+
+
+def show_explanation(ex, layers: int) -> None:
+    if ex.prediction:
+        st.subheader("Prediction")
+        probs = ex.prediction["probabilities"]
+        cols = st.columns(min(5, len(probs)))
+        for c, (label, p) in zip(cols, probs.items()):
+            c.metric(plots.display_tokens([label])[0], f"{p:.1%}")
+        if ex.prediction.get("what"):
+            st.caption(f"Top tokens: {ex.prediction['what']}.")
+
+    st.subheader("Saliency")
+    tgt = ex.tokens[ex.position]
+    what = f" Gradient and perturbation methods explain output {ex.target}" if ex.target is not None else ""
+    if what and ex.foil is not None:
+        what += f" minus output {ex.foil} (logit difference)"
+    st.caption(f"Mixing methods: row of token {ex.position} ({plots.display_tokens([tgt])[0]}) of the last "
+               f"aggregated map. Rows are scaled by their largest |value|.{what + '.' if what else ''}")
+    common.plot(plots.saliency_figure(ex.tokens, ex.saliency), "saliency", data={"tokens": ex.tokens, **ex.saliency})
+
+    if len(ex.saliency) > 1:
+        st.subheader("Rank correlation between methods (this example)")
+        corr = plots.rank_correlation_table(ex.saliency)
+        st.dataframe(corr.style.format("{:.2f}").background_gradient(cmap="RdBu", vmin=-1, vmax=1), width="stretch")
+        common.export_table(corr, "rank_correlations", caption="Spearman rho between saliencies on one example")
+
+    map_methods = [m for m in ex.methods if m in ex.layer_maps]
+    L = layers
+    if map_methods:
+        st.subheader("Token-to-token maps")
+        c1, c2 = st.columns([1, 2])
+        mm = c1.selectbox("Method", map_methods, index=map_methods.index(common.qp("map", map_methods[0]))
+                          if common.qp("map") in map_methods else 0, key="map_method")
+        layer = c2.slider("Layer", 1, L, common.qp_int("layer", L, 1, L), key="layer")
+        common.set_qp(map=mm, layer=layer)
+        if mm in MIXING_METHODS:
+            st.caption(MIXING_METHODS[mm].doc)
+        a, b = st.columns(2)
+        with a:
+            common.plot(plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}"),
+                        f"{mm}_layer{layer}", data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]})
+        with b:
+            common.plot(plots.map_heatmap(ex.tokens, ex.global_maps[mm][layer - 1], f"{mm}: aggregated up to layer {layer}"),
+                        f"{mm}_global{layer}", data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]})
+        if mm in ex.head_maps:
+            H = ex.head_maps[mm].shape[1]
+            st.caption(f"Per head ({MIXING_METHODS[mm].per_head}).")
+            head = st.selectbox("Head", list(range(1, H + 1)), index=common.qp_int("head", 1, 1, H) - 1, key="head")
+            common.set_qp(head=head)
+            hm = ex.head_maps[mm][layer - 1, head - 1]
+            common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}"),
+                        f"{mm}_layer{layer}_head{head}", data={"tokens": ex.tokens, "map": hm})
