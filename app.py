@@ -49,8 +49,11 @@ with common.errors_as_messages():
     if len(ids) > lim["max_tokens"]:
         st.error(f"The text has {len(ids)} tokens; the limit here is {lim['max_tokens']}.")
         st.stop()
+    heads = st.toggle("Per-head maps (attention, norm)", value=common.qp("heads", "0") == "1", key="heads",
+                      help="One map per attention head for the methods that have a per-head form.")
+    common.set_qp(heads=int(heads))
     with st.spinner("Computing (cached per model, text and method)…"):
-        ex = cached_explain(model, text, methods)
+        ex = cached_explain(model, text, methods, **({"per_head": True} if heads else {}))
 
     for w in ex.warnings:
         st.warning(w)

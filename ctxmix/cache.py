@@ -182,6 +182,8 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
     if m in ex.layer_maps:
         arrays["layer"] = ex.layer_maps[m]
         arrays["global"] = ex.global_maps[m]
+    if m in ex.head_maps:
+        arrays["head"] = ex.head_maps[m]
     return meta, arrays
 
 
@@ -256,6 +258,8 @@ def cached_explain(model: Model, text: str, methods: list[str], disk: bool = Tru
         if "layer" in arrays:
             out.layer_maps[m] = np.asarray(arrays["layer"])
             out.global_maps[m] = np.asarray(arrays["global"])
+        if "head" in arrays:
+            out.head_maps[m] = np.asarray(arrays["head"])
     return out
 
 

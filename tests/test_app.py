@@ -234,3 +234,14 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
 def test_explain_page_offers_the_saved_explanation():
     at = _run("app.py")
     assert any(b.label.startswith("Download this explanation") for b in at.get("download_button"))
+
+
+def test_explain_page_per_head_toggle():
+    """The toggle adds a head selector under the maps, and the view link carries it."""
+    at = _run("app.py", method=["attention", "norm"], map="norm")
+    assert not at.get("selectbox") or "head" not in [s.key for s in at.selectbox]
+    at.toggle(key="heads").set_value(True)
+    at.run()
+    assert not at.exception and not at.error
+    assert at.selectbox(key="head").options[:2] == ["1", "2"]
+    assert at.query_params["heads"] in ("1", ["1"])
