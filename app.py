@@ -49,11 +49,39 @@ with common.errors_as_messages():
     if len(ids) > lim["max_tokens"]:
         st.error(f"The text has {len(ids)} tokens; the limit here is {lim['max_tokens']}.")
         st.stop()
-    heads = st.toggle("Per-head maps (attention, norm)", value=common.qp("heads", "0") == "1", key="heads",
+    opts = {}
+    c1, c2, c3, c4 = st.columns(4)
+    position = c1.number_input("Explained position", -1, len(ids) - 1, common.qp_int("position", -1, -1, len(ids) - 1),
+                               key="position", help="The output token whose row gives a mixing method's saliency and "
+                                                    "which a language model predicts from; -1: the model's default.")
+    if position >= 0:
+        opts["position"] = int(position)
+    if any(m in ctxmix.SALIENCY_METHODS for m in methods):
+        if model.kind == "classifier":
+            labels = [str(model.config.id2label[i]) for i in range(len(model.config.id2label))]
+            t = c2.selectbox("Target class", ["predicted"] + labels, key="target",
+                             index=(["predicted"] + labels).index(common.qp("target", "predicted"))
+                             if common.qp("target", "predicted") in ["predicted"] + labels else 0)
+            f = c3.selectbox("Foil class (contrast)", ["none"] + labels, key="foil",
+                             index=(["none"] + labels).index(common.qp("foil", "none"))
+                             if common.qp("foil", "none") in ["none"] + labels else 0)
+        else:
+            t = c2.text_input("Target token", value=common.qp_text("target", "", 100), placeholder="predicted",
+                              key="target") or "predicted"
+            f = c3.text_input("Foil token (contrast)", value=common.qp_text("foil", "", 100), placeholder="none",
+                              key="foil") or "none"
+        common.set_qp(target=t, foil=f)
+        if t != "predicted":
+            opts["target"] = t
+        if f != "none":
+            opts["foil"] = f
+    heads = c4.toggle("Per-head maps (attention, norm)", value=common.qp("heads", "0") == "1", key="heads",
                       help="One map per attention head for the methods that have a per-head form.")
-    common.set_qp(heads=int(heads))
+    common.set_qp(heads=int(heads), position=int(position))
+    if heads:
+        opts["per_head"] = True
     with st.spinner("Computing (cached per model, text and method)…"):
-        ex = cached_explain(model, text, methods, **({"per_head": True} if heads else {}))
+        ex = cached_explain(model, text, methods, **opts)
 
     for w in ex.warnings:
         st.warning(w)

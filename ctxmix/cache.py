@@ -176,7 +176,7 @@ def _atomic_write(path: Path, write) -> None:
 def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
     """What the cache keeps of one method's result: shared metadata and its arrays."""
     meta = {"tokens": ex.tokens, "input_ids": ex.input_ids, "prediction": ex.prediction, "position": ex.position,
-            "target": ex.target, "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error,
+            "target": ex.target, "foil": ex.foil, "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error,
             "warnings": ex.warnings}
     arrays = {"saliency": ex.saliency[m]}
     if m in ex.layer_maps:
@@ -248,8 +248,11 @@ def cached_explain(model: Model, text: str, methods: list[str], disk: bool = Tru
                 except OSError:
                     pass  # a read-only or full disk only costs the cache
     meta = found[methods[0]][0]
+    # the target and foil come from an entry that explained one (a mixing method's entry has none)
+    tmeta = next((found[m][0] for m in methods if found[m][0].get("target") is not None), meta)
     out = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=methods,
-                      prediction=meta["prediction"], position=meta["position"], target=meta["target"],
+                      prediction=meta["prediction"], position=meta["position"], target=tmeta["target"],
+                      foil=tmeta.get("foil"),
                       model_name=meta["model_name"], reconstruction_error=meta["reconstruction_error"],
                       warnings=list(meta["warnings"]), options=dict(options), provenance=_provenance(model))
     for m in methods:

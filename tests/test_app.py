@@ -245,3 +245,23 @@ def test_explain_page_per_head_toggle():
     assert not at.exception and not at.error
     assert at.selectbox(key="head").options[:2] == ["1", "2"]
     assert at.query_params["heads"] in ("1", ["1"])
+
+
+def test_target_foil_and_position_pickers(tmp_path, tokenizer):  # noqa: D103
+    """On a classifier the Explain page picks the target class, a foil class and the position; the
+    saliency caption says what was explained and the link carries the choices."""
+    import torch
+
+    from conftest import tiny_model
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    d = tmp_path / "clf"
+    m.hf.save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    at = _run("app.py", model=str(d), method=["grad", "attention"], target="LABEL_1", foil="LABEL_0", position="2")
+    assert at.selectbox(key="target").value == "LABEL_1" and at.selectbox(key="foil").value == "LABEL_0"
+    assert at.number_input(key="position").value == 2
+    assert any("explain output 1 minus output 0" in c.value for c in at.caption), [c.value for c in at.caption]
+    at.selectbox(key="foil").set_value("LABEL_1")  # the foil is the target: a message, not a crash
+    at.run()
+    assert not at.exception and any("the foil is the target" in e.value for e in at.error)
