@@ -31,9 +31,18 @@ def display_tokens(tokens: list[str]) -> list[str]:
     return out
 
 
+MAX_TICK_LABELS = 40  # more labels than this overlap even rotated: show every k-th
+
+
 def _axis(tokens: list[str]) -> dict:
+    """Token tick labels: rotated past 12 tokens, thinned to at most MAX_TICK_LABELS (every k-th,
+    the first and last kept) so they never overlap; hovering still names every cell."""
     labels = display_tokens(tokens)
-    return dict(tickmode="array", tickvals=list(range(len(labels))), ticktext=labels, tickangle=-60 if len(labels) > 12 else 0)
+    n = len(labels)
+    step = max(1, -(-n // MAX_TICK_LABELS))
+    keep = sorted(set(range(0, n, step)) | ({n - 1} if n else set()))
+    return dict(tickmode="array", tickvals=keep, ticktext=[labels[i] for i in keep],
+                tickangle=-60 if n > 12 else 0, automargin=True)
 
 
 def _layout(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
@@ -73,7 +82,10 @@ def maps_grid(tokens: list[str], maps: dict[str, np.ndarray], title: str = "", s
         fig.update_yaxes(autorange="reversed", **(_axis(tokens) if k == 0 else dict(showticklabels=False)), row=1, col=k + 1)
     side = max(260, 22 * len(tokens) + 80)
     fig.update_layout(width=None, height=side + 60)
-    return _layout(fig, title)
+    fig = _layout(fig, title)
+    # subplot titles are annotations just above the plots: keep them clear of the plotly toolbar
+    fig.update_layout(margin=dict(t=max(fig.layout.margin.t or 0, 70)))
+    return fig
 
 
 def saliency_figure(tokens: list[str], saliency: dict[str, np.ndarray], normalise: bool = True) -> go.Figure:
@@ -205,8 +217,33 @@ STATIC_HINT = ("PNG, SVG and PDF export needs Chrome or Chromium on the server "
                "(Debian/Ubuntu: `apt install chromium`; macOS: install Google Chrome). HTML works without it.")
 
 
-def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
-    """The figure as png, svg, pdf (kaleido + Chromium) or html (always works)."""
+# Widths of paper columns and pages, in inches (ACL: 3.03 / 6.3; NeurIPS and ICLR: 5.5)
+PAPER_PRESETS = {"acl-column": 3.03, "acl-page": 6.3, "neurips": 5.5, "iclr": 5.5}
+PAPER_FONT_PT = 9  # between the 8-10 pt figures take in these templates
+
+
+def paper_figure(fig: go.Figure, preset: str) -> go.Figure:
+    """A copy of `fig` sized for a paper: the preset's width at 96 px per inch (how the static
+    export maps pixels to inches), the height scaled with it (at most the width x 1.4), 9 pt text."""
+    if preset not in PAPER_PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PAPER_PRESETS)}")
+    out = go.Figure(fig)
+    width = int(round(PAPER_PRESETS[preset] * 96))
+    w0 = fig.layout.width or 700
+    h0 = fig.layout.height or 450
+    height = int(min(width * 1.4, max(width * 0.5, h0 * width / w0)))
+    px = PAPER_FONT_PT * 96 / 72
+    out.update_layout(width=width, height=height, font=dict(size=px), title_font=dict(size=px + 1),
+                      margin=dict(l=40, r=10, t=30 if fig.layout.title.text else 10, b=40))
+    out.update_annotations(font_size=px)
+    return out
+
+
+def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | None = None) -> bytes:
+    """The figure as png, svg, pdf (kaleido + Chromium) or html (always works); `preset` sizes it
+    for a paper (PAPER_PRESETS: "acl-column", "acl-page", "neurips", "iclr")."""
+    if preset is not None:
+        fig = paper_figure(fig, preset)
     fmt = fmt.lower()
     if fmt == "html":
         return fig.to_html(include_plotlyjs="cdn", full_html=True).encode()

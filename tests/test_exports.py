@@ -59,3 +59,39 @@ def test_unique_token_labels_and_readable_bpe():
 def test_figure_data_json():
     d = json.loads(plots.figure_data_bytes({"tokens": TOKENS, "map": np.eye(2)}))
     assert d["map"] == [[1.0, 0.0], [0.0, 1.0]]
+
+
+def test_crowded_tick_labels_are_thinned_and_rotated():
+    toks = [f"t{i}" for i in range(100)]
+    fig = plots.map_heatmap(toks, np.random.default_rng(0).random((100, 100)))
+    ax = fig.layout.xaxis
+    assert len(ax.tickvals) <= plots.MAX_TICK_LABELS + 1 and ax.tickvals[0] == 0 and ax.tickvals[-1] == 99
+    assert ax.tickangle == -60 and list(ax.ticktext)[:2] == ["t0", "t3"]
+    few = plots.map_heatmap(toks[:8], np.ones((8, 8))).layout.xaxis
+    assert list(few.tickvals) == list(range(8)) and few.tickangle == 0
+
+
+def test_scope_grid_titles_clear_the_toolbar():
+    fig = plots.maps_grid(["a", "b"], {"Atb": np.ones((2, 2)), "AtbFf": np.ones((2, 2))})
+    assert fig.layout.margin.t >= 70
+
+
+@pytest.mark.parametrize("preset, inches", [("acl-column", 3.03), ("acl-page", 6.3), ("neurips", 5.5)])
+def test_paper_presets(preset, inches):
+    fig = plots.map_heatmap(["a", "b", "c"], np.ones((3, 3)), "title")
+    out = plots.paper_figure(fig, preset)
+    assert out.layout.width == round(inches * 96) and out.layout.font.size == pytest.approx(12.0)
+    assert fig.layout.width is None  # the screen figure is untouched
+    with pytest.raises(ValueError, match="preset"):
+        plots.paper_figure(fig, "a4")
+
+
+@pytest.mark.slow
+def test_a_paper_preset_pdf_has_the_column_width():
+    import re
+
+    if not plots.static_export_available():
+        pytest.skip("no Chromium for kaleido")
+    pdf = plots.figure_bytes(plots.map_heatmap(["a", "b"], np.ones((2, 2)), "t"), "pdf", preset="acl-column")
+    width = float(re.search(rb"/MediaBox \[\s*[\d.]+\s+[\d.]+\s+([\d.]+)", pdf).group(1))
+    assert width / 72 == pytest.approx(3.03, abs=0.01)  # inches

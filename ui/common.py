@@ -305,10 +305,15 @@ def errors_as_messages():
 def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
     """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data."""
     key = key or name
-    cols = st.columns(6)
+    cols = st.columns(7)
     static = plots.static_export_available()
+    sizes = {"screen": None, "ACL column (3.03 in)": "acl-column", "ACL page (6.3 in)": "acl-page",
+             "NeurIPS / ICLR (5.5 in)": "neurips"}
+    size = cols[6].selectbox("Size", list(sizes), key=f"{key}_size", label_visibility="collapsed",
+                             help="Static exports at a paper's column or page width, with 9 pt text.")
+    preset = sizes[size]
     for k, fmt in enumerate(["png", "svg", "pdf"]):
-        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f)) if static else b"",
+        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset)) if static else b"",
                                 file_name=f"{name}.{fmt}", mime={"png": "image/png", "svg": "image/svg+xml",
                                                                  "pdf": "application/pdf"}[fmt],
                                 key=f"{key}_{fmt}", disabled=not static, on_click="ignore",
