@@ -57,10 +57,20 @@ def _signed(M: np.ndarray) -> bool:
     return bool(np.nanmin(M) < 0)
 
 
-def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str = "contribution") -> go.Figure:
-    """One (n, n) map: rows = output tokens (top to bottom), columns = input tokens."""
+def color_range(maps: np.ndarray) -> float:
+    """The largest |value| of a method's maps over all layers: one colour scale for all of them."""
+    return float(np.nanmax(np.abs(np.asarray(maps, dtype=float)))) or 1.0
+
+
+def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str = "contribution",
+                zmax: float | None = None) -> go.Figure:
+    """One (n, n) map: rows = output tokens (top to bottom), columns = input tokens. `zmax` fixes
+    the colour scale (e.g. `color_range` of all layers, so layers compare by colour)."""
     M = np.asarray(M, dtype=float)
-    kw = dict(colorscale="RdBu", zmid=0) if _signed(M) else dict(colorscale="Blues", zmin=0)
+    if _signed(M):
+        kw = dict(colorscale="RdBu", zmid=0) if zmax is None else dict(colorscale="RdBu", zmin=-zmax, zmax=zmax)
+    else:
+        kw = dict(colorscale="Blues", zmin=0) if zmax is None else dict(colorscale="Blues", zmin=0, zmax=zmax)
     fig = go.Figure(go.Heatmap(z=M, colorbar=dict(title=colorbar), hovertemplate="out %{y} ← in %{x}: %{z:.4g}<extra></extra>", **kw))
     fig.update_xaxes(title="input token j", **_axis(tokens))
     fig.update_yaxes(title="output token i", autorange="reversed", **_axis(tokens))

@@ -265,3 +265,12 @@ def test_target_foil_and_position_pickers(tmp_path, tokenizer):  # noqa: D103
     at.selectbox(key="foil").set_value("LABEL_1")  # the foil is the target: a message, not a crash
     at.run()
     assert not at.exception and any("the foil is the target" in e.value for e in at.error)
+
+
+def test_colour_scale_toggle():
+    at = _run("app.py", method=["alti"], layer="1")
+    heat = [c for c in at.get("plotly_chart") if "alti: layer 1" in str(c.proto)]
+    assert heat and '"zmax"' in heat[0].proto.spec
+    at.checkbox(key="same_scale").uncheck()
+    at.run()
+    assert not at.exception and at.query_params["scale"] in ("own", ["own"])

@@ -95,3 +95,13 @@ def test_a_paper_preset_pdf_has_the_column_width():
     pdf = plots.figure_bytes(plots.map_heatmap(["a", "b"], np.ones((2, 2)), "t"), "pdf", preset="acl-column")
     width = float(re.search(rb"/MediaBox \[\s*[\d.]+\s+[\d.]+\s+([\d.]+)", pdf).group(1))
     assert width / 72 == pytest.approx(3.03, abs=0.01)  # inches
+
+
+def test_one_colour_scale_across_layers():
+    maps = np.stack([np.full((2, 2), 0.5), np.full((2, 2), 2.0)])
+    z = plots.color_range(maps)
+    assert z == 2.0
+    fig = plots.map_heatmap(["a", "b"], maps[0], zmax=z)
+    assert fig.data[0].zmax == 2.0 and fig.data[0].zmin == 0
+    signed = plots.map_heatmap(["a", "b"], -maps[0], zmax=z)
+    assert signed.data[0].zmin == -2.0 and signed.data[0].zmax == 2.0

@@ -47,12 +47,18 @@ def show_explanation(ex, layers: int) -> None:
         common.set_qp(map=mm, layer=layer)
         if mm in MIXING_METHODS:
             st.caption(MIXING_METHODS[mm].doc)
+        same = st.checkbox("Same colour scale for every layer", value=common.qp("scale", "layers") == "layers",
+                           key="same_scale", help="Off: each map uses its own range.")
+        common.set_qp(scale="layers" if same else "own")
+        zl = plots.color_range(ex.layer_maps[mm]) if same else None
+        zg = plots.color_range(ex.global_maps[mm]) if same else None
         a, b = st.columns(2)
         with a:
-            common.plot(plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}"),
+            common.plot(plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}", zmax=zl),
                         f"{mm}_layer{layer}", data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]})
         with b:
-            common.plot(plots.map_heatmap(ex.tokens, ex.global_maps[mm][layer - 1], f"{mm}: aggregated up to layer {layer}"),
+            common.plot(plots.map_heatmap(ex.tokens, ex.global_maps[mm][layer - 1],
+                                          f"{mm}: aggregated up to layer {layer}", zmax=zg),
                         f"{mm}_global{layer}", data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]})
         if mm in ex.head_maps:
             H = ex.head_maps[mm].shape[1]
@@ -60,5 +66,6 @@ def show_explanation(ex, layers: int) -> None:
             head = st.selectbox("Head", list(range(1, H + 1)), index=common.qp_int("head", 1, 1, H) - 1, key="head")
             common.set_qp(head=head)
             hm = ex.head_maps[mm][layer - 1, head - 1]
-            common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}"),
+            zh = plots.color_range(ex.head_maps[mm]) if same else None
+            common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}", zmax=zh),
                         f"{mm}_layer{layer}_head{head}", data={"tokens": ex.tokens, "map": hm})
