@@ -161,10 +161,11 @@ def _check_call(res2, position, saliency_options: dict) -> None:
 @checked_arguments
 def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
                   methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
-                  per_head: bool = False, **saliency_options) -> list[Explanation]:
+                  per_head: bool = False, foils: list | None = None, **saliency_options) -> list[Explanation]:
     """`explain` on several texts (strings, or lists of token ids) with one padded forward pass and
     one batched decomposition for all their mixing methods; the gradient and perturbation methods
-    still run per text. targets / positions: one per text (None for the defaults).
+    still run per text. targets / positions / foils: one per text (None for the defaults; a foil
+    makes the gradient and perturbation methods explain target minus foil, as in `explain`).
     methods_per_text: the methods each text needs, when they differ (a text with none only pads the
     batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
     float rounding (tests/test_batched.py)."""
@@ -187,9 +188,11 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     tb = trace_batch_tensors(model, batch, notes)
     targets = [None] * len(texts) if targets is None else list(targets)
     positions = [None] * len(texts) if positions is None else list(positions)
-    if len(targets) != len(texts) or len(positions) != len(texts):
-        raise BadInput("targets and positions need one entry per text")
-    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head))
+    foils = [None] * len(texts) if foils is None else list(foils)
+    if len(targets) != len(texts) or len(positions) != len(texts) or len(foils) != len(texts):
+        raise BadInput("targets, positions and foils need one entry per text")
+    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head),
+                         foils)
 
 
 def _provenance(model: Model) -> dict:
@@ -206,7 +209,8 @@ def _provenance(model: Model) -> dict:
 
 
 def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
-                  precision: str | None, saliency_options: dict, per_head: bool = False) -> list[Explanation]:
+                  precision: str | None, saliency_options: dict, per_head: bool = False,
+                  foils: list | None = None) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
     from .precision import resolve_precision
@@ -217,7 +221,9 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
     heads = head_maps_batch(tb, union) if per_head else {}
     errs = tb.errors.tolist()
     out = []
+    shared = saliency_options
     for b, methods in enumerate(per):
+        saliency_options = shared if foils is None or foils[b] is None else {**shared, "foil": foils[b]}
         tr = tb.trace(b, errs[b])
         n = tr.n
         pos = default_position(model, tr.input_ids) if positions[b] is None else int(positions[b])

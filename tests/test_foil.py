@@ -52,3 +52,16 @@ def test_bad_foils(tokenizer, tmp_path):
     assert any("foil applies" in w for w in ex.warnings)
     ex = ctxmix.explain(m, None, ["grad"], target=1, foil=0, input_ids=IDS)
     assert ctxmix.load_explanation(ex.save(tmp_path / "f.npz")).foil == 0
+
+
+def test_explain_batch_takes_a_foil_per_text(tokenizer):
+    m = tiny_model("bert", tokenizer)
+    texts = ["the keys to the cabinet are on the table .", "a dog barked ."]
+    got = ctxmix.explain_batch(m, texts, ["grad", "cat"], targets=[1, 0], foils=[0, None])
+    assert got[0].foil == 0 and got[1].foil is None
+    for t, tgt, foil, ex in zip(texts, [1, 0], [0, None], got):
+        ref = ctxmix.explain(m, t, ["grad", "cat"], target=tgt, foil=foil)
+        for k in ("grad", "cat"):
+            np.testing.assert_allclose(ex.saliency[k], ref.saliency[k], rtol=1e-9, atol=1e-12)
+    with pytest.raises(BadInput, match="one entry per text"):
+        ctxmix.explain_batch(m, texts, ["grad"], foils=[0])
