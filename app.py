@@ -86,6 +86,8 @@ with common.errors_as_messages():
     for w in ex.warnings:
         st.warning(w)
 
+    common.set_provenance(model=name, weights_sha256=ex.provenance.get("weights_sha256"), text=text, methods=methods,
+                          options={k: v for k, v in opts.items()}, target=ex.target, foil=ex.foil, position=ex.position)
     L = model.n_layers
     views.show_explanation(ex, L)
     st.download_button("Download this explanation (.npz)", data=lambda: explanation_bytes(ex),
@@ -114,5 +116,13 @@ with common.errors_as_messages():
     else:
         common.set_qp(scopes="0")
 
+    import shlex
+
+    cmd = ["python", "-m", "ctxmix", "explain", text, "--model", name, "--method", *methods]
+    for flag, key in (("--target", "target"), ("--foil", "foil"), ("--position", "position")):
+        if key in opts:
+            cmd += [flag, str(opts[key])]
+    cmd += ["--per-head"] if opts.get("per_head") else []
+    common.reproduce(" ".join(shlex.quote(c) for c in cmd + ["--out", "explanation.npz"]))
     st.caption(f"Recomputation check: the layers rebuilt from the weights match the model's hidden states to "
                f"{ex.reconstruction_error:.1e} (max abs).")

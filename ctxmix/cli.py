@@ -40,7 +40,8 @@ def cmd_explain(args) -> None:
     import ctxmix
 
     m = _load(args)
-    ex = ctxmix.explain(m, args.text, args.method, target=args.target, position=args.position)
+    ex = ctxmix.explain(m, args.text, args.method, target=args.target, position=args.position, foil=args.foil,
+                        per_head=args.per_head)
     d = ex.to_dict()
     if not args.maps:
         d.pop("layer_maps")
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more of: " + ", ".join(METHODS))
     s.add_argument("--target", default=None, help="class index/label or target token (gradient methods)")
     s.add_argument("--position", type=int, default=None, help="row used for mixing-method saliency")
+    s.add_argument("--foil", default=None, help="a contrasting class or token: explain target minus foil")
+    s.add_argument("--per-head", action="store_true", help="also per-head maps (attention, norm)")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
     s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
     s.add_argument("--half", action="store_true", help="with --out .npz: maps in float16, for viewing (half the size)")

@@ -249,14 +249,43 @@ def paper_figure(fig: go.Figure, preset: str) -> go.Figure:
     return out
 
 
-def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | None = None) -> bytes:
+def provenance_line(provenance: dict | None) -> str:
+    """What made a figure or table, as one line: "ctxmix provenance: {json}" ("" without one)."""
+    if not provenance:
+        return ""
+    import json
+
+    return "ctxmix provenance: " + json.dumps(provenance, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def _png_with_text(png: bytes, text: str) -> bytes:
+    """A PNG with a tEXt chunk (key "ctxmix-provenance"), written with Pillow when it is there."""
+    try:
+        import io
+
+        from PIL import Image, PngImagePlugin
+    except ImportError:  # no Pillow: the sidecar download still carries it
+        return png
+    im = Image.open(io.BytesIO(png))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("ctxmix-provenance", text)
+    out = io.BytesIO()
+    im.save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
+
+
+def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | None = None,
+                 provenance: dict | None = None) -> bytes:
     """The figure as png, svg, pdf (kaleido + Chromium) or html (always works); `preset` sizes it
-    for a paper (PAPER_PRESETS: "acl-column", "acl-page", "neurips", "iclr")."""
+    for a paper (PAPER_PRESETS: "acl-column", "acl-page", "neurips", "iclr"). `provenance` goes into
+    the file: an HTML or SVG comment, a PNG text chunk, the PDF's subject (its document information)."""
     if preset is not None:
         fig = paper_figure(fig, preset)
+    line = provenance_line(provenance)
     fmt = fmt.lower()
     if fmt == "html":
-        return fig.to_html(include_plotlyjs="cdn", full_html=True).encode()
+        html = fig.to_html(include_plotlyjs="cdn", full_html=True)
+        return (f"<!-- {line.replace('--', '- -')} -->\n" + html if line else html).encode()
     if fmt not in ("png", "svg", "pdf"):
         raise ValueError("format must be png, svg, pdf or html")
     if not static_export_available():
@@ -264,17 +293,58 @@ def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | Non
     import os
 
     os.environ.setdefault("BROWSER_PATH", chromium_path() or "")
-    return fig.to_image(format=fmt, scale=scale if fmt == "png" else 1)
+    data = fig.to_image(format=fmt, scale=scale if fmt == "png" else 1)
+    if not line:
+        return data
+    if fmt == "svg":
+        text = data.decode()
+        i = text.find("<svg")
+        return (text[:i] + f"<!-- {line.replace('--', '- -')} -->" + text[i:]).encode()
+    if fmt == "png":
+        return _png_with_text(data, line)
+    return _pdf_with_subject(data, line)
 
 
-def table_bytes(df: pd.DataFrame, fmt: str, caption: str | None = None) -> bytes:
-    """A table as csv, json or LaTeX (booktabs, written directly: no jinja2 needed)."""
+def _pdf_with_subject(pdf: bytes, text: str) -> bytes:
+    """The PDF with `text` appended as an incremental update of its document information
+    (/Subject): readers show it under the document's properties; the pages are untouched."""
+    import re
+
+    m = re.search(rb"/Info\s+(\d+)\s+0\s+R", pdf)
+    start = pdf.rfind(b"startxref")
+    root = re.search(rb"/Root\s+(\d+\s+0\s+R)", pdf)
+    size = re.search(rb"/Size\s+(\d+)", pdf)
+    if start < 0 or root is None or size is None:
+        return pdf
+    prev = int(pdf[start + 9:].split()[0])
+    n = int(size.group(1))
+    esc = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)").encode("latin-1", "replace")
+    obj = n if m is None else int(m.group(1))
+    body = f"{obj} 0 obj\n<< /Producer (ctxmix) /Subject (".encode() + esc + b") >>\nendobj\n"
+    offset = len(pdf) + 1
+    xref = f"xref\n{obj} 1\n{offset:010d} 00000 n \n".encode()
+    trailer = (f"trailer\n<< /Size {max(n, obj + 1)} /Root {root.group(1).decode()} /Info {obj} 0 R /Prev {prev} >>\n"
+               f"startxref\n{offset + len(body)}\n%%EOF\n").encode()
+    return pdf + b"\n" + body + xref + trailer
+
+
+def table_bytes(df: pd.DataFrame, fmt: str, caption: str | None = None, provenance: dict | None = None) -> bytes:
+    """A table as csv, json or LaTeX (booktabs, written directly: no jinja2 needed). `provenance`
+    goes in as a first comment line ("# ..." in CSV: pandas reads it with comment="#"; "% ..." in
+    LaTeX) or, in JSON, as {"provenance": ..., "rows": [...]}."""
+    line = provenance_line(provenance)
     if fmt == "csv":
-        return df.to_csv(index=df.index.name is not None or not isinstance(df.index, pd.RangeIndex)).encode()
+        body = df.to_csv(index=df.index.name is not None or not isinstance(df.index, pd.RangeIndex))
+        return ((f"# {line}\n" if line else "") + body).encode()
     if fmt == "json":
-        return df.reset_index().to_json(orient="records", indent=1).encode()
+        if not line:
+            return df.reset_index().to_json(orient="records", indent=1).encode()
+        import json
+
+        rows = json.loads(df.reset_index().to_json(orient="records"))
+        return json.dumps({"provenance": provenance, "rows": rows}, indent=1, default=str).encode()
     if fmt == "tex":
-        return latex_booktabs(df, caption).encode()
+        return ((f"% {line}\n" if line else "") + latex_booktabs(df, caption)).encode()
     raise ValueError("format must be csv, json or tex")
 
 
@@ -308,11 +378,15 @@ def latex_booktabs(df: pd.DataFrame, caption: str | None = None, float_fmt: str 
     return "\n".join(lines) + "\n"
 
 
-def figure_data_bytes(data: dict | pd.DataFrame, fmt: str = "json") -> bytes:
-    """The data behind a figure: a DataFrame as csv/json, or a dict of arrays as json."""
+def figure_data_bytes(data: dict | pd.DataFrame, fmt: str = "json", provenance: dict | None = None) -> bytes:
+    """The data behind a figure: a DataFrame as csv/json, or a dict of arrays as json (with a
+    "provenance" entry when given)."""
     if isinstance(data, pd.DataFrame):
-        return table_bytes(data, fmt)
+        return table_bytes(data, fmt, provenance=provenance)
     import json
+
+    if provenance:
+        data = {"provenance": provenance, **data}
 
     def conv(v):
         if isinstance(v, np.ndarray):

@@ -5,6 +5,7 @@ import streamlit as st
 
 from ctxmix.analysis import comparisons, corpus_report
 from ctxmix.cache import cached_frames, model_fingerprint
+from ctxmix.models import weights_sha256
 from ctxmix import plots
 from ui import common
 
@@ -52,6 +53,8 @@ with common.errors_as_messages():
          "res2": (fp, corpus_key, len(texts), opts["mask_rate"], caps)}, compute)
     res2 = report["res2"]
     bar.empty()
+    common.set_provenance(model=name, weights_sha256=weights_sha256(model), corpus=corpus_key, sequences=len(texts),
+                          options=opts, caps=caps)
 
     df = report["change"]
     comps = [c for c in comparisons(model) if not c.startswith("dyn:")]
@@ -76,3 +79,10 @@ with common.errors_as_messages():
     top = amp[amp.layer == layer].reset_index(drop=True)
     st.dataframe(top, width="stretch")
     common.export_table(top, f"ff_amp_layer{layer}", caption=f"Top FF-amplified token pairs, layer {layer}")
+
+    corpus_arg = "YOUR_FILE.txt" if corpus_key.startswith("upload:") else corpus_key
+    flags = ([f"--mask-rate {opts['mask_rate']}"] if opts["mask_rate"] else []) + \
+        ([f"--ignore-low-gamma {opts['ignore_low_gamma']}"] if opts["ignore_low_gamma"] else []) + \
+        (["--lower-triangle"] if opts["lower_triangle"] else [])
+    common.reproduce(" ".join(["python -m ctxmix change --model", name, "--corpus", corpus_arg, "--limit", str(len(texts)),
+                               *flags, "--out change.csv"]))

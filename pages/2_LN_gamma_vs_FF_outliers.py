@@ -31,6 +31,8 @@ with common.errors_as_messages():
     df = cached_frames({"outliers": (fp, corpus_key, len(texts), caps), "res2": (fp, corpus_key, len(texts), 0.0, caps)},
                        compute)["outliers"]
     bar.empty()
+    common.set_provenance(model=name, weights_sha256=ctxmix.models.weights_sha256(model), corpus=corpus_key,
+                          sequences=len(texts), caps=caps)
     corr = ctxmix.ff_outlier_correlations(df)
 
     layer = st.slider("Layer", 1, model.n_layers, common.qp_int("layer", model.n_layers, 1, model.n_layers), key="layer")
@@ -45,3 +47,5 @@ with common.errors_as_messages():
     st.caption("Paper: Pearson r −0.45 to −0.78 in BERT-base's high-FF layers, −0.22 to −0.59 in GPT-2; "
                "RoBERTa shows it in Spearman, not Pearson.")
     common.export_table(corr, "gamma_ff_correlation", caption="Pearson and Spearman r between gamma and mean |FF output|")
+    corpus_arg = "YOUR_FILE.txt" if corpus_key.startswith("upload:") else corpus_key
+    common.reproduce(f"python -m ctxmix outliers --model {name} --corpus {corpus_arg} --limit {len(texts)} --out outliers.csv")

@@ -274,3 +274,16 @@ def test_colour_scale_toggle():
     at.checkbox(key="same_scale").uncheck()
     at.run()
     assert not at.exception and at.query_params["scale"] in ("own", ["own"])
+
+
+def test_cite_and_reproduce_box_gives_a_working_command():
+    import shlex
+
+    from ctxmix.cli import build_parser
+
+    at = _run("app.py", method=["alti", "norm"], text="A dog barked .", position="1")
+    codes = [c.value for c in at.code]
+    cmd = next(c for c in codes if "ctxmix explain" in c)
+    args = build_parser().parse_args(shlex.split(cmd)[3:])
+    assert args.text == "A dog barked ." and args.method == ["alti", "norm"] and args.position == 1
+    assert args.out == "explanation.npz"

@@ -105,3 +105,44 @@ def test_one_colour_scale_across_layers():
     assert fig.data[0].zmax == 2.0 and fig.data[0].zmin == 0
     signed = plots.map_heatmap(["a", "b"], -maps[0], zmax=z)
     assert signed.data[0].zmin == -2.0 and signed.data[0].zmax == 2.0
+
+
+PROV = {"model": "minilm", "ctxmix_version": "0.1.0", "text": "a (b) -- c"}
+
+
+def test_tables_carry_their_provenance():
+    df = pd.DataFrame({"layer": [1, 2], "change": [0.25, 0.5]})
+    csv = plots.table_bytes(df, "csv", provenance=PROV).decode()
+    assert csv.startswith("# ctxmix provenance: {") and '"model": "minilm"' in csv.splitlines()[0]
+    pd.testing.assert_frame_equal(pd.read_csv(io.StringIO(csv), comment="#"), df)
+    tex = plots.table_bytes(df, "tex", "cap", PROV).decode()
+    assert tex.startswith("% ctxmix provenance:") and "\\toprule" in tex
+    js = json.loads(plots.table_bytes(df, "json", provenance=PROV))
+    assert js["provenance"] == PROV and len(js["rows"]) == 2
+    assert json.loads(plots.figure_data_bytes({"map": np.ones(2)}, "json", PROV))["provenance"] == PROV
+    assert plots.table_bytes(df, "csv").decode().startswith("layer")  # none asked for, none written
+
+
+def test_html_figures_carry_their_provenance():
+    html = plots.figure_bytes(_fig(), "html", provenance=PROV).decode()
+    assert html.startswith("<!-- ctxmix provenance:") and "- -" in html.splitlines()[0]  # no "--" inside a comment
+
+
+@pytest.mark.slow
+def test_static_figures_carry_their_provenance():
+    import re
+
+    if not plots.static_export_available():
+        pytest.skip("no Chromium for kaleido")
+    from PIL import Image
+
+    png = plots.figure_bytes(_fig(), "png", provenance=PROV)
+    assert json.loads(Image.open(io.BytesIO(png)).text["ctxmix-provenance"].split(": ", 1)[1]) == PROV
+    assert b"<!-- ctxmix provenance:" in plots.figure_bytes(_fig(), "svg", provenance=PROV)
+    pdf = plots.figure_bytes(_fig(), "pdf", provenance=PROV)
+    assert b"/Subject (ctxmix provenance:" in pdf and pdf.rstrip().endswith(b"%%EOF")
+    last = pdf.rfind(b"startxref")
+    off = int(pdf[last + 9:].split()[0])
+    assert pdf[off:off + 4] == b"xref"  # the incremental update's table is where the trailer says
+    entry = int(re.search(rb"(\d{10}) 00000 n", pdf[off:]).group(1))
+    assert re.match(rb"\d+ 0 obj", pdf[entry:entry + 12])

@@ -302,6 +302,33 @@ def errors_as_messages():
 # ---------------------------------------------------------------- exports
 
 
+def set_provenance(**info) -> dict:
+    """What made this page's figures and tables (model, weights, options, text or corpus); every
+    export of the page carries it, with the ctxmix version and the date."""
+    import datetime
+
+    prov = {"ctxmix_version": ctxmix.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **{k: v for k, v in info.items() if v is not None}}
+    st.session_state["_provenance"] = prov
+    return prov
+
+
+def _provenance() -> dict | None:
+    return st.session_state.get("_provenance")
+
+
+def reproduce(command: str) -> None:
+    """The "Cite / reproduce" box: the CLI command that makes the same numbers, and their provenance."""
+    with st.expander("Cite / reproduce", icon=":material/format_quote:"):
+        st.caption("The same numbers from the command line (offline for the embedded models):")
+        st.code(command, language="bash")
+        prov = _provenance()
+        if prov:
+            st.caption("Every download of this page carries this provenance:")
+            st.json(prov, expanded=False)
+
+
 def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
     """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data."""
     key = key or name
@@ -312,17 +339,21 @@ def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
     size = cols[6].selectbox("Size", list(sizes), key=f"{key}_size", label_visibility="collapsed",
                              help="Static exports at a paper's column or page width, with 9 pt text.")
     preset = sizes[size]
+    prov = _provenance()  # captured now: the downloads' data is produced later
     for k, fmt in enumerate(["png", "svg", "pdf"]):
-        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset)) if static else b"",
+        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset,
+                                                                               provenance=prov))
+                                if static else b"",
                                 file_name=f"{name}.{fmt}", mime={"png": "image/png", "svg": "image/svg+xml",
                                                                  "pdf": "application/pdf"}[fmt],
                                 key=f"{key}_{fmt}", disabled=not static, on_click="ignore",
                                 help=None if static else plots.STATIC_HINT)
-    cols[3].download_button("HTML", data=lambda: plots.figure_bytes(fig, "html"), file_name=f"{name}.html",
+    cols[3].download_button("HTML", data=lambda: plots.figure_bytes(fig, "html", provenance=prov),
+                            file_name=f"{name}.html",
                             mime="text/html", key=f"{key}_html", on_click="ignore")
     if data is not None:
         fmt = "csv" if hasattr(data, "to_csv") else "json"
-        cols[4].download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt),
+        cols[4].download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt, prov),
                                 file_name=f"{name}.{fmt}", key=f"{key}_data", on_click="ignore")
     if not static:
         cols[5].caption("PNG/SVG/PDF need Chromium")
@@ -330,10 +361,11 @@ def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
 
 def export_table(df, name: str, key: str | None = None, caption: str | None = None) -> None:
     key = key or name
+    prov = _provenance()
     c1, c2, _ = st.columns([1, 1, 4])
-    c1.download_button("CSV", data=lambda: plots.table_bytes(df, "csv"), file_name=f"{name}.csv", mime="text/csv",
-                       key=f"{key}_csv", on_click="ignore")
-    c2.download_button("LaTeX", data=lambda: plots.table_bytes(df, "tex", caption), file_name=f"{name}.tex",
+    c1.download_button("CSV", data=lambda: plots.table_bytes(df, "csv", provenance=prov), file_name=f"{name}.csv",
+                       mime="text/csv", key=f"{key}_csv", on_click="ignore")
+    c2.download_button("LaTeX", data=lambda: plots.table_bytes(df, "tex", caption, prov), file_name=f"{name}.tex",
                        mime="text/x-tex", key=f"{key}_tex", on_click="ignore")
 
 
