@@ -90,6 +90,9 @@ with common.errors_as_messages():
     datasets = sorted(agg[agg.model == model].dataset.unique())
     dataset = c2.selectbox("Dataset", datasets)
     common.set_qp(db=pick)
+    common.set_provenance(results_file=pick, run=run, results_ctxmix_version=runs.set_index("run_id").at[run, "ctxmix_version"],
+                          config_name=cfg.get("name"), model=model, dataset=dataset)
+    common.reproduce(f"python -m ctxmix bench --config configs/{cfg.get('name', run)}.yaml --report")
 
     table = tables.method_table(agg, model, dataset)
     metrics = table.attrs.get("metrics", [])

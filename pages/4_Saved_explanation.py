@@ -26,6 +26,8 @@ with common.errors_as_messages():
     if pv:
         st.caption(f"Made by ctxmix {pv.get('ctxmix_version', '?')} on {pv.get('date', '?')}; weights "
                    f"{str(pv.get('weights_sha256', '?'))[:12]}…; options {ex.options}. This ctxmix: {ctxmix.__version__}.")
+    common.set_provenance(**{**pv, "options": ex.options, "tokens": len(ex.tokens), "methods": ex.methods,
+                             "from_saved_file": up.name, "shown_with_ctxmix": ctxmix.__version__})
     for w in ex.warnings:
         st.warning(w)
     layers = next((v.shape[0] for v in ex.layer_maps.values()), 1)
