@@ -17,7 +17,7 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from .errors import BadInput, checked_arguments
-from .budget import batch_size_for, job_slot
+from .budget import batch_size_for, job_slot, memory_budget
 from .methods import scope_maps_batch
 from .models import Model
 from .ranks import masked_ranks, spearman_from_ranks
@@ -122,6 +122,7 @@ def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None
     if max_waste is None:
         max_waste = 0.3 if torch.device(model.device).type == "cuda" else 0.1
     order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+    budget = memory_budget(model.device) if batch_size is None else None  # read once per plan
     batches: list[list[int]] = []
     start = 0
     while start < len(order):
@@ -129,7 +130,7 @@ def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None
         size, work = 1, lengths[order[start]] ** 2
         while start + size < len(order):
             n = lengths[order[start + size]]
-            cap = batch_size if batch_size is not None else batch_size_for(model, n)
+            cap = batch_size if batch_size is not None else batch_size_for(model, n, budget=budget)
             if size + 1 > cap or (batch_size is None and (size + 1) * n * n > (1 + max_waste) * (work + n * n)):
                 break
             size += 1

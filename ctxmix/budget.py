@@ -83,10 +83,12 @@ def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | No
 
 
 def chunk_elements(device, default: int) -> int:
-    """Elements of the largest temporary of a chunked decomposition: `default` on a CPU (sized to
-    stay near the cache); on CUDA an eighth of the budget in float32 words, so that fewer, larger
-    products keep the GPU busy."""
+    """Elements of the temporaries of one chunk of a decomposition: `default` on a CPU (sized to
+    stay near the cache); on CUDA 1/64 of the card's per-process share in float32 words, so that
+    fewer, larger products keep the GPU busy. Fixed per card, not read from free memory: chunking
+    changes GEMM shapes and so float rounding, and a resumed benchmark must repeat its numbers."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return default
-    return max(default, memory_budget(dev) // (8 * 4))
+    total = torch.cuda.get_device_properties(dev).total_memory
+    return max(default, int(torch.cuda.get_per_process_memory_fraction(dev) * total) // (64 * 4))

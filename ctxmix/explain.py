@@ -150,7 +150,6 @@ def _check_call(res2, position, saliency_options: dict) -> None:
     """explain's options, checked before any work: a wrong value names the argument and what it takes."""
     from .saliency import check_saliency_options
 
-    saliency_options = {k: v for k, v in saliency_options.items() if k != "foil"}
     if res2 not in ("exact", "diagonal"):
         raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
     if position is not None and (isinstance(position, bool) or not isinstance(position, (int, np.integer))):

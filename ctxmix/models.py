@@ -189,7 +189,8 @@ def _file_sha256(path: Path) -> str:
 
 def weights_sha256(model: "Model") -> str:
     """A fingerprint of the weights themselves: the SHA-256 of the model folder's safetensors
-    files (size and mtime as a fast path), or, for a model built in memory, of its tensors. A local
+    files (size and mtime as a fast path), or, for a model built in memory, of its tensors' names,
+    shapes and sums. A local
     folder whose weights change gets a new fingerprint, so no cache serves maps of the old ones."""
     import hashlib
 
@@ -212,10 +213,13 @@ def weights_sha256(model: "Model") -> str:
     if files:
         for f in files:
             h.update(f.name.encode() + _file_sha256(f).encode())
-    else:
+    else:  # built in memory: names, shapes and two sums per tensor, reduced where the tensor lives
+        # (hashing the bytes would copy every weight to the host: gigabytes for a large model on a GPU)
         for name, t in sorted(model.hf.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            if t.is_floating_point():
+                sums = torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
+                h.update(sums.cpu().numpy().tobytes())
     model._weights_sha256 = h.hexdigest()
     return model._weights_sha256
 

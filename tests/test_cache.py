@@ -108,3 +108,14 @@ def test_changed_weights_in_a_local_folder_are_not_served_old_maps(results, toke
     b = cache.cached_explain(m2, "the keys are here", ["norm"])
     assert not np.allclose(a.layer_maps["norm"], b.layer_maps["norm"])  # recomputed with the new weights
     assert b.layer_maps["norm"].shape == a.layer_maps["norm"].shape
+
+
+def test_in_memory_models_are_fingerprinted_by_their_tensors(tokenizer):
+    from ctxmix.models import weights_sha256
+
+    a, b = tiny_model("bert", tokenizer), tiny_model("bert", tokenizer)
+    assert weights_sha256(a) == weights_sha256(b)  # same seed, same weights
+    c = tiny_model("bert", tokenizer)
+    with torch.no_grad():
+        c.hf.classifier.weight[0, 0] += 1.0
+    assert weights_sha256(c) != weights_sha256(a)

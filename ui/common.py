@@ -10,6 +10,7 @@ import hmac
 import math
 import os
 import re
+import threading
 from dataclasses import asdict
 
 import streamlit as st
@@ -239,7 +240,7 @@ def load_or_stop(name: str) -> ctxmix.Model:
 # ---------------------------------------------------------------- corpus jobs
 
 _JOBS = [0]  # corpus jobs running in this server process (module state: shared by every session)
-_JOBS_LOCK = __import__("threading").Lock()
+_JOBS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
