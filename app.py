@@ -31,6 +31,11 @@ chosen_qp = [m for m in common.qp_list("method", default) if m in available] or 
 
 text = st.text_area("Text", value=common.qp_text("text", common.DEFAULT_TEXT), height=80, key="text",
                     help="Special tokens are added by the model's tokenizer.")
+pair = st.text_input("Second text (optional: a sentence pair, as for NLI, QA or paraphrase)",
+                     value=common.qp_text("pair", ""), key="pair",
+                     help="Tokenised together with the text as the model's tokenizer pairs them; BERT-like models "
+                          "read the pair's token types. The page then shows how much each text takes from the other.")
+source = (text, pair) if pair.strip() else text
 methods = st.multiselect("Methods", available, default=chosen_qp, key="methods",
                          format_func=lambda m: f"{m} ({ctxmix.METHODS[m].paper})",
                          help="Context-mixing methods give per-layer maps; their saliency is the target row of the "
@@ -38,13 +43,13 @@ methods = st.multiselect("Methods", available, default=chosen_qp, key="methods",
 if not saliency_methods:
     st.caption("This model has no head, so gradient and blank-out methods are not offered; pick "
                "`minilm-sentiment` or a language model for them.")
-common.set_qp(text=text, method=methods)
+common.set_qp(text=text, pair=pair, method=methods)
 if not methods:
     st.info("Choose at least one method.")
     st.stop()
 
 with common.errors_as_messages():
-    ids, _ = model.encode(text)
+    ids = model.encode_input(source).ids
     lim = common.limits()
     if len(ids) > lim["max_tokens"]:
         st.error(f"The text has {len(ids)} tokens; the limit here is {lim['max_tokens']}.")
@@ -81,12 +86,13 @@ with common.errors_as_messages():
     if heads:
         opts["per_head"] = True
     with st.spinner("Computing (cached per model, text and method)…"):
-        ex = cached_explain(model, text, methods, **opts)
+        ex = cached_explain(model, source, methods, **opts)
 
     for w in ex.warnings:
         st.warning(w)
 
-    common.set_provenance(model=name, weights_sha256=ex.provenance.get("weights_sha256"), text=text, methods=methods,
+    common.set_provenance(model=name, weights_sha256=ex.provenance.get("weights_sha256"), text=text,
+                          **({"text_pair": pair} if pair.strip() else {}), methods=methods,
                           options={k: v for k, v in opts.items()}, target=ex.target, foil=ex.foil, position=ex.position)
     L = model.n_layers
     views.show_explanation(ex, L)
@@ -100,7 +106,7 @@ with common.errors_as_messages():
     if st.toggle("Show the FF paper's scope maps", value=common.qp("scopes", "1") == "1", key="scopes_on"):
         layer_s = st.slider("Layer for the scopes", 1, L, common.qp_int("slayer", L, 1, L), key="slayer")
         common.set_qp(scopes="1", slayer=layer_s)
-        sx = cached_explain(model, text, scopes)
+        sx = cached_explain(model, source, scopes)
         maps = {s: sx.layer_maps[s][layer_s - 1] for s in scopes}
         st.caption("Each cell is the L2 norm of input token j's exact contribution vector to output token i in "
                    "that scope; the FF is split by zero-baseline Integrated Gradients (closed form). Post-LN order "
@@ -118,7 +124,8 @@ with common.errors_as_messages():
 
     import shlex
 
-    cmd = ["python", "-m", "ctxmix", "explain", text, "--model", name, "--method", *methods]
+    cmd = ["python", "-m", "ctxmix", "explain", text, *(["--pair", pair] if pair.strip() else []), "--model", name,
+           "--method", *methods]
     for flag, key in (("--target", "target"), ("--foil", "foil"), ("--position", "position")):
         if key in opts:
             cmd += [flag, str(opts[key])]

@@ -177,7 +177,7 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
     """What the cache keeps of one method's result: shared metadata and its arrays."""
     meta = {"tokens": ex.tokens, "input_ids": ex.input_ids, "prediction": ex.prediction, "position": ex.position,
             "target": ex.target, "foil": ex.foil, "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error,
-            "warnings": ex.warnings}
+            "warnings": ex.warnings, "segments": ex.segments}
     arrays = {"saliency": ex.saliency[m]}
     if m in ex.layer_maps:
         arrays["layer"] = ex.layer_maps[m]
@@ -219,7 +219,7 @@ def _load_method(k: str):
         return None
 
 
-def cached_explain(model: Model, text: str, methods: list[str], disk: bool = True, **options) -> Explanation:
+def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **options) -> Explanation:
     """`explain` with a per-method cache: methods already computed for this (model, text,
     options) come from memory or disk; the rest are computed together in one call."""
     from .methods import check_methods
@@ -252,7 +252,7 @@ def cached_explain(model: Model, text: str, methods: list[str], disk: bool = Tru
     tmeta = next((found[m][0] for m in methods if found[m][0].get("target") is not None), meta)
     out = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=methods,
                       prediction=meta["prediction"], position=meta["position"], target=tmeta["target"],
-                      foil=tmeta.get("foil"),
+                      foil=tmeta.get("foil"), segments=meta.get("segments"),
                       model_name=meta["model_name"], reconstruction_error=meta["reconstruction_error"],
                       warnings=list(meta["warnings"]), options=dict(options), provenance=_provenance(model))
     for m in methods:

@@ -40,7 +40,8 @@ def cmd_explain(args) -> None:
     import ctxmix
 
     m = _load(args)
-    ex = ctxmix.explain(m, args.text, args.method, target=args.target, position=args.position, foil=args.foil,
+    text = args.text if args.pair is None else (args.text, args.pair)
+    ex = ctxmix.explain(m, text, args.method, target=args.target, position=args.position, foil=args.foil,
                         per_head=args.per_head)
     d = ex.to_dict()
     if not args.maps:
@@ -56,6 +57,13 @@ def cmd_explain(args) -> None:
         print(f"wrote {p}")
     else:
         print("tokens:", " ".join(ex.tokens))
+        if args.pair is not None:
+            print("segments:", " ".join(str(s) for s in ex.segments), "(0: text, 1: pair, -1: special)")
+            mix = ctxmix.cross_segment_mixing(ex)
+            if len(mix):
+                last = mix[(mix["map"] == "aggregated") & (mix["layer"] == mix["layer"].max())]
+                print("share of each text's context from the other text (aggregated, last layer):")
+                print(last.drop(columns=["map", "layer"]).to_string(index=False, float_format="{:.3f}".format))
         if ex.prediction:
             print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
         for k, v in ex.saliency.items():
@@ -66,8 +74,9 @@ def cmd_scopes(args) -> None:
     import ctxmix
 
     m = _load(args)
-    maps = ctxmix.scope_maps(m, args.text, res2=args.res2)
-    tokens = m.tokens(m.encode(args.text)[0])
+    text = args.text if args.pair is None else (args.text, args.pair)
+    maps = ctxmix.scope_maps(m, text, res2=args.res2)
+    tokens = m.tokens(m.encode_input(text).ids)
     p = Path(args.out)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.suffix == ".npz":
@@ -153,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="class index/label or target token (gradient methods)")
     s.add_argument("--position", type=int, default=None, help="row used for mixing-method saliency")
     s.add_argument("--foil", default=None, help="a contrasting class or token: explain target minus foil")
+    s.add_argument("--pair", default=None, metavar="TEXT_B",
+                   help="a second text: explain the sentence pair (text, TEXT_B) as the tokenizer pairs them")
     s.add_argument("--per-head", action="store_true", help="also per-head maps (attention, norm)")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
     s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
@@ -163,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("text")
     model_args(s)
     s.add_argument("--res2", choices=["exact", "diagonal"], default="exact")
+    s.add_argument("--pair", default=None, metavar="TEXT_B", help="a second text: scope maps of the sentence pair")
     s.add_argument("--out", required=True, help="output .npz or .json")
     s.set_defaults(func=cmd_scopes)
 
@@ -173,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mask-rate", type=float, default=0.0, help="mask this fraction of tokens (0.12 as the paper)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--res2", choices=["exact", "diagonal"], default="exact")
+    s.add_argument("--pair", default=None, metavar="TEXT_B", help="a second text: scope maps of the sentence pair")
     s.add_argument("--lower-triangle", action="store_true", help="causal models: compare j <= i cells only")
     s.set_defaults(func=cmd_change)
 

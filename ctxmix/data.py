@@ -56,6 +56,7 @@ class LabelledText:
     text: str
     label: int
     label_name: str
+    text_pair: str | None = None  # the second text of a sentence pair (read_labelled's pair_field)
 
 
 # --------------------------------------------------------------------------------------
@@ -456,11 +457,13 @@ def read_labelled(
     text_field: str = "text",
     label_field: str = "label",
     limit: int | None = None,
+    pair_field: str | None = None,
 ) -> list[LabelledText]:
     """Labelled texts from a CSV/TSV (pandas) or JSONL file with text and label columns.
 
     Integer labels are kept as they are; string labels are mapped to 0..k-1 in sorted order
     and kept as ``label_name``.  Rows with empty text are skipped with a warning.
+    pair_field: the column of a sentence pair's second text (rows where it is empty are skipped too).
     """
     limit = _check_limit(limit)
     p = _existing_file(path)
@@ -473,22 +476,24 @@ def read_labelled(
 
     if suffix in _CSV_SUFFIXES:
         frame = _read_table(p)
-        missing = [c for c in (text_field, label_field) if c not in frame.columns]
+        missing = [c for c in (text_field, label_field, pair_field) if c is not None and c not in frame.columns]
         if missing:
             cols = ", ".join(repr(str(c)) for c in frame.columns)
             raise BadInput(f"{p}: no column {', '.join(map(repr, missing))}; columns: {cols}")
         if frame.empty:
             raise BadInput(f"{p}: the file has a header but no rows")
-        for row_no, (text, label) in enumerate(
-            zip(frame[text_field], frame[label_field]), start=2  # line 1 is the header
+        pairs = frame[pair_field] if pair_field else [None] * len(frame)
+        for row_no, (text, label, pair) in enumerate(
+            zip(frame[text_field], frame[label_field], pairs), start=2  # line 1 is the header
         ):
             text = str(text).strip()
-            if not text:
+            pair = None if pair_field is None else ("" if pair is None or pair != pair else str(pair).strip())
+            if not text or pair == "":
                 skipped += 1
                 continue
             if isinstance(label, str) and not label.strip():
                 raise missing_label(f"line {row_no}")
-            rows.append((text, label.item() if hasattr(label, "item") else label))
+            rows.append((text, label.item() if hasattr(label, "item") else label, pair))
             if limit is not None and len(rows) >= limit:
                 break
     elif suffix in _JSONL_SUFFIXES:
@@ -496,7 +501,11 @@ def read_labelled(
             text = _field_of(p, lineno, record, text_field)
             label = _field_of(p, lineno, record, label_field)
             text = "" if text is None else str(text).strip()
-            if not text:
+            pair = None
+            if pair_field is not None:
+                pair = _field_of(p, lineno, record, pair_field)
+                pair = "" if pair is None else str(pair).strip()
+            if not text or pair == "":
                 skipped += 1
                 continue
             if label is None or (isinstance(label, str) and not label.strip()):
@@ -506,7 +515,7 @@ def read_labelled(
                     f"{p}, line {lineno}: label must be a string or an integer, "
                     f"got {type(label).__name__}"
                 )
-            rows.append((text, label))
+            rows.append((text, label, pair))
             if limit is not None and len(rows) >= limit:
                 break
     else:
@@ -518,10 +527,10 @@ def read_labelled(
     _warn_skipped(p, skipped)
     if not rows and limit != 0:
         raise BadInput(f"{p}: no non-empty texts found")
-    labels, names = _labels_to_ints([label for _, label in rows])
+    labels, names = _labels_to_ints([label for _, label, _ in rows])
     return [
-        LabelledText(text=text, label=label, label_name=name)
-        for (text, _), label, name in zip(rows, labels, names)
+        LabelledText(text=text, label=label, label_name=name, text_pair=pair)
+        for (text, _, pair), label, name in zip(rows, labels, names)
     ]
 
 

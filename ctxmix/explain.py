@@ -10,8 +10,8 @@ import torch
 from .errors import BadInput, checked_arguments
 from .methods import (MIXING_METHODS, PER_HEAD_METHODS, check_methods, head_maps_batch, mixing_maps_batch, rollout,
                       scope_layer_maps)
-from .models import Model
-from .trace import Trace, TraceBatch, trace, trace_batch_tensors, trace_ids
+from .models import Encoded, Model, types_from_segments
+from .trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Explanation:
     reconstruction_error: float = 0.0
     warnings: list[str] = field(default_factory=list)
     head_maps: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n, n), with per_head=True
+    segments: list[int] | None = None  # per token: 0 = text A, 1 = text B (of a pair), -1 = special token
     options: dict = field(default_factory=dict)  # res2, precision and the saliency options used
     provenance: dict = field(default_factory=dict)  # ctxmix version, model, dtype, date
 
@@ -56,6 +57,8 @@ class Explanation:
             "methods": self.methods,
             "position": self.position,
             "target": self.target,
+            "foil": self.foil,
+            "segments": self.segments,
             "prediction": self.prediction,
             "reconstruction_error": self.reconstruction_error,
             "warnings": self.warnings,
@@ -95,10 +98,18 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
     return None
 
 
-def explain(model: Model, text: str | None, methods, target=None, *, position: int | None = None,
-            input_ids: list[int] | None = None, res2: str = "exact", precision: str | None = None,
+def explain(model: Model, text, methods, target=None, *, position: int | None = None,
+            input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
+            segments: list[int] | None = None, res2: str = "exact", precision: str | None = None,
             per_head: bool = False, foil=None, **saliency_options) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
+
+    text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
+    them; `Explanation.segments` then says which tokens belong to which text (0 / 1, -1 for special
+    tokens), and every forward pass (trace, gradients, IG, CAT, blank-out) reads the pair's
+    token_type_ids where the model has them. `cross_segment_mixing(ex)` summarises A->B and B->A mixing.
+    input_ids: token ids instead of a text; with `segments=` (and optionally the model's own
+    `token_type_ids=`) they are a pair: see `check_segments` for how one is derived from the other.
 
     target: the class (index or label) for gradient methods on classifiers, or the token id
     for language models; the predicted one by default.
@@ -118,16 +129,67 @@ def explain(model: Model, text: str | None, methods, target=None, *, position: i
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
-    if input_ids is None:
-        if not isinstance(text, str):
-            raise BadInput(f"text must be a string (or give input_ids=), got {type(text).__name__}")
-        tr = trace(model, text)
-    else:
-        tr = trace_ids(model, check_input_ids(model, input_ids))
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
                          saliency_options, per_head)[0]
+
+
+def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
+    """The trace of one text, pair, or id list (with its segments / token types)."""
+    e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
+
+
+def encode_one(model: Model, item, token_type_ids=None, segments=None, ids: bool | None = None) -> Encoded:
+    """A text, a pair (text_a, text_b) or a list of token ids (with optional segments / token
+    types) as an `Encoded`. ids: whether `item` is token ids (None: guess from its type)."""
+    if ids is None:
+        ids = not isinstance(item, (str, tuple))
+    if not ids:
+        if token_type_ids is not None or segments is not None:
+            raise BadInput("token_type_ids and segments go with input_ids; a text or pair is tokenised here")
+        if not isinstance(item, (str, tuple)):
+            raise BadInput(f"text must be a string or a pair (text_a, text_b) (or give input_ids=), "
+                           f"got {type(item).__name__}")
+        return model.encode_input(item)
+    ids_ = check_input_ids(model, item)
+    types, segs = check_segments(model, ids_, token_type_ids, segments)
+    return Encoded(ids_, types, segs, [])
+
+
+def check_segments(model: Model, ids: list[int], token_type_ids=None, segments=None):
+    """(token_type_ids or None, segments) for token ids. segments: 0 / 1 / -1 per token (text A,
+    text B, special). Without segments: -1 at special tokens, else the token type (0 for one text).
+    Without token_type_ids, on a model that reads them, a pair's are derived as BERT's tokenizer
+    makes them (`types_from_segments`)."""
+    n = len(ids)
+
+    def ints(v, name, ok):
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise BadInput(f"{name} must be a list of whole numbers, one per token")
+        v = list(v)
+        if len(v) != n:
+            raise BadInput(f"{name} has {len(v)} entries for {n} tokens")
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) not in ok:
+                raise BadInput(f"{name} entries must be one of {sorted(ok)}, got {x!r}")
+        return [int(x) for x in v]
+
+    if token_type_ids is not None:
+        if not model.uses_token_types:
+            raise BadInput(f"{model.name} reads no token_type_ids; give segments= to mark a pair")
+        token_type_ids = ints(token_type_ids, "token_type_ids", set(range(int(model.config.type_vocab_size))))
+    special = set(model.tokenizer.all_special_ids) - {model.tokenizer.unk_token_id}
+    if segments is None:
+        segments = [-1 if t in special else (0 if token_type_ids is None else min(1, token_type_ids[i]))
+                    for i, t in enumerate(ids)]
+    else:
+        segments = ints(segments, "segments", {-1, 0, 1})
+    if token_type_ids is None and model.uses_token_types and 1 in segments:
+        token_type_ids = types_from_segments(segments)
+    return token_type_ids, segments
 
 
 def check_input_ids(model: Model, input_ids) -> list[int]:
@@ -160,8 +222,10 @@ def _check_call(res2, position, saliency_options: dict) -> None:
 @checked_arguments
 def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
                   methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
-                  per_head: bool = False, foils: list | None = None, **saliency_options) -> list[Explanation]:
-    """`explain` on several texts (strings, or lists of token ids) with one padded forward pass and
+                  per_head: bool = False, foils: list | None = None, token_type_ids: list | None = None,
+                  segments: list | None = None, **saliency_options) -> list[Explanation]:
+    """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
+    optional `token_type_ids` / `segments`, one entry or None per text) with one padded forward pass and
     one batched decomposition for all their mixing methods; the gradient and perturbation methods
     still run per text. targets / positions / foils: one per text (None for the defaults; a foil
     makes the gradient and perturbation methods explain target minus foil, as in `explain`).
@@ -169,22 +233,20 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
     float rounding (tests/test_batched.py)."""
     if isinstance(texts, (str, tuple)) or not texts:
-        raise BadInput("explain_batch takes a non-empty list of texts")
+        raise BadInput("explain_batch takes a non-empty list of texts (a sentence pair is one entry: [(a, b)])")
     methods = check_methods(methods, model.spec.position)
     _check_call(res2, None, saliency_options)
     per = [methods] * len(texts) if methods_per_text is None else [
         [m for m in methods if m in set(ms)] for ms in methods_per_text]
     if len(per) != len(texts):
         raise BadInput("methods_per_text needs one list per text")
-    batch, notes = [], []
-    for t in texts:
-        if isinstance(t, str):
-            ids, note = model.encode(t)
-        else:
-            ids, note = check_input_ids(model, t), []
-        batch.append(ids)
-        notes.append(note)
-    tb = trace_batch_tensors(model, batch, notes)
+    for name, rows in (("token_type_ids", token_type_ids), ("segments", segments)):
+        if rows is not None and len(rows) != len(texts):
+            raise BadInput(f"{name} needs one entry (or None) per text")
+    encs = [encode_one(model, t, None if token_type_ids is None else token_type_ids[k],
+                       None if segments is None else segments[k]) for k, t in enumerate(texts)]
+    tb = trace_batch_tensors(model, [e.ids for e in encs], [e.notes for e in encs],
+                             [e.token_type_ids for e in encs], [e.segments for e in encs])
     targets = [None] * len(texts) if targets is None else list(targets)
     positions = [None] * len(texts) if positions is None else list(positions)
     foils = [None] * len(texts) if foils is None else list(foils)
@@ -231,6 +293,7 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
         pos %= n
         ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
                          model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes),
+                         segments=None if tr.segments is None else list(tr.segments),
                          options={"res2": res2, "precision": precision, **saliency_options},
                          provenance=_provenance(model))
         ex.prediction = prediction_of(model, tr, pos)
@@ -262,17 +325,16 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
 
 
 @checked_arguments
-def scope_maps(model: Model, text: str | None = None, *, input_ids: list[int] | None = None,
-               res2: str = "exact", precision: str | None = None) -> dict[str, np.ndarray]:
+def scope_maps(model: Model, text=None, *, input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
+               segments: list[int] | None = None, res2: str = "exact",
+               precision: str | None = None) -> dict[str, np.ndarray]:
     """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes
     layer l's outputs to layer l's inputs). Post-LN keys Atb, AtbFf, AtbFfRes, AtbFfResLn;
     pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2.
-    precision: see `explain`."""
+    text: one string or a sentence pair (text_a, text_b); precision: see `explain`."""
     from .precision import resolve_precision
 
     precision = resolve_precision(model, precision)
     _check_call(res2, None, {})
-    if input_ids is None and not isinstance(text, str):
-        raise BadInput(f"text must be a string (or give input_ids=), got {type(text).__name__}")
-    tr = trace(model, text) if input_ids is None else trace_ids(model, check_input_ids(model, input_ids))
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
     return scope_layer_maps(tr, res2=res2, precision=precision)

@@ -319,18 +319,20 @@ def attcat_ks(n: int, m: int, levels: int = ATTCAT_LEVELS) -> list[int]:
 
 
 def perturb(ids: Sequence[int], positions: Iterable[int], mode: str, pad_id: int,
-            position: int | None = None) -> tuple[list[int], int | None]:
+            position: int | None = None, types: Sequence[int] | None = None):
     """Delete the ids at `positions` (mode "delete") or overwrite them with `pad_id` ("pad").
-    Returns the new ids and where the explained `position` is now."""
+    Returns the new ids and where the explained `position` is now; with a pair's token_type_ids
+    `types`, also the new types (deleting tokens moves the segment boundary with them)."""
     drop = set(int(p) for p in positions)
     if mode == "pad":
-        return [pad_id if i in drop else t for i, t in enumerate(ids)], position
-    if mode != "delete":
+        new, pos, ty = [pad_id if i in drop else t for i, t in enumerate(ids)], position, types
+    elif mode != "delete":
         raise ValueError("mode must be 'delete' or 'pad'")
-    new = [t for i, t in enumerate(ids) if i not in drop]
-    if position is not None:
-        position = position - sum(1 for p in drop if p < position)
-    return new, position
+    else:
+        new = [t for i, t in enumerate(ids) if i not in drop]
+        ty = None if types is None else [t for i, t in enumerate(types) if i not in drop]
+        pos = None if position is None else position - sum(1 for p in drop if p < position)
+    return (new, pos) if types is None else (new, pos, None if ty is None else list(ty))
 
 
 def pad_token_id(tokenizer) -> int:
@@ -373,9 +375,12 @@ class TargetProbability:
         self.calls = 0  # forward passes, for tests and timing
 
     @torch.no_grad()
-    def __call__(self, seqs: Sequence[Sequence[int]], positions: Sequence[int | None] | None = None) -> np.ndarray:
+    def __call__(self, seqs: Sequence[Sequence[int]], positions: Sequence[int | None] | None = None,
+                 token_type_ids: Sequence[Sequence[int] | None] | None = None) -> np.ndarray:
+        """token_type_ids: one row (or None) per sequence, for sentence pairs on BERT-like models."""
         n = len(seqs)
         positions = list(positions) if positions is not None else [None] * n
+        types = list(token_type_ids) if token_type_ids is not None else [None] * n
         out = np.full(n, np.nan)
         order = sorted(range(n), key=lambda i: len(seqs[i]))
         start = 0
@@ -385,11 +390,12 @@ class TargetProbability:
                    and (stop - start + 1) * max(1, len(seqs[order[stop]])) <= self.max_tokens):
                 stop += 1
             idx = order[start:stop]
-            out[idx] = self._batch([list(seqs[i]) or [self.pad] for i in idx], [positions[i] for i in idx])
+            out[idx] = self._batch([list(seqs[i]) or [self.pad] for i in idx], [positions[i] for i in idx],
+                                   [types[i] if seqs[i] else None for i in idx])
             start = stop
         return out
 
-    def _batch(self, seqs: list[list[int]], positions: list[int | None]) -> np.ndarray:
+    def _batch(self, seqs: list[list[int]], positions: list[int | None], types: list | None = None) -> np.ndarray:
         m = self.model
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
@@ -398,7 +404,8 @@ class TargetProbability:
             ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
             mask[b, : len(s)] = 1
         self.calls += 1
-        logits = m.hf(input_ids=ids.to(m.device), attention_mask=mask.to(m.device)).logits.double()
+        tt = m.type_ids_kwargs(types, width) if types and any(t is not None for t in types) else {}
+        logits = m.hf(input_ids=ids.to(m.device), attention_mask=mask.to(m.device), **tt).logits.double()
         if m.kind != "classifier":
             rows = [len(s) - 1 if p is None or m.kind == "causal_lm" and p >= len(s) else p
                     for s, p in zip(seqs, positions)]
@@ -432,9 +439,11 @@ def _reduce(metric: str, p0: float, ps: np.ndarray) -> float:
 
 def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, np.ndarray],
                      metrics: Iterable[str], protected: set[int] = frozenset(), position: int | None = None,
-                     pad_id: int = 0, p0: float | None = None) -> tuple[dict[str, dict[str, float]], float]:
+                     pad_id: int = 0, p0: float | None = None,
+                     token_type_ids: Sequence[int] | None = None) -> tuple[dict[str, dict[str, float]], float]:
     """Deletion metrics of several methods on one example, every perturbed input predicted in
-    one batched call. `predict(seqs, positions) -> probabilities` (a `TargetProbability`).
+    one batched call. `predict(seqs, positions[, token_type_ids]) -> probabilities` (a `TargetProbability`).
+    token_type_ids: a sentence pair's, deleted along with their tokens.
 
     Returns ({method: {metric: value}}, p0). No deletable token -> NaN.
     """
@@ -445,16 +454,21 @@ def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, 
     index: dict[tuple, int] = {}  # identical perturbed inputs (shared by metrics or methods) run once
     seqs: list[list[int]] = []
     poss: list[int | None] = []
+    typs: list = []
 
-    def slot(seq: list[int], pos: int | None) -> int:
-        key = (tuple(seq), pos)
+    def slot(seq: list[int], pos: int | None, ty=None) -> int:
+        key = (tuple(seq), pos, None if ty is None else tuple(ty))
         if key not in index:
             index[key] = len(seqs)
             seqs.append(seq)
             poss.append(pos)
+            typs.append(ty)
         return index[key]
 
-    orig = slot(ids, position)
+    types = None if token_type_ids is None else list(token_type_ids)
+    if types is not None and len(types) != n:
+        raise BadInput(f"token_type_ids has {len(types)} entries for {n} tokens")
+    orig = slot(ids, position, types)
     slots: dict[tuple[str, str], list[int]] = {}
     for meth, s in saliency.items():
         s = np.asarray(s, dtype=np.float64)
@@ -463,11 +477,11 @@ def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, 
         ranked = ranked_positions(s, deletable)
         for metric in metrics:
             mode, removals = _plan(metric, ranked, n, len(deletable))
-            slots[(meth, metric)] = [slot(*perturb(ids, rem, mode, pad_id, position)) for rem in removals]
+            slots[(meth, metric)] = [slot(*perturb(ids, rem, mode, pad_id, position, types)) for rem in removals]
     if p0 is not None and len(seqs) == 1:
         probs = np.array([p0])
     else:
-        probs = predict(seqs, poss)
+        probs = predict(seqs, poss) if types is None else predict(seqs, poss, typs)
     if p0 is None:
         p0 = float(probs[orig])
     out: dict[str, dict[str, float]] = {meth: {} for meth in saliency}

@@ -132,15 +132,7 @@ class Model:
     def encode(self, text: str) -> tuple[list[int], list[str]]:
         """Token ids with the model's special tokens; truncated to `max_length` with a warning.
         Returns (ids, warnings)."""
-        if not isinstance(text, str):
-            raise BadInput(f"the text must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise BadInput("the text is empty: give at least one word")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
-                           f"position {e.start}") from None
+        self.encode_check(text)
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         notes = []
         special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
@@ -158,6 +150,92 @@ class Model:
 
     def tokens(self, ids: list[int]) -> list[str]:
         return list(self.tokenizer.convert_ids_to_tokens(ids))
+
+    @property
+    def uses_token_types(self) -> bool:
+        """Whether the model reads token_type_ids (BERT-style segment embeddings of 2+ types).
+        GPT-2 also accepts them but adds word embeddings of them, so the tokenizer decides."""
+        return ("token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
+                and int(getattr(self.config, "type_vocab_size", 0) or 0) > 1)
+
+    def type_ids_kwargs(self, rows, width: int | None = None, batch: int | None = None) -> dict:
+        """{"token_type_ids": (B, width) long tensor on the device} for a forward pass, right-padded
+        with 0; {} when the model reads none or no row has any (then the model's default of zeros
+        applies). rows: one list (or None) per sequence; `batch` repeats a single row."""
+        if not self.uses_token_types or rows is None or all(r is None for r in rows):
+            return {}
+        width = width or max(len(r) for r in rows if r is not None)
+        t = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            if r is not None:
+                t[b, : len(r)] = torch.tensor(list(r)[:width], dtype=torch.long)
+        if batch is not None and len(rows) == 1:
+            t = t.expand(batch, -1)
+        return {"token_type_ids": t.to(self.device)}
+
+    def encode_input(self, text) -> "Encoded":
+        """One text or a sentence pair (text_a, text_b), tokenised as the model's tokenizer pairs
+        them (truncated longest-first to `max_length`, with a note). Returns the ids, the
+        token_type_ids the model reads (None for one text or a model without them) and the
+        segments: 0 / 1 for the tokens of text A / B, -1 for special tokens."""
+        if isinstance(text, str):
+            ids, notes = self.encode(text)
+            special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+            return Encoded(ids, None, [-1 if i in special else 0 for i in ids], notes)
+        if not isinstance(text, (tuple, list)) or len(text) != 2:
+            raise BadInput(f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
+                           + (f" of {len(text)}" if isinstance(text, (tuple, list)) else ""))
+        a, b = text
+        for name, t in (("first", a), ("second", b)):
+            if not isinstance(t, str) or not t.strip():
+                raise BadInput(f"the {name} text of the pair must be a non-empty string")
+            self.encode_check(t)
+        enc = self.tokenizer(a, b, add_special_tokens=True)
+        notes = []
+        if len(enc["input_ids"]) > self.max_length:
+            notes.append(f"the pair has {len(enc['input_ids'])} tokens; truncated (longest text first) to the "
+                         f"model's maximum of {self.max_length}")
+            warnings.warn(notes[-1], stacklevel=3)
+            enc = self.tokenizer(a, b, add_special_tokens=True, truncation="longest_first", max_length=self.max_length)
+        ids = list(enc["input_ids"])
+        try:
+            seq = enc.sequence_ids()
+        except (ValueError, AttributeError):  # a tokenizer without the Rust backend's alignment
+            raise BadInput(f"{self.name}'s tokenizer cannot say which token belongs to which text "
+                           "(no fast tokenizer); sentence pairs need one") from None
+        segments = [-1 if s is None else int(s) for s in seq]
+        types = list(enc["token_type_ids"]) if self.uses_token_types and "token_type_ids" in enc else None
+        return Encoded(ids, types, segments, notes)
+
+    def encode_check(self, text: str) -> None:
+        """The checks `encode` makes on a text (a string, not blank, valid Unicode)."""
+        if not isinstance(text, str):
+            raise BadInput(f"the text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise BadInput("the text is empty: give at least one word")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
+                           f"position {e.start}") from None
+
+
+@dataclass
+class Encoded:
+    """A tokenised input: ids, the token_type_ids the model reads (or None), segments (0 = text A,
+    1 = text B, -1 = special token) and notes (truncation, unknown words)."""
+
+    ids: list[int]
+    token_type_ids: list[int] | None
+    segments: list[int]
+    notes: list[str]
+
+
+def types_from_segments(segments: list[int]) -> list[int]:
+    """BERT's token_type_ids for a pair from its segments: 0 up to the first token of text B, 1
+    from there on (so [CLS] and the first [SEP] get 0, the last [SEP] 1, as BERT's tokenizer does)."""
+    first_b = next((i for i, s in enumerate(segments) if s == 1), len(segments))
+    return [0 if i < first_b else 1 for i in range(len(segments))]
 
 
 def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:

@@ -160,6 +160,26 @@ def grouped_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> g
     return _layout(fig, title, height=360)
 
 
+def cross_mixing_figure(df: pd.DataFrame, title: str = "") -> go.Figure:
+    """A sentence pair's A→B and B→A mixing (`ctxmix.pairs.cross_segment_mixing`): per layer, the
+    share of a text's context that comes from the other text; one panel per map (each layer's own,
+    aggregated), one colour per method, solid A→B, dotted B→A."""
+    views = [v for v in ("layer", "aggregated") if v in set(df["map"])]
+    fig = make_subplots(rows=1, cols=len(views), shared_yaxes=True,
+                        subplot_titles=[{"layer": "each layer's map", "aggregated": "aggregated up to the layer"}[v]
+                                        for v in views])
+    for k, m in enumerate(dict.fromkeys(df["method"])):
+        for c, v in enumerate(views):
+            for d, dash in (("A→B", "solid"), ("B→A", "dot")):
+                sel = df[(df["method"] == m) & (df["map"] == v) & (df["direction"] == d)]
+                fig.add_trace(go.Scatter(x=sel["layer"], y=sel["other"], mode="lines+markers", name=f"{m} {d}",
+                                         legendgroup=m, showlegend=c == 0,
+                                         line=dict(color=OKABE_ITO[k % len(OKABE_ITO)], dash=dash)), 1, c + 1)
+            fig.update_xaxes(title="layer", dtick=1, row=1, col=c + 1)
+    fig.update_yaxes(title="share from the other text", rangemode="tozero", row=1, col=1)
+    return _layout(fig, title, height=360)
+
+
 def res2_figure(df: pd.DataFrame) -> go.Figure:
     """Mean norm of the FF output and of the vector RES2 bypasses, per layer (FF paper Fig. 7)."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])

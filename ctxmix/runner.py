@@ -145,6 +145,8 @@ class Plan:
         """Hash of what changes per-unit results (not the lists of models, datasets, methods, limits)."""
         # no effect on results (example_batch moves them by float rounding only; a run keeps its own)
         opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads", "example_batch")}
+        if opts.get("token_type_ids", True) is True:  # the default keeps the hashes of configs made before it
+            opts.pop("token_type_ids", None)
         keep = {"kind": self.kind, "metrics": sorted(self.metrics), "target": self.target, "explain": self.explain,
                 "options": opts}
         return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -231,7 +233,7 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     allowed = {"sample", "sample_seed", "min_tokens"} | {
         "pang_lee": set(),
         "agreement": {"per_phenomenon", "seed", "phenomena"},
-        "file": {"path", "text_field", "label_field"},
+        "file": {"path", "text_field", "label_field", "text_pair_field"},
         "hf": {"path", "name", "split", "text_field", "text_pair_field", "label_field", "label_reduce"},
         "blimp": {"subsets", "split", "per_subset"},
         "linzen_goldberg": {"path"},
@@ -290,7 +292,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     errors: list[str] = []
     known = {"name", "description", "kind", "models", "datasets", "runs", "methods", "metrics", "target",
              "explain", "options", "paper", "batch_size", "min_tokens", "seed", "mask_rate", "lower_triangle",
-             "device", "dtype", "threads", "example_batch"}
+             "device", "dtype", "threads", "example_batch", "token_type_ids"}
     unknown = sorted(set(raw) - known)
     if unknown:
         errors.append(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -404,7 +406,11 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     options = {"batch_size": raw.get("batch_size", 32), "min_tokens": raw.get("min_tokens", 0),
                "seed": raw.get("seed", 0), "mask_rate": raw.get("mask_rate", 0.0),
                "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads"),
-               "example_batch": raw.get("example_batch", EXAMPLE_BATCH)}
+               "example_batch": raw.get("example_batch", EXAMPLE_BATCH),
+               "token_type_ids": raw.get("token_type_ids", True)}
+    if not isinstance(options["token_type_ids"], bool):
+        errors.append("token_type_ids must be true (sentence pairs reach the model with their token types, the "
+                      "default) or false (pairs run without them, as the AttCAT code does)")
     if options["threads"] is not None and (isinstance(options["threads"], bool) or not isinstance(options["threads"], int)
                                            or options["threads"] < 1):
         errors.append("threads must be a positive integer")
@@ -644,13 +650,17 @@ def load_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            if o.get("label_field", "label") is None and o.get("text_pair_field"):
+                raise BadInput(f"dataset {spec.id!r}: a text_pair_field needs a label_field (pairs are read as "
+                               "labelled rows)")
             if o.get("label_field", "label") is None:
                 texts = data.read_texts(o["path"], field=o.get("text_field", "text"))
                 exs = [Example(id=f"{i:06d}", text=t) for i, t in enumerate(texts)]
             else:
-                rows = data.read_labelled(o["path"], o.get("text_field", "text"), o.get("label_field", "label"))
-                exs = [Example(id=f"{i:06d}", text=r.text, label=r.label, label_name=r.label_name)
-                       for i, r in enumerate(rows)]
+                rows = data.read_labelled(o["path"], o.get("text_field", "text"), o.get("label_field", "label"),
+                                          pair_field=o.get("text_pair_field"))
+                exs = [Example(id=f"{i:06d}", text=r.text, label=r.label, label_name=r.label_name,
+                               text_pair=r.text_pair) for i, r in enumerate(rows)]
         for w in caught:  # ctxmix.data reports the empty records it skipped in a warning
             mm = re.search(r"skipped (\d+) empty record", str(w.message))
             if mm:
@@ -735,46 +745,52 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
     return ok, na
 
 
-def _encode_example(model, ex: dict, options: dict):
-    """(ids, position, cues, target, foil, reason_skipped)."""
+def _encode_example(model, ex: dict, options: dict) -> dict:
+    """{ids, position, cues, target, foil, why (reason skipped or None), types, segments}. A pair
+    is tokenised as the tokenizer pairs it; its token_type_ids reach every forward pass unless
+    the config says `token_type_ids: false` (the AttCAT code runs its pairs without them)."""
     from .explain import default_position
 
+    out = {"ids": None, "position": None, "cues": None, "target": None, "foil": None, "why": None, "types": None,
+           "segments": None}
     if ex.get("item"):
         from .agreement import AgreementItem
 
         it = AgreementItem.from_dict(ex["item"])
         enc = it.encode(model.tokenizer, causal=model.spec.causal, max_length=model.max_length)
         if isinstance(enc, str):
-            return None, None, None, None, None, enc
-        target = enc.target_id if model.kind in ("masked_lm", "causal_lm") else None
-        foil = enc.foil_id if model.kind in ("masked_lm", "causal_lm") else None
-        return enc.input_ids, enc.position, enc.cues or None, target, foil, None
-    if ex.get("text_pair"):
-        ids = list(model.tokenizer(ex["text"], ex["text_pair"], truncation=True, max_length=model.max_length)["input_ids"])
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ids, _ = model.encode(ex["text"])
-    return ids, default_position(model, ids), None, None, None, None
+            return {**out, "why": enc}
+        lm = model.kind in ("masked_lm", "causal_lm")
+        return {**out, "ids": enc.input_ids, "position": enc.position, "cues": enc.cues or None,
+                "target": enc.target_id if lm else None, "foil": enc.foil_id if lm else None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = model.encode_input((ex["text"], ex["text_pair"]) if ex.get("text_pair") else ex["text"])
+    types = e.token_type_ids
+    if types is not None and not options.get("token_type_ids", True):
+        types = [0] * len(e.ids)  # all one type, as a model called without them reads them
+    return {**out, "ids": e.ids, "position": default_position(model, e.ids), "types": types, "segments": e.segments}
 
 
-def _logits(model, ids: list[int]):
+def _logits(model, ids: list[int], types: list[int] | None = None):
     import torch
 
     with torch.no_grad():
         x = torch.tensor([ids], device=model.device)
-        return model.hf(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].double()
+        return model.hf(input_ids=x, attention_mask=torch.ones_like(x),
+                        **model.type_ids_kwargs([types])).logits[0].double()
 
 
-def _resolve_target(model, ids, position, ex: dict, target_mode: str, lm_target: int | None) -> tuple[int, str]:
+def _resolve_target(model, ids, position, ex: dict, target_mode: str, lm_target: int | None,
+                    types: list[int] | None = None) -> tuple[int, str]:
     if model.kind == "classifier":
         if target_mode == "gold" and ex.get("label") is not None:
             return int(ex["label"]), "gold"
         note = "predicted" if target_mode == "predicted" else "predicted (no gold label)"
-        return int(_logits(model, ids).reshape(-1).argmax()), note
+        return int(_logits(model, ids, types).reshape(-1).argmax()), note
     if lm_target is not None:
         return int(lm_target), "gold"
-    return int(_logits(model, ids)[position].argmax()), "predicted"
+    return int(_logits(model, ids, types)[position].argmax()), "predicted"
 
 
 def _example_seed(seed: int, *parts) -> int:
@@ -846,6 +862,8 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
             got = explain_batch(model, [preps[k]["ids"] for k in members], union,
                                 targets=[preps[k].get("target") for k in members],
                                 positions=[preps[k]["position"] for k in members],
+                                token_type_ids=[preps[k].get("types") for k in members],
+                                segments=[preps[k].get("segments") for k in members],
                                 methods_per_text=[preps[k]["explain_methods"] for k in members], **opts)
         exos = dict(zip(members, got))
     out: list[dict | None] = []
@@ -863,13 +881,15 @@ def _prepare_example(model, task: dict) -> dict:
     """Encode one example and decide what it needs: {"ids": None, "result": skipped} or ids,
     position, target, the methods explain must compute and the rest `_finish_example` needs."""
     ex = task["example"]
-    ids, position, cues, lm_target, foil, why = _encode_example(model, ex, task["options"])
+    enc = _encode_example(model, ex, task["options"])
+    ids, position, cues, lm_target, foil, why = (enc[k] for k in ("ids", "position", "cues", "target", "foil", "why"))
+    types, segments = enc["types"], enc["segments"]
     if why is None and len(ids) < task["options"].get("min_tokens", 0):
         why = f"fewer than {task['options']['min_tokens']} tokens"
     if why is not None:
         return {"ids": None, "result": {"status": "skipped", "reason": why}}
     if not task["methods"]:  # fills its batch only
-        return {"ids": ids, "position": position, "explain_methods": []}
+        return {"ids": ids, "position": position, "explain_methods": [], "types": types, "segments": segments}
     from .metrics import get_metric
     from . import METHODS
 
@@ -881,13 +901,14 @@ def _prepare_example(model, task: dict) -> dict:
     compute = list(dict.fromkeys(ok + [r for r in ref_ok if r not in ok]))
     has_head = model.kind != "encoder"
     target, target_note = (None, "none (no head)") if not has_head else _resolve_target(
-        model, ids, position, ex, task["target"], lm_target)
+        model, ids, position, ex, task["target"], lm_target, types)
     explain_methods = [m for m in compute if m in METHODS]
     for m in compute:
         explain_methods += [b for b in _DERIVED_BASES.get(m, []) if b not in explain_methods]
     return {"ids": ids, "position": position, "cues": cues, "foil": foil, "ok": ok, "na": na, "metrics": metrics,
             "refs_needed": refs_needed, "have": have, "ref_na": ref_na, "compute": compute, "has_head": has_head,
-            "target": target, "target_note": target_note, "explain_methods": explain_methods}
+            "target": target, "target_note": target_note, "explain_methods": explain_methods, "types": types,
+            "segments": segments}
 
 
 def _finish_example(model, task: dict, p: dict, exo) -> dict:
@@ -920,7 +941,7 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
         predict = TargetProbability(model, target, batch_size=task["options"].get("batch_size", 32))
         dm, p0 = deletion_metrics(predict, ids, {m: saliency[m] for m in ok}, del_metrics,
                                   protected=protected_positions(model, ids, position), position=position,
-                                  pad_id=pad_token_id(model.tokenizer))
+                                  pad_id=pad_token_id(model.tokenizer), token_type_ids=p.get("types"))
         for m, vals in dm.items():
             scores[m] += [(k, -1, v) for k, v in vals.items()]
     cue_metrics = [x.name for x in metrics if x.name in CUE_METRICS]
@@ -959,10 +980,11 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
 
     comps = comparisons(model)
     out: list[dict | None] = [None] * len(tasks)
-    members, batch = [], []
+    members, batch, types = [], [], []
     for k, task in enumerate(tasks):
         ex = task["example"]
-        ids, _, _, _, _, why = _encode_example(model, ex, task["options"])
+        enc = _encode_example(model, ex, task["options"])
+        ids, why = enc["ids"], enc["why"]
         if why is None and len(ids) < task["options"].get("min_tokens", 0):
             why = f"fewer than {task['options']['min_tokens']} tokens"
         if why is not None:
@@ -974,11 +996,12 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
             ids = mask_tokens(model, ids, rate, random.Random(_example_seed(task["seed"], task["dataset"], ex["id"])))
         members.append(k)
         batch.append(ids)
+        types.append(enc["types"])
     if not members:
         return out
     lower = bool(tasks[0]["options"].get("lower_triangle"))
     with torch.no_grad():
-        tb = trace_batch_tensors(model, batch)
+        tb = trace_batch_tensors(model, batch, token_type_ids=types)
         maps = scope_maps_batch(tb, next_ln=model.spec.position == "pre")
         mask = tb.mask
         valid = mask[:, :, None] & mask[:, None, :]

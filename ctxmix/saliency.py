@@ -3,7 +3,9 @@
 The target scalar is the softmax probability of the target class (classifiers) or of the
 target token at `position` (language models), as the ALTI and GlobEnc code use; CAT and
 AttCAT use the logit, as the AttCAT code does. Gradients are taken with respect to the word
-embeddings (`get_input_embeddings()`), so position and segment embeddings stay fixed.
+embeddings (`get_input_embeddings()`), so position and segment embeddings stay fixed. Every
+forward pass reads the sequence's token_type_ids (`Trace.type_ids_kwargs`), so a sentence pair
+is explained as the model reads it.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ def _embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
     return model.hf.get_input_embeddings()(ids)
 
 
-def _forward_embeds(model: Model, E: torch.Tensor, **kw):
-    mask = torch.ones(E.shape[:2], dtype=torch.long, device=E.device)
-    return model.hf(inputs_embeds=E, attention_mask=mask, **kw)
+def _forward_embeds(model: Model, tr: Trace, E: torch.Tensor, mask: torch.Tensor | None = None, **kw):
+    """The model on word embeddings E (b, n, d) of `tr`'s sequence, with its token_type_ids."""
+    mask = torch.ones(E.shape[:2], dtype=torch.long, device=E.device) if mask is None else mask
+    return model.hf(inputs_embeds=E, attention_mask=mask, **tr.type_ids_kwargs(batch=E.shape[0]), **kw)
 
 
 IG_BASELINES = ("pad", "mask", "unk", "zero")
@@ -111,7 +114,7 @@ def _gradients(model: Model, tr: Trace, target: int, position: int) -> tuple[tor
     ids = torch.tensor([tr.input_ids], device=model.device)
     with torch.enable_grad():
         E = _embed(model, ids).detach().requires_grad_(True)
-        p = _score(model, _forward_embeds(model, E).logits, target, position)
+        p = _score(model, _forward_embeds(model, tr, E).logits, target, position)
         (g,) = torch.autograd.grad(p.sum(), E)
     return g[0], E[0].detach()
 
@@ -145,7 +148,7 @@ def integrated_gradients(model: Model, tr: Trace, target: int, position: int, ba
         B = _embed(model, torch.tensor([_baseline_ids(model, tr.input_ids, baseline)], device=model.device)).detach()
 
     def f(x):
-        return _score(model, _forward_embeds(model, x).logits, target, position).to(x.dtype)
+        return _score(model, _forward_embeds(model, tr, x).logits, target, position).to(x.dtype)
 
     if internal_batch_size is None:
         internal_batch_size = ig_batch_size(model, len(tr.input_ids), n_steps)
@@ -168,13 +171,15 @@ def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: 
     ids = torch.tensor(tr.input_ids, device=model.device)
     n = len(ids)
     mask = torch.ones(1, n, dtype=torch.long, device=model.device)
-    p0 = _score(model, model.hf(input_ids=ids[None], attention_mask=mask).logits, target, position)[0]
+    p0 = _score(model, model.hf(input_ids=ids[None], attention_mask=mask, **tr.type_ids_kwargs()).logits,
+                target, position)[0]
     out = []
     for s in range(0, n, batch):
         js = torch.arange(s, min(n, s + batch), device=model.device)
         X = ids.repeat(len(js), 1)
         X[torch.arange(len(js)), js] = rep
-        out.append(p0 - _score(model, model.hf(input_ids=X, attention_mask=mask.expand(len(js), -1)).logits, target, position))
+        logits = model.hf(input_ids=X, attention_mask=mask.expand(len(js), -1), **tr.type_ids_kwargs(batch=len(js))).logits
+        out.append(p0 - _score(model, logits, target, position))
     return torch.cat(out).double().cpu().numpy()
 
 
@@ -194,7 +199,7 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int,
             mask = keep.long()
     with torch.enable_grad():
         E = _embed(model, ids).detach().requires_grad_(True)
-        out = model.hf(inputs_embeds=E, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        out = _forward_embeds(model, tr, E, mask, output_hidden_states=True, output_attentions=True)
         hs = list(out.hidden_states[: model.n_layers])
         y = _score(model, out.logits, target, position, prob=False).sum()
         grads = torch.autograd.grad(y, hs, allow_unused=True)

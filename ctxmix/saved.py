@@ -23,7 +23,7 @@ KINDS = ("layer", "global", "saliency", "head")
 def _arrays(ex: Explanation, half: bool) -> dict:
     meta = {"format": FORMAT, "version": VERSION, "tokens": ex.tokens, "input_ids": ex.input_ids,
             "methods": ex.methods, "prediction": ex.prediction, "position": ex.position, "target": ex.target,
-            "foil": ex.foil,
+            "foil": ex.foil, "segments": ex.segments,
             "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error, "warnings": ex.warnings,
             "options": ex.options, "provenance": ex.provenance, "maps_dtype": "float16" if half else "float64"}
     arrays = {"meta": np.array(json.dumps(meta, default=str))}
@@ -94,8 +94,12 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
                      prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"], foil=meta.get("foil"),
                      model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
                      warnings=list(meta["warnings"]), options=dict(meta.get("options") or {}),
-                     provenance=dict(meta.get("provenance") or {}))
+                     provenance=dict(meta.get("provenance") or {}), segments=meta.get("segments"))
     n = len(ex.tokens)
+    segs = ex.segments
+    if segs is not None and (not isinstance(segs, list) or len(segs) != n
+                             or any(isinstance(v, bool) or v not in (-1, 0, 1) for v in segs)):
+        raise BadInput(f"{label} has segments that do not fit its {n} tokens")
     for key, a in arrays.items():
         kind, _, m = key.partition("/")
         if kind not in KINDS or not m:

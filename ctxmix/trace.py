@@ -29,10 +29,16 @@ class Trace:
     logits: torch.Tensor | None  # (n, vocab) or (n_labels,) or None
     reconstruction_error: float
     notes: list[str] = field(default_factory=list)
+    token_type_ids: list[int] | None = None  # what the model read (sentence pairs on BERT-like models)
+    segments: list[int] | None = None  # 0 / 1: text A / B of a pair; -1: special token
 
     @property
     def n(self) -> int:
         return len(self.input_ids)
+
+    def type_ids_kwargs(self, batch: int | None = None) -> dict:
+        """The token_type_ids keyword of every forward pass on this sequence (or {})."""
+        return self.model.type_ids_kwargs([self.token_type_ids], batch=batch)
 
 
 @dataclass
@@ -49,6 +55,8 @@ class TraceBatch:
     notes: list[list[str]] = field(default_factory=list)
     ids: torch.Tensor | None = None  # (B, n) padded input ids on the device
     _mask: torch.Tensor | None = None
+    token_type_ids: list | None = None  # per sequence: a list or None
+    segments: list | None = None  # per sequence: a list or None
 
     @property
     def B(self) -> int:
@@ -79,7 +87,9 @@ class TraceBatch:
         return Trace(model=self.model, input_ids=list(self.input_ids[b]), tokens=self.model.tokens(self.input_ids[b]),
                      hidden=hidden, states=states, logits=lg,
                      reconstruction_error=float(self.errors[b]) if error is None else error,
-                     notes=list(self.notes[b]) if self.notes else [])
+                     notes=list(self.notes[b]) if self.notes else [],
+                     token_type_ids=(self.token_type_ids or [None] * self.B)[b],
+                     segments=(self.segments or [None] * self.B)[b])
 
     @classmethod
     def of(cls, tr: "Trace | TraceBatch") -> "TraceBatch":
@@ -91,7 +101,8 @@ class TraceBatch:
         dev = tr.states[0].x.device
         return cls(model=tr.model, input_ids=[list(tr.input_ids)], states=[st.as_batch() for st in tr.states],
                    logits=lg, errors=err, notes=[list(tr.notes)], ids=torch.tensor([tr.input_ids], device=dev),
-                   _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev))
+                   _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev), token_type_ids=[tr.token_type_ids],
+                   segments=[tr.segments])
 
 
 def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mask: torch.Tensor | None):
@@ -116,8 +127,8 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
     return states, err
 
 
-def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor):
-    out = model.hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict):
+    out = model.hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
     if out.attentions is None or any(a is None for a in out.attentions):
         raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
     return out
@@ -129,20 +140,30 @@ def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None) -> Trace:
-    """Run the model once on one unpadded sequence and rebuild every layer from its weights."""
+def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None,
+              token_type_ids: list[int] | None = None, segments: list[int] | None = None) -> Trace:
+    """Run the model once on one unpadded sequence and rebuild every layer from its weights.
+    token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given."""
     ids = torch.tensor([input_ids], device=model.device)
-    out = _forward(model, ids, torch.ones_like(ids))
+    _check_rows(input_ids, token_type_ids, segments)
+    out = _forward(model, ids, torch.ones_like(ids), model.type_ids_kwargs([token_type_ids]))
     logits = getattr(out, "logits", None)
     hs = [_activations(model, h[0]) for h in out.hidden_states]
     states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
     return Trace(model=model, input_ids=list(input_ids), tokens=model.tokens(input_ids), hidden=hs[:-1] + [states[-1].y],
                  states=states, logits=None if logits is None else logits[0], reconstruction_error=float(err),
-                 notes=list(notes or []))
+                 notes=list(notes or []), token_type_ids=token_type_ids, segments=segments)
+
+
+def _check_rows(ids: list[int], *rows) -> None:
+    for r in rows:
+        if r is not None and len(r) != len(ids):
+            raise ValueError(f"token_type_ids / segments of length {len(r)} for {len(ids)} tokens")
 
 
 @torch.no_grad()
-def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> TraceBatch:
+def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None,
+                        token_type_ids: list | None = None, segments: list | None = None) -> TraceBatch:
     """Trace B sequences with one padded forward pass (right padding, masked keys) and rebuild
     every layer for the whole batch at once. Masked keys get exactly zero attention, so each
     sequence's states equal its unpadded trace up to float rounding (tests check every family)."""
@@ -154,12 +175,20 @@ def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[s
     ids = torch.tensor([list(seq) + [pad] * (n_max - len(seq)) for seq in batch], dtype=torch.long, device=model.device)
     lens = torch.tensor([len(seq) for seq in batch], device=model.device)
     mask = torch.arange(n_max, device=model.device)[None] < lens[:, None]
-    out = _forward(model, ids, mask.long())
+    for rows in (token_type_ids, segments):
+        if rows is not None:
+            if len(rows) != len(batch):
+                raise ValueError("token_type_ids / segments need one entry (or None) per sequence")
+            for seq, r in zip(batch, rows):
+                _check_rows(seq, r)
+    out = _forward(model, ids, mask.long(), model.type_ids_kwargs(token_type_ids, n_max) if token_type_ids else {})
     logits = getattr(out, "logits", None)
     states, err = _rebuild(model, [_activations(model, h) for h in out.hidden_states],
                            [_activations(model, a) for a in out.attentions], mask)
     return TraceBatch(model=model, input_ids=[list(s) for s in batch], states=states, logits=logits, errors=err,
-                      notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask)
+                      notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask,
+                      token_type_ids=None if token_type_ids is None else list(token_type_ids),
+                      segments=None if segments is None else list(segments))
 
 
 def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:
@@ -178,7 +207,8 @@ def iter_trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]
         yield tb.trace(b, errs[b])
 
 
-def trace(model: Model, text: str) -> Trace:
-    """Tokenise (special tokens included, truncated to the model's limit with a warning) and trace."""
-    ids, notes = model.encode(text)
-    return trace_ids(model, ids, notes)
+def trace(model: Model, text) -> Trace:
+    """Tokenise one text or a pair (text_a, text_b) (special tokens included, truncated to the
+    model's limit with a warning) and trace."""
+    e = model.encode_input(text)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)

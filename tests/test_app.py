@@ -287,3 +287,25 @@ def test_cite_and_reproduce_box_gives_a_working_command():
     args = build_parser().parse_args(shlex.split(cmd)[3:])
     assert args.text == "A dog barked ." and args.method == ["alti", "norm"] and args.position == 1
     assert args.out == "explanation.npz"
+
+
+def test_second_text_box_makes_a_pair():
+    """A second text turns the example into a sentence pair: the A→B / B→A section appears, its
+    table's shares come from the pair's explanation, and the link and the CLI call carry the pair."""
+    import shlex
+
+    from ctxmix.cli import build_parser
+
+    at = _run("app.py", method=["alti"], text="A man eats .")
+    assert not any("Sentence pair" in h.value for h in at.subheader)
+    at.text_input(key="pair").set_value("Someone is eating food .")
+    at.run()
+    assert not at.exception
+    assert any("Sentence pair" in h.value for h in at.subheader)
+    assert at.query_params["pair"] in ("Someone is eating food .", ["Someone is eating food ."])
+    table = at.dataframe[-1].value
+    assert {"A→B other", "B→A other", "A→B special"} <= set(table.columns)
+    assert ((table["A→B other"] > 0) & (table["A→B other"] < 1)).all()
+    cmd = next(c.value for c in at.code if "ctxmix explain" in c.value)
+    args = build_parser().parse_args(shlex.split(cmd)[3:])
+    assert args.text == "A man eats ." and args.pair == "Someone is eating food ."

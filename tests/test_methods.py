@@ -254,11 +254,13 @@ def test_integrated_gradients_completeness(tokenizer):
     from captum.attr import IntegratedGradients
 
     from ctxmix.saliency import _baseline_ids, _embed, _forward_embeds, _score
+    from ctxmix.trace import trace_ids
 
     m = tiny_model("bert", tokenizer)
+    tr = trace_ids(m, IDS)
     E = _embed(m, torch.tensor([IDS]))
     B = _embed(m, torch.tensor([_baseline_ids(m, IDS, "pad")]))
-    f = lambda x: _score(m, _forward_embeds(m, x).logits, 0, 0)  # noqa: E731
+    f = lambda x: _score(m, _forward_embeds(m, tr, x).logits, 0, 0)  # noqa: E731
     _, delta = IntegratedGradients(f).attribute(E, baselines=B, n_steps=64, return_convergence_delta=True)
     assert abs(float(delta)) < 1e-6
 

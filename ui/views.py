@@ -8,6 +8,7 @@ import streamlit as st
 
 from ctxmix import plots
 from ctxmix.methods import MIXING_METHODS
+from ctxmix.pairs import cross_segment_mixing
 from ui import common
 
 
@@ -69,3 +70,22 @@ def show_explanation(ex, layers: int) -> None:
             zh = plots.color_range(ex.head_maps[mm]) if same else None
             common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}", zmax=zh),
                         f"{mm}_layer{layer}_head{head}", data={"tokens": ex.tokens, "map": hm})
+
+    if ex.segments and {0, 1} <= set(ex.segments) and map_methods:
+        show_pair_mixing(ex)
+
+
+def show_pair_mixing(ex) -> None:
+    st.subheader("Sentence pair: how much each text takes from the other")
+    st.caption("Each map's rows normalised to sum to one over tokens; A→B is the share of text B's tokens' "
+               "context that comes from text A, B→A the reverse. Special tokens belong to neither text: their "
+               "share is the column 'special'. Per layer (each layer's own map) and aggregated up to the layer.")
+    df = cross_segment_mixing(ex)
+    common.plot(plots.cross_mixing_figure(df), "pair_mixing", data=df)
+    view = st.radio("Table", ["aggregated", "layer"], horizontal=True, key="pair_table",
+                    format_func=lambda v: {"aggregated": "aggregated maps", "layer": "each layer's map"}[v])
+    table = df[df["map"] == view].pivot_table(index=["method", "layer"], columns="direction",
+                                              values=["other", "special"]).round(3)
+    table.columns = [f"{d} {what}" for what, d in table.columns]
+    st.dataframe(table, width="stretch")
+    common.export_table(table.reset_index(), "pair_mixing", caption="Share of each text's context from the other text")

@@ -1,0 +1,72 @@
+"""Make the benchmark results that ship with ctxmix (ctxmix/shipped/), so the Benchmarks page
+shows method x metric tables on a fresh install before anyone runs anything.
+
+    python bench/ship_results.py                      # runs configs/embedded.yaml in full (~10 min, 2 cores)
+    python bench/ship_results.py --db results/embedded.sqlite   # from a finished run of the same config
+
+Writes ctxmix/shipped/<name>.aggregates.csv (the runner's aggregates), <name>.check.csv (every
+per-example score of a `--limit 2` run, which tests/test_shipped.py recomputes: a method or
+metric whose numbers moved makes the shipped results stale) and <name>.json (ctxmix version,
+config hashes, date, command, machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ctxmix import __version__, runner, tables  # noqa: E402
+from ctxmix.shipped import CHECK_LIMIT, SHIPPED, config_sha256  # noqa: E402
+
+
+def _bench(config: Path, db: Path, limit: int | None) -> None:
+    cmd = [sys.executable, "-m", "ctxmix", "bench", "--config", str(config), "--db", str(db), "--threads", "1"]
+    cmd += ["--limit", str(limit)] if limit is not None else []
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "embedded.yaml"))
+    ap.add_argument("--db", help="a finished results store of the same config (else the config is run in full)")
+    args = ap.parse_args()
+    config = Path(args.config)
+    plan = runner.load_config(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(args.db) if args.db else Path(tmp) / "full.sqlite"
+        if not args.db:
+            _bench(config, db, None)
+        check_db = Path(tmp) / "check.sqlite"
+        _bench(config, check_db, CHECK_LIMIT)
+        agg = tables.load_aggregates(db, plan.name).drop(columns=["run_id"])
+        check = tables.load_scores(check_db, plan.name)[["model", "dataset", "example_id", "method", "metric", "layer",
+                                                         "value"]]
+        units = runner.ResultsStore(db).unit_counts(plan.name) if hasattr(runner.ResultsStore, "unit_counts") else None
+    SHIPPED.mkdir(exist_ok=True)
+    agg.sort_values(["model", "dataset", "method", "metric", "layer"]).to_csv(
+        SHIPPED / f"{plan.name}.aggregates.csv", index=False, float_format="%.10g")
+    check.sort_values(["model", "dataset", "example_id", "method", "metric", "layer"]).to_csv(
+        SHIPPED / f"{plan.name}.check.csv", index=False, float_format="%.10g")
+    meta = {"name": plan.name, "config": str(config.resolve().relative_to(ROOT)), "ctxmix_version": __version__,
+            "config_hash": plan.config_hash(), "config_sha256": config_sha256(config),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python -m ctxmix bench --config {config.resolve().relative_to(ROOT)}",
+            "check": f"the per-example scores of --limit {CHECK_LIMIT}", "units": units,
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "python": platform.python_version()}
+    (SHIPPED / f"{plan.name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {SHIPPED}/{plan.name}.{{aggregates.csv,check.csv,json}}: {len(agg)} aggregates, {len(check)} check scores")
+
+
+if __name__ == "__main__":
+    main()
