@@ -80,8 +80,9 @@ with common.errors_as_messages():
             opts["target"] = t
         if f != "none":
             opts["foil"] = f
-    heads = c4.toggle("Per-head maps (attention, norm)", value=common.qp("heads", "0") == "1", key="heads",
-                      help="One map per attention head for the methods that have a per-head form.")
+    heads = c4.toggle("Per-head maps", value=common.qp("heads", "0") == "1", key="heads",
+                      help="One map per attention head for the methods that have a per-head form (attention, norm): "
+                           "a layer x head grid and a head selector under the maps.")
     common.set_qp(heads=int(heads), position=int(position))
     if heads:
         opts["per_head"] = True

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,9 @@ def main() -> None:
         agg = tables.load_aggregates(db, plan.name).drop(columns=["run_id"])
         check = tables.load_scores(check_db, plan.name)[["model", "dataset", "example_id", "method", "metric", "layer",
                                                          "value"]]
-        units = runner.ResultsStore(db).unit_counts(plan.name) if hasattr(runner.ResultsStore, "unit_counts") else None
+        with sqlite3.connect(str(db)) as c:
+            units = dict(c.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status",
+                                   (plan.name,)).fetchall())
     SHIPPED.mkdir(exist_ok=True)
     agg.sort_values(["model", "dataset", "method", "metric", "layer"]).to_csv(
         SHIPPED / f"{plan.name}.aggregates.csv", index=False, float_format="%.10g")

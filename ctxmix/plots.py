@@ -31,23 +31,36 @@ def display_tokens(tokens: list[str]) -> list[str]:
     return out
 
 
-MAX_TICK_LABELS = 40  # more labels than this overlap even rotated: show every k-th
+MAX_TICK_LABELS = 24  # more labels than this overlap in a half-width map, even upright: show every k-th
 
 
-def _axis(tokens: list[str]) -> dict:
-    """Token tick labels: rotated past 12 tokens, thinned to at most MAX_TICK_LABELS (every k-th,
-    the first and last kept) so they never overlap; hovering still names every cell."""
+def _axis(tokens: list[str], vertical: bool = False) -> dict:
+    """Token tick labels, thinned to at most MAX_TICK_LABELS (every k-th, the first and last kept)
+    so they never overlap; hovering still names every cell. The x axis turns its labels upright
+    (-90°) past 8 tokens: upright labels need only one line height each; the y axis (`vertical`)
+    keeps them horizontal."""
     labels = display_tokens(tokens)
     n = len(labels)
     step = max(1, -(-n // MAX_TICK_LABELS))
     keep = sorted(set(range(0, n, step)) | ({n - 1} if n else set()))
+    if keep and len(keep) > 1 and keep[-1] - keep[-2] < step:  # the last label would crowd its neighbour
+        keep.pop(-2)
     return dict(tickmode="array", tickvals=keep, ticktext=[labels[i] for i in keep],
-                tickangle=-60 if n > 12 else 0, automargin=True)
+                tickangle=0 if vertical or n <= 8 else -90, automargin=True)
+
+
+def toolbar_title(text: str) -> dict:
+    """A figure title placed below the plotly toolbar (which takes the top ~34 px at the right)."""
+    return dict(text=text, x=0.01, y=1, yref="container", yanchor="top", pad=dict(t=36))
 
 
 def _layout(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
-    fig.update_layout(template="simple_white", font=FONT, title=dict(text=title or "", x=0.01),
-                      margin=dict(l=60, r=20, t=50 if title else 20, b=60), colorway=OKABE_ITO)
+    # the plotly toolbar takes the top ~34 px at the right: titles start below it, and subplot
+    # titles (annotations just above the plots) get the room a title would
+    subtitles = any(a.yref == "paper" and (a.y or 0) >= 0.99 for a in fig.layout.annotations)
+    top = 36 + (40 if title else 0) + (34 if subtitles else 0)
+    fig.update_layout(template="simple_white", font=FONT, colorway=OKABE_ITO, margin=dict(l=60, r=20, t=top, b=60),
+                      title=toolbar_title(title or ""))
     if height:
         fig.update_layout(height=height)
     return fig
@@ -73,7 +86,7 @@ def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str
         kw = dict(colorscale="Blues", zmin=0) if zmax is None else dict(colorscale="Blues", zmin=0, zmax=zmax)
     fig = go.Figure(go.Heatmap(z=M, colorbar=dict(title=colorbar), hovertemplate="out %{y} ← in %{x}: %{z:.4g}<extra></extra>", **kw))
     fig.update_xaxes(title="input token j", **_axis(tokens))
-    fig.update_yaxes(title="output token i", autorange="reversed", **_axis(tokens))
+    fig.update_yaxes(title="output token i", autorange="reversed", **_axis(tokens, vertical=True))
     return _layout(fig, title, height=max(350, 28 * len(tokens) + 120))
 
 
@@ -89,12 +102,38 @@ def maps_grid(tokens: list[str], maps: dict[str, np.ndarray], title: str = "", s
                                  zmin=None if signed else 0, zmax=zmax, showscale=False,
                                  hovertemplate=f"{name}: out %{{y}} ← in %{{x}}: %{{z:.4g}}<extra></extra>"), 1, k + 1)
         fig.update_xaxes(**_axis(tokens), row=1, col=k + 1)
-        fig.update_yaxes(autorange="reversed", **(_axis(tokens) if k == 0 else dict(showticklabels=False)), row=1, col=k + 1)
+        fig.update_yaxes(autorange="reversed", **(_axis(tokens, vertical=True) if k == 0 else dict(showticklabels=False)),
+                         row=1, col=k + 1)
     side = max(260, 22 * len(tokens) + 80)
     fig.update_layout(width=None, height=side + 60)
-    fig = _layout(fig, title)
-    # subplot titles are annotations just above the plots: keep them clear of the plotly toolbar
-    fig.update_layout(margin=dict(t=max(fig.layout.margin.t or 0, 70)))
+    return _layout(fig, title)
+
+
+def head_grid(tokens: list[str], head_maps: np.ndarray, title: str = "", zmax: float | None = None) -> go.Figure:
+    """Every head of every layer as a small map (bertviz's model view, for any per-head method):
+    rows = layers (1 at the top), columns = heads, one colour scale for all (`zmax`, else the
+    largest |value|). head_maps: (L, H, n, n). Hover names layer, head and tokens."""
+    A = np.asarray(head_maps, dtype=float)
+    L, H = A.shape[:2]
+    zmax = zmax or color_range(A)
+    signed = _signed(A)
+    fig = make_subplots(rows=L, cols=H, horizontal_spacing=0.008, vertical_spacing=0.012,
+                        column_titles=[f"head {h + 1}" for h in range(H)], row_titles=[f"layer {l + 1}" for l in range(L)])
+    toks = display_tokens(tokens)
+    for l in range(L):
+        for h in range(H):
+            fig.add_trace(go.Heatmap(z=A[l, h], x=list(range(len(toks))), y=list(range(len(toks))),
+                                     customdata=np.array([[f"{toks[i]} ← {toks[j]}" for j in range(len(toks))]
+                                                          for i in range(len(toks))]),
+                                     colorscale="RdBu" if signed else "Blues", zmin=-zmax if signed else 0, zmax=zmax,
+                                     showscale=False, hovertemplate=f"layer {l + 1}, head {h + 1}: %{{customdata}}: "
+                                                                    "%{z:.3g}<extra></extra>"), l + 1, h + 1)
+    fig.update_xaxes(showticklabels=False, ticks="", showline=False)
+    fig.update_yaxes(showticklabels=False, ticks="", showline=False, autorange="reversed")
+    fig.update_annotations(font_size=10)
+    cell = 58 if H <= 12 else 40
+    fig = _layout(fig, title, height=cell * L + 130)
+    fig.update_layout(margin=dict(l=10, r=60, b=10))
     return fig
 
 
@@ -263,8 +302,10 @@ def paper_figure(fig: go.Figure, preset: str) -> go.Figure:
     h0 = fig.layout.height or 450
     height = int(min(width * 1.4, max(width * 0.5, h0 * width / w0)))
     px = PAPER_FONT_PT * 96 / 72
+    subtitles = any(a.yref == "paper" and (a.y or 0) >= 0.99 for a in fig.layout.annotations)
     out.update_layout(width=width, height=height, font=dict(size=px), title_font=dict(size=px + 1),
-                      margin=dict(l=40, r=10, t=30 if fig.layout.title.text else 10, b=40))
+                      title_pad=dict(t=4),  # no toolbar on paper
+                      margin=dict(l=40, r=10, t=(24 if fig.layout.title.text else 6) + (16 if subtitles else 0), b=40))
     out.update_annotations(font_size=px)
     return out
 

@@ -28,6 +28,7 @@ from plotly.subplots import make_subplots
 from scipy import stats
 
 from .metrics import Metric, get_metric
+from .plots import toolbar_title
 
 GLOBAL = -1  # the layer value of whole-model scores
 
@@ -293,19 +294,31 @@ def to_latex(table: pd.DataFrame, caption: str | None = None, label: str | None 
 # ---------------------------------------------------------------------------------------------
 
 
-def table_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
-    """One panel per metric: a bar per method with its std as error bar; best bar outlined."""
+def table_figure(table: pd.DataFrame, title: str | None = None, columns: int = 3) -> go.Figure:
+    """One panel per metric, `columns` panels a row: a horizontal bar per method (names stay
+    readable however many methods), its std as error bar, the best bar outlined; methods in the
+    table's order (best mean rank at the top)."""
     metrics = table.attrs.get("metrics", [])
     best = table.attrs.get("best", {})
-    fig = make_subplots(rows=1, cols=max(1, len(metrics)), subplot_titles=[f"{m} {_metric(m).arrow}" for m in metrics],
-                        horizontal_spacing=0.04)
-    for k, m in enumerate(metrics, start=1):
-        fig.add_trace(go.Bar(x=list(table.index), y=table[m], name=m, showlegend=False,
-                             error_y=dict(type="data", array=table[f"{m} std"].fillna(0).tolist(), visible=True),
-                             marker_line_width=[3 if best.get(m) == meth else 0 for meth in table.index],
-                             marker_line_color="black"), row=1, col=k)
-    fig.update_layout(title=title or f"{table.attrs.get('model') or ''} on {table.attrs.get('dataset') or ''}",
-                      height=420, width=max(500, 320 * len(metrics)), margin=dict(t=70, b=40))
+    cols = max(1, min(columns, len(metrics)))
+    rows = max(1, -(-len(metrics) // cols))
+    methods = [str(m) for m in table.index]
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.03,
+                        vertical_spacing=0.25 / rows if rows > 1 else 0.0,
+                        subplot_titles=[f"{m} {_metric(m).arrow}" for m in metrics])
+    for k, m in enumerate(metrics):
+        r, c = divmod(k, cols)
+        fig.add_trace(go.Bar(y=methods, x=table[m], orientation="h", name=m, showlegend=False,
+                             error_x=dict(type="data", array=table[f"{m} std"].fillna(0).tolist(), visible=True,
+                                          thickness=1),
+                             marker_line_width=[2.5 if best.get(m) == meth else 0 for meth in table.index],
+                             marker_line_color="black", marker_color="#0072B2"), row=r + 1, col=c + 1)
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=10))
+    fig.update_xaxes(tickfont=dict(size=10))
+    fig.update_annotations(font_size=12)
+    fig.update_layout(title=toolbar_title(title or f"{table.attrs.get('model') or ''} on {table.attrs.get('dataset') or ''}"),
+                      height=rows * max(220, 17 * len(methods) + 60) + 90, margin=dict(t=100, b=30, l=10, r=10),
+                      template="simple_white")
     return fig
 
 
@@ -315,14 +328,20 @@ def layer_figure(layers: pd.DataFrame, title: str | None = None) -> go.Figure:
     for meth in layers.columns:
         fig.add_trace(go.Scatter(x=list(layers.index), y=layers[meth], mode="lines+markers", name=str(meth)))
     m = layers.attrs.get("metric", "")
-    fig.update_layout(title=title or f"{m} per layer", xaxis_title="layer", yaxis_title=m, height=420)
+    fig.update_layout(title=toolbar_title(title or f"{m} per layer"), margin=dict(t=80), xaxis_title="layer", yaxis_title=m, height=420,
+                      template="simple_white")
     return fig
 
 
 def agreement_figure(M: pd.DataFrame, title: str = "Agreement between methods (mean Spearman)") -> go.Figure:
     fig = go.Figure(go.Heatmap(z=M.values, x=list(M.columns), y=list(M.index), zmin=-1, zmax=1,
                                colorscale="RdBu", reversescale=True))
-    fig.update_layout(title=title, height=500, yaxis_autorange="reversed")
+    n = len(M.index)
+    # upright method names: each needs one line height, so they never overlap
+    fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=10))
+    fig.update_yaxes(automargin=True, tickfont=dict(size=10))
+    fig.update_layout(title=toolbar_title(title), height=max(420, 20 * n + 240), yaxis_autorange="reversed", margin=dict(t=80),
+                      template="simple_white")
     return fig
 
 

@@ -1,5 +1,6 @@
-"""Benchmarks: method x metric tables from the benchmark runner's results store, the papers'
-numbers alongside, and a button that runs the embedded benchmark in the background."""
+"""Benchmarks: method x metric tables from the benchmark runner's results store (or, on a fresh
+install, the results that ship with ctxmix), the papers' published numbers alongside and on
+their own, and a button that runs the embedded benchmark in the background."""
 
 import json
 import os
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
+import yaml
 
 from ui import common
 
 common.page_setup()
 
-from ctxmix import tables  # noqa: E402
+from ctxmix import shipped, tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("CTXMIX_BENCH_DIR") or ROOT / "results")
@@ -66,31 +68,50 @@ def progress() -> None:
 progress()
 
 files = sorted(RESULTS.glob("*.sqlite"))
-if not files:
+sources = [f"computed here: {f.name}" for f in files] + [f"shipped with ctxmix: {n}" for n in shipped.shipped_names()]
+if not sources:
     st.info(f"No results yet in {RESULTS}. Run a benchmark (button above, or the command line).")
     st.stop()
 
 with common.errors_as_messages():
-    names = [f.name for f in files]
-    pick = st.selectbox("Results file", names, index=names.index(common.qp("db")) if common.qp("db") in names else 0)
-    db = RESULTS / pick
-    with sqlite3.connect(str(db)) as c:
-        runs = pd.read_sql_query("SELECT run_id, config_json, ctxmix_version FROM runs", c)
-    if runs.empty:
-        st.info("This results file holds no finished run yet.")
-        st.stop()
-    run = st.selectbox("Run", list(runs.run_id), index=0)
-    cfg = json.loads(runs.set_index("run_id").at[run, "config_json"])
-    agg = tables.load_aggregates(db, run)
+    qp_src = common.qp("db")
+    src = st.selectbox("Results", sources, key="results_source",
+                       index=next((k for k, x in enumerate(sources) if x.endswith(f": {qp_src}")), 0),
+                       help="'computed here': a results store of this machine (results/); 'shipped': the results "
+                            "that come with ctxmix, computed by the runner from a config of this repository.")
+    pick = src.split(": ", 1)[1]
+    if src.startswith("shipped"):
+        agg, meta = shipped.load_shipped(pick)
+        run, version = meta["name"], meta["ctxmix_version"]
+        cfg = yaml.safe_load((ROOT / meta["config"]).read_text()) if (ROOT / meta["config"]).exists() else {}
+        st.info(f"Shipped results: computed by `{meta['command']}` with ctxmix {version} on {meta['date'][:10]} "
+                f"({meta.get('machine', '')}); config hash {meta['config_hash']}. Run the benchmark above to "
+                "recompute them on this machine.")
+        for why in shipped.stale_reasons(pick, ROOT):
+            st.warning(f"These shipped results may be stale: {why}.")
+    else:
+        db = RESULTS / pick
+        with sqlite3.connect(str(db)) as c:
+            runs = pd.read_sql_query("SELECT run_id, config_json, ctxmix_version FROM runs", c)
+        if runs.empty:
+            st.info("This results file holds no finished run yet.")
+            st.stop()
+        run = st.selectbox("Run", list(runs.run_id), index=0)
+        cfg = json.loads(runs.set_index("run_id").at[run, "config_json"])
+        version = runs.set_index("run_id").at[run, "ctxmix_version"]
+        agg = tables.load_aggregates(db, run)
+        st.caption(f"Computed on this machine by ctxmix {version}: {db}.")
     if agg.empty:
         st.info("No aggregates yet: the run is still going, or was stopped before its first aggregate.")
         st.stop()
     c1, c2 = st.columns(2)
-    model = c1.selectbox("Model", sorted(agg.model.unique()))
+    in_runs = [r.get("model") for r in (cfg.get("runs") or []) if isinstance(r, dict)]  # the config's order first
+    models = sorted(agg.model.unique(), key=lambda m: (in_runs.index(m) if m in in_runs else len(in_runs), m))
+    model = c1.selectbox("Model", models)
     datasets = sorted(agg[agg.model == model].dataset.unique())
     dataset = c2.selectbox("Dataset", datasets)
     common.set_qp(db=pick)
-    common.set_provenance(results_file=pick, run=run, results_ctxmix_version=runs.set_index("run_id").at[run, "ctxmix_version"],
+    common.set_provenance(results=src, run=run, results_ctxmix_version=version,
                           config_name=cfg.get("name"), model=model, dataset=dataset)
     common.reproduce(f"python -m ctxmix bench --config configs/{cfg.get('name', run)}.yaml --report")
 
@@ -108,6 +129,7 @@ with common.errors_as_messages():
     paper = cfg.get("paper")
     if paper:
         st.subheader(f"Paper vs ctxmix: {paper.get('title', '')}")
+        st.caption("'paper': quoted from the publication; 'ctxmix': computed by ctxmix (above).")
         comp = tables.paper_comparison(table, paper, model, dataset)
         if comp.empty:
             st.caption("The config's published numbers do not cover this model and dataset.")
@@ -126,3 +148,28 @@ with common.errors_as_messages():
     if not M.empty and M.shape[0] > 1:
         st.subheader("Agreement between methods")
         common.plot(tables.agreement_figure(M), f"{run}_agreement", data=M.reset_index())
+
+
+st.divider()
+st.subheader("Published numbers (quoted from the papers, not computed here)")
+papers = {}
+for path in sorted((ROOT / "configs").glob("*.yaml")):
+    try:
+        c = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        continue
+    if isinstance(c, dict) and isinstance(c.get("paper"), dict) and c["paper"].get("values"):
+        papers[path.stem] = c
+if papers:
+    with common.errors_as_messages():
+        name = st.selectbox("Paper config", list(papers), key="paper_config",
+                            format_func=lambda k: f"{k}: {papers[k]['paper'].get('source') or papers[k]['paper'].get('title', '')}")
+        pv = shipped.paper_table(papers[name])
+        st.caption(f"Quoted from {papers[name]['paper'].get('source') or papers[name]['paper'].get('title', name)}. "
+                   f"Recompute them with `python -m ctxmix bench --config configs/{name}.yaml` (most need the "
+                   "papers' checkpoints and datasets from the Hugging Face hub).")
+        st.dataframe(pv, width="stretch")
+        common.export_table(pv.reset_index(), f"{name}_published", caption=f"Published numbers of {name}",
+                            key=f"paper_{name}")
+        with st.expander("Every published value with its std"):
+            st.dataframe(shipped.paper_values(papers[name]), width="stretch", hide_index=True)

@@ -72,9 +72,23 @@ def test_outliers_page():
 
 
 def test_benchmarks_page_without_results(tmp_path, monkeypatch):
+    """A fresh install (no results store, no run started) shows the shipped method x metric tables,
+    says they were shipped (not computed here), and quotes each paper config's published numbers."""
     monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
     at = _run("pages/3_Benchmarks.py")
-    assert any("No results yet" in i.value for i in at.info)
+    assert not at.exception
+    assert at.selectbox(key="results_source").value == "shipped with ctxmix: embedded"
+    assert any("Shipped results: computed by" in i.value for i in at.info)
+    assert not at.warning, [w.value for w in at.warning]  # not stale
+    assert at.subheader[0].value == "minilm-sentiment on pang_lee"
+    table = at.dataframe[0].value
+    assert {"alti", "globenc", "value_zeroing", "integrated_gradients"} <= set(table.index)
+    assert {"aopc ↑", "comprehensiveness ↑", "spearman:grad_x_input ↑"} <= set(table.columns)
+    assert any("Published numbers (quoted" in h.value for h in at.subheader)
+    at.selectbox(key="paper_config").set_value("globenc-table1")
+    at.run()
+    quoted = next(d.value for d in at.dataframe if "sst2" in getattr(d.value, "columns", []))
+    assert quoted.at["N", "sst2"] == 0.44  # GlobEnc Table 1, as printed
 
 
 def test_hosted_mode_asks_for_a_password(monkeypatch):
@@ -114,6 +128,7 @@ def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
     run_bench(plan, db=tmp_path / "tiny.sqlite", quiet=True, threads=1)
     monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
     at = _run("pages/3_Benchmarks.py")
+    assert at.selectbox(key="results_source").value == "computed here: tiny.sqlite"
     assert at.subheader[0].value == "minilm on agreement"
     assert len(at.dataframe) >= 1 and _charts(at) >= 2
     shown = at.dataframe[0].value
@@ -245,6 +260,8 @@ def test_explain_page_per_head_toggle():
     assert not at.exception and not at.error
     assert at.selectbox(key="head").options[:2] == ["1", "2"]
     assert at.query_params["heads"] in ("1", ["1"])
+    grid = [c for c in at.get("plotly_chart") if "norm: every head" in str(c.proto)]
+    assert grid and str(grid[0].proto).count("layer 6, head 12") >= 1  # the 6 x 12 grid of MiniLM's heads
 
 
 def test_target_foil_and_position_pickers(tmp_path, tokenizer):  # noqa: D103

@@ -78,8 +78,106 @@ def test_page_renders(server, browser, page, tmp_path):
         plots = len(browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"] .main-svg'))
         if plots >= want and not running and browser.find_elements(By.CSS_SELECTOR, "h1"):
             break
-    browser.save_screenshot(str(tmp_path / f"{page or 'explain'}.png"))
+    out = Path(os.environ.get("CTXMIX_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(out / f"{page or 'explain'}.png"))
     body = browser.find_element(By.TAG_NAME, "body").text
     assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]'), body[-2000:]
     assert "Traceback" not in body
     assert plots >= want, f"{page}: {plots} plots rendered, expected at least {want}\n{body[-1500:]}"
+    problems = browser.execute_script(LAYOUT_CHECK)
+    assert not problems, problems[:10]
+
+
+# Each scene: a URL of the Explain page, and what it must show. Screenshots go to $CTXMIX_SCREENSHOTS
+# (CI keeps them) or the test's tmp folder; the JS check below finds overlapping tick labels, titles
+# under the plotly toolbar and plots wider than their column.
+SCENES = {
+    "pair": ("model=minilm&method=alti&method=globenc&text=A+man+is+eating+a+sandwich+.&pair=Someone+eats+food+.",
+             "Sentence pair", 5),
+    "head_grid": ("model=minilm&method=attention&method=norm&map=norm&heads=1"
+                  "&text=The+keys+to+the+cabinet+are+on+the+table+.", "every head", 6),
+    "contrastive": ("model=minilm-sentiment&method=grad_x_input&method=integrated_gradients&method=alti"
+                    "&target=positive&foil=negative&text=a+moving+and+wonderfully+acted+film+that+never+drags+.",
+                    "minus output 0", 4),
+}
+
+LAYOUT_CHECK = r"""
+const problems = [];
+const boxes = (root, sel) => Array.from(root.querySelectorAll(sel)).map(e => e.getBoundingClientRect())
+  .filter(r => r.width > 0 && r.height > 0);
+const hit = (a, b, pad) => a.left < b.right - pad && b.left < a.right - pad && a.top < b.bottom - pad && b.top < a.bottom - pad;
+document.querySelectorAll('[data-testid="stPlotlyChart"]').forEach((chart, k) => {
+  const box = chart.getBoundingClientRect();
+  chart.querySelectorAll('svg.main-svg').forEach(svg => {
+    const r = svg.getBoundingClientRect();
+    if (r.width > box.width + 2) problems.push(`chart ${k}: ${r.width}px wide in a ${box.width}px column`);
+  });
+  for (const axis of ['xtick', 'ytick']) {
+    chart.querySelectorAll(`g.${axis}`).forEach(() => {});
+    const texts = Array.from(chart.querySelectorAll(`g.${axis} > text`));
+    const byAxis = new Map();
+    texts.forEach(t => { const key = t.closest('g.xaxislayer-above, g.yaxislayer-above') || t.parentNode.parentNode;
+                         if (!byAxis.has(key)) byAxis.set(key, []); byAxis.get(key).push(t); });
+    byAxis.forEach(ts => {
+      const rot = /rotate\((-?\d+)/.exec(ts[0]?.getAttribute('transform') || '');
+      const angle = rot ? Math.abs(+rot[1]) : 0;
+      const rects = ts.map(t => t.getBoundingClientRect()).filter(r => r.width > 0);
+      const size = parseFloat(getComputedStyle(ts[0] || document.body).fontSize) || 10;
+      for (let i = 1; i < rects.length; i++) {
+        const a = rects[i - 1], b = rects[i];
+        if (angle === 0 || axis === 'ytick') {
+          if (hit(a, b, 1)) problems.push(`chart ${k}: ${axis} labels ${i - 1} and ${i} overlap`);
+        } else {
+          const d = Math.abs((a.left + a.right) / 2 - (b.left + b.right) / 2) * Math.sin(angle * Math.PI / 180);
+          if (d < 0.8 * size) problems.push(`chart ${k}: rotated ${axis} labels ${i - 1} and ${i} are ${d.toFixed(1)}px apart`);
+        }
+      }
+    });
+  }
+  const bar = boxes(chart, '.modebar')[0];
+  if (bar) boxes(chart, '.gtitle, .annotation-text').forEach((t, j) => {
+    if (hit(t, bar, 1)) problems.push(`chart ${k}: title ${j} under the toolbar`);
+  });
+});
+document.querySelectorAll('[data-testid="stMain"] *').forEach(el => {  // text cut off with an ellipsis
+  if (!el.offsetParent || !el.textContent.trim() || el.closest('[data-testid="stPlotlyChart"], [data-testid="stDataFrame"]')) return;
+  const st = getComputedStyle(el);
+  if (st.textOverflow === 'ellipsis' && el.scrollWidth > el.clientWidth + 1)
+    problems.push(`clipped text: ${el.textContent.slice(0, 60)}`);
+});
+return problems;
+"""
+
+
+@pytest.mark.parametrize("scene", list(SCENES))
+def test_explain_scene_screenshot(server, browser, scene, tmp_path):
+    """The Explain page with a sentence pair, the head grid and a contrastive target, in a real
+    browser: it renders, shows its section, and no label overlaps or is clipped."""
+    from selenium.webdriver.common.by import By
+
+    query, must_show, want = SCENES[scene]
+    browser.get(f"{server}/?{query}")
+    deadline = time.time() + 300
+    plots, body = 0, ""
+    while time.time() < deadline:
+        time.sleep(2)
+        running = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        plots = len(browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"] .main-svg'))
+        body = browser.find_element(By.TAG_NAME, "body").text
+        if plots >= want and not running and must_show in body:
+            break
+    time.sleep(2)  # plotly's last relayout
+    out = Path(os.environ.get("CTXMIX_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    height = browser.execute_script("return document.querySelector('[data-testid=\"stMain\"]')?.scrollHeight "
+                                    "|| document.body.scrollHeight")
+    browser.set_window_size(1400, min(12000, max(2400, int(height) + 200)))
+    time.sleep(2)
+    browser.save_screenshot(str(out / f"explain_{scene}.png"))
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]'), body[-2000:]
+    assert must_show in body, body[-1500:]
+    assert plots >= want, f"{scene}: {plots} plots rendered, expected at least {want}"
+    problems = browser.execute_script(LAYOUT_CHECK)
+    browser.set_window_size(1400, 2400)
+    assert not problems, problems[:10]

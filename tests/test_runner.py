@@ -385,7 +385,7 @@ def test_table_marks_best_by_direction_and_ranks():
     csv = tables.to_csv(t)
     assert csv.splitlines()[0].startswith("method,aopc,aopc std")
     fig = tables.table_figure(t)
-    assert len(fig.data) == 3 and fig.data[0].error_y.array is not None
+    assert len(fig.data) == 3 and fig.data[0].error_x.array is not None and fig.data[0].orientation == "h"
     cmp_ = tables.paper_comparison(t, {"values": [{"method": "x", "metric": "aopc", "mean": 0.45}]}, "m", "d")
     assert cmp_.loc[0, "difference"] == pytest.approx(0.05)
 
@@ -479,6 +479,16 @@ def test_embedded_config_end_to_end(tmp_path):
     assert {"aopc", "lodds", "comprehensiveness", "sufficiency", "spearman:grad_x_input"} <= set(t.attrs["metrics"])
     assert t["mean rank"].notna().all()
     assert (tmp_path / "out" / "minilm-sentiment__pang_lee.tex").read_text().count(r"\textbf") >= 5
+    # the shipped results are not stale: the same --limit 2 run gives the shipped check scores
+    from ctxmix import shipped
+
+    assert shipped.CHECK_LIMIT == 2
+    got = tables.load_scores(db, "embedded").set_index(["model", "dataset", "example_id", "method", "metric", "layer"])
+    want = shipped.load_check("embedded").set_index(got.index.names)
+    assert set(got.index) == set(want.index), "methods or metrics changed: run python bench/ship_results.py"
+    joined = want.join(got["value"], rsuffix="_now")
+    np.testing.assert_allclose(joined["value_now"], joined["value"], rtol=1e-4, atol=1e-6, equal_nan=True,
+                               err_msg="the shipped results are stale: run python bench/ship_results.py")
 
 
 def test_example_batch_is_checked(tmp_path):

@@ -331,33 +331,34 @@ def reproduce(command: str) -> None:
 
 
 def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
-    """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data."""
+    """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data,
+    in one row that wraps (so a figure in a narrow column keeps readable buttons)."""
     key = key or name
-    cols = st.columns(7)
+    row = st.container(horizontal=True, wrap=True, gap="small", vertical_alignment="center")
     static = plots.static_export_available()
     sizes = {"screen": None, "ACL column (3.03 in)": "acl-column", "ACL page (6.3 in)": "acl-page",
              "NeurIPS / ICLR (5.5 in)": "neurips"}
-    size = cols[6].selectbox("Size", list(sizes), key=f"{key}_size", label_visibility="collapsed",
-                             help="Static exports at a paper's column or page width, with 9 pt text.")
-    preset = sizes[size]
     prov = _provenance()  # captured now: the downloads' data is produced later
-    for k, fmt in enumerate(["png", "svg", "pdf"]):
-        cols[k].download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset,
-                                                                               provenance=prov))
+    preset = sizes.get(st.session_state.get(f"{key}_size", "screen"))  # the size box is drawn after the buttons
+    buttons = row.container(horizontal=True, wrap=False, gap="small", width="content")
+    for fmt in ["png", "svg", "pdf"]:
+        buttons.download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset,
+                                                                                  provenance=prov))
                                 if static else b"",
                                 file_name=f"{name}.{fmt}", mime={"png": "image/png", "svg": "image/svg+xml",
                                                                  "pdf": "application/pdf"}[fmt],
                                 key=f"{key}_{fmt}", disabled=not static, on_click="ignore",
                                 help=None if static else plots.STATIC_HINT)
-    cols[3].download_button("HTML", data=lambda: plots.figure_bytes(fig, "html", provenance=prov),
-                            file_name=f"{name}.html",
-                            mime="text/html", key=f"{key}_html", on_click="ignore")
+    buttons.download_button("HTML", data=lambda: plots.figure_bytes(fig, "html", provenance=prov),
+                            file_name=f"{name}.html", mime="text/html", key=f"{key}_html", on_click="ignore")
     if data is not None:
         fmt = "csv" if hasattr(data, "to_csv") else "json"
-        cols[4].download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt, prov),
-                                file_name=f"{name}.{fmt}", key=f"{key}_data", on_click="ignore")
+        row.download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt, prov),
+                            file_name=f"{name}.{fmt}", key=f"{key}_data", on_click="ignore")
+    row.selectbox("Size", list(sizes), key=f"{key}_size", label_visibility="collapsed", width=200,
+                  help="Static exports at a paper's column or page width, with 9 pt text.")
     if not static:
-        cols[5].caption("PNG/SVG/PDF need Chromium")
+        row.caption("PNG/SVG/PDF need Chromium")
 
 
 def export_table(df, name: str, key: str | None = None, caption: str | None = None) -> None:

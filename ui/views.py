@@ -63,7 +63,10 @@ def show_explanation(ex, layers: int) -> None:
                         f"{mm}_global{layer}", data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]})
         if mm in ex.head_maps:
             H = ex.head_maps[mm].shape[1]
-            st.caption(f"Per head ({MIXING_METHODS[mm].per_head}).")
+            st.caption(f"Per head ({MIXING_METHODS[mm].per_head}). Every layer (rows) and head (columns), on one "
+                       "colour scale; pick a head below to open it.")
+            common.plot(plots.head_grid(ex.tokens, ex.head_maps[mm], f"{mm}: every head"), f"{mm}_heads",
+                        data={"tokens": ex.tokens, "head_maps": ex.head_maps[mm]})
             head = st.selectbox("Head", list(range(1, H + 1)), index=common.qp_int("head", 1, 1, H) - 1, key="head")
             common.set_qp(head=head)
             hm = ex.head_maps[mm][layer - 1, head - 1]
