@@ -246,6 +246,20 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
     assert not at.exception and any("not an .npz" in e.value for e in at.error)
 
 
+def test_saved_pair_shows_its_cross_text_mixing():
+    import ctxmix
+    from ctxmix.saved import explanation_bytes
+
+    m = ctxmix.load_model("minilm", device="cpu")
+    ex = ctxmix.explain(m, ("A man eats .", "Someone is eating food ."), ["alti"])
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/4_Saved_explanation.py")
+    at.run()
+    at.file_uploader[0].set_value(("pair.npz", explanation_bytes(ex), "application/octet-stream"))
+    at.run()
+    assert not at.exception and any("Sentence pair" in h.value for h in at.subheader)
+
+
 def test_explain_page_offers_the_saved_explanation():
     at = _run("app.py")
     assert any(b.label.startswith("Download this explanation") for b in at.get("download_button"))
