@@ -43,6 +43,8 @@ class ArchSpec:
     fused_qkv: bool = False
     conv1d: bool = False
     causal: bool = False
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w): gamma = w + norm_offset
+    fused_gate_up: bool = False  # ff_gate names one projection [gate | up] (ModernBERT's Wi: act(first) * second)
     heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
 
     @property
@@ -78,12 +80,54 @@ FAMILIES: tuple[ArchSpec, ...] = (
         final_norm="decoder.final_layer_norm", causal=True,
     ),
     ArchSpec(
-        "Llama", ("llama", "mistral", "qwen2"), position="pre", norm="rmsnorm", layers="layers",
+        # Qwen3 adds q/k norms, which the value path never reads; Llama 3 differs in rotary scaling only
+        "Llama", ("llama", "mistral", "qwen2", "qwen3"), position="pre", norm="rmsnorm", layers="layers",
         value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
         ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
         ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
     ),
+    ArchSpec(
+        # Llama's shape with RMSNorm scaling by (1 + w) and a GeGLU FF (gelu-tanh gate)
+        "Gemma", ("gemma",), position="pre", norm="rmsnorm", norm_offset=1.0, layers="layers",
+        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
+    # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
+    ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
+    ArchSpec(
+        # pre-LN encoder: fused Wqkv ([Q | K | V]), GeGLU with a fused Wi (act(first half) * second half),
+        # LayerNorms without bias, layer 0's attn_norm an identity, local/global attention masks
+        "ModernBERT", ("modernbert",), position="pre", norm="layernorm", layers="layers", value="attn.Wqkv",
+        out_proj="attn.Wo", ln1="attn_norm", ln2="mlp_norm", ff_gate="mlp.Wi", fused_gate_up=True,
+        ff_out="mlp.Wo", act="mlp.act", final_norm="final_norm", fused_qkv=True,
+    ),
 )
+
+
+FAMILY_NOTES = {
+    "DeBERTa-v2": "attention logits carry relative-position terms; the weights come from the model",
+    "ModernBERT": "alternating local/global attention masks come with the model's attention weights; "
+                  "layer 0 has no attention norm",
+    "Gemma": "RMSNorm scales by 1 + w (the gamma ff_outliers compares is 1 + w)",
+    "Llama": "Qwen3's q/k norms and Llama 3's rotary scaling leave the value path as Llama's",
+}
+
+
+def families_table() -> list[dict]:
+    """One row per family: model types, norm position, norm, FF and the scope names that apply
+    (every mixing method applies to every family; gradient methods need a head)."""
+    from .methods import scope_names
+
+    rows = []
+    for sp in FAMILIES:
+        norm = sp.norm + (f" (gamma = {sp.norm_offset:g} + w)" if sp.norm_offset else "")
+        ff = ("gated, fused [gate | up]" if sp.fused_gate_up else "gated") if sp.gated else "plain"
+        rows.append({"family": sp.family, "model types": "/".join(sp.model_types),
+                     "norms": f"{sp.position}-LN", "norm": norm, "FF": ff,
+                     "attention": "causal" if sp.causal else "bidirectional",
+                     "scopes": ", ".join(scope_names(sp.position)), "note": FAMILY_NOTES.get(sp.family, "")})
+    return rows
 
 
 def supported_families() -> str:
@@ -117,13 +161,16 @@ def _get(module: nn.Module, path: str):
 class Norm:
     """LayerNorm (mean-centred) or RMSNorm as plain tensors: z -> (z - m)/s * gamma + beta."""
 
-    kind: str
-    gamma: torch.Tensor  # (d,)
+    kind: str  # "layernorm", "rmsnorm" or "identity"
+    gamma: torch.Tensor | None  # (d,); None for "identity"
     beta: torch.Tensor | None  # (d,) or None for RMSNorm
     eps: float
 
     def scale(self, z: torch.Tensor) -> torch.Tensor:
-        """s(z), shape (..., 1): std with eps inside the sqrt (biased), or RMS for RMSNorm."""
+        """s(z), shape (..., 1): std with eps inside the sqrt (biased), or RMS for RMSNorm (1 for
+        "identity", a norm the model leaves out, as ModernBERT's first attn_norm)."""
+        if self.kind == "identity":
+            return torch.ones_like(z[..., :1])
         if self.kind == "layernorm":
             z = z - z.mean(-1, keepdim=True)
         return (z.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
@@ -134,12 +181,16 @@ class Norm:
     def decompose_pieces(self, pieces: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Pieces (..., m, d) of an input whose full sum has scale s (..., 1): each piece's
         own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021)."""
+        if self.kind == "identity":
+            return pieces
         if self.kind == "layernorm":
             pieces = pieces - pieces.mean(-1, keepdim=True)
         return pieces / s.unsqueeze(-2) * self.gamma
 
     def decompose_bias(self, bias: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """The bias piece (..., d) takes beta on top of its normalised share."""
+        if self.kind == "identity":
+            return bias
         if self.kind == "layernorm":
             bias = bias - bias.mean(-1, keepdim=True)
         out = bias / s * self.gamma
@@ -193,14 +244,17 @@ def _linear(mod: nn.Module, conv1d: bool, d_out_hint: int | None = None) -> tupl
     return W, b
 
 
-def _norm(mod: nn.Module, kind: str) -> Norm:
+def _norm(mod: nn.Module, kind: str, offset: float = 0.0) -> Norm:
+    if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
+        return Norm("identity", None, None, 0.0)
     eps = getattr(mod, "eps", None)
     if eps is None:
         eps = getattr(mod, "variance_epsilon")
     beta = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
     if kind == "layernorm" and beta is None:
         beta = torch.zeros_like(mod.weight)
-    return Norm(kind, mod.weight.detach(), beta, float(eps))
+    gamma = mod.weight.detach()
+    return Norm(kind, gamma + offset if offset else gamma, beta, float(eps))
 
 
 def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
@@ -218,7 +272,7 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
     """Read every layer's parameters once (views, no copies) through the spec's names."""
     layers = _get(base, spec.layers)
     H, Hkv = _config_heads(config, spec)
-    final = _norm(_get(base, spec.final_norm), spec.norm) if spec.final_norm else None
+    final = _norm(_get(base, spec.final_norm), spec.norm, spec.norm_offset) if spec.final_norm else None
     out: list[LayerWeights] = []
     for li, layer in enumerate(layers):
         Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
@@ -231,10 +285,15 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
         lw = LayerWeights(
             index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,
             Wv=Wv, bv=bv, Wo=Wo, bo=bo,
-            ln1=_norm(_get(layer, spec.ln1), spec.norm), ln2=_norm(_get(layer, spec.ln2), spec.norm),
+            ln1=_norm(_get(layer, spec.ln1), spec.norm, spec.norm_offset),
+            ln2=_norm(_get(layer, spec.ln2), spec.norm, spec.norm_offset),
             act=_get(layer, spec.act), W2=W2, b2=b2,
         )
-        if spec.gated:
+        if spec.fused_gate_up:
+            W, b = _linear(_get(layer, spec.ff_gate), spec.conv1d)
+            half = W.shape[1] // 2
+            lw.Wg, lw.bg, lw.Wu, lw.bu = W[:, :half], b[:half], W[:, half:], b[half:]
+        elif spec.gated:
             lw.Wg, lw.bg = _linear(_get(layer, spec.ff_gate), spec.conv1d)
             lw.Wu, lw.bu = _linear(_get(layer, spec.ff_up), spec.conv1d)
         else:

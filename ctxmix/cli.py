@@ -130,9 +130,34 @@ def cmd_models(args) -> None:
     from .arch import supported_families
     from .models import EMBEDDED
 
+    from . import MIXING_METHODS, SALIENCY_METHODS
+    from .arch import families_table
+
     for k, v in EMBEDDED.items():
         print(f"{k:18} {v}")
     print("\nany Hugging Face id or local folder of these families:", supported_families())
+    print(f"\nEvery family: the mixing methods ({', '.join(m for m, i in MIXING_METHODS.items() if i.group != 'scope')}) "
+          f"and its scopes; with a head (classifier or language model) also {', '.join(SALIENCY_METHODS)}.")
+    for r in families_table():
+        print(f"\n{r['family']} ({r['model types']}): {r['norms']}, {r['norm']}, {r['FF']} FF, {r['attention']}"
+              f"\n  scopes: {r['scopes']}" + (f"\n  note: {r['note']}" if r["note"] else ""))
+
+
+def cmd_verify(args) -> None:
+    import pandas as pd
+
+    from .verify import verify
+
+    m = _load(args)
+    df = verify(m, args.text)
+    with pd.option_context("display.width", 200, "display.max_colwidth", 80):
+        print(df.assign(error=df["error"].map("{:.2e}".format), tolerance=df["tolerance"].map("{:.0e}".format),
+                        passed=df["passed"].map({True: "pass", False: "FAIL"})).to_string(index=False))
+    failed = df[~df["passed"]]
+    if len(failed):
+        print(f"\n{len(failed)} check(s) failed on {m.name}: " + "; ".join(failed["check"]))
+        raise SystemExit(1)
+    print(f"\nall {len(df)} checks passed on {m.name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_methods)
     s = sub.add_parser("models", help="list the embedded models and supported families")
     s.set_defaults(func=cmd_models)
+    s = sub.add_parser("verify", help="run ctxmix's correctness checks on a model (exit code 1 if any fails)")
+    model_args(s)
+    s.add_argument("--text", default="The keys to the cabinet are on the table .",
+                   help="a short text (at most 48 tokens) to check on")
+    s.set_defaults(func=cmd_verify)
     return p
 
 

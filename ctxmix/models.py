@@ -244,7 +244,7 @@ def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
         if isinstance(v, torch.Tensor):
             setattr(lw, k, v.to(dtype))
     for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm) if n is not None}.values():
-        norm.gamma = norm.gamma.to(dtype)
+        norm.gamma = None if norm.gamma is None else norm.gamma.to(dtype)
         norm.beta = None if norm.beta is None else norm.beta.to(dtype)
 
 

@@ -122,7 +122,7 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
             mine = lw.next_norm(st.y)  # transformers hands back the last hidden state after the final norm
         diff = (mine - real).abs().amax(-1).double()
         if mask is not None:
-            diff = diff * mask
+            diff = torch.where(mask, diff, 0)
         err = torch.maximum(err, diff.amax(-1))
     return states, err
 
@@ -183,12 +183,59 @@ def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[s
                 _check_rows(seq, r)
     out = _forward(model, ids, mask.long(), model.type_ids_kwargs(token_type_ids, n_max) if token_type_ids else {})
     logits = getattr(out, "logits", None)
-    states, err = _rebuild(model, [_activations(model, h) for h in out.hidden_states],
-                           [_activations(model, a) for a in out.attentions], mask)
+    hs = [_activations(model, h) for h in out.hidden_states]
+    atts = [_activations(model, a) for a in out.attentions]
+    if not bool(mask.all()):
+        # padded rows are the model's business: with a sliding window a padded query can see no key
+        # at all, and its NaN would reach real rows through 0-weighted sums (0 * NaN = NaN)
+        keep = mask[:, :, None]
+        if not all(bool(torch.isfinite(torch.where(keep, h, 0)).all()) for h in hs):
+            # the model's own padded pass is not finite at real tokens (ModernBERT's and Mistral's eager
+            # sliding windows can leave a padded query no key at all): trace each sequence alone
+            return _stack_traces(model, [trace_ids(model, list(seq), (notes or [[]] * len(batch))[b],
+                                                   (token_type_ids or [None] * len(batch))[b],
+                                                   (segments or [None] * len(batch))[b])
+                                         for b, seq in enumerate(batch)])
+        hs = [torch.where(keep, h, 0) for h in hs]
+        atts = [torch.where(keep[:, None] & mask[:, None, None, :], a, 0) for a in atts]
+    states, err = _rebuild(model, hs, atts, mask)
     return TraceBatch(model=model, input_ids=[list(s) for s in batch], states=states, logits=logits, errors=err,
                       notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask,
                       token_type_ids=None if token_type_ids is None else list(token_type_ids),
                       segments=None if segments is None else list(segments))
+
+
+def _stack_traces(model: Model, traces: list[Trace]) -> TraceBatch:
+    """One-sequence traces as a right-padded TraceBatch (zeros at padded positions, as a padded
+    forward pass leaves them once cleaned)."""
+    n_max = max(tr.n for tr in traces)
+    dev = traces[0].states[0].x.device
+
+    def pad(t: torch.Tensor, dims: int) -> torch.Tensor:  # zero-pad the last `dims` token axes to n_max
+        if dims == 1:
+            return torch.nn.functional.pad(t, (0, 0, 0, n_max - t.shape[-2]))
+        return torch.nn.functional.pad(t, (0, n_max - t.shape[-1], 0, n_max - t.shape[-2]))
+
+    states = []
+    for l in range(len(traces[0].states)):
+        fields = {}
+        for k, v0 in traces[0].states[l].__dict__.items():
+            if v0 is None:
+                fields[k] = None
+            else:
+                fields[k] = torch.stack([pad(getattr(tr.states[l], k), 2 if k == "alpha" else 1) for tr in traces])
+        states.append(LayerState(**fields))
+    logits = None
+    if traces[0].logits is not None:
+        lg = [tr.logits for tr in traces]
+        logits = torch.stack(lg) if lg[0].dim() == 1 else torch.stack([pad(x, 1) for x in lg])
+    pad_id = model.tokenizer.pad_token_id or 0
+    ids = torch.tensor([tr.input_ids + [pad_id] * (n_max - tr.n) for tr in traces], device=dev)
+    mask = torch.arange(n_max, device=dev)[None] < torch.tensor([tr.n for tr in traces], device=dev)[:, None]
+    return TraceBatch(model=model, input_ids=[list(tr.input_ids) for tr in traces], states=states, logits=logits,
+                      errors=torch.tensor([tr.reconstruction_error for tr in traces], dtype=torch.float64, device=dev),
+                      notes=[list(tr.notes) for tr in traces], ids=ids, _mask=mask,
+                      token_type_ids=[tr.token_type_ids for tr in traces], segments=[tr.segments for tr in traces])
 
 
 def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:

@@ -24,6 +24,13 @@ def _tiny_configs():
         "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=24, n_layer=2, n_head=4, n_positions=128, bos_token_id=101, eos_token_id=102, **common)),
         "opt": (T.OPTForCausalLM, T.OPTConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, ffn_dim=40, word_embed_proj_dim=24, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
         "llama": (T.LlamaForCausalLM, T.LlamaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "llama3": (T.LlamaForCausalLM, T.LlamaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, intermediate_size=40, max_position_embeddings=128, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, rope_theta=500000.0, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "mistral": (T.MistralForCausalLM, T.MistralConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128, sliding_window=4, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=40, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "gemma": (T.GemmaForCausalLM, T.GemmaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=6, intermediate_size=40, max_position_embeddings=128, pad_token_id=0, bos_token_id=101, eos_token_id=102, **common)),
+        "deberta": (T.DebertaV2ForSequenceClassification, T.DebertaV2Config(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, max_position_embeddings=128, relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"], pad_token_id=0, **common)),
+        "modernbert": (T.ModernBertForMaskedLM, T.ModernBertConfig(hidden_size=24, num_hidden_layers=3, num_attention_heads=4, intermediate_size=40, max_position_embeddings=128, global_attn_every_n_layers=2, local_attention=4, pad_token_id=0, bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102, **common)),
     }
 
 

@@ -19,7 +19,11 @@ def test_layer_recomputation_matches_model(tiny):
     casts to float32 inside the model even when it runs in float64, so there the model itself
     is only float32-exact; the decompositions below are checked at 1e-8 against the rebuilt layer."""
     tr = trace_ids(tiny, IDS)
-    assert tr.reconstruction_error < (1e-6 if tiny.spec.norm == "rmsnorm" else TOL)
+    if tiny.spec.norm == "rmsnorm":  # float32 inside the model: relative to the states' size
+        scale = max(float(h.abs().max()) for h in tr.hidden)
+        assert tr.reconstruction_error < 1e-6 * max(1.0, scale)
+    else:
+        assert tr.reconstruction_error < TOL
 
 
 def _check(tr, res2="exact", factorised=True):

@@ -1,0 +1,192 @@
+"""`verify`: the checks ctxmix's tests run, on the user's own model and text.
+
+Each check compares two independent computations and reports the largest error against a
+tolerance for the model's dtype:
+
+- the layers recomputed from the weights against the model's own hidden states;
+- every scope of the FF paper: its contribution vectors plus its bias against the real vector
+  it decomposes (layer by layer);
+- value zeroing (batched, from the recomputed layer) against the per-token loop on the model
+  itself (`value_zeroing_loop`: the official algorithm, one zeroed value vector at a time);
+- the FF's closed-form zero-baseline Integrated Gradients against numeric IG (Gauss-Legendre,
+  Jacobian-vector products of the FF);
+- the rows that a method promises sum to one (attention, rollout, ALTI, value zeroing) do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .errors import BadInput
+from .models import Model
+
+COLUMNS = ["check", "error", "tolerance", "passed", "detail"]
+
+
+def _tolerances(model: Model) -> dict[str, float]:
+    """Relative tolerances: float64 models are exact to rounding, but some Hugging Face families
+    compute their norms or softmax in float32 inside; float32 models to float32 rounding; models
+    held in half precision are decomposed on float32 upcasts of their half-precision states."""
+    if model.dtype == torch.float64:
+        inside32 = model.spec.norm == "rmsnorm" or model.spec.family in ("OPT", "ModernBERT")
+        return {"state": 1e-6 if inside32 else 1e-9, "exact": 1e-9, "vz": 1e-6 if inside32 else 1e-8, "ig": 1e-6}
+    if model.dtype == torch.float32:
+        return {"state": 1e-4, "exact": 1e-4, "vz": 1e-4, "ig": 1e-4}
+    return {"state": 5e-2, "exact": 1e-4, "vz": 5e-2, "ig": 1e-4}
+
+
+def _value_slice(model: Model, width: int) -> slice:
+    """The columns of the value projection's output that hold V (all of it, or V of a fused QKV)."""
+    if not model.spec.fused_qkv:
+        return slice(0, width)
+    d = width // 3
+    return slice(2 * d, 3 * d)
+
+
+@torch.no_grad()
+def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
+    """Value zeroing by the official algorithm (Mohebbi et al. 2023), on the model itself: for each
+    layer l and token t, the whole model runs with a forward hook on layer l's value projection
+    that zeroes v_t (all heads, bias included; queries, keys and the attention weights untouched),
+    and layer l's output is compared with the unperturbed one: C[l, i, t] = 1 - cos(y_i', y_i) in
+    float64, clipped at 0, rows normalised to sum to one. Returns (L, n, n).
+
+    The n zeroings of one layer run as one batch of n copies (row t zeroes token t), so the loop
+    costs L forward passes of n sequences. Works on every family ctxmix describes: separate or
+    fused value projections ([Q | K | V] columns), grouped-query attention (a value head shared by
+    several query heads is zeroed for all of them, as it is one vector)."""
+    from .arch import _get
+
+    ids = torch.tensor([list(input_ids)], device=model.device)
+    n = ids.shape[1]
+    layers = _get(model.hf.base_model, model.spec.layers)
+    L = len(layers)
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(l):
+        def hook(mod, inp, out):
+            captured[l] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    handles = [layer.register_forward_hook(capture(l)) for l, layer in enumerate(layers)]
+    try:
+        model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **model.type_ids_kwargs([None]))
+        ref = {l: captured[l][0].double() for l in range(L)}
+        C = torch.zeros(L, n, n, dtype=torch.float64, device=model.device)
+        batch = ids.expand(n, -1)
+        rows = torch.arange(n, device=model.device)
+        for l, layer in enumerate(layers):
+            value = _get(layer, model.spec.value)
+
+            def zero_v(mod, inp, out):
+                out = out.clone()
+                cols = _value_slice(model, out.shape[-1])
+                out[rows, rows, cols] = 0.0  # copy t: token t's value vector
+                return out
+
+            h = value.register_forward_hook(zero_v)
+            try:
+                model.hf(input_ids=batch, attention_mask=torch.ones_like(batch))
+            finally:
+                h.remove()
+            y = captured[l].double()  # (n copies, n tokens, d)
+            cos = torch.nn.functional.cosine_similarity(y, ref[l][None], dim=-1)  # (t, i)
+            C[l] = (1.0 - cos).clamp(min=0.0).T
+    finally:
+        for h in handles:
+            h.remove()
+    C = C.cpu().numpy()
+    s = C.sum(-1, keepdims=True)
+    return C / np.where(s > 0, s, 1.0)
+
+
+def _ff_numeric_ig(lw, st, rows: torch.Tensor, F: torch.Tensor, nodes: int = 96) -> torch.Tensor:
+    """Zero-baseline IG of the FF's activation along the straight path to its pre-activation,
+    split over the input pieces F (B, c, m, d) (each piece's share of the pre-activation is F_j W),
+    by Jacobian-vector products at `nodes` Gauss-Legendre points, times W_2: (B, c, m, d_out).
+    The reference `ctxmix.layer.ff_pieces`' closed forms (g(u)/u; SwiGLU/GeGLU weights) must meet."""
+    x, w = np.polynomial.legendre.leggauss(nodes)
+    if lw.gated:
+        g, up = st.u[:, rows].unsqueeze(2), st.u_up[:, rows].unsqueeze(2)
+        tang = (F @ lw.Wg, F @ lw.Wu)
+
+        def phi(a, b):
+            return lw.act(a) * b
+    else:
+        g, up = st.u[:, rows].unsqueeze(2), None
+        tang = (F @ lw.W1,)
+
+        def phi(a):
+            return lw.act(a)
+    out = torch.zeros_like(tang[0])
+    for a, wk in zip((x + 1) / 2, w / 2):
+        primal = tuple(float(a) * t.expand_as(tang[0]).contiguous() for t in ((g, up) if lw.gated else (g,)))
+        _, jv = torch.func.jvp(phi, primal, tang)
+        out += float(wk) * jv
+    return out @ lw.W2
+
+
+def _check(name: str, error: float, tol: float, detail: str = "") -> dict:
+    ok = bool(np.isfinite(error) and error <= tol)
+    return {"check": name, "error": float(error), "tolerance": tol, "passed": ok, "detail": detail}
+
+
+def verify(model: Model, text: str = "The keys to the cabinet are on the table .", max_tokens: int = 48) -> pd.DataFrame:
+    """Run ctxmix's correctness checks on `model` and `text`; one row per check with the largest
+    relative error, its tolerance and whether it passed (columns check, error, tolerance, passed,
+    detail). Errors are relative to the largest |value| of what is compared."""
+    from .explain import explain
+    from .layer import ff_pieces, scope_pieces
+    from .methods import MIXING_METHODS
+    from .trace import trace
+
+    e = model.encode_input(text)
+    if len(e.ids) > max_tokens:
+        raise BadInput(f"verify runs on short texts (at most {max_tokens} tokens; this one has {len(e.ids)})")
+    tol = _tolerances(model)
+    rows = []
+    tr = trace(model, text)
+    scale = max(float(h.abs().max()) for h in tr.hidden)
+    rows.append(_check("layers recomputed from the weights = the model's hidden states",
+                       tr.reconstruction_error / max(scale, 1e-30), tol["state"],
+                       f"{model.n_layers} layers, {tr.n} tokens, largest |state| {scale:.3g}"))
+    idx = torch.arange(tr.n, device=tr.states[0].x.device)
+    worst: dict[str, float] = {}
+    ig_err, ig_scale = 0.0, 1e-30
+    with torch.no_grad():
+        for lw, st1 in zip(model.layers, tr.states):
+            st = st1.as_batch()
+            pieces = scope_pieces(lw, st, idx, next_ln=True)
+            real = {"post": {"Atb": st.z, "AtbFf": st.ff, "AtbFfRes": st.r2, "AtbFfResLn": st.y},
+                    "pre": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff, "AtbLnFfRes": st.y,
+                            "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y)}}[lw.position]
+            for name, (F, b) in pieces.items():
+                target = real.get(name)
+                if target is None:
+                    continue
+                err = float((F.sum(-2) + b - target).abs().max()) / max(float(target.abs().max()), 1e-30)
+                worst[name] = max(worst.get(name, 0.0), err)
+            F_in, b_in = pieces["Atb" if lw.position == "post" else "AtbLn"]
+            closed = ff_pieces(lw, st, idx, F_in, b_in)[0]
+            with torch.enable_grad():
+                numeric = _ff_numeric_ig(lw, st, idx, F_in)
+            ig_err = max(ig_err, float((closed - numeric).abs().max()))
+            ig_scale = max(ig_scale, float(closed.abs().max()))
+    for name, err in worst.items():
+        rows.append(_check(f"scope {name}: contributions + bias = its real vector", err, tol["exact"],
+                           "every layer, every token"))
+    rows.append(_check("FF closed-form IG = numeric IG (96-node Gauss-Legendre)", ig_err / ig_scale, tol["ig"],
+                       "every layer, every piece"))
+    ex = explain(model, text, ["value_zeroing", "attention", "attention_rollout", "alti"])
+    loop = value_zeroing_loop(model, e.ids)
+    vz = ex.layer_maps["value_zeroing"]
+    rows.append(_check("value zeroing = the per-token loop on the model", float(np.abs(vz - loop).max()), tol["vz"],
+                       "hooks zero one value vector at a time; rows normalised"))
+    for m in ("attention", "attention_rollout", "alti", "value_zeroing"):
+        if MIXING_METHODS[m].rows_sum_to_one:
+            err = max(float(np.abs(ex.layer_maps[m].sum(-1) - 1).max()), float(np.abs(ex.global_maps[m].sum(-1) - 1).max()))
+            rows.append(_check(f"{m}: rows sum to one (per layer and aggregated)", err,
+                               1e-5 if model.dtype != torch.float64 else 1e-6, ""))
+    return pd.DataFrame(rows, columns=COLUMNS)
