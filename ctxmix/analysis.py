@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .errors import BadInput, checked_arguments
 from .budget import batch_size_for, job_slot, memory_budget
 from .methods import scope_maps_batch
-from .models import Model
+from .models import Model, structural_ids
 from .ranks import masked_ranks, spearman_from_ranks
 from .trace import Trace, TraceBatch, trace_batch_tensors
 
@@ -43,7 +43,7 @@ def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -
     mask_id = getattr(model.tokenizer, "mask_token_id", None)
     if mask_id is None:
         raise BadInput(f"{model.name!r} has no mask token; masking applies to masked language models only")
-    special = set(model.tokenizer.all_special_ids)
+    special = structural_ids(model.tokenizer) | {mask_id}  # [UNK] stands for a word: it may be masked
     normal = [i for i, t in enumerate(ids) if t not in special]
     if not normal:
         return ids
@@ -63,7 +63,7 @@ def _cut(model: Model, ids: list[int], max_tokens: int) -> list[int]:
     """ids cut to max_tokens, keeping the closing special token where the model adds one."""
     if len(ids) <= max_tokens:
         return ids
-    special = set(model.tokenizer.all_special_ids) - {model.tokenizer.unk_token_id}
+    special = structural_ids(model.tokenizer)
     return ids[: max_tokens - 1] + [ids[-1]] if ids[-1] in special and max_tokens > 1 else ids[:max_tokens]
 
 

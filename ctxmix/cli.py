@@ -123,7 +123,8 @@ def cmd_methods(args) -> None:
 
     for name, info in METHODS.items():
         print(f"{name:22} {info.group:14} {info.paper}: {info.doc}"
-              + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else ""))
+              + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else "")
+              + (f" Caveat: {info.caveat}" if info.caveat else ""))
 
 
 def cmd_models(args) -> None:

@@ -36,7 +36,11 @@ class MethodInfo:
     rows_sum_to_one: bool = False
     doc: str = ""
     per_head: str = ""  # how the per-head maps relate to the layer map ("" = no per-head form)
+    caveat: str = ""  # what a reader must know before trusting the maps (shown by the page and `methods`)
 
+
+ROLLOUT_CAVEAT = ("On causal models the aggregated maps collapse onto the first token (the attention sink that "
+                  "rows attend to, compounded layer by layer): read the per-layer maps there.")
 
 MIXING_METHODS: dict[str, MethodInfo] = {
     m.name: m
@@ -46,7 +50,8 @@ MIXING_METHODS: dict[str, MethodInfo] = {
                    per_head="head h: alpha^h; the layer map is the heads' mean"),
         MethodInfo("attention_rollout", "attention", "Attention rollout", "Abnar & Zuidema 2020",
                    rows_sum_to_one=True,
-                   doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product."),
+                   doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product.",
+                   caveat=ROLLOUT_CAVEAT),
         MethodInfo("norm", "norm", "N (norm)", "Kobayashi et al. 2020; GlobEnc",
                    doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity.",
                    per_head="head h: ||alpha^h_ij f^h(x_j)||; the heads' vectors sum to the layer's vector, whose "

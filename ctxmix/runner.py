@@ -73,7 +73,7 @@ CONFIG_KINDS = ("methods", "contextualization_change")
 DATASET_SOURCES = ("pang_lee", "agreement", "file", "hf", "blimp", "linzen_goldberg")
 TARGETS = ("predicted", "gold")
 EXPLAIN_OPTIONS = {"ig_baseline": ("pad", "mask", "unk", "zero"), "ig_steps": int, "blank_replacement": ("unk", "mask"),
-                   "cat_mask_special": (True, False)}
+                   "cat_mask_special": (True, False), "grad_at": ("word", "embedding_output")}
 DONE_STATUSES = ("done", "na", "skipped")
 EXAMPLE_BATCH = 8  # examples of one (model, dataset) traced and decomposed together; fixed per run
 METHOD_ALIASES = {"all": "every method that applies to each model"}
@@ -147,6 +147,9 @@ class Plan:
         opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads", "example_batch")}
         if opts.get("token_type_ids", True) is True:  # the default keeps the hashes of configs made before it
             opts.pop("token_type_ids", None)
+        for k in ("deletion_stop_one_short", "raw_attention_keep_self"):  # the same: only a change is hashed
+            if opts.get(k) is False:
+                opts.pop(k)
         keep = {"kind": self.kind, "metrics": sorted(self.metrics), "target": self.target, "explain": self.explain,
                 "options": opts}
         return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -230,7 +233,7 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
         return None
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         errors.append(f"dataset {ident!r}: limit must be a non-negative integer")
-    allowed = {"sample", "sample_seed", "min_tokens"} | {
+    allowed = {"sample", "sample_seed", "min_tokens", "abs_saliency"} | {
         "pang_lee": set(),
         "agreement": {"per_phenomenon", "seed", "phenomena"},
         "file": {"path", "text_field", "label_field", "text_pair_field"},
@@ -242,6 +245,8 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     if unknown:
         errors.append(f"dataset {ident!r} ({source}): unknown option(s) {', '.join(unknown)}; "
                       f"valid: limit, {', '.join(sorted(allowed))}")
+    if "abs_saliency" in d and not isinstance(d["abs_saliency"], bool):
+        errors.append(f"dataset {ident!r}: abs_saliency must be true or false")
     if source in ("file", "linzen_goldberg"):
         if not d.get("path"):
             errors.append(f"dataset {ident!r} ({source}) needs a path")
@@ -292,7 +297,8 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     errors: list[str] = []
     known = {"name", "description", "kind", "models", "datasets", "runs", "methods", "metrics", "target",
              "explain", "options", "paper", "batch_size", "min_tokens", "seed", "mask_rate", "lower_triangle",
-             "device", "dtype", "threads", "example_batch", "token_type_ids"}
+             "device", "dtype", "threads", "example_batch", "token_type_ids", "deletion_stop_one_short",
+             "raw_attention_keep_self"}
     unknown = sorted(set(raw) - known)
     if unknown:
         errors.append(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -407,7 +413,12 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
                "seed": raw.get("seed", 0), "mask_rate": raw.get("mask_rate", 0.0),
                "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads"),
                "example_batch": raw.get("example_batch", EXAMPLE_BATCH),
-               "token_type_ids": raw.get("token_type_ids", True)}
+               "token_type_ids": raw.get("token_type_ids", True),
+               "deletion_stop_one_short": raw.get("deletion_stop_one_short", False),
+               "raw_attention_keep_self": raw.get("raw_attention_keep_self", False)}
+    for k in ("deletion_stop_one_short", "raw_attention_keep_self"):
+        if not isinstance(options[k], bool):
+            errors.append(f"{k} must be true or false")
     if not isinstance(options["token_type_ids"], bool):
         errors.append("token_type_ids must be true (sentence pairs reach the model with their token types, the "
                       "default) or false (pairs run without them, as the AttCAT code does)")
@@ -798,8 +809,9 @@ def _example_seed(seed: int, *parts) -> int:
 
 
 def _derived(name: str, ex_obj, position: int, n: int, seed_key: int, model=None, ids=None, target=None,
-             foil=None, batch_size: int = 32):
-    """(saliency, layer maps or None) of a derived method."""
+             foil=None, batch_size: int = 32, keep_self: bool = False):
+    """(saliency, layer maps or None) of a derived method. keep_self: raw_attention keeps the
+    explained token's attention to itself (the ALTI repository's baseline) instead of zeroing it."""
     from .methods import rollout
 
     if name == "random":
@@ -807,7 +819,8 @@ def _derived(name: str, ex_obj, position: int, n: int, seed_key: int, model=None
     if name == "raw_attention":
         A = ex_obj.layer_maps["attention"]
         s = A[-1][position].copy()
-        s[position] = 0.0
+        if not keep_self:
+            s[position] = 0.0
         return s, A
     if name in ("norm_rollout", "norm_fixed_res"):
         base = ex_obj.layer_maps["norm_res_ln" if name == "norm_rollout" else "norm"]
@@ -929,7 +942,8 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
                 layer_maps[m] = exo.layer_maps[m]
         else:
             s, L = _derived(m, exo, position, n, _example_seed(task["seed"], task["dataset"], ex["id"], m), model=model,
-                            ids=ids, target=target, foil=foil, batch_size=task["options"].get("batch_size", 32))
+                            ids=ids, target=target, foil=foil, batch_size=task["options"].get("batch_size", 32),
+                            keep_self=task["options"].get("raw_attention_keep_self", False))
             saliency[m] = np.asarray(s, dtype=np.float64)
             if L is not None:
                 layer_maps[m] = L
@@ -941,7 +955,9 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
         predict = TargetProbability(model, target, batch_size=task["options"].get("batch_size", 32))
         dm, p0 = deletion_metrics(predict, ids, {m: saliency[m] for m in ok}, del_metrics,
                                   protected=protected_positions(model, ids, position), position=position,
-                                  pad_id=pad_token_id(model.tokenizer), token_type_ids=p.get("types"))
+                                  pad_id=pad_token_id(model.tokenizer), token_type_ids=p.get("types"),
+                                  abs_saliency=task["options"].get("abs_saliency", False),
+                                  stop_one_short=task["options"].get("deletion_stop_one_short", False))
         for m, vals in dm.items():
             scores[m] += [(k, -1, v) for k, v in vals.items()]
     cue_metrics = [x.name for x in metrics if x.name in CUE_METRICS]
@@ -1326,6 +1342,8 @@ def _task(plan: Plan, g: Group, store: ResultsStore) -> dict:
     spec = next((d for d in plan.datasets if d.id == g.dataset), None)
     if spec is not None and spec.options.get("min_tokens") is not None:
         options["min_tokens"] = int(spec.options["min_tokens"])  # a dataset's own filter wins
+    if spec is not None and spec.options.get("abs_saliency"):
+        options["abs_saliency"] = True  # rank by |score| for the deletion metrics (AttCAT's QQP notebook)
     return {"kind": plan.kind, "model": asdict(g.model), "dataset": g.dataset, "example": asdict(g.example),
             "methods": g.methods, "metrics": plan.metrics, "target": plan.target, "explain": plan.explain,
             "options": options, "seed": plan.options["seed"],

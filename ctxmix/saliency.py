@@ -3,7 +3,10 @@
 The target scalar is the softmax probability of the target class (classifiers) or of the
 target token at `position` (language models), as the ALTI and GlobEnc code use; CAT and
 AttCAT use the logit, as the AttCAT code does. Gradients are taken with respect to the word
-embeddings (`get_input_embeddings()`), so position and segment embeddings stay fixed. Every
+embeddings (`get_input_embeddings()`, grad_at="word", the default: position and segment embeddings
+stay fixed; GlobEnc's notes recommend it) or, with grad_at="embedding_output", with respect to
+layer 0's input (after BERT's embedding LayerNorm), where the ALTI code differentiates and value
+zeroing's code reads its input (configs alti-table2 and value-zeroing-table3 use it). Every
 forward pass reads the sequence's token_type_ids (`Trace.type_ids_kwargs`), so a sentence pair
 is explained as the model reads it.
 """
@@ -15,14 +18,14 @@ import torch
 
 from .errors import BadInput
 from .methods import MethodInfo
-from .models import Model
+from .models import Model, structural_ids
 from .trace import Trace
 
 SALIENCY_METHODS: dict[str, MethodInfo] = {
     m.name: m
     for m in [
         MethodInfo("grad", "saliency", "Gradient (L2)", "Bastings et al. 2022; ALTI",
-                   doc="||d p_target / d e_i||_2 over the word embedding e_i."),
+                   doc="||d p_target / d e_i||_2 over the word embedding e_i (or layer 0's input: grad_at)."),
         MethodInfo("grad_x_input", "saliency", "Gradient x input (L2)", "GlobEnc Eq. 17",
                    doc="||(d p_target / d e_i) * e_i||_2, GlobEnc's reference saliency."),
         MethodInfo("integrated_gradients", "saliency", "Integrated gradients", "Sundararajan et al. 2017 (captum)",
@@ -106,15 +109,63 @@ def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
            "unk": tok.unk_token_id}.get(baseline)
     if rep is None:
         raise BadInput(f"this tokenizer has no {baseline} token; choose another baseline")
-    special = set(tok.all_special_ids)
-    return [t if t in special else rep for t in ids]
+    keep = structural_ids(tok) | {getattr(tok, "mask_token_id", None)}  # [UNK] is a word: it gets the baseline
+    return [t if t in keep else rep for t in ids]
 
 
-def _gradients(model: Model, tr: Trace, target: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+GRAD_AT = ("word", "embedding_output")
+
+
+class _Layer0Input:
+    """Within the block, layer 0 reads `X` (b, n, d) instead of the embedding module's output: a
+    forward pre-hook swaps its hidden-state argument. Gradients and IG at the embedding output
+    (after BERT's embedding LayerNorm and the position embeddings; the word embeddings for
+    Llama-like models) run the model from there."""
+
+    def __init__(self, model: Model, X: torch.Tensor):
+        from .arch import _get
+
+        self.layer0 = _get(model.hf.base_model, model.spec.layers)[0]
+        self.X = X
+
+    def _hook(self, mod, args, kwargs):
+        if args:
+            return (self.X.to(args[0].dtype), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.X.to(kwargs["hidden_states"].dtype)}
+
+    def __enter__(self):
+        self.handle = self.layer0.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _embedding_output(model: Model, tr: Trace, ids: list[int]) -> torch.Tensor:
+    """Layer 0's input for `ids` (with the trace's token types): (1, n, d)."""
+    x = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        out = model.hf(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True,
+                       **tr.type_ids_kwargs())
+    return out.hidden_states[0].detach()
+
+
+def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
+    """The model run from word embeddings or from layer 0's input X (b, n, d)."""
+    if grad_at == "word":
+        return _forward_embeds(model, tr, X)
+    ids = torch.tensor([tr.input_ids], device=model.device).expand(X.shape[0], -1)
+    with _Layer0Input(model, X):
+        return model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **tr.type_ids_kwargs(batch=X.shape[0]))
+
+
+def _gradients(model: Model, tr: Trace, target: int, position: int,
+               grad_at: str = "word") -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([tr.input_ids], device=model.device)
     with torch.enable_grad():
-        E = _embed(model, ids).detach().requires_grad_(True)
-        p = _score(model, _forward_embeds(model, tr, E).logits, target, position)
+        E = (_embed(model, ids) if grad_at == "word" else _embedding_output(model, tr, tr.input_ids))
+        E = E.detach().requires_grad_(True)
+        p = _score(model, _forward_at(model, tr, E, grad_at).logits, target, position)
         (g,) = torch.autograd.grad(p.sum(), E)
     return g[0], E[0].detach()
 
@@ -131,9 +182,12 @@ def ig_batch_size(model: Model, n: int, n_steps: int) -> int | None:
 
 
 def integrated_gradients(model: Model, tr: Trace, target: int, position: int, baseline: str = "pad",
-                         n_steps: int = 50, internal_batch_size: int | None = None) -> np.ndarray:
-    """captum's IntegratedGradients on the word embeddings; per token |sum over dimensions|.
-    internal_batch_size: steps per pass; by default all in one pass when memory allows (`ig_batch_size`)."""
+                         n_steps: int = 50, internal_batch_size: int | None = None,
+                         grad_at: str = "word") -> np.ndarray:
+    """captum's IntegratedGradients on the word embeddings (or on layer 0's input, grad_at=
+    "embedding_output": the baseline is then the baseline ids' embedding output, or zeros); per
+    token |sum over dimensions|. internal_batch_size: steps per pass; by default all in one pass
+    when memory allows (`ig_batch_size`)."""
     from captum.attr import IntegratedGradients
 
     if baseline not in IG_BASELINES:
@@ -141,14 +195,19 @@ def integrated_gradients(model: Model, tr: Trace, target: int, position: int, ba
     if n_steps < 1:
         raise BadInput("IG needs at least one step")
     ids = torch.tensor([tr.input_ids], device=model.device)
-    E = _embed(model, ids).detach()
-    if baseline == "zero":  # all word embeddings zero, special tokens included (position embeddings stay)
-        B = torch.zeros_like(E)
+    if grad_at == "word":
+        E = _embed(model, ids).detach()
     else:
+        E = _embedding_output(model, tr, tr.input_ids)
+    if baseline == "zero":  # all zero, special tokens included (word embeddings: position embeddings stay)
+        B = torch.zeros_like(E)
+    elif grad_at == "word":
         B = _embed(model, torch.tensor([_baseline_ids(model, tr.input_ids, baseline)], device=model.device)).detach()
+    else:
+        B = _embedding_output(model, tr, _baseline_ids(model, tr.input_ids, baseline))
 
     def f(x):
-        return _score(model, _forward_embeds(model, tr, x).logits, target, position).to(x.dtype)
+        return _score(model, _forward_at(model, tr, x, grad_at).logits, target, position).to(x.dtype)
 
     if internal_batch_size is None:
         internal_batch_size = ig_batch_size(model, len(tr.input_ids), n_steps)
@@ -193,7 +252,7 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int,
     ids = torch.tensor([tr.input_ids], device=model.device)
     mask = torch.ones_like(ids)
     if mask_special and model.kind != "causal_lm":  # a causal LM's first token is its attention sink
-        special = set(model.tokenizer.all_special_ids)
+        special = structural_ids(model.tokenizer) - {model.tokenizer.pad_token_id}  # [CLS]/[SEP] (BOS/EOS)
         keep = torch.tensor([[t not in special for t in tr.input_ids]], device=model.device)
         if keep.any():
             mask = keep.long()
@@ -210,7 +269,7 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int,
 
 
 SALIENCY_OPTIONS = {"ig_baseline": IG_BASELINES, "ig_steps": (1, 10_000), "blank_replacement": ("unk", "mask"),
-                    "cat_mask_special": (True, False)}
+                    "cat_mask_special": (True, False), "grad_at": GRAD_AT}
 
 
 def check_saliency_options(options: dict) -> dict:
@@ -240,7 +299,7 @@ def resolve_foil(model: Model, tr: Trace, foil, target: int, position: int) -> i
 
 def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
                     ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk",
-                    cat_mask_special: bool = True, foil=None) -> tuple[int, dict]:
+                    cat_mask_special: bool = True, foil=None, grad_at: str = "word") -> tuple[int, dict]:
     """{method: (n,)} for the saliency methods among `methods`; returns (target, scores).
     With a foil every method explains target minus foil (`_score`); `saliency_scores.foil` is
     not returned: call `resolve_foil` for it."""
@@ -249,13 +308,14 @@ def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, po
     scored = tgt if f is None else (tgt, f)
     out: dict[str, np.ndarray] = {}
     if {"grad", "grad_x_input"} & set(methods):
-        g, E = _gradients(model, tr, scored, position)
+        g, E = _gradients(model, tr, scored, position, grad_at)
         if "grad" in methods:
             out["grad"] = g.norm(dim=-1).double().cpu().numpy()
         if "grad_x_input" in methods:
             out["grad_x_input"] = (g * E).norm(dim=-1).double().cpu().numpy()
     if "integrated_gradients" in methods:
-        out["integrated_gradients"] = integrated_gradients(model, tr, scored, position, ig_baseline, ig_steps)
+        out["integrated_gradients"] = integrated_gradients(model, tr, scored, position, ig_baseline, ig_steps,
+                                                           grad_at=grad_at)
     if "blank_out" in methods:
         out["blank_out"] = blank_out(model, tr, scored, position, blank_replacement)
     if {"cat", "attcat"} & set(methods):

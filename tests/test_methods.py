@@ -324,3 +324,39 @@ def test_half_precision_models_give_finite_maps_near_float32(tokenizer, family, 
             tol = torch.finfo(dtype).eps if m.startswith("attention") else 1e-6
             np.testing.assert_allclose(ex.layer_maps[m].sum(-1), 1.0, atol=tol, err_msg=m)
         np.testing.assert_allclose(ex.layer_maps[m], ref.layer_maps[m], atol=0.1, err_msg=m)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_gradients_at_the_embedding_output(tokenizer, family):
+    """grad_at="embedding_output": the gradient with respect to layer 0's input, by hand; on a
+    Llama-like model (no embedding LayerNorm, no position embeddings) that is the word embedding."""
+    from ctxmix.trace import trace_ids
+
+    m = tiny_model(family, tokenizer)
+    ids = IDS if family == "bert" else IDS[:-1]
+    ex = ctxmix.explain(m, None, ["grad", "grad_x_input", "integrated_gradients"], target=1, input_ids=ids,
+                        grad_at="embedding_output", ig_steps=16)
+    x = torch.tensor([ids])
+    with torch.enable_grad():
+        h0 = m.hf(input_ids=x, output_hidden_states=True).hidden_states[0].detach().requires_grad_(True)
+        # the reference runs the model from h0 without ctxmix's hook: inputs_embeds for Llama, the
+        # encoder layers one by one for BERT (one unpadded sequence: no mask)
+        if family == "llama":
+            z = m.hf(inputs_embeds=h0).logits[0, -1].double()
+            p = torch.softmax(z, -1)[1]
+        else:
+            hs = h0
+            for layer in m.hf.base_model.encoder.layer:
+                hs = layer(hs)
+                hs = hs[0] if isinstance(hs, tuple) else hs
+            p = torch.softmax(m.hf.classifier(m.hf.base_model.pooler(hs)).double()[0], -1)[1]
+        (g,) = torch.autograd.grad(p, h0)
+    np.testing.assert_allclose(ex.saliency["grad"], g[0].norm(dim=-1).numpy(), rtol=1e-8, atol=1e-14)
+    np.testing.assert_allclose(ex.saliency["grad_x_input"], (g[0] * h0[0].detach()).norm(dim=-1).numpy(),
+                               rtol=1e-8, atol=1e-14)
+    word = ctxmix.explain(m, None, ["grad"], target=1, input_ids=ids)
+    if family == "llama":  # layer 0 reads the word embeddings: the two choices agree
+        np.testing.assert_allclose(word.saliency["grad"], ex.saliency["grad"], rtol=1e-10)
+    else:  # BERT's embedding LayerNorm and position embeddings sit between them
+        assert np.abs(word.saliency["grad"] - ex.saliency["grad"]).max() > 1e-6
+    assert np.isfinite(ex.saliency["integrated_gradients"]).all()

@@ -42,7 +42,8 @@ class ToyNet(torch.nn.Module):
 
 
 def toy_model():
-    tok = SimpleNamespace(pad_token_id=PAD, unk_token_id=100, all_special_ids=[PAD, 100, CLS, SEP, 103])
+    tok = SimpleNamespace(pad_token_id=PAD, unk_token_id=100, cls_token_id=CLS, sep_token_id=SEP, mask_token_id=103,
+                          all_special_ids=[PAD, 100, CLS, SEP, 103])
     return SimpleNamespace(kind="classifier", device=torch.device("cpu"), tokenizer=tok, hf=ToyNet(), name="toy")
 
 
@@ -243,3 +244,60 @@ def test_metric_metadata():
         get_metric("aopcc")
     with pytest.raises(BadInput, match="malformed"):
         get_metric("spearman:")
+
+
+def test_stop_one_short_and_abs_ranking():
+    """AttCAT's code never deletes the last deletable token (i != n - 1) and its QQP notebook ranks
+    by |score|: both options change which tokens go, by hand on a 6-token example."""
+    from ctxmix.metrics import _plan
+
+    ranked = [3, 1, 2, 4]  # 4 deletable tokens of 6
+    _, full = _plan("aopc", ranked, 6, 4)
+    _, short = _plan("aopc", ranked, 6, 4, stop_one_short=True)
+    assert max(len(r) for r in full) == 4 and max(len(r) for r in short) == 3
+    assert all(len(r) <= 3 for r in short) and [3, 1, 2] in short
+    seen = []
+
+    def predict(seqs, positions):
+        seen.extend(tuple(s) for s in seqs)
+        return np.linspace(1.0, 0.5, len(seqs))
+
+    ids = [101, 11, 12, 13, 14, 102]
+    sal = {"m": np.array([0.0, -5.0, 1.0, 2.0, 0.5, 0.0])}
+    deletion_metrics(predict, ids, sal, ["aopc"], protected={0, 5}, abs_saliency=True)
+    assert (101, 12, 13, 14, 102) in seen  # |-5| ranks token 1 first
+    seen.clear()
+    deletion_metrics(predict, ids, sal, ["aopc"], protected={0, 5})
+    assert (101, 11, 12, 14, 102) in seen and (101, 12, 13, 14, 102) not in seen  # signed: token 3 first
+
+
+def test_unknown_words_are_words_not_special_tokens(tokenizer):
+    """[UNK] stands for a word: deletion metrics may delete it, IG baselines replace it, masking may
+    mask it; [CLS]/[SEP] stay protected, and a [MASK] keeps its question in the IG baseline."""
+    from types import SimpleNamespace
+
+    from ctxmix.analysis import mask_tokens
+    from ctxmix.saliency import _baseline_ids
+
+    unk, mask = tokenizer.unk_token_id, tokenizer.mask_token_id
+    ids = [101, 2023, unk, mask, 102]
+    m = SimpleNamespace(tokenizer=tokenizer, kind="classifier")
+    assert protected_positions(m, ids, 0) == {0, 4}
+    assert _baseline_ids(SimpleNamespace(tokenizer=tokenizer), ids, "pad") == [101, 0, 0, mask, 102]
+    import random
+
+    masked = {mask_tokens(SimpleNamespace(tokenizer=tokenizer, name="x"), ids, 0.4, random.Random(s))[2]
+              for s in range(20)}
+    assert mask in masked  # the [UNK] position can be masked
+
+
+def test_raw_attention_keeps_or_zeroes_the_explained_token():
+    from types import SimpleNamespace
+
+    from ctxmix.runner import _derived
+
+    A = np.full((1, 3, 3), 1 / 3)
+    ex = SimpleNamespace(layer_maps={"attention": A})
+    zero, _ = _derived("raw_attention", ex, 0, 3, 0)
+    keep, _ = _derived("raw_attention", ex, 0, 3, 0, keep_self=True)
+    assert zero[0] == 0 and keep[0] == pytest.approx(1 / 3) and zero[1] == keep[1]

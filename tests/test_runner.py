@@ -498,3 +498,18 @@ def test_example_batch_is_checked(tmp_path):
     plan = runner.load_config(cfg(tmp_path, "minilm", example_batch=4), check_models=False)
     assert plan.options["example_batch"] == 4
     assert plan.config_hash() == runner.load_config(cfg(tmp_path, "minilm"), check_models=False).config_hash()
+
+
+def test_fidelity_options_are_checked_and_only_a_change_is_hashed():
+    base = {"name": "h", "models": ["minilm"], "datasets": [{"id": "pl", "source": "pang_lee"}], "methods": ["alti"],
+            "metrics": ["aopc"]}
+    h0 = runner.validate_config(base).config_hash()
+    for k in ("deletion_stop_one_short", "raw_attention_keep_self"):
+        assert runner.validate_config({**base, k: False}).config_hash() == h0
+        assert runner.validate_config({**base, k: True}).config_hash() != h0
+        with pytest.raises(BadInput, match=f"{k} must be true or false"):
+            runner.validate_config({**base, k: "yes"})
+    plan = runner.validate_config({**base, "datasets": [{"id": "pl", "source": "pang_lee", "abs_saliency": True}]})
+    assert plan.datasets[0].options["abs_saliency"] is True
+    with pytest.raises(BadInput, match="abs_saliency must be true or false"):
+        runner.validate_config({**base, "datasets": [{"id": "pl", "source": "pang_lee", "abs_saliency": 1}]})

@@ -48,6 +48,8 @@ def show_explanation(ex, layers: int) -> None:
         common.set_qp(map=mm, layer=layer)
         if mm in MIXING_METHODS:
             st.caption(MIXING_METHODS[mm].doc)
+            if MIXING_METHODS[mm].caveat and ex.provenance.get("model_causal"):
+                st.warning(MIXING_METHODS[mm].caveat)
         same = st.checkbox("Same colour scale for every layer", value=common.qp("scale", "layers") == "layers",
                            key="same_scale", help="Off: each map uses its own range.")
         common.set_qp(scale="layers" if same else "own")
