@@ -93,6 +93,14 @@ FAMILIES: tuple[ArchSpec, ...] = (
         ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
         ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
     ),
+    ArchSpec(
+        # Phi-3/4: Llama's shape with a fused qkv_proj ([Q | K | V], K and V of the key-value heads)
+        # and a fused gate_up_proj (act(first half) * second half)
+        "Phi-3", ("phi3",), position="pre", norm="rmsnorm", layers="layers", value="self_attn.qkv_proj",
+        out_proj="self_attn.o_proj", ln1="input_layernorm", ln2="post_attention_layernorm",
+        ff_gate="mlp.gate_up_proj", fused_gate_up=True, ff_out="mlp.down_proj", act="mlp.activation_fn",
+        final_norm="norm", fused_qkv=True, causal=True,
+    ),
     # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
     ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
     ArchSpec(
@@ -111,6 +119,7 @@ FAMILY_NOTES = {
                   "layer 0 has no attention norm",
     "Gemma": "RMSNorm scales by 1 + w (the gamma ff_outliers compares is 1 + w)",
     "Llama": "Qwen3's q/k norms and Llama 3's rotary scaling leave the value path as Llama's",
+    "Phi-3": "fused qkv_proj and gate_up_proj, split by the head counts",
 }
 
 
@@ -276,11 +285,11 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
     out: list[LayerWeights] = []
     for li, layer in enumerate(layers):
         Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
-        if spec.fused_qkv:  # GPT-2: columns [Q | K | V]
-            d = Wv.shape[0]
-            Wv, bv = Wv[:, 2 * d:], bv[2 * d:]
         Wo, bo = _linear(_get(layer, spec.out_proj), spec.conv1d)
         dh = Wo.shape[0] // H
+        if spec.fused_qkv:  # columns [Q | K | V]: Q of the H query heads, K and V of the Hkv key-value heads
+            v0 = (H + Hkv) * dh
+            Wv, bv = Wv[:, v0: v0 + Hkv * dh], bv[v0: v0 + Hkv * dh]
         W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
         lw = LayerWeights(
             index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,

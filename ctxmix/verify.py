@@ -38,11 +38,13 @@ def _tolerances(model: Model) -> dict[str, float]:
 
 
 def _value_slice(model: Model, width: int) -> slice:
-    """The columns of the value projection's output that hold V (all of it, or V of a fused QKV)."""
+    """The columns of the value projection's output that hold V (all of it, or V of a fused
+    [Q | K | V] whose K and V belong to the key-value heads)."""
     if not model.spec.fused_qkv:
         return slice(0, width)
-    d = width // 3
-    return slice(2 * d, 3 * d)
+    lw = model.layers[0]
+    v0 = (lw.n_heads + lw.n_kv_heads) * lw.head_dim
+    return slice(v0, v0 + lw.n_kv_heads * lw.head_dim)
 
 
 @torch.no_grad()
