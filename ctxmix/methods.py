@@ -178,6 +178,9 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
 
     keep_dims: per layer a boolean (d,) mask of the dimensions that enter the norm (the FF
     paper's outlier ablation drops the lowest-gamma 1 %), or None for all dimensions.
+    Each scope's pieces plus bias are also checked against the real vector they decompose, and the
+    largest error of each sequence's real rows joins `tb.errors` (an Explanation's
+    `reconstruction_error` then covers the decompositions it computed, not only the recomputed layers).
     """
     model = tb.model
     names = list(scope_names(model.spec.position))
@@ -196,10 +199,24 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
                     rows_d = rows.to(dev)
                     pieces = scope_pieces(lw, st, rows_d, res2=res2, next_ln=next_ln, cache=cache,
                                           factorised=factorised, precision=precision)
-                    for s, (F, _) in pieces.items():
+                    real = _scope_targets(lw, st, rows_d) if res2 == "exact" else {}
+                    real_rows = tb.mask[part][:, rows_d]
+                    for s, (F, b) in pieces.items():
                         if s in maps:
                             maps[s][part, l, rows_d] = _norms(F, keep)
+                        if real.get(s) is not None:
+                            err = (F.sum(2) + b - real[s]).abs().amax(-1).double()
+                            err = torch.where(real_rows, err, 0).amax(-1)
+                            tb.errors[part] = torch.maximum(tb.errors[part], err.to(tb.errors.device))
     return {s: _crop(v, tb) for s, v in maps.items()}
+
+
+def _scope_targets(lw, st, rows: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The real vector each scope decomposes, for output rows `rows` (B, c, d)."""
+    if lw.position == "post":
+        return {"Atb": st.z[:, rows], "AtbFf": st.ff[:, rows], "AtbFfRes": st.r2[:, rows], "AtbFfResLn": st.y[:, rows]}
+    return {"Atb": st.r1[:, rows], "AtbLn": st.z[:, rows], "AtbLnFf": st.ff[:, rows], "AtbLnFfRes": st.y[:, rows],
+            "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
 
 
 def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,

@@ -96,7 +96,7 @@ class TraceBatch:
         """A Trace as a batch of one (views), or a TraceBatch as it is."""
         if isinstance(tr, TraceBatch):
             return tr
-        err = torch.tensor([tr.reconstruction_error])
+        err = torch.tensor([tr.reconstruction_error], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
         dev = tr.states[0].x.device
         return cls(model=tr.model, input_ids=[list(tr.input_ids)], states=[st.as_batch() for st in tr.states],

@@ -111,3 +111,27 @@ def test_chunked_equals_whole(tiny, monkeypatch):
     chunked = ctxmix.scope_maps(tiny, input_ids=IDS)
     for k in whole:
         np.testing.assert_allclose(chunked[k], whole[k], rtol=0, atol=1e-12)
+
+
+def test_reconstruction_error_covers_the_decompositions_computed(tokenizer, monkeypatch):
+    """An explanation's reconstruction_error is the largest error of the recomputed layers and of
+    the scope decompositions it computed: a scope whose pieces stop summing to its vector shows."""
+    from conftest import tiny_model
+
+    import ctxmix.methods as M
+
+    m = tiny_model("bert", tokenizer)
+    plain = ctxmix.explain(m, None, ["alti"], input_ids=IDS)
+    exact = ctxmix.explain(m, None, ["AtbFf", "alti"], input_ids=IDS)
+    assert exact.reconstruction_error < TOL and plain.reconstruction_error < TOL
+    real = M.scope_pieces
+
+    def broken(*a, **k):
+        out = real(*a, **k)
+        F, b = out["AtbFf"]
+        out["AtbFf"] = (F, b + 1e-3)
+        return out
+
+    monkeypatch.setattr(M, "scope_pieces", broken)
+    assert ctxmix.explain(m, None, ["AtbFf"], input_ids=IDS).reconstruction_error == pytest.approx(1e-3, rel=1e-6)
+    assert ctxmix.explain(m, None, ["alti"], input_ids=IDS).reconstruction_error < TOL  # no scope asked: none checked
