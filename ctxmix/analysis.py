@@ -33,8 +33,14 @@ PRE_COMPARISONS = {  # the dynamics are relative to the map just before the FF, 
 }
 
 
+PARALLEL_COMPARISONS = {  # y = x + ATTN(LN1 x) + FF(LN2 x): the FF adds to each token's own row only
+    "+Ff": ("Atb", "AtbFf"), "+Res": ("AtbFf", "AtbFfRes"), "+Ln": ("AtbFfRes", "AtbFfResLn"),
+    "dyn:FF": ("Atb", "AtbFf"), "dyn:FF+RES": ("Atb", "AtbFfRes"), "dyn:FF+RES+LN": ("Atb", "AtbFfResLn"),
+}
+
+
 def comparisons(model: Model) -> dict[str, tuple[str, str]]:
-    return POST_COMPARISONS if model.spec.position == "post" else PRE_COMPARISONS
+    return {"post": POST_COMPARISONS, "pre": PRE_COMPARISONS, "parallel": PARALLEL_COMPARISONS}[model.spec.position]
 
 
 def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -> list[int]:
@@ -245,8 +251,8 @@ def ff_amp_matrix(before: np.ndarray, after: np.ndarray, normalise: str = "colum
 
 
 def ff_amp_scopes(model: Model) -> tuple[str, str]:
-    """The maps just before and after the FF: (Atb, AtbFf) post-LN, (AtbLn, AtbLnFf) pre-LN."""
-    return ("Atb", "AtbFf") if model.spec.position == "post" else ("AtbLn", "AtbLnFf")
+    """The maps just before and after the FF: (Atb, AtbFf) post-LN and parallel, (AtbLn, AtbLnFf) pre-LN."""
+    return ("AtbLn", "AtbLnFf") if model.spec.position == "pre" else ("Atb", "AtbFf")
 
 
 def _ff_amp_t(before: torch.Tensor, after: torch.Tensor, normalise: str) -> torch.Tensor:

@@ -27,7 +27,8 @@ class ArchSpec:
 
     family: str
     model_types: tuple[str, ...]
-    position: str  # "post": LN after each residual (BERT); "pre": LN before each block (GPT-2)
+    position: str  # "post": LN after each residual (BERT); "pre": LN before each block (GPT-2);
+    # "parallel": y = x + ATTN(LN1 x) + FF(LN2 x) (GPT-NeoX, Phi-1/2; LN1 and LN2 may be one module)
     norm: str  # "layernorm" or "rmsnorm"
     layers: str
     value: str
@@ -45,6 +46,7 @@ class ArchSpec:
     causal: bool = False
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w): gamma = w + norm_offset
     fused_gate_up: bool = False  # ff_gate names one projection [gate | up] (ModernBERT's Wi: act(first) * second)
+    qkv_per_head: bool = False  # fused QKV interleaved per head, [q_h | k_h | v_h] for each head (GPT-NeoX)
     heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
 
     @property
@@ -101,6 +103,20 @@ FAMILIES: tuple[ArchSpec, ...] = (
         ff_gate="mlp.gate_up_proj", fused_gate_up=True, ff_out="mlp.down_proj", act="mlp.activation_fn",
         final_norm="norm", fused_qkv=True, causal=True,
     ),
+    ArchSpec(
+        # parallel residual; query_key_value interleaved per head ([q_h | k_h | v_h]), so GPT-2's
+        # block slicing would take the wrong columns. use_parallel_residual=False makes it pre-LN.
+        "GPT-NeoX", ("gpt_neox",), position="parallel", norm="layernorm", layers="layers",
+        value="attention.query_key_value", out_proj="attention.dense", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_in="mlp.dense_h_to_4h", ff_out="mlp.dense_4h_to_h", act="mlp.act",
+        final_norm="final_layer_norm", fused_qkv=True, qkv_per_head=True, causal=True,
+    ),
+    ArchSpec(
+        # Phi-1/1.5/2: parallel, one norm shared by the attention and the FF
+        "Phi", ("phi",), position="parallel", norm="layernorm", layers="layers", value="self_attn.v_proj",
+        out_proj="self_attn.dense", ln1="input_layernorm", ln2="input_layernorm", ff_in="mlp.fc1",
+        ff_out="mlp.fc2", act="mlp.activation_fn", final_norm="final_layernorm", causal=True,
+    ),
     # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
     ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
     ArchSpec(
@@ -120,6 +136,9 @@ FAMILY_NOTES = {
     "Gemma": "RMSNorm scales by 1 + w (the gamma ff_outliers compares is 1 + w)",
     "Llama": "Qwen3's q/k norms and Llama 3's rotary scaling leave the value path as Llama's",
     "Phi-3": "fused qkv_proj and gate_up_proj, split by the head counts",
+    "GPT-NeoX": "parallel residual: the FF reads LN2(x), so within a layer it adds to each token's own row "
+                "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
+    "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
 }
 
 
@@ -133,7 +152,8 @@ def families_table() -> list[dict]:
         norm = sp.norm + (f" (gamma = {sp.norm_offset:g} + w)" if sp.norm_offset else "")
         ff = ("gated, fused [gate | up]" if sp.fused_gate_up else "gated") if sp.gated else "plain"
         rows.append({"family": sp.family, "model types": "/".join(sp.model_types),
-                     "norms": f"{sp.position}-LN", "norm": norm, "FF": ff,
+                     "norms": "parallel residual, pre-LN blocks" if sp.position == "parallel" else f"{sp.position}-LN",
+                     "norm": norm, "FF": ff,
                      "attention": "causal" if sp.causal else "bidirectional",
                      "scopes": ", ".join(scope_names(sp.position)), "note": FAMILY_NOTES.get(sp.family, "")})
     return rows
@@ -151,6 +171,8 @@ def spec_for(config) -> ArchSpec:
             if spec.family == "OPT" and not getattr(config, "do_layer_norm_before", True):
                 # OPT-350m puts the norms after the residuals, like BERT
                 return ArchSpec(**{**spec.__dict__, "position": "post", "final_norm": None})
+            if spec.family == "GPT-NeoX" and not getattr(config, "use_parallel_residual", True):
+                return ArchSpec(**{**spec.__dict__, "position": "pre"})
             if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
                 raise UnsupportedArchitecture("OPT checkpoints with word_embed_proj_dim != hidden_size are not supported")
             return spec
@@ -277,6 +299,16 @@ def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
     return H, Hkv
 
 
+def value_columns(spec: ArchSpec, H: int, Hkv: int, dh: int, device=None) -> torch.Tensor:
+    """The columns of a fused QKV projection that hold V: [Q | K | V] blocks (Q of the H query
+    heads, K and V of the Hkv key-value heads), or per head [q_h | k_h | v_h] (GPT-NeoX)."""
+    if spec.qkv_per_head:
+        return (torch.arange(H, device=device)[:, None] * 3 * dh + 2 * dh
+                + torch.arange(dh, device=device)[None]).reshape(-1)
+    v0 = (H + Hkv) * dh
+    return torch.arange(v0, v0 + Hkv * dh, device=device)
+
+
 def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
     """Read every layer's parameters once (views, no copies) through the spec's names."""
     layers = _get(base, spec.layers)
@@ -287,9 +319,9 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
         Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
         Wo, bo = _linear(_get(layer, spec.out_proj), spec.conv1d)
         dh = Wo.shape[0] // H
-        if spec.fused_qkv:  # columns [Q | K | V]: Q of the H query heads, K and V of the Hkv key-value heads
-            v0 = (H + Hkv) * dh
-            Wv, bv = Wv[:, v0: v0 + Hkv * dh], bv[v0: v0 + Hkv * dh]
+        if spec.fused_qkv:
+            cols = value_columns(spec, H, Hkv, dh, Wv.device)
+            Wv, bv = Wv[:, cols], bv[cols]
         W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
         lw = LayerWeights(
             index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,
@@ -308,7 +340,7 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
         else:
             lw.W1, lw.b1 = _linear(_get(layer, spec.ff_in), spec.conv1d)
         out.append(lw)
-    if spec.position == "pre":
+    if spec.position != "post":
         for lw, nxt in zip(out, out[1:] + [None]):
             lw.next_norm = nxt.ln1 if nxt is not None else final
     return out

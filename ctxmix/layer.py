@@ -188,6 +188,7 @@ class LayerState:
 
     post-LN: r1 = x + attn, z = LN1(r1), r2 = z + ff, y = LN2(r2)
     pre-LN:  x1 = LN1(x), h = x + attn(x1), z = LN2(h), y = h + ff
+    parallel (GPT-NeoX, Phi-1/2): x1 = LN1(x), r1 = x + attn(x1), z = LN2(x), y = r1 + ff
     `ff_in` is the vector the FF reads (z), `bypass` the vector RES2 adds around it.
     """
 
@@ -239,6 +240,8 @@ def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> to
     if lw.position == "post":
         z = lw.ln1(attn + x)
         return lw.ln2(z + ff_forward(lw, z)[0])
+    if lw.position == "parallel":  # the FF reads LN2(x), which the attention output does not touch
+        return attn + x + ff_forward(lw, lw.ln2(x))[0]
     h = attn + x
     return h + ff_forward(lw, lw.ln2(h))[0]
 
@@ -247,7 +250,7 @@ def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> Lay
     """Recompute the layer on x (..., n, d) with the model's attention probabilities (..., H, n, n)."""
     x1 = None
     src = x
-    if lw.position == "pre":
+    if lw.position != "post":
         x1 = lw.ln1(x)
         src = x1
     f = head_vectors(lw, src, with_bias=True)
@@ -258,6 +261,11 @@ def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> Lay
         ff, u, up = ff_forward(lw, z)
         r2 = z + ff
         y = lw.ln2(r2)
+    elif lw.position == "parallel":  # GPT-NeoX, Phi-1/2: y = x + attn(LN1 x) + FF(LN2 x)
+        z = lw.ln2(x)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + ff
+        y = r2
     else:
         z = lw.ln2(r1)
         ff, u, up = ff_forward(lw, z)
@@ -404,6 +412,11 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
         s2 = lw.ln2.scale(st.r2[:, rows])
         out["AtbFfResLn"] = (lw.ln2.decompose_pieces(F_r, s2), lw.ln2.decompose_bias(b_r, s2))
         return out
+    if lw.position == "parallel":
+        if res2 != "exact":
+            raise ValueError("res2='diagonal' is the FF paper's printed RES2 of a sequential layer; a parallel "
+                             "layer adds one residual around both blocks")
+        return _parallel_scopes(lw, st, rows, alpha, next_ln, cache)
     # pre-LN: LN1 acts on each token alone; its beta goes to the bias with b_V and b_O
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)  # LN1(x_j) - beta
@@ -429,6 +442,35 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     if next_ln and lw.next_norm is not None:
         s3 = lw.next_norm.scale(st.y[:, rows])
         out["AtbLnFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
+    return out
+
+
+def _parallel_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, next_ln: bool,
+                     cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Scopes of a parallel layer, y = x + ATTN(LN1 x) + FF(LN2 x), in the post-LN order of the
+    FF paper's names: Atb = LN1 + ATTN (no residual: the one residual adds x around both blocks),
+    AtbFf = Atb + FF, AtbFfRes = AtbFf + x (the layer output), AtbFfResLn = through the next norm.
+    The FF reads LN2(x_i), a function of token i alone: its zero-baseline IG share goes to token i
+    (on the diagonal) and to the bias (LN2's beta, b_1, b_2), so the FF mixes no context within the
+    layer; what it changes is how much of each token's row is its own."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if "f" not in cache:
+        xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
+        cache["v"] = head_values(lw, xhat, with_bias=False)
+        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    F_atb = mix(alpha, cache["f"])
+    b_atb = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
+    out["Atb"] = (F_atb, b_atb)
+    x = st.x[:, rows]
+    own = lw.ln2.decompose_pieces(x.unsqueeze(-2), lw.ln2.scale(x))  # (B, c, 1, d): LN2(x_i) - beta
+    beta = lw.ln2.beta if lw.ln2.beta is not None else torch.zeros_like(x[0, 0])
+    F_ff, b_ff = ff_pieces(lw, st, rows, own, beta.expand_as(x))
+    out["AtbFf"] = (_diag_add(F_atb, rows, F_ff[:, :, 0]), b_atb + b_ff)
+    F_r = _diag_add(out["AtbFf"][0], rows, x)
+    out["AtbFfRes"] = (F_r, out["AtbFf"][1])
+    if next_ln and lw.next_norm is not None:
+        s3 = lw.next_norm.scale(st.y[:, rows])
+        out["AtbFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(out["AtbFf"][1], s3))
     return out
 
 
@@ -458,6 +500,11 @@ def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> 
         out["norm_res_ln"] = T
         out["globenc"] = lw.ln2.decompose_pieces(T, lw.ln2.scale(st.r2[:, rows]))
         out["alti_T"] = T
+    elif lw.position == "parallel":  # no norm reads x + attn: N_ResLN takes the next norm with its std
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln1
+        out["norm_res_ln"] = nxt.decompose_pieces(NR, nxt.scale(st.r1[:, rows]))
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[:, rows]))
+        out["alti_T"] = NR
     else:
         out["norm_res_ln"] = lw.ln2.decompose_pieces(NR, lw.ln2.scale(st.r1[:, rows]))
         nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
@@ -491,6 +538,8 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     norm = ff_in_norm(lw)
     v = head_values(lw, src, with_bias=True)  # (B, H, n, dh)
     f = torch.matmul(v, lw.Wo.view(lw.n_heads, lw.head_dim, -1))  # (B, H, n, d)
+    if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
+        return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": []}
     r1c = _centre(st.r1, norm) * norm.gamma
     proj = [(r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
             for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))]
@@ -523,7 +572,11 @@ def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
         return out
     first = int(live[0])  # the rows before it receive nothing from the zeroed tokens (one sync per chunk)
     alT = st.alpha[:, :, first:, cols].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
-    if not factorised:
+    if lw.position == "parallel":  # y' = y - what v_t gave the attention output (the FF reads LN2(x) only)
+        f_t = (prep["f"][:, cols] if prep is not None else
+               head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous())
+        y = st.y[:, first:].unsqueeze(1) - torch.matmul(alT, f_t)
+    elif not factorised:
         src = st.x if lw.position == "post" else st.x1
         f_t = head_vectors(lw, src[:, cols], with_bias=True)  # (B, H, c, d)
         removed = torch.matmul(alT, f_t.transpose(1, 2).contiguous())  # (B, c, m, d)

@@ -81,7 +81,10 @@ for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES):
 
 
 def scope_names(position: str) -> tuple[str, ...]:
-    return POST_LN_SCOPES if position == "post" else PRE_LN_SCOPES
+    """The FF paper's scopes of a layer shape: post-LN, pre-LN, or parallel (post-LN's names in
+    post-LN's order: Atb = LN1 + ATTN, +Ff, +Res, and +Ln with the next norm; see
+    `ctxmix.layer._parallel_scopes`)."""
+    return PRE_LN_SCOPES if position == "pre" else POST_LN_SCOPES[:3] if position == "parallel" else POST_LN_SCOPES
 
 
 def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = False) -> np.ndarray:
@@ -186,6 +189,8 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
     names = list(scope_names(model.spec.position))
     if next_ln and model.spec.position == "pre":
         names.append("AtbLnFfResLn")
+    if next_ln and model.spec.position == "parallel":
+        names.append("AtbFfResLn")
     B, n, L = tb.B, tb.n, model.n_layers
     dev = tb.states[0].x.device
     maps = {s: torch.zeros(B, L, n, n, dtype=tb.states[0].x.dtype, device=dev) for s in names}
@@ -215,6 +220,9 @@ def _scope_targets(lw, st, rows: torch.Tensor) -> dict[str, torch.Tensor | None]
     """The real vector each scope decomposes, for output rows `rows` (B, c, d)."""
     if lw.position == "post":
         return {"Atb": st.z[:, rows], "AtbFf": st.ff[:, rows], "AtbFfRes": st.r2[:, rows], "AtbFfResLn": st.y[:, rows]}
+    if lw.position == "parallel":
+        return {"Atb": st.attn[:, rows], "AtbFf": (st.attn + st.ff)[:, rows], "AtbFfRes": st.y[:, rows],
+                "AtbFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
     return {"Atb": st.r1[:, rows], "AtbLn": st.z[:, rows], "AtbLnFf": st.ff[:, rows], "AtbLnFfRes": st.y[:, rows],
             "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
 

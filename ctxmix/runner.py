@@ -746,7 +746,7 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
     for m in methods:
         info = MIXING_METHODS.get(m)
         if info is not None and info.group == "scope" and m not in scopes:
-            na[m] = f"scope of a {'pre' if model.spec.position == 'post' else 'post'}-LN model"
+            na[m] = f"not a scope of a {model.spec.position}-LN model (its scopes: {', '.join(sorted(scopes))})"
         elif (m in SALIENCY_METHODS or m == "blank_out_foil") and model.kind == "encoder":
             na[m] = "needs a model with a head (classifier or language model)"
         elif m == "blank_out_foil" and (not has_foil or model.kind == "classifier"):
@@ -1018,7 +1018,7 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
     lower = bool(tasks[0]["options"].get("lower_triangle"))
     with torch.no_grad():
         tb = trace_batch_tensors(model, batch, token_type_ids=types)
-        maps = scope_maps_batch(tb, next_ln=model.spec.position == "pre")
+        maps = scope_maps_batch(tb, next_ln=model.spec.position != "post")
         mask = tb.mask
         valid = mask[:, :, None] & mask[:, None, :]
         if lower:

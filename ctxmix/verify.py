@@ -37,14 +37,14 @@ def _tolerances(model: Model) -> dict[str, float]:
     return {"state": 5e-2, "exact": 1e-4, "vz": 5e-2, "ig": 1e-4}
 
 
-def _value_slice(model: Model, width: int) -> slice:
-    """The columns of the value projection's output that hold V (all of it, or V of a fused
-    [Q | K | V] whose K and V belong to the key-value heads)."""
+def _value_columns(model: Model, width: int) -> torch.Tensor:
+    """The columns of the value projection's output that hold V (all of it, or V of a fused QKV)."""
     if not model.spec.fused_qkv:
-        return slice(0, width)
+        return torch.arange(width, device=model.device)
+    from .arch import value_columns
+
     lw = model.layers[0]
-    v0 = (lw.n_heads + lw.n_kv_heads) * lw.head_dim
-    return slice(v0, v0 + lw.n_kv_heads * lw.head_dim)
+    return value_columns(model.spec, lw.n_heads, lw.n_kv_heads, lw.head_dim, model.device)
 
 
 @torch.no_grad()
@@ -84,8 +84,8 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
 
             def zero_v(mod, inp, out):
                 out = out.clone()
-                cols = _value_slice(model, out.shape[-1])
-                out[rows, rows, cols] = 0.0  # copy t: token t's value vector
+                cols = _value_columns(model, out.shape[-1])
+                out[rows[:, None], rows[:, None], cols[None, :]] = 0.0  # copy t: token t's value vector
                 return out
 
             h = value.register_forward_hook(zero_v)
@@ -141,7 +141,7 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
     detail). Errors are relative to the largest |value| of what is compared."""
     from .explain import explain
     from .layer import ff_pieces, scope_pieces
-    from .methods import MIXING_METHODS
+    from .methods import MIXING_METHODS, _scope_targets
     from .trace import trace
 
     e = model.encode_input(text)
@@ -161,16 +161,20 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
         for lw, st1 in zip(model.layers, tr.states):
             st = st1.as_batch()
             pieces = scope_pieces(lw, st, idx, next_ln=True)
-            real = {"post": {"Atb": st.z, "AtbFf": st.ff, "AtbFfRes": st.r2, "AtbFfResLn": st.y},
-                    "pre": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff, "AtbLnFfRes": st.y,
-                            "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y)}}[lw.position]
+            real = {s: v[:, idx] if v is not None else None
+                    for s, v in _scope_targets(lw, st, torch.arange(st.x.shape[1], device=idx.device)).items()}
             for name, (F, b) in pieces.items():
                 target = real.get(name)
                 if target is None:
                     continue
                 err = float((F.sum(-2) + b - target).abs().max()) / max(float(target.abs().max()), 1e-30)
                 worst[name] = max(worst.get(name, 0.0), err)
-            F_in, b_in = pieces["Atb" if lw.position == "post" else "AtbLn"]
+            if lw.position == "parallel":  # the FF reads LN2(x_i): one piece per row, token i's own
+                x = st.x[:, idx]
+                F_in = lw.ln2.decompose_pieces(x.unsqueeze(-2), lw.ln2.scale(x))
+                b_in = (lw.ln2.beta if lw.ln2.beta is not None else torch.zeros_like(x[0, 0])).expand_as(x)
+            else:
+                F_in, b_in = pieces["Atb" if lw.position == "post" else "AtbLn"]
             closed = ff_pieces(lw, st, idx, F_in, b_in)[0]
             with torch.enable_grad():
                 numeric = _ff_numeric_ig(lw, st, idx, F_in)
