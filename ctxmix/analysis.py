@@ -39,8 +39,17 @@ PARALLEL_COMPARISONS = {  # y = x + ATTN(LN1 x) + FF(LN2 x): the FF adds to each
 }
 
 
+SANDWICH_COMPARISONS = {  # Gemma 2/3: the FF's output norm LNf is its own step, before RES2
+    "+Ln": ("Atb", "AtbLn"), "+Ff": ("AtbLn", "AtbLnFf"), "+FfLn": ("AtbLnFf", "AtbLnFfLn"),
+    "+Res": ("AtbLnFfLn", "AtbLnFfLnRes"),
+    "dyn:FF": ("AtbLn", "AtbLnFf"), "dyn:FF+LN": ("AtbLn", "AtbLnFfLn"), "dyn:FF+LN+RES": ("AtbLn", "AtbLnFfLnRes"),
+    "dyn:FF+LN+RES+LN": ("AtbLn", "AtbLnFfLnResLn"),
+}
+
+
 def comparisons(model: Model) -> dict[str, tuple[str, str]]:
-    return {"post": POST_COMPARISONS, "pre": PRE_COMPARISONS, "parallel": PARALLEL_COMPARISONS}[model.spec.position]
+    return {"post": POST_COMPARISONS, "pre": PRE_COMPARISONS, "parallel": PARALLEL_COMPARISONS,
+            "sandwich": SANDWICH_COMPARISONS}[model.spec.position]
 
 
 def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -> list[int]:
@@ -252,7 +261,7 @@ def ff_amp_matrix(before: np.ndarray, after: np.ndarray, normalise: str = "colum
 
 def ff_amp_scopes(model: Model) -> tuple[str, str]:
     """The maps just before and after the FF: (Atb, AtbFf) post-LN and parallel, (AtbLn, AtbLnFf) pre-LN."""
-    return ("AtbLn", "AtbLnFf") if model.spec.position == "pre" else ("Atb", "AtbFf")
+    return ("AtbLn", "AtbLnFf") if model.spec.position in ("pre", "sandwich") else ("Atb", "AtbFf")
 
 
 def _ff_amp_t(before: torch.Tensor, after: torch.Tensor, normalise: str) -> torch.Tensor:

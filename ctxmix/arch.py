@@ -28,7 +28,8 @@ class ArchSpec:
     family: str
     model_types: tuple[str, ...]
     position: str  # "post": LN after each residual (BERT); "pre": LN before each block (GPT-2);
-    # "parallel": y = x + ATTN(LN1 x) + FF(LN2 x) (GPT-NeoX, Phi-1/2; LN1 and LN2 may be one module)
+    # "parallel": y = x + ATTN(LN1 x) + FF(LN2 x) (GPT-NeoX, Phi-1/2; LN1 and LN2 may be one module);
+    # "sandwich": h = x + LNa(ATTN(LN1 x)), y = h + LNf(FF(LN2 h)) (Gemma 2/3)
     norm: str  # "layernorm" or "rmsnorm"
     layers: str
     value: str
@@ -47,6 +48,8 @@ class ArchSpec:
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w): gamma = w + norm_offset
     fused_gate_up: bool = False  # ff_gate names one projection [gate | up] (ModernBERT's Wi: act(first) * second)
     qkv_per_head: bool = False  # fused QKV interleaved per head, [q_h | k_h | v_h] for each head (GPT-NeoX)
+    post_attn_norm: str | None = None  # "sandwich" (Gemma 2/3): the norm of the attention block's output
+    post_ff_norm: str | None = None  # "sandwich": the norm of the FF block's output
     heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
 
     @property
@@ -117,6 +120,15 @@ FAMILIES: tuple[ArchSpec, ...] = (
         out_proj="self_attn.dense", ln1="input_layernorm", ln2="input_layernorm", ff_in="mlp.fc1",
         ff_out="mlp.fc2", act="mlp.activation_fn", final_norm="final_layernorm", causal=True,
     ),
+    ArchSpec(
+        # Gemma 2/3: pre-LN blocks whose outputs are normalised too. post_attention_layernorm normalises
+        # the attention output here (in Llama the module of that name is the FF's input norm)
+        "Gemma 2/3", ("gemma2", "gemma3_text"), position="sandwich", norm="rmsnorm", norm_offset=1.0,
+        layers="layers", value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+        post_ff_norm="post_feedforward_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
     # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
     ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
     ArchSpec(
@@ -139,6 +151,8 @@ FAMILY_NOTES = {
     "GPT-NeoX": "parallel residual: the FF reads LN2(x), so within a layer it adds to each token's own row "
                 "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
     "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
+    "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
+                 "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
 }
 
 
@@ -253,6 +267,8 @@ class LayerWeights:
     Wu: torch.Tensor | None = None
     bu: torch.Tensor | None = None
     next_norm: Norm | None = None  # the norm that next reads this layer's output (pre-LN)
+    post_attn_norm: Norm | None = None  # sandwich: LNa, the attention output's norm
+    post_ff_norm: Norm | None = None  # sandwich: LNf, the FF output's norm
     extra: dict = field(default_factory=dict)
 
     @property
@@ -261,9 +277,12 @@ class LayerWeights:
 
     @property
     def ff_norm(self) -> Norm:
-        """The norm that next processes the FF output: LN2 in post-LN, the next LN1 in pre-LN."""
+        """The norm that next processes the FF output: LN2 in post-LN, LNf in a sandwich layer
+        (Gemma 2/3: gamma = 1 + w), the next LN1 in pre-LN and parallel layers."""
         if self.position == "post":
             return self.ln2
+        if self.position == "sandwich":
+            return self.post_ff_norm
         assert self.next_norm is not None
         return self.next_norm
 
@@ -330,6 +349,9 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
             ln2=_norm(_get(layer, spec.ln2), spec.norm, spec.norm_offset),
             act=_get(layer, spec.act), W2=W2, b2=b2,
         )
+        if spec.post_attn_norm:
+            lw.post_attn_norm = _norm(_get(layer, spec.post_attn_norm), spec.norm, spec.norm_offset)
+            lw.post_ff_norm = _norm(_get(layer, spec.post_ff_norm), spec.norm, spec.norm_offset)
         if spec.fused_gate_up:
             W, b = _linear(_get(layer, spec.ff_gate), spec.conv1d)
             half = W.shape[1] // 2

@@ -189,6 +189,8 @@ class LayerState:
     post-LN: r1 = x + attn, z = LN1(r1), r2 = z + ff, y = LN2(r2)
     pre-LN:  x1 = LN1(x), h = x + attn(x1), z = LN2(h), y = h + ff
     parallel (GPT-NeoX, Phi-1/2): x1 = LN1(x), r1 = x + attn(x1), z = LN2(x), y = r1 + ff
+    sandwich (Gemma 2/3): x1 = LN1(x), r1 = x + LNa(attn(x1)), z = LN2(r1), y = r1 + LNf(ff); `attn`
+    and `ff` are the blocks' outputs before LNa and LNf
     `ff_in` is the vector the FF reads (z), `bypass` the vector RES2 adds around it.
     """
 
@@ -242,6 +244,9 @@ def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> to
         return lw.ln2(z + ff_forward(lw, z)[0])
     if lw.position == "parallel":  # the FF reads LN2(x), which the attention output does not touch
         return attn + x + ff_forward(lw, lw.ln2(x))[0]
+    if lw.position == "sandwich":
+        h = x + lw.post_attn_norm(attn)
+        return h + lw.post_ff_norm(ff_forward(lw, lw.ln2(h))[0])
     h = attn + x
     return h + ff_forward(lw, lw.ln2(h))[0]
 
@@ -255,12 +260,17 @@ def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> Lay
         src = x1
     f = head_vectors(lw, src, with_bias=True)
     attn = torch.matmul(alpha, f).sum(-3) + lw.bo
-    r1 = attn + x
+    r1 = attn + x if lw.position != "sandwich" else x + lw.post_attn_norm(attn)
     if lw.position == "post":
         z = lw.ln1(r1)
         ff, u, up = ff_forward(lw, z)
         r2 = z + ff
         y = lw.ln2(r2)
+    elif lw.position == "sandwich":  # Gemma 2/3: both blocks' outputs normalised before their residual
+        z = lw.ln2(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + lw.post_ff_norm(ff)
+        y = r2
     elif lw.position == "parallel":  # GPT-NeoX, Phi-1/2: y = x + attn(LN1 x) + FF(LN2 x)
         z = lw.ln2(x)
         ff, u, up = ff_forward(lw, z)
@@ -412,6 +422,8 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
         s2 = lw.ln2.scale(st.r2[:, rows])
         out["AtbFfResLn"] = (lw.ln2.decompose_pieces(F_r, s2), lw.ln2.decompose_bias(b_r, s2))
         return out
+    if lw.position == "sandwich":
+        return _sandwich_scopes(lw, st, rows, alpha, res2, next_ln, cache)
     if lw.position == "parallel":
         if res2 != "exact":
             raise ValueError("res2='diagonal' is the FF paper's printed RES2 of a sequential layer; a parallel "
@@ -442,6 +454,42 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     if next_ln and lw.next_norm is not None:
         s3 = lw.next_norm.scale(st.y[:, rows])
         out["AtbLnFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
+    return out
+
+
+def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, res2: str,
+                     next_ln: bool, cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Scopes of a sandwich layer (Gemma 2/3), h = x + LNa(ATTN(LN1 x)), y = h + LNf(FF(LN2 h)), in
+    the pre-LN names and order with the output norms where they act: Atb = LN1 + ATTN + LNa + RES1
+    (sums to h), AtbLn (LN2, the FF's input), AtbLnFf (the FF output), AtbLnFfLn (LNf),
+    AtbLnFfLnRes (RES2: the layer output), AtbLnFfLnResLn (the next norm). Every norm is decomposed
+    with the scale of the real vector it reads; the FF by zero-baseline IG on the straightforward
+    product (LNa's per-row scale sits between the heads and W_1, so no head factorisation)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if "f" not in cache:
+        xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
+        cache["f"] = torch.matmul(head_values(lw, xhat, with_bias=False), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    sa = lw.post_attn_norm.scale(st.attn[:, rows])
+    F_a = lw.post_attn_norm.decompose_pieces(mix(alpha, cache["f"]), sa)
+    b = lw.post_attn_norm.decompose_bias(value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo, sa)
+    F_atb = _diag_add(F_a, rows, st.x[:, rows])
+    out["Atb"] = (F_atb, b)
+    s2 = lw.ln2.scale(st.r1[:, rows])
+    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
+    out["AtbLn"] = (F_ln, b_ln)
+    F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFf"] = (F_ff, b_ff)
+    sf = lw.post_ff_norm.scale(st.ff[:, rows])
+    F_f, b_f = lw.post_ff_norm.decompose_pieces(F_ff, sf), lw.post_ff_norm.decompose_bias(b_ff, sf)
+    out["AtbLnFfLn"] = (F_f, b_f)
+    if res2 == "exact":
+        F_r, b_r = F_f + F_atb, b_f + b
+    else:
+        F_r, b_r = _diag_add(F_f, rows, _diag(F_atb, rows)), b_f
+    out["AtbLnFfLnRes"] = (F_r, b_r)
+    if next_ln and lw.next_norm is not None:
+        s3 = lw.next_norm.scale(st.y[:, rows])
+        out["AtbLnFfLnResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
     return out
 
 
@@ -500,6 +548,13 @@ def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> 
         out["norm_res_ln"] = T
         out["globenc"] = lw.ln2.decompose_pieces(T, lw.ln2.scale(st.r2[:, rows]))
         out["alti_T"] = T
+    elif lw.position == "sandwich":  # N: what the attention block adds to the stream, LNa included
+        N = lw.post_attn_norm.decompose_pieces(N, lw.post_attn_norm.scale(st.attn[:, rows]))
+        NR = _diag_add(N, rows, st.x[:, rows])
+        out = {"norm": N, "norm_res": NR, "norm_res_ln": lw.ln2.decompose_pieces(NR, lw.ln2.scale(st.r1[:, rows]))}
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[:, rows]))
+        out["alti_T"] = NR
     elif lw.position == "parallel":  # no norm reads x + attn: N_ResLN takes the next norm with its std
         nxt = lw.next_norm if lw.next_norm is not None else lw.ln1
         out["norm_res_ln"] = nxt.decompose_pieces(NR, nxt.scale(st.r1[:, rows]))
@@ -572,6 +627,8 @@ def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
         return out
     first = int(live[0])  # the rows before it receive nothing from the zeroed tokens (one sync per chunk)
     alT = st.alpha[:, :, first:, cols].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
+    if lw.position == "sandwich":
+        factorised = False  # LNa's per-row scale sits between the zeroed value and the FF's projections
     if lw.position == "parallel":  # y' = y - what v_t gave the attention output (the FF reads LN2(x) only)
         f_t = (prep["f"][:, cols] if prep is not None else
                head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous())

@@ -54,8 +54,9 @@ MIXING_METHODS: dict[str, MethodInfo] = {
                    caveat=ROLLOUT_CAVEAT),
         MethodInfo("norm", "norm", "N (norm)", "Kobayashi et al. 2020; GlobEnc",
                    doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity.",
-                   per_head="head h: ||alpha^h_ij f^h(x_j)||; the heads' vectors sum to the layer's vector, whose "
-                            "norm is the layer map (so the layer map is at most the sum of the head maps)"),
+                   per_head="head h: ||alpha^h_ij f^h(x_j)|| (through LNa's share in Gemma 2/3); the heads' vectors "
+                            "sum to the layer's vector, whose norm is the layer map (so the layer map is at most "
+                            "the sum of the head maps)"),
         MethodInfo("norm_res", "norm", "N_Res", "Kobayashi et al. 2021; GlobEnc",
                    doc="N plus the residual x_i on the diagonal; rolled out unnormalised, no identity (GlobEnc code)."),
         MethodInfo("norm_res_ln", "norm", "N_ResLN", "Kobayashi et al. 2021; GlobEnc",
@@ -73,7 +74,8 @@ MIXING_METHODS: dict[str, MethodInfo] = {
 
 POST_LN_SCOPES = ("Atb", "AtbFf", "AtbFfRes", "AtbFfResLn")
 PRE_LN_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfRes")
-for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES):
+SANDWICH_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfLn", "AtbLnFfLnRes")  # Gemma 2/3: LNf after the FF
+for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES + SANDWICH_SCOPES):
     MIXING_METHODS[_s] = MethodInfo(
         _s, "scope", f"Scope {_s}", "Kobayashi et al. 2024", rollout_normalise=True,
         doc="FF paper scope (within one layer, exact, b_V in the bias); aggregated here by row-normalised rollout, "
@@ -84,7 +86,8 @@ def scope_names(position: str) -> tuple[str, ...]:
     """The FF paper's scopes of a layer shape: post-LN, pre-LN, or parallel (post-LN's names in
     post-LN's order: Atb = LN1 + ATTN, +Ff, +Res, and +Ln with the next norm; see
     `ctxmix.layer._parallel_scopes`)."""
-    return PRE_LN_SCOPES if position == "pre" else POST_LN_SCOPES[:3] if position == "parallel" else POST_LN_SCOPES
+    return {"pre": PRE_LN_SCOPES, "parallel": POST_LN_SCOPES[:3], "sandwich": SANDWICH_SCOPES}.get(position,
+                                                                                                POST_LN_SCOPES)
 
 
 def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = False) -> np.ndarray:
@@ -191,6 +194,8 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
         names.append("AtbLnFfResLn")
     if next_ln and model.spec.position == "parallel":
         names.append("AtbFfResLn")
+    if next_ln and model.spec.position == "sandwich":
+        names.append("AtbLnFfLnResLn")
     B, n, L = tb.B, tb.n, model.n_layers
     dev = tb.states[0].x.device
     maps = {s: torch.zeros(B, L, n, n, dtype=tb.states[0].x.dtype, device=dev) for s in names}
@@ -220,6 +225,10 @@ def _scope_targets(lw, st, rows: torch.Tensor) -> dict[str, torch.Tensor | None]
     """The real vector each scope decomposes, for output rows `rows` (B, c, d)."""
     if lw.position == "post":
         return {"Atb": st.z[:, rows], "AtbFf": st.ff[:, rows], "AtbFfRes": st.r2[:, rows], "AtbFfResLn": st.y[:, rows]}
+    if lw.position == "sandwich":
+        return {"Atb": st.r1[:, rows], "AtbLn": st.z[:, rows], "AtbLnFf": st.ff[:, rows],
+                "AtbLnFfLn": lw.post_ff_norm(st.ff[:, rows]), "AtbLnFfLnRes": st.y[:, rows],
+                "AtbLnFfLnResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
     if lw.position == "parallel":
         return {"Atb": st.attn[:, rows], "AtbFf": (st.attn + st.ff)[:, rows], "AtbFfRes": st.y[:, rows],
                 "AtbFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
@@ -319,8 +328,13 @@ def head_maps_batch(tb: TraceBatch, methods: list[str]) -> dict[str, torch.Tenso
         per = []
         for lw, st in zip(tb.model.layers, tb.states):
             src = st.x if lw.position == "post" else st.x1
-            fnorm = head_vectors(lw, src, with_bias=True).double().norm(dim=-1)  # (B, H, n)
-            per.append(st.alpha.double() * fnorm[:, :, None, :])
+            f = head_vectors(lw, src, with_bias=True).double()  # (B, H, n, d)
+            if lw.position == "sandwich":  # N is what the block adds: LNa's share of each head's vector
+                na = lw.post_attn_norm
+                f = (f - f.mean(-1, keepdim=True) if na.kind == "layernorm" else f) * na.gamma.double()
+                per.append(st.alpha.double() * f.norm(dim=-1)[:, :, None, :] / na.scale(st.attn).double()[:, None])
+            else:
+                per.append(st.alpha.double() * f.norm(dim=-1)[:, :, None, :])
         out["norm"] = torch.stack(per, 1)
     if tb.B > 1:
         m = tb.mask

@@ -258,7 +258,8 @@ def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
     for k, v in list(lw.__dict__.items()):
         if isinstance(v, torch.Tensor):
             setattr(lw, k, v.to(dtype))
-    for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm) if n is not None}.values():
+    for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm, lw.post_attn_norm, lw.post_ff_norm)
+                 if n is not None}.values():
         norm.gamma = None if norm.gamma is None else norm.gamma.to(dtype)
         norm.beta = None if norm.beta is None else norm.beta.to(dtype)
 

@@ -31,6 +31,8 @@ def test_head_maps_relate_to_the_layer_maps(tokenizer, family):
         src = st.x if lw.position == "post" else st.x1
         f = head_vectors(lw, src, with_bias=True)  # (H, n, d)
         vec = st.alpha[:, :, :, None] * f[:, None, :, :]  # (H, n, n, d)
+        if lw.position == "sandwich":  # Gemma 2/3: the block adds LNa(attention output), RMSNorm
+            vec = vec * lw.post_attn_norm.gamma / lw.post_attn_norm.scale(st.attn)[None, :, None, :]
         np.testing.assert_allclose(vec.norm(dim=-1).numpy(), ex.head_maps["norm"][l], rtol=0, atol=1e-10)
         np.testing.assert_allclose(vec.sum(0).norm(dim=-1).numpy(), ex.layer_maps["norm"][l], rtol=0, atol=1e-10)
     assert np.all(ex.layer_maps["norm"] <= ex.head_maps["norm"].sum(1) + 1e-10)  # triangle inequality

@@ -35,6 +35,10 @@ def _check(tr, res2="exact", factorised=True):
             "post": {"Atb": st.z, "AtbFf": st.ff, "AtbFfRes": st.r2, "AtbFfResLn": st.y},
             "pre": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff, "AtbLnFfRes": st.y,
                     "AtbLnFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
+            "sandwich": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff,
+                         "AtbLnFfLn": lw.post_ff_norm(st.ff) if lw.post_ff_norm is not None else None,
+                         "AtbLnFfLnRes": st.y,
+                         "AtbLnFfLnResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
             "parallel": {"Atb": st.attn, "AtbFf": st.attn + st.ff, "AtbFfRes": st.y,
                          "AtbFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
         }[lw.position]
@@ -78,7 +82,7 @@ def test_printed_res2_is_not_exact(tiny):
     tr = trace_ids(tiny, IDS)
     worst = 0.0
     for lw, errs in _check(tr, res2="diagonal"):
-        key = "AtbFfRes" if lw.position == "post" else "AtbLnFfRes"
+        key = {"post": "AtbFfRes", "pre": "AtbLnFfRes", "sandwich": "AtbLnFfLnRes"}[lw.position]
         worst = max(worst, errs[key])
     assert worst > 1e-3
 
