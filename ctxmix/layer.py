@@ -379,6 +379,26 @@ def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor,
     return big_matmul(hT, lw.W2, precision).transpose(1, 2), hb @ lw.W2 + lw.b2
 
 
+def _through(norm, F: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces and bias through a norm, with the scale of the real vector it reads."""
+    s = norm.scale(real)
+    return norm.decompose_pieces(F, s), norm.decompose_bias(b, s)
+
+
+def _res2(F_ff, b_ff, F_atb, b_atb, rows, res2: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """RES2: the whole attention-block decomposition added ("exact"), or the FF paper's printed
+    Eq. 57 ("diagonal": only F^ATB_i(x_i), bias of the FF alone), which does not reconstruct."""
+    if res2 == "exact":
+        return F_ff + F_atb, b_ff + b_atb
+    return _diag_add(F_ff, rows, _diag(F_atb, rows)), b_ff
+
+
+def _next_ln(lw: LayerWeights, st: LayerState, rows, F, b, name: str, out: dict, next_ln: bool) -> None:
+    """The layer output's pieces through the norm that reads it next (the dynamics view)."""
+    if next_ln and lw.next_norm is not None:
+        out[name] = _through(lw.next_norm, F, b, st.y[:, rows])
+
+
 @_unbatched
 def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str = "exact",
                  next_ln: bool = False, cache: dict | None = None,
@@ -414,13 +434,8 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
         else:
             F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb)
         out["AtbFf"] = (F_ff, b_ff)
-        if res2 == "exact":
-            F_r, b_r = F_ff + F_atb, b_ff + b_atb
-        else:
-            F_r, b_r = _diag_add(F_ff, rows, _diag(F_atb, rows)), b_ff
-        out["AtbFfRes"] = (F_r, b_r)
-        s2 = lw.ln2.scale(st.r2[:, rows])
-        out["AtbFfResLn"] = (lw.ln2.decompose_pieces(F_r, s2), lw.ln2.decompose_bias(b_r, s2))
+        out["AtbFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b_atb, rows, res2)
+        out["AtbFfResLn"] = _through(lw.ln2, F_r, b_r, st.r2[:, rows])
         return out
     if lw.position == "sandwich":
         return _sandwich_scopes(lw, st, rows, alpha, res2, next_ln, cache)
@@ -446,14 +461,8 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     else:
         F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
     out["AtbLnFf"] = (F_ff, b_ff)
-    if res2 == "exact":
-        F_r, b_r = F_ff + F_atb, b_ff + b
-    else:
-        F_r, b_r = _diag_add(F_ff, rows, _diag(F_atb, rows)), b_ff
-    out["AtbLnFfRes"] = (F_r, b_r)
-    if next_ln and lw.next_norm is not None:
-        s3 = lw.next_norm.scale(st.y[:, rows])
-        out["AtbLnFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
+    out["AtbLnFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b, rows, res2)
+    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfResLn", out, next_ln)
     return out
 
 
@@ -469,27 +478,15 @@ def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
         cache["f"] = torch.matmul(head_values(lw, xhat, with_bias=False), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
-    sa = lw.post_attn_norm.scale(st.attn[:, rows])
-    F_a = lw.post_attn_norm.decompose_pieces(mix(alpha, cache["f"]), sa)
-    b = lw.post_attn_norm.decompose_bias(value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo, sa)
+    F_a, b = _through(lw.post_attn_norm, mix(alpha, cache["f"]), value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo,
+                      st.attn[:, rows])
     F_atb = _diag_add(F_a, rows, st.x[:, rows])
     out["Atb"] = (F_atb, b)
-    s2 = lw.ln2.scale(st.r1[:, rows])
-    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
-    out["AtbLn"] = (F_ln, b_ln)
-    F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
-    out["AtbLnFf"] = (F_ff, b_ff)
-    sf = lw.post_ff_norm.scale(st.ff[:, rows])
-    F_f, b_f = lw.post_ff_norm.decompose_pieces(F_ff, sf), lw.post_ff_norm.decompose_bias(b_ff, sf)
-    out["AtbLnFfLn"] = (F_f, b_f)
-    if res2 == "exact":
-        F_r, b_r = F_f + F_atb, b_f + b
-    else:
-        F_r, b_r = _diag_add(F_f, rows, _diag(F_atb, rows)), b_f
-    out["AtbLnFfLnRes"] = (F_r, b_r)
-    if next_ln and lw.next_norm is not None:
-        s3 = lw.next_norm.scale(st.y[:, rows])
-        out["AtbLnFfLnResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(b_r, s3))
+    out["AtbLn"] = F_ln, b_ln = _through(lw.ln2, F_atb, b, st.r1[:, rows])
+    out["AtbLnFf"] = F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFfLn"] = F_f, b_f = _through(lw.post_ff_norm, F_ff, b_ff, st.ff[:, rows])
+    out["AtbLnFfLnRes"] = F_r, b_r = _res2(F_f, b_f, F_atb, b, rows, res2)
+    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfLnResLn", out, next_ln)
     return out
 
 
@@ -516,9 +513,7 @@ def _parallel_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha
     out["AtbFf"] = (_diag_add(F_atb, rows, F_ff[:, :, 0]), b_atb + b_ff)
     F_r = _diag_add(out["AtbFf"][0], rows, x)
     out["AtbFfRes"] = (F_r, out["AtbFf"][1])
-    if next_ln and lw.next_norm is not None:
-        s3 = lw.next_norm.scale(st.y[:, rows])
-        out["AtbFfResLn"] = (lw.next_norm.decompose_pieces(F_r, s3), lw.next_norm.decompose_bias(out["AtbFf"][1], s3))
+    _next_ln(lw, st, rows, F_r, out["AtbFf"][1], "AtbFfResLn", out, next_ln)
     return out
 
 
