@@ -110,8 +110,8 @@ with common.errors_as_messages():
         sx = cached_explain(model, source, scopes)
         maps = {s: sx.layer_maps[s][layer_s - 1] for s in scopes}
         st.caption("Each cell is the L2 norm of input token j's exact contribution vector to output token i in "
-                   "that scope; the FF is split by zero-baseline Integrated Gradients (closed form). Post-LN order "
-                   "Atb → AtbFf → AtbFfRes → AtbFfResLn; pre-LN Atb → AtbLn → AtbLnFf → AtbLnFfRes.")
+                   "that scope; the FF is split by zero-baseline Integrated Gradients (closed form). This model's "
+                   f"order ({model.spec.family}, {model.spec.position}): {' → '.join(scopes)}.")
         common.plot(plots.maps_grid(ex.tokens, maps), f"scopes_layer{layer_s}", data={"tokens": ex.tokens, **maps})
         before, after = ff_amp_scopes(model)
         norm_axis = st.radio("FF-amp normalisation", ["column", "row"], horizontal=True, key="ffamp_norm",
