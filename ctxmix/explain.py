@@ -10,7 +10,7 @@ import torch
 from .errors import BadInput, checked_arguments
 from .methods import (MIXING_METHODS, PER_HEAD_METHODS, check_methods, head_maps_batch, mixing_maps_batch, rollout,
                       scope_layer_maps)
-from .models import Encoded, Model, structural_ids, types_from_segments
+from .models import Encoded, Model, non_word_ids, types_from_segments
 from .trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 
 
@@ -181,7 +181,7 @@ def check_segments(model: Model, ids: list[int], token_type_ids=None, segments=N
         if not model.uses_token_types:
             raise BadInput(f"{model.name} reads no token_type_ids; give segments= to mark a pair")
         token_type_ids = ints(token_type_ids, "token_type_ids", set(range(int(model.config.type_vocab_size))))
-    special = structural_ids(model.tokenizer) | {getattr(model.tokenizer, "mask_token_id", None)}
+    special = non_word_ids(model.tokenizer)
     if segments is None:
         segments = [-1 if t in special else (0 if token_type_ids is None else min(1, token_type_ids[i]))
                     for i, t in enumerate(ids)]

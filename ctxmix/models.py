@@ -181,7 +181,7 @@ class Model:
         segments: 0 / 1 for the tokens of text A / B, -1 for special tokens."""
         if isinstance(text, str):
             ids, notes = self.encode(text)
-            special = structural_ids(self.tokenizer) | {getattr(self.tokenizer, "mask_token_id", None)}
+            special = non_word_ids(self.tokenizer)
             return Encoded(ids, None, [-1 if i in special else 0 for i in ids], notes)
         if not isinstance(text, (tuple, list)) or len(text) != 2:
             raise BadInput(f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
@@ -233,6 +233,13 @@ def structural_ids(tokenizer) -> set[int]:
         if isinstance(v, int):
             out.add(v)
     return out
+
+
+def non_word_ids(tokenizer) -> set[int]:
+    """`structural_ids` and [MASK]: the tokens that belong to no text of a pair (segment -1) and
+    that IG baselines keep as they are."""
+    return structural_ids(tokenizer) | ({tokenizer.mask_token_id} if getattr(tokenizer, "mask_token_id", None)
+                                        is not None else set())
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from .errors import BadInput
 from .methods import MethodInfo
-from .models import Model, structural_ids
+from .models import Model, non_word_ids, structural_ids
 from .trace import Trace
 
 SALIENCY_METHODS: dict[str, MethodInfo] = {
@@ -109,7 +109,7 @@ def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
            "unk": tok.unk_token_id}.get(baseline)
     if rep is None:
         raise BadInput(f"this tokenizer has no {baseline} token; choose another baseline")
-    keep = structural_ids(tok) | {getattr(tok, "mask_token_id", None)}  # [UNK] is a word: it gets the baseline
+    keep = non_word_ids(tok)  # [UNK] is a word: it gets the baseline
     return [t if t in keep else rep for t in ids]
 
 

@@ -189,7 +189,7 @@ def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[s
         # padded rows are the model's business: with a sliding window a padded query can see no key
         # at all, and its NaN would reach real rows through 0-weighted sums (0 * NaN = NaN)
         keep = mask[:, :, None]
-        if not all(bool(torch.isfinite(torch.where(keep, h, 0)).all()) for h in hs):
+        if not bool(torch.stack([torch.isfinite(torch.where(keep, h, 0)).all() for h in hs]).all()):  # one sync
             # the model's own padded pass is not finite at real tokens (ModernBERT's and Mistral's eager
             # sliding windows can leave a padded query no key at all): trace each sequence alone
             return _stack_traces(model, [trace_ids(model, list(seq), (notes or [[]] * len(batch))[b],
