@@ -23,33 +23,54 @@ st.title("Explain one example")
 name = common.model_picker()
 model = common.load_or_stop(name)
 
+seq2seq = model.kind == "seq2seq"
 mixing = [m for m, i in MIXING_METHODS.items() if i.group != "scope"]
-saliency_methods = list(ctxmix.SALIENCY_METHODS) if model.kind != "encoder" else []
+saliency_methods = list(ctxmix.SALIENCY_METHODS) if model.kind not in ("encoder", "seq2seq") else []
 available = mixing + saliency_methods
 default = ["attention_rollout", "globenc", "alti", "value_zeroing"] + (["grad_x_input"] if saliency_methods else [])
 chosen_qp = [m for m in common.qp_list("method", default) if m in available] or default
 
 text = st.text_area("Text", value=common.qp_text("text", common.DEFAULT_TEXT), height=80, key="text",
                     help="Special tokens are added by the model's tokenizer.")
-pair = st.text_input("Second text (optional: a sentence pair, as for NLI, QA or paraphrase)",
-                     value=common.qp_text("pair", ""), key="pair",
-                     help="Tokenised together with the text as the model's tokenizer pairs them; BERT-like models "
-                          "read the pair's token types. The page then shows how much each text takes from the other.")
+pair, target_text = "", ""
+if seq2seq:
+    target_text = st.text_input("Target text (optional: what the decoder reads, teacher-forced)",
+                                value=common.qp_text("decoder", ""), key="decoder",
+                                help="With a target, the page shows ALTI+ (Ferrando et al. 2022): maps over the source "
+                                     "and target tokens, and how much each target token takes from the source. "
+                                     "Without one, the mixing methods explain the encoder alone.")
+else:
+    pair = st.text_input("Second text (optional: a sentence pair, as for NLI, QA or paraphrase)",
+                         value=common.qp_text("pair", ""), key="pair",
+                         help="Tokenised together with the text as the model's tokenizer pairs them; BERT-like models "
+                              "read the pair's token types. The page then shows how much each text takes from the other.")
 source = (text, pair) if pair.strip() else text
-methods = st.multiselect("Methods", available, default=chosen_qp, key="methods",
-                         format_func=lambda m: f"{m} ({ctxmix.METHODS[m].paper})",
-                         help="Context-mixing methods give per-layer maps; their saliency is the target row of the "
-                              "aggregated map. Gradient methods need a model with a head.")
-if not saliency_methods:
+if target_text.strip():
+    methods = ["alti"]
+    st.caption("Encoder-decoder with a target: ALTI+ (the encoder's ALTI rollout carried through the decoder's "
+               "self- and cross-attention).")
+else:
+    methods = st.multiselect("Methods", available, default=chosen_qp, key="methods",
+                             format_func=lambda m: f"{m} ({ctxmix.METHODS[m].paper})",
+                             help="Context-mixing methods give per-layer maps; their saliency is the target row of the "
+                                  "aggregated map. Gradient methods need a model with a head.")
+if seq2seq and not target_text.strip():
+    st.caption("Encoder-decoder model: without a target text the methods explain its encoder alone; gradient and "
+               "blank-out methods are not offered.")
+elif not saliency_methods:
     st.caption("This model has no head, so gradient and blank-out methods are not offered; pick "
                "`minilm-sentiment` or a language model for them.")
-common.set_qp(text=text, pair=pair, method=methods)
+common.set_qp(text=text, pair=pair, decoder=target_text, method=methods)
 if not methods:
     st.info("Choose at least one method.")
     st.stop()
 
 with common.errors_as_messages():
     ids = model.encode_input(source).ids
+    if target_text.strip():
+        from ctxmix.seq2seq import encode_target
+
+        ids = ids + encode_target(model, target_text)[0]
     lim = common.limits()
     if len(ids) > lim["max_tokens"]:
         st.error(f"The text has {len(ids)} tokens; the limit here is {lim['max_tokens']}.")
@@ -80,9 +101,13 @@ with common.errors_as_messages():
             opts["target"] = t
         if f != "none":
             opts["foil"] = f
-    heads = c4.toggle("Per-head maps", value=common.qp("heads", "0") == "1", key="heads",
-                      help="One map per attention head for the methods that have a per-head form (attention, norm): "
-                           "a layer x head grid and a head selector under the maps.")
+    heads = False
+    if target_text.strip():
+        opts["decoder_text"] = target_text
+    else:
+        heads = c4.toggle("Per-head maps", value=common.qp("heads", "0") == "1", key="heads",
+                          help="One map per attention head for the methods that have a per-head form (attention, "
+                               "norm): a layer x head grid and a head selector under the maps.")
     common.set_qp(heads=int(heads), position=int(position))
     if heads:
         opts["per_head"] = True
@@ -93,9 +118,10 @@ with common.errors_as_messages():
         st.warning(w)
 
     common.set_provenance(model=name, weights_sha256=ex.provenance.get("weights_sha256"), text=text,
-                          **({"text_pair": pair} if pair.strip() else {}), methods=methods,
+                          **({"text_pair": pair} if pair.strip() else {}),
+                          **({"decoder_text": target_text} if target_text.strip() else {}), methods=methods,
                           options={k: v for k, v in opts.items()}, target=ex.target, foil=ex.foil, position=ex.position)
-    L = model.n_layers
+    L = len(ex.layer_maps[ex.methods[0]]) if ex.layer_maps else model.n_layers  # an encoder-decoder: its decoder's
     views.show_explanation(ex, L)
     st.download_button("Download this explanation (.npz)", data=lambda: explanation_bytes(ex),
                        file_name="explanation.npz", mime="application/octet-stream", key="download_npz",
@@ -104,7 +130,9 @@ with common.errors_as_messages():
 
     st.subheader("Scope maps of one layer (Kobayashi et al. 2024)")
     scopes = list(scope_names(model.spec.position))
-    if st.toggle("Show the FF paper's scope maps", value=common.qp("scopes", "1") == "1", key="scopes_on"):
+    if target_text.strip():
+        st.caption("The scope maps decompose one stack of layers; with a target text, clear it to see the encoder's.")
+    elif st.toggle("Show the FF paper's scope maps", value=common.qp("scopes", "1") == "1", key="scopes_on"):
         layer_s = st.slider("Layer for the scopes", 1, L, common.qp_int("slayer", L, 1, L), key="slayer")
         common.set_qp(scopes="1", slayer=layer_s)
         sx = cached_explain(model, source, scopes)
@@ -125,8 +153,8 @@ with common.errors_as_messages():
 
     import shlex
 
-    cmd = ["python", "-m", "ctxmix", "explain", text, *(["--pair", pair] if pair.strip() else []), "--model", name,
-           "--method", *methods]
+    cmd = ["python", "-m", "ctxmix", "explain", text, *(["--pair", pair] if pair.strip() else []),
+           *(["--decoder-text", target_text] if target_text.strip() else []), "--model", name, "--method", *methods]
     for flag, key in (("--target", "target"), ("--foil", "foil"), ("--position", "position")):
         if key in opts:
             cmd += [flag, str(opts[key])]

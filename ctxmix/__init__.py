@@ -13,6 +13,7 @@ from .saliency import SALIENCY_METHODS
 from .explain import Explanation, explain, explain_batch, scope_maps
 from .saved import load_explanation
 from .pairs import cross_segment_mixing
+from .seq2seq import source_contribution
 from .analysis import (contextualization_change, corpus_report, ff_amp, ff_outlier_correlations, ff_outliers,
                        ff_report, ff_residual_norms)
 from . import analysis  # noqa: F401 - ctxmix.analysis.* reachable after `import ctxmix`
@@ -24,6 +25,6 @@ METHODS = {**MIXING_METHODS, **SALIENCY_METHODS}
 __all__ = [
     "BadInput", "CtxmixError", "ModelLoadError", "UnsupportedArchitecture", "EMBEDDED", "Model",
     "load_model", "model_from_hf", "Trace", "trace", "MIXING_METHODS", "SALIENCY_METHODS", "METHODS",
-    "rollout", "Explanation", "explain", "explain_batch", "scope_maps", "load_explanation", "cross_segment_mixing", "contextualization_change", "ff_amp",
+    "rollout", "Explanation", "explain", "explain_batch", "scope_maps", "load_explanation", "cross_segment_mixing", "source_contribution", "contextualization_change", "ff_amp",
     "ff_outliers", "ff_outlier_correlations", "ff_residual_norms", "corpus_report", "ff_report", "__version__",
 ]

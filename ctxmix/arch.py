@@ -51,6 +51,9 @@ class ArchSpec:
     post_attn_norm: str | None = None  # "sandwich" (Gemma 2/3): the norm of the attention block's output
     post_ff_norm: str | None = None  # "sandwich": the norm of the FF block's output
     heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
+    # encoder-decoder models: `layers` names the encoder's; the decoder's self-attention, FF and
+    # cross-attention are read through `ctxmix.seq2seq.decoder_specs` (same module names under "decoder")
+    encoder_decoder: bool = False
 
     @property
     def gated(self) -> bool:
@@ -62,6 +65,12 @@ _BERT_LIKE = dict(
     value="attention.self.value", out_proj="attention.output.dense",
     ln1="attention.output.LayerNorm", ln2="output.LayerNorm",
     ff_in="intermediate.dense", ff_out="output.dense", act="intermediate.intermediate_act_fn",
+)
+
+# BART-style layers (the encoder's, and the decoder's self-attention and FF)
+_ENC_DEC_LAYER = dict(
+    value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm", ln2="final_layer_norm",
+    ff_in="fc1", ff_out="fc2", act="activation_fn",
 )
 
 FAMILIES: tuple[ArchSpec, ...] = (
@@ -107,6 +116,16 @@ FAMILIES: tuple[ArchSpec, ...] = (
         final_norm="norm", fused_qkv=True, causal=True,
     ),
     ArchSpec(
+        # encoder-decoder, post-LN (BART, Marian): the encoder as BERT's layers; ALTI+ through the decoder
+        "BART", ("bart", "marian"), position="post", norm="layernorm", layers="encoder.layers",
+        encoder_decoder=True, **_ENC_DEC_LAYER,
+    ),
+    ArchSpec(
+        # encoder-decoder, pre-LN with a final norm in the encoder and in the decoder (M2M-100, NLLB, mBART)
+        "M2M-100", ("m2m_100", "mbart"), position="pre", norm="layernorm", layers="encoder.layers",
+        final_norm="encoder.layer_norm", encoder_decoder=True, **_ENC_DEC_LAYER,
+    ),
+    ArchSpec(
         # parallel residual; query_key_value interleaved per head ([q_h | k_h | v_h]), so GPT-2's
         # block slicing would take the wrong columns. use_parallel_residual=False makes it pre-LN.
         "GPT-NeoX", ("gpt_neox",), position="parallel", norm="layernorm", layers="layers",
@@ -142,6 +161,9 @@ FAMILIES: tuple[ArchSpec, ...] = (
 
 
 FAMILY_NOTES = {
+    "BART": "encoder-decoder: explain(model, source, ['alti'], decoder_text=...) gives ALTI+ source and target "
+            "contributions over [source; target]; without decoder_text every mixing method runs on the encoder",
+    "M2M-100": "encoder-decoder, pre-LN (as BART's row otherwise)",
     "DeBERTa-v2": "attention logits carry relative-position terms; the weights come from the model",
     "ModernBERT": "alternating local/global attention masks come with the model's attention weights; "
                   "layer 0 has no attention norm",
@@ -168,7 +190,8 @@ def families_table() -> list[dict]:
         rows.append({"family": sp.family, "model types": "/".join(sp.model_types),
                      "norms": "parallel residual, pre-LN blocks" if sp.position == "parallel" else f"{sp.position}-LN",
                      "norm": norm, "FF": ff,
-                     "attention": "causal" if sp.causal else "bidirectional",
+                     "attention": ("encoder bidirectional, decoder causal + cross-attention" if sp.encoder_decoder
+                                   else "causal" if sp.causal else "bidirectional"),
                      "scopes": ", ".join(scope_names(sp.position)), "note": FAMILY_NOTES.get(sp.family, "")})
     return rows
 

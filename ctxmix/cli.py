@@ -41,8 +41,11 @@ def cmd_explain(args) -> None:
 
     m = _load(args)
     text = args.text if args.pair is None else (args.text, args.pair)
-    ex = ctxmix.explain(m, text, args.method, target=args.target, position=args.position, foil=args.foil,
-                        per_head=args.per_head)
+    if args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
+        ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
+    else:
+        ex = ctxmix.explain(m, text, args.method, target=args.target, position=args.position, foil=args.foil,
+                            per_head=args.per_head)
     d = ex.to_dict()
     if not args.maps:
         d.pop("layer_maps")
@@ -64,6 +67,11 @@ def cmd_explain(args) -> None:
                 last = mix[(mix["map"] == "aggregated") & (mix["layer"] == mix["layer"].max())]
                 print("share of each text's context from the other text (aggregated, last layer):")
                 print(last.drop(columns=["map", "layer"]).to_string(index=False, float_format="{:.3f}".format))
+        if args.decoder_text is not None:
+            S = ex.segments.count(0)
+            share = ctxmix.source_contribution(ex)[-1]
+            print("source contribution of each target token (ALTI+, after the last decoder layer):")
+            print("  " + " ".join(f"{t}={v:.3f}" for t, v in zip(ex.tokens[S:], share)))
         if ex.prediction:
             print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
         for k, v in ex.saliency.items():
@@ -150,7 +158,7 @@ def cmd_verify(args) -> None:
     from .verify import verify
 
     m = _load(args)
-    df = verify(m, args.text)
+    df = verify(m, args.text, decoder_text=args.decoder_text)
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
         print(df.assign(error=df["error"].map("{:.2e}".format), tolerance=df["tolerance"].map("{:.0e}".format),
                         passed=df["passed"].map({True: "pass", False: "FAIL"})).to_string(index=False))
@@ -190,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foil", default=None, help="a contrasting class or token: explain target minus foil")
     s.add_argument("--pair", default=None, metavar="TEXT_B",
                    help="a second text: explain the sentence pair (text, TEXT_B) as the tokenizer pairs them")
+    s.add_argument("--decoder-text", default=None, metavar="TARGET",
+                   help="encoder-decoder models: the target the decoder reads (ALTI+ source/target contributions)")
     s.add_argument("--per-head", action="store_true", help="also per-head maps (attention, norm)")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
     s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
@@ -253,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(s)
     s.add_argument("--text", default="The keys to the cabinet are on the table .",
                    help="a short text (at most 48 tokens) to check on")
+    s.add_argument("--decoder-text", default=None, metavar="TARGET",
+                   help="encoder-decoder models: the decoder's text (default: the text itself)")
     s.set_defaults(func=cmd_verify)
     return p
 

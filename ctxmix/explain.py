@@ -101,7 +101,7 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
 def explain(model: Model, text, methods, target=None, *, position: int | None = None,
             input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
             segments: list[int] | None = None, res2: str = "exact", precision: str | None = None,
-            per_head: bool = False, foil=None, **saliency_options) -> Explanation:
+            per_head: bool = False, foil=None, decoder_text: str | None = None, **saliency_options) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
 
     text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
@@ -124,7 +124,17 @@ def explain(model: Model, text, methods, target=None, *, position: int | None = 
     per_head: also fill `head_maps[m]` (L, H, n, n) for the requested methods that have a per-head
     form (`ctxmix.methods.PER_HEAD_METHODS`: attention and norm; `python -m ctxmix methods` says how
     each relates to its layer map).
+    decoder_text: on an encoder-decoder model (BART, Marian, mBART, M2M-100/NLLB), the target the
+    decoder reads (teacher-forced): methods=["alti"] then gives ALTI+ (Ferrando et al., EMNLP 2022;
+    `ctxmix.seq2seq`), maps square over [source; decoder inputs] with segments 0 / 1, one per decoder
+    layer; `ctxmix.source_contribution(ex)` is each target token's total source contribution.
+    Without it, an encoder-decoder's mixing methods explain its encoder alone.
     """
+    if decoder_text is not None or model.spec.encoder_decoder:
+        ex = _encoder_decoder_call(model, text, methods, decoder_text, position, input_ids, token_type_ids,
+                                   segments, per_head, foil, saliency_options)
+        if ex is not None:
+            return ex
     methods = check_methods(methods, model.spec.position)
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
@@ -134,6 +144,34 @@ def explain(model: Model, text, methods, target=None, *, position: int | None = 
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
                          saliency_options, per_head)[0]
+
+
+def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, input_ids, token_type_ids, segments,
+                          per_head, foil, saliency_options) -> Explanation | None:
+    """explain's encoder-decoder cases: ALTI+ with decoder_text; None when the encoder alone is
+    explained (mixing methods only: the gradient and perturbation methods need the decoder's output)."""
+    if not model.spec.encoder_decoder:
+        raise BadInput(f"decoder_text applies to encoder-decoder models (BART, Marian, mBART, M2M-100); "
+                       f"{model.name} is a {model.spec.family} model")
+    if decoder_text is None:
+        _encoder_only_methods(methods)
+        return None
+    from .seq2seq import explain_seq2seq
+
+    given = [k for k, v in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("segments", segments),
+                            ("foil", foil)) if v is not None] + (["per_head"] if per_head else []) + list(saliency_options)
+    if given:
+        raise BadInput(f"with decoder_text, explain takes a source text, methods and position only (got {', '.join(given)})")
+    return explain_seq2seq(model, text, methods, decoder_text, position)
+
+
+def _encoder_only_methods(methods) -> None:
+    names = [methods] if isinstance(methods, str) else list(methods or [])
+    other = [m for m in names if m not in MIXING_METHODS]
+    if other:
+        raise BadInput(f"{', '.join(map(str, other))}: on an encoder-decoder model the gradient and perturbation "
+                       "methods are not available; give decoder_text= for ALTI+ over source and target, or use "
+                       "mixing methods to explain the encoder alone")
 
 
 def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
@@ -235,6 +273,8 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     if isinstance(texts, (str, tuple)) or not texts:
         raise BadInput("explain_batch takes a non-empty list of texts (a sentence pair is one entry: [(a, b)])")
     methods = check_methods(methods, model.spec.position)
+    if model.spec.encoder_decoder:
+        _encoder_only_methods(methods)
     _check_call(res2, None, saliency_options)
     per = [methods] * len(texts) if methods_per_text is None else [
         [m for m in methods if m in set(ms)] for ms in methods_per_text]

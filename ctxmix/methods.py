@@ -65,7 +65,9 @@ MIXING_METHODS: dict[str, MethodInfo] = {
                    doc="N_ResLN through LN2 with the std of the real pre-LN2 vector, FF ignored; rolled out without identity "
                        "and without row normalisation, as the GlobEnc code does."),
         MethodInfo("alti", "norm", "ALTI", "Ferrando et al. 2022", rows_sum_to_one=True,
-                   doc="max(0, |y_i|_1 - |y_i - T_i(x_j)|_1) normalised over j (exact L1), rolled out without identity."),
+                   doc="max(0, |y_i|_1 - |y_i - T_i(x_j)|_1) normalised over j (exact L1), rolled out without identity. "
+                       "On an encoder-decoder with decoder_text: ALTI+ (Ferrando et al., EMNLP 2022), maps over "
+                       "[source; target] (ctxmix.seq2seq)."),
         MethodInfo("value_zeroing", "value_zeroing", "Value zeroing", "Mohebbi et al. 2023", rows_sum_to_one=True,
                    doc="Cosine distance (float64) between y_i and y_i with v_j zeroed in all heads, row-normalised, "
                        "rolled out without identity; layers scored independently."),

@@ -80,7 +80,8 @@ def keep_cpu_buffers() -> bool:
 class Model:
     """A loaded model and what ctxmix knows about it.
 
-    `kind` is "classifier", "masked_lm", "causal_lm" or "encoder" (no head).
+    `kind` is "classifier", "masked_lm", "causal_lm", "encoder" (no head) or "seq2seq" (an
+    encoder-decoder; `ctxmix.seq2seq` explains its decoder, the other methods its encoder).
     `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
     One Model may serve several threads at once: ctxmix never registers hooks or changes
     the module, and transformers collects attention weights per call (a context variable).
@@ -329,6 +330,8 @@ def _kind_and_class(config):
     import transformers as T
 
     archs = " ".join(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq", T.AutoModelForSeq2SeqLM
     if "ForSequenceClassification" in archs:
         return "classifier", T.AutoModelForSequenceClassification
     if "ForMaskedLM" in archs or "ForPreTraining" in archs:
@@ -559,7 +562,7 @@ def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom", precisio
     """Wrap an already built transformers model (tests use tiny random ones)."""
     spec = spec_for(hf.config)
     cls = type(hf).__name__
-    kind = ("classifier" if "SequenceClassification" in cls else "masked_lm" if "MaskedLM" in cls
+    kind = ("seq2seq" if spec.encoder_decoder else "classifier" if "SequenceClassification" in cls else "masked_lm" if "MaskedLM" in cls
             else "causal_lm" if ("CausalLM" in cls or "LMHead" in cls) else "encoder")
     if getattr(hf.config, "_attn_implementation", "eager") != "eager":
         hf.set_attn_implementation("eager")

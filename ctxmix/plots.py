@@ -159,6 +159,21 @@ def saliency_figure(tokens: list[str], saliency: dict[str, np.ndarray], normalis
     return _layout(fig, height=90 + 40 * len(names))
 
 
+def source_contribution_figure(tokens: list[str], share: np.ndarray) -> go.Figure:
+    """ALTI+: each target token's total source contribution (L, T), one line per decoder layer
+    (after that layer, rolled out); the rest of each row is the target prefix's share."""
+    share = np.asarray(share, dtype=float)
+    labels = display_tokens(tokens)
+    fig = go.Figure()
+    for l, row in enumerate(share, 1):
+        fig.add_trace(go.Scatter(x=list(range(len(labels))), y=row, mode="lines+markers", name=f"layer {l}",
+                                 line=dict(width=3 if l == len(share) else 1.5),
+                                 hovertemplate="%{text}: %{y:.3f}<extra>layer " + str(l) + "</extra>", text=labels))
+    fig.update_yaxes(range=[0, 1], title="source contribution")
+    fig.update_xaxes(title="target token (decoder input)", **_axis(tokens))
+    return _layout(fig, height=360)
+
+
 def rank_correlation_table(saliency: dict[str, np.ndarray]) -> pd.DataFrame:
     """Spearman rho between every pair of methods' saliencies on one example."""
     from scipy import stats

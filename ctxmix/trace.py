@@ -128,7 +128,9 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
 
 
 def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict):
-    out = model.hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
+    # an encoder-decoder's Model describes its encoder (`ctxmix.seq2seq` traces the decoder)
+    net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
+    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
     if out.attentions is None or any(a is None for a in out.attentions):
         raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
     return out

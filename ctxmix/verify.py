@@ -73,8 +73,9 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
         return hook
 
     handles = [layer.register_forward_hook(capture(l)) for l, layer in enumerate(layers)]
+    net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf  # an encoder-decoder: its encoder
     try:
-        model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **model.type_ids_kwargs([None]))
+        net(input_ids=ids, attention_mask=torch.ones_like(ids), **model.type_ids_kwargs([None]))
         ref = {l: captured[l][0].double() for l in range(L)}
         C = torch.zeros(L, n, n, dtype=torch.float64, device=model.device)
         batch = ids.expand(n, -1)
@@ -90,7 +91,7 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
 
             h = value.register_forward_hook(zero_v)
             try:
-                model.hf(input_ids=batch, attention_mask=torch.ones_like(batch))
+                net(input_ids=batch, attention_mask=torch.ones_like(batch))
             finally:
                 h.remove()
             y = captured[l].double()  # (n copies, n tokens, d)
@@ -135,10 +136,14 @@ def _check(name: str, error: float, tol: float, detail: str = "") -> dict:
     return {"check": name, "error": float(error), "tolerance": tol, "passed": ok, "detail": detail}
 
 
-def verify(model: Model, text: str = "The keys to the cabinet are on the table .", max_tokens: int = 48) -> pd.DataFrame:
+def verify(model: Model, text: str = "The keys to the cabinet are on the table .", max_tokens: int = 48,
+           decoder_text: str | None = None) -> pd.DataFrame:
     """Run ctxmix's correctness checks on `model` and `text`; one row per check with the largest
     relative error, its tolerance and whether it passed (columns check, error, tolerance, passed,
-    detail). Errors are relative to the largest |value| of what is compared."""
+    detail). Errors are relative to the largest |value| of what is compared. On an encoder-decoder
+    the checks above run on its encoder, and the decoder's are added (`decoder_text`, by default
+    the text itself): its layers recomputed, ALTI+'s two decompositions per layer exact, its rows
+    summing to one."""
     from .explain import explain
     from .layer import ff_pieces, scope_pieces
     from .methods import MIXING_METHODS, _scope_targets
@@ -195,4 +200,31 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
             err = max(float(np.abs(ex.layer_maps[m].sum(-1) - 1).max()), float(np.abs(ex.global_maps[m].sum(-1) - 1).max()))
             rows.append(_check(f"{m}: rows sum to one (per layer and aggregated)", err,
                                1e-5 if model.dtype != torch.float64 else 1e-6, ""))
+    if model.spec.encoder_decoder:
+        rows += _decoder_checks(model, text, text if decoder_text is None else decoder_text, tol)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _decoder_checks(model: Model, text: str, decoder_text: str, tol: dict) -> list[dict]:
+    """An encoder-decoder's decoder: recomputed layers, ALTI+'s decompositions, its rows."""
+    from .seq2seq import alti_plus_pieces, decoder_weights, encode_target, explain_seq2seq, trace_seq2seq
+
+    dec_ids = encode_target(model, decoder_text)[0]
+    tr = trace_seq2seq(model, model.encode(text)[0], dec_ids)
+    scale = max(max(float(st.x.abs().max()), float(st.y.abs().max())) for st in tr.decoder)
+    out = [_check("decoder layers recomputed from the weights = the model's hidden states",
+                  tr.reconstruction_error / max(scale, 1e-30), tol["state"],
+                  f"{len(tr.decoder)} decoder layers, {len(dec_ids)} target tokens (encoder included)")]
+    worst = {"self": 0.0, "cross": 0.0}
+    with torch.no_grad():
+        for (sw, cw), st in zip(decoder_weights(model), tr.decoder):
+            P = alti_plus_pieces(sw, cw, st, torch.arange(st.x.shape[1], device=st.x.device))
+            for k, (F, b, real) in P.items():
+                worst[k] = max(worst[k], float((F.sum(-2) + b - real).abs().max()) / max(float(real.abs().max()), 1e-30))
+    for k, what in (("self", "self-attention block: target pieces"), ("cross", "cross-attention block: source pieces + residual")):
+        out.append(_check(f"ALTI+ {what} + bias = its real output", worst[k], tol["exact"], "every decoder layer"))
+    ex = explain_seq2seq(model, text, ["alti"], decoder_text)
+    err = max(float(np.abs(ex.layer_maps["alti"].sum(-1) - 1).max()), float(np.abs(ex.global_maps["alti"].sum(-1) - 1).max()))
+    out.append(_check("ALTI+: rows sum to one (per decoder layer and rolled out)", err,
+                      1e-5 if model.dtype != torch.float64 else 1e-6, ""))
+    return out

@@ -76,7 +76,9 @@ def show_explanation(ex, layers: int) -> None:
             common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}", zmax=zh),
                         f"{mm}_layer{layer}_head{head}", data={"tokens": ex.tokens, "map": hm})
 
-    if ex.segments and {0, 1} <= set(ex.segments) and map_methods:
+    if ex.options.get("decoder_text") is not None:  # an encoder-decoder's source and target
+        show_source_contribution(ex)
+    elif ex.segments and {0, 1} <= set(ex.segments) and map_methods:
         show_pair_mixing(ex)
 
 
@@ -94,3 +96,20 @@ def show_pair_mixing(ex) -> None:
     table.columns = [f"{d} {what}" for what, d in table.columns]
     st.dataframe(table, width="stretch")
     common.export_table(table.reset_index(), "pair_mixing", caption="Share of each text's context from the other text")
+
+
+def show_source_contribution(ex) -> None:
+    """ALTI+ on an encoder-decoder: each target token's source share, per decoder layer."""
+    from ctxmix import source_contribution
+
+    st.subheader("Source and target contributions (ALTI+, Ferrando et al. 2022)")
+    S = ex.segments.count(0)
+    share = source_contribution(ex)
+    st.caption("How much of each target token's representation comes from the source sentence (the rest comes "
+               "from the target prefix the decoder has read), after each decoder layer, rolled out through the "
+               "encoder. The maps above are square over [source; target]: source rows are the encoder's ALTI "
+               "rollout, target rows ALTI+.")
+    tokens = ex.tokens[S:]
+    common.plot(plots.source_contribution_figure(tokens, share), "source_contribution",
+                data={"tokens": tokens, **{f"layer {l + 1}": row for l, row in enumerate(share)}})
+
