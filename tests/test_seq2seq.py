@@ -255,3 +255,25 @@ def test_explain_page_with_a_target_text(bart_folder, tmp_path, monkeypatch):
     cmd = next(c.value for c in at.code if "ctxmix explain" in c.value)
     args = build_parser().parse_args(shlex.split(cmd)[3:])
     assert args.decoder_text == TGT and args.method == ["alti"]
+
+
+def test_encoder_batched_equals_one_at_a_time(s2s):
+    texts = [SRC, "a much longer source sentence , padded against the short one in the batch"]
+    methods = ["alti", "globenc", "value_zeroing", "norm"]
+    batched = ctxmix.explain_batch(s2s, texts, methods)
+    for text, b in zip(texts, batched):
+        one = ctxmix.explain(s2s, text, methods)
+        for m in methods:
+            np.testing.assert_allclose(b.layer_maps[m], one.layer_maps[m], atol=1e-10)
+
+
+def test_alti_plus_float32_meets_float64(tokenizer):
+    """The float32 model's ALTI+ maps equal the float64 model's up to float32 rounding."""
+    m64 = tiny_seq2seq("m2m_100", tokenizer)
+    import copy
+
+    m32 = ctxmix.model_from_hf(copy.deepcopy(m64.hf).float(), tokenizer, name="tiny-m2m_100-float32")
+    a = ctxmix.explain(m64, SRC, ["alti"], decoder_text=TGT)
+    b = ctxmix.explain(m32, SRC, ["alti"], decoder_text=TGT)
+    np.testing.assert_allclose(b.global_maps["alti"], a.global_maps["alti"], atol=1e-4)
+    assert b.reconstruction_error < 1e-4
