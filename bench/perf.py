@@ -77,6 +77,11 @@ def value_zeroing_loop(model, input_ids: list[int]) -> np.ndarray:
 
     BERT-like post-LN encoders (BERT, RoBERTa, ELECTRA: a separate value Linear and a layer
     that runs without a mask on one unpadded sequence), as in the paper.
+
+    This is the *timing* baseline: it costs what the official code costs (one layer call per
+    zeroed token). The every-family *correctness* reference is `ctxmix.verify.value_zeroing_loop`,
+    which runs the whole model with the hook (a layer called alone needs family-specific
+    arguments: rotary embeddings, masks), so its cost is not the official algorithm's.
     """
     from ctxmix.arch import _get
 
