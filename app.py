@@ -121,7 +121,7 @@ with common.errors_as_messages():
                           **({"text_pair": pair} if pair.strip() else {}),
                           **({"decoder_text": target_text} if target_text.strip() else {}), methods=methods,
                           options={k: v for k, v in opts.items()}, target=ex.target, foil=ex.foil, position=ex.position)
-    L = len(ex.layer_maps[ex.methods[0]]) if ex.layer_maps else model.n_layers  # an encoder-decoder: its decoder's
+    L = next((len(v) for v in ex.layer_maps.values()), model.n_layers)  # an encoder-decoder: its decoder's
     views.show_explanation(ex, L)
     st.download_button("Download this explanation (.npz)", data=lambda: explanation_bytes(ex),
                        file_name="explanation.npz", mime="application/octet-stream", key="download_npz",
