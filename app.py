@@ -10,11 +10,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import streamlit as st  # noqa: E402
 
 import ctxmix  # noqa: E402
-from ctxmix import plots  # noqa: E402
-from ctxmix.analysis import ff_amp_matrix, ff_amp_scopes  # noqa: E402
-from ctxmix.cache import cached_explain  # noqa: E402
-from ctxmix.saved import explanation_bytes  # noqa: E402
-from ctxmix.methods import MIXING_METHODS, scope_names  # noqa: E402
+from ctxmix.export import plots
+from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
+from ctxmix.service.cache import cached_explain
+from ctxmix.export.saved import explanation_bytes
+from ctxmix.methods.registry import MIXING_METHODS, scope_names
 from ui import common, views  # noqa: E402
 
 common.page_setup()
@@ -68,7 +68,7 @@ if not methods:
 with common.errors_as_messages():
     ids = model.encode_input(source).ids
     if target_text.strip():
-        from ctxmix.seq2seq import encode_target
+        from ctxmix.engine.seq2seq import encode_target
 
         ids = ids + encode_target(model, target_text)[0]
     lim = common.limits()

@@ -214,7 +214,7 @@ def serial_check(results: Path, texts: list[str]) -> tuple[int, int, float]:
     import numpy as np
 
     import ctxmix
-    from ctxmix import cache
+    from ctxmix.service import cache
 
     m = ctxmix.load_model("minilm", device="cpu")
     fp = cache.model_fingerprint(m)
@@ -253,7 +253,7 @@ def main() -> None:
         sys.exit("bench/load.py needs Debian's chromium and chromium-driver")
     import pandas as pd
 
-    from ctxmix.limits import HOSTED
+    from ctxmix.service.limits import HOSTED
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ Baselines written here:
   zeroed token and layer, a forward hook on the value projection zeroing v_t (bias included) in
   every head, float64 cosine distance to the real layer output, rows normalised.
 - captum's IntegratedGradients called directly on the word embeddings with the same target
-  scalar, baseline and steps as `ctxmix.saliency.integrated_gradients`.
+  scalar, baseline and steps as `ctxmix.methods.saliency.integrated_gradients`.
 - inseq 0.7.1's `value_zeroing` (optional): it needs transformers 4.46.3, so it runs in its own
   virtualenv (`--inseq-venv PATH`, e.g. made with `python3 -m venv /tmp/inseq-venv &&
   /tmp/inseq-venv/bin/pip install "transformers[sentencepiece,tokenizers]==4.46.3" torch safetensors
@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -54,207 +52,26 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+if str(HERE) not in sys.path:  # perf_common sits next to this script
+    sys.path.insert(0, str(HERE))
 
-MIXING = ["attention", "attention_rollout", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]
+from perf_compare import bench_ig, bench_inseq, bench_precision  # noqa: E402
+from perf_common import (  # noqa: E402
+    bert_base, ids_for, log, machine, matmul_rates, peak_rss_mb, reset_peak_rss, row, rss_mb, sync, table_text, timed, value_zeroing_loop, widths,
+)
+
+from perf_compare import MIXING  # noqa: E402
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
 SECTIONS = ["vz", "flops", "batch", "explain", "corpus", "memory", "budget", "ig", "inseq", "precision", "embedded"]
 CPU_SKIPS = {"budget", "embedded"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
 CORPUS_TODAY_CPU = 0.218  # seq/s of the sequence-at-a-time engine with scipy ranks (README, before batching)
 
 
-# ----------------------------------------------------------------------------- the baseline
-
-
-@torch.no_grad()
-def value_zeroing_loop(model, input_ids: list[int]) -> np.ndarray:
-    """The official value-zeroing algorithm, one Hugging Face layer call per zeroed token.
-
-    For each layer l and token t: call layer l alone on the model's own input to that layer,
-    with a forward hook on the value projection that zeroes v_t = x_t W_V + b_V (all heads,
-    bias included); Q, K and the attention weights are recomputed by the layer as in the
-    official code. C[l, i, t] = 1 - cos(y_i with v_t zeroed, y_i) in float64, clipped at 0,
-    then rows normalised to sum to one. Returns (L, n, n).
-
-    BERT-like post-LN encoders (BERT, RoBERTa, ELECTRA: a separate value Linear and a layer
-    that runs without a mask on one unpadded sequence), as in the paper.
-
-    This is the *timing* baseline: it costs what the official code costs (one layer call per
-    zeroed token). The every-family *correctness* reference is `ctxmix.verify.value_zeroing_loop`,
-    which runs the whole model with the hook (a layer called alone needs family-specific
-    arguments: rotary embeddings, masks), so its cost is not the official algorithm's.
-    """
-    from ctxmix.arch import _get
-
-    if model.spec.family not in ("BERT", "RoBERTa", "ELECTRA"):
-        raise ValueError(f"the per-token baseline is written for BERT-like encoders, not {model.spec.family}")
-    ids = torch.tensor([list(input_ids)], device=model.device)
-    H = model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True).hidden_states
-    layers = _get(model.hf.base_model, model.spec.layers)
-    n, L = len(input_ids), len(layers)
-    C = torch.zeros(L, n, n, dtype=torch.float64, device=model.device)
-    for l, layer in enumerate(layers):
-        value = _get(layer, model.spec.value)
-        ref = H[l + 1][0].double()
-        for t in range(n):
-            def zero_v_t(mod, inp, out, t=t):
-                out = out.clone()
-                out[:, t, :] = 0.0
-                return out
-
-            handle = value.register_forward_hook(zero_v_t)
-            try:
-                y = layer(H[l])
-            finally:
-                handle.remove()
-            y = y[0] if isinstance(y, tuple) else y
-            cos = torch.nn.functional.cosine_similarity(y[0].double(), ref, dim=-1)
-            C[l, :, t] = (1.0 - cos).clamp(min=0.0)
-    C = C.cpu().numpy()
-    s = C.sum(-1, keepdims=True)
-    return C / np.where(s > 0, s, 1.0)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, repeat: int = 1):
-    """(best seconds of `repeat` runs, result of the last run)."""
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
-def ids_for(n: int) -> list[int]:
-    """A deterministic n-token input: [CLS], n-2 ordinary word pieces, [SEP]."""
-    return [101] + [1000 + (7 * i) % 20000 for i in range(n - 2)] + [102]
-
-
-def tokenizer():
-    import transformers as T
-
-    import ctxmix
-
-    return T.AutoTokenizer.from_pretrained(ctxmix.models.minilm_path())
-
-
-def bert_base(device, layers: int = 12, head: bool = False, dtype=torch.float32, seed: int = 0):
-    """A BERT-base-sized random model (d=768, d'=3072, 12 heads), eager attention."""
-    import transformers as T
-
-    import ctxmix
-
-    torch.manual_seed(seed)
-    cfg = T.BertConfig(num_hidden_layers=layers)
-    hf = (T.BertForSequenceClassification(cfg) if head else T.BertModel(cfg, add_pooling_layer=False)).eval()
-    hf.set_attn_implementation("eager")
-    hf = hf.to(device=device, dtype=dtype)
-    name = f"bert-base-sized random ({layers} layers{', classifier' if head else ''})"
-    return ctxmix.model_from_hf(hf, tokenizer(), name=name)
-
-
-def matmul_rates(device, size: int, seconds: float = 3.0) -> tuple[float, float]:
-    """(sustained, peak) float32 FLOP/s of (size x size) @ (size x size) products run back to back
-    for `seconds` (at least 10): sustained = all FLOPs / all time, measured the way the methods
-    are (one wall time over many GEMMs); peak = the best single product."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    for _ in range(2):
-        a @ b
-    sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 10 or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    fl = 2 * size**3
-    return fl * len(times) / sum(times), fl / min(times)
-
-
-def rss_mb() -> float:
-    """Current resident set size of this process."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size: VmHWM (reset by `reset_peak_rss`), else ru_maxrss. ru_maxrss alone
-    is not enough: it also keeps the peak of threads that exited (e.g. while loading the model)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), so that building the model is not counted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def widths(model) -> tuple[int, int, int]:
-    """(L, d, d') of a plain-FF model."""
-    lw = model.layers[0]
-    return model.n_layers, lw.W2.shape[1], lw.W2.shape[0]
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine(device) -> str:
-    if torch.device(device).type == "cuda":
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-
-
-def row(target, measured, baseline="-", ratio=None, goal="report", ok=None) -> dict:
-    return {"target": target, "measured": measured, "baseline": baseline,
-            "ratio": "-" if ratio is None else (f"{ratio:.2f}" if abs(ratio) >= 0.01 else f"{ratio:.1e}"),
-            "goal": goal, "pass": "-" if ok is None else ("yes" if ok else "NO")}
-
-
-def table_text(df) -> str:
-    """The table as text, cells left-aligned (pandas right-aligns strings)."""
-    w = {c: max(len(c), *(len(str(v)) for v in df[c])) if len(df) else len(c) for c in df.columns}
-    lines = ["  ".join(f"{c:<{w[c]}}" for c in df.columns)]
-    lines += ["  ".join(f"{str(v):<{w[c]}}" for c, v in zip(df.columns, r)) for r in df.itertuples(index=False)]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def log(msg: str) -> None:
-    print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------- targets
 
 
 def vz_flops(m, n: int) -> int:
-    """The FLOPs value zeroing cannot avoid once W_1 is factorised (ctxmix.layer.value_zeroing_columns):
+    """The FLOPs value zeroing cannot avoid once W_1 is factorised (ctxmix.engine.layer.value_zeroing_columns):
     per layer the W_2 product on the n^2 perturbed FF activations (2 n^2 d' d), mixing the
     projected head vectors B^h_t (2 n^2 H d') and the removed values (2 n^2 H d). Counting the
     unfactorised 4 n^2 d d' instead would credit ctxmix with FLOPs it does not run."""
@@ -265,8 +82,8 @@ def vz_flops(m, n: int) -> int:
 
 def bench_value_zeroing(a, dev) -> list[dict]:
     """Target 1: ctxmix's batched value zeroing against the per-token loop, same maps."""
-    from ctxmix.methods import value_zeroing_maps
-    from ctxmix.trace import trace_ids
+    from ctxmix.methods.mixing import value_zeroing_maps
+    from ctxmix.engine.trace import trace_ids
 
     n = a.vz_n
     m = bert_base(dev)
@@ -302,8 +119,8 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     The matmul rate of a shared or virtual machine drifts, so it is measured before, between
     and after the timed methods, and the best of all (the strictest reference) is used."""
     import ctxmix
-    from ctxmix.methods import scope_layer_maps
-    from ctxmix.trace import trace_ids
+    from ctxmix.methods.mixing import scope_layer_maps
+    from ctxmix.engine.trace import trace_ids
 
     n = a.n
     cuda = torch.device(dev).type == "cuda"
@@ -424,8 +241,8 @@ def bench_corpus(a, dev) -> list[dict]:
 
 def bench_batch(a, dev) -> list[dict]:
     """FLOP rates of the batched scope maps and value zeroing: B sequences of n tokens in one call."""
-    from ctxmix.methods import scope_maps_batch, value_zeroing_maps_batch
-    from ctxmix.trace import trace_batch_tensors
+    from ctxmix.methods.mixing import scope_maps_batch, value_zeroing_maps_batch
+    from ctxmix.engine.trace import trace_batch_tensors
 
     cuda = torch.device(dev).type == "cuda"
     B, n = a.batch or (32 if cuda else 4), a.n
@@ -463,7 +280,7 @@ def bench_batch(a, dev) -> list[dict]:
 def budget_child(fraction: float, n: int, k: int, device: str) -> dict:
     """contextualization_change on k sequences of n tokens on a card cut to `fraction` of its memory."""
     import ctxmix
-    from ctxmix.analysis import plan_batches
+    from ctxmix.analyses.corpus import plan_batches
 
     torch.cuda.set_per_process_memory_fraction(fraction)
     m = bert_base(device)
@@ -498,7 +315,7 @@ def bench_budget(a, dev) -> list[dict]:
 
 def bench_embedded(a, dev) -> list[dict]:
     """configs/embedded.yaml end to end (minilm-sentiment built beforehand, not timed)."""
-    from ctxmix import runner
+    from ctxmix import benchmark as runner
 
     cuda = torch.device(dev).type == "cuda"
     runner.get_model("minilm-sentiment", str(dev))  # builds it once if needed
@@ -591,186 +408,6 @@ def bench_memory(a, dev) -> list[dict]:
     return rows
 
 
-def bench_ig(a, dev) -> list[dict]:
-    """Target 6: ctxmix.saliency.integrated_gradients against captum's IntegratedGradients."""
-    from captum.attr import IntegratedGradients
-
-    from ctxmix.saliency import integrated_gradients, resolve_target
-    from ctxmix.trace import trace_ids
-
-    m = bert_base(dev, head=True)
-    n, steps = a.ig_n, 50
-    ids = ids_for(n)
-    tr = trace_ids(m, ids)
-    target = resolve_target(m, tr, None, 0)
-    hf = m.hf
-    x = torch.tensor([ids], device=m.device)
-    special = set(m.tokenizer.all_special_ids)
-    base_ids = torch.tensor([[t if t in special else m.tokenizer.pad_token_id for t in ids]], device=m.device)
-    emb = hf.get_input_embeddings()
-
-    def captum_ig():
-        E = emb(x).detach()
-        B = emb(base_ids).detach()
-
-        def f(e):  # the probability of the target class, softmax in float64 (as ctxmix's _score)
-            mask = torch.ones(e.shape[:2], dtype=torch.long, device=e.device)
-            return torch.softmax(hf(inputs_embeds=e, attention_mask=mask).logits.double(), -1)[:, target].to(e.dtype)
-
-        with torch.enable_grad():
-            attr = IntegratedGradients(f).attribute(E, baselines=B, n_steps=steps)  # captum's defaults otherwise
-        return attr[0].sum(-1).abs().double().cpu().numpy()
-
-    def ctxmix_ig():
-        return integrated_gradients(m, tr, target, 0, baseline="pad", n_steps=steps)
-
-    ids_short = ids_for(8)  # warm-up both
-    integrated_gradients(m, trace_ids(m, ids_short), target, 0, n_steps=4)
-    log(f"integrated gradients n={n}, {steps} steps: captum directly, then ctxmix")
-    t_cap, ref = timed(captum_ig, dev, a.repeat)
-    t_cm, got = timed(ctxmix_ig, dev, a.repeat)
-    diff = float(np.abs(ref - got).max())
-    return [
-        row(f"integrated_gradients n={n}, {steps} steps, [PAD] baseline: speed-up over captum IntegratedGradients",
-            f"{t_cm:.2f} s", f"{t_cap:.2f} s (captum defaults)", t_cap / t_cm, ">= 1x", t_cap / t_cm >= 0.95),
-        row(f"integrated_gradients n={n}: max |difference| vs captum", f"{diff:.1e}",
-            f"max |score| {float(np.abs(ref).max()):.1e}", None, "<= 1e-5", diff <= 1e-5),
-    ]
-
-
-INSEQ_CHILD = r'''
-import json, sys, time
-import numpy as np, torch, transformers as T, inseq
-from inseq.attr.feat.ops import value_zeroing as vzmod
-
-tok_path, out_dir, n_target, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-text = open(out_dir + "/text.txt").read()
-torch.manual_seed(0)
-cfg = T.GPT2Config(vocab_size=30522, bos_token_id=101, eos_token_id=102, n_layer=layers)
-hf = T.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").eval()
-hf.save_pretrained(out_dir + "/model", safe_serialization=True)
-tok = T.AutoTokenizer.from_pretrained(tok_path)
-captured = {}
-orig = vzmod.ValueZeroing.compute_modules_post_zeroing_similarity
-def capture(self, inputs, *a, **k):  # keep inseq's whole (batch, zeroed j, output i, layer) score tensor
-    out = orig(self, inputs, *a, **k)
-    captured["scores"] = out.detach().float().cpu().clone()
-    return out
-vzmod.ValueZeroing.compute_modules_post_zeroing_similarity = capture
-model = inseq.load_model(hf, "value_zeroing", tokenizer=tok)
-words = text.split()
-model.attribute(input_texts=words[0], generated_texts=" ".join(words[:6]), show_progress=False)  # warm-up
-t0 = time.perf_counter()
-res = model.attribute(input_texts=words[0], generated_texts=text, show_progress=False)
-sec = time.perf_counter() - t0
-S = captured["scores"][0]  # (j, i, L): inseq scores the prefix before the last target token
-n = S.shape[0]
-ids = [t.id for t in res.sequence_attributions[0].target][:n]
-maps = torch.nan_to_num(S.permute(2, 1, 0), nan=0.0).numpy()  # (L, i, j)
-np.save(out_dir + "/inseq_maps.npy", maps)
-print(json.dumps({"seconds": sec, "ids": ids, "n": n, "transformers": T.__version__, "torch": torch.__version__}))
-'''
-
-
-def bench_inseq(a, dev) -> list[dict]:
-    """Target 7: inseq 0.7.1's value zeroing (own virtualenv) against ctxmix on the same weights."""
-    import transformers as T
-
-    import ctxmix
-    from ctxmix.methods import value_zeroing_maps
-    from ctxmix.trace import trace_ids
-
-    py = Path(a.inseq_venv) / "bin" / "python"
-    if not py.exists():
-        return [row("inseq 0.7.1 value_zeroing", "skipped", f"no {py}", None, "report")]
-    tok = tokenizer()
-    # a Wikipedia text cut so that inseq's prefix (everything but the last target token) has ~inseq_n tokens
-    try:
-        from ctxmix.data import wiki_texts
-
-        words = " ".join(wiki_texts(20)).split()
-    except Exception:
-        words = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
-                 "while the children who live next door play in the garden . ").split() * 6
-    k = 1
-    while k < len(words) and len(tok(" ".join(words[:k + 1]))["input_ids"]) <= a.inseq_n + 1:
-        k += 1
-    text = " ".join(words[:k])
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "text.txt").write_text(text)
-        Path(tmp, "child.py").write_text(INSEQ_CHILD)
-        log(f"inseq 0.7.1 value zeroing in {a.inseq_venv} (GPT-2-base-sized random, ~{a.inseq_n} tokens)")
-        r = subprocess.run([str(py), str(Path(tmp, "child.py")), ctxmix.models.minilm_path(), tmp, str(a.inseq_n),
-                            str(a.inseq_layers)], capture_output=True, text=True,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"})
-        if r.returncode:
-            err = [s for s in r.stderr.strip().splitlines() if s.strip()][-1:] or ["?"]
-            return [row("inseq 0.7.1 value_zeroing", "failed", err[0][:100], None, "report")]
-        info = json.loads(r.stdout.strip().splitlines()[-1])
-        ref = np.load(Path(tmp, "inseq_maps.npy"))
-        hf = T.GPT2LMHeadModel.from_pretrained(Path(tmp, "model"), attn_implementation="eager").eval()
-    # same device as inseq (CPU): a like-for-like time
-    m = ctxmix.model_from_hf(hf, tok, name="gpt2-base-sized random")
-    ids = info["ids"]
-    value_zeroing_maps(trace_ids(m, ids[:8]))  # warm-up
-    t_cm, got = timed(lambda: value_zeroing_maps(trace_ids(m, ids)), "cpu")
-    # inseq takes the cosine in float32, sets distances below 1e-5 to 0 before normalising rows, and
-    # compares the last layer after GPT-2's final norm (ln_f, from the model's output) where ctxmix
-    # uses the raw layer output; so the last layer is apart, and so are the layers where the 1e-5
-    # threshold zeroed scores (a random GPT-2's deep layers have distances around 1e-5)
-    low = np.tril(np.ones(ref.shape[1:], dtype=bool))
-    inner = list(range(len(ref) - 1))
-    cut = [l for l in inner if ((ref[l] == 0) & low & (got[l] > 0)).any()]
-    kept = [l for l in inner if l not in cut]
-    d_kept = max((float(np.abs(ref[l] - got[l]).max()) for l in kept), default=float("nan"))
-    d_cut = max((float(np.abs(ref[l] - got[l]).max()) for l in cut), default=float("nan"))
-    last = float(np.abs(ref[-1] - got[-1]).max())
-    span = (f"layers {kept[0] + 1}-{kept[-1] + 1}" if kept == list(range(kept[0], kept[-1] + 1)) else
-            "layers " + ",".join(str(l + 1) for l in kept)) if kept else "no layer"
-    return [
-        row(f"value zeroing, GPT-2-base-sized random ({m.n_layers} layers), n={info['n']}, CPU: speed-up over "
-            f"inseq 0.7.1 (transformers {info['transformers']})", f"{t_cm:.2f} s", f"{info['seconds']:.1f} s (inseq)",
-            info["seconds"] / t_cm, "report"),
-        row(f"  max |map difference| vs inseq, {span} (inseq: float32 cosine)", f"{d_kept:.1e}",
-            f"{len(cut)} layers where inseq's 1e-5 threshold zeroed scores: {d_cut:.1e}; last layer (ln_f): {last:.1e}",
-            None, "report"),
-    ]
-
-
-def bench_precision(a, dev) -> list[dict]:
-    """Every map, every engine precision (tf32, bf16 on the same float32 weights) and every half
-    dtype the model may be loaded in, against the float32 map, relative to its largest entry.
-    MiniLM's real weights (the rounding of real weights is what a user meets)."""
-    import ctxmix
-    from ctxmix.methods import POST_LN_SCOPES
-
-    text = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
-            "while the children who live next door play in the garden .")
-    methods = MIXING + list(POST_LN_SCOPES)
-    m32 = ctxmix.load_model("minilm", device=str(dev))
-    ref = ctxmix.explain(m32, text, methods).layer_maps
-    rows = []
-
-    def compare(label, ex, goal):
-        errs = {k: float(np.abs(ex.layer_maps[k] - ref[k]).max() / np.abs(ref[k]).max()) for k in methods}
-        worst = max(errs, key=errs.get)
-        rows.append(row(f"MiniLM n={len(ex.tokens)}, {label}: max |map - float32 map| / max |float32 map|",
-                        f"{errs[worst]:.1e} ({worst})", ", ".join(f"{k} {v:.0e}" for k, v in errs.items()), None,
-                        f"<= {goal:g}", errs[worst] <= goal))
-
-    for prec, goal in (("tf32", 1e-3), ("bf16", 5e-3)):
-        log(f"precision {prec}")
-        compare(f"engine precision {prec} (float32 weights)", ctxmix.explain(m32, text, methods, precision=prec), goal)
-    for dt in ("float16", "bfloat16"):
-        log(f"model loaded in {dt}")
-        try:
-            m = ctxmix.load_model("minilm", device=str(dev), dtype=dt)
-            compare(f"model loaded in {dt}", ctxmix.explain(m, text, methods), 2e-2)
-        except Exception as e:  # report, do not stop the table
-            rows.append(row(f"model loaded in {dt}", "failed", f"{type(e).__name__}: {e}"[:100], None, "<= 0.02", False))
-    return rows
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -799,7 +436,7 @@ def main() -> None:
     if "--quick" in sys.argv[1:]:  # smaller defaults; sizes given explicitly still win
         ap.set_defaults(vz_n=32, n=64, corpus_texts=4, ig_n=16, mem_sizes=[64, 128, 512], inseq_layers=2, repeat=1)
     a = ap.parse_args()
-    from ctxmix.models import keep_cpu_buffers
+    from ctxmix.engine.models import keep_cpu_buffers
 
     keep_cpu_buffers()  # as the CLI does: this process is ours (measured 15-25 % on value zeroing)
 
@@ -818,7 +455,7 @@ def main() -> None:
     import ctxmix
 
     transformers.utils.logging.disable_progress_bar()
-    dev = ctxmix.models.resolve_device(a.device)
+    dev = ctxmix.engine.models.resolve_device(a.device)
     sections = a.only or [s for s in SECTIONS if dev.type == "cuda" or s not in CPU_SKIPS]
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]

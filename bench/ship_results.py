@@ -1,10 +1,10 @@
-"""Make the benchmark results that ship with ctxmix (ctxmix/shipped/), so the Benchmarks page
+"""Make the benchmark results that ship with ctxmix (ctxmix/benchmark/shipped/), so the Benchmarks page
 shows method x metric tables on a fresh install before anyone runs anything.
 
     python bench/ship_results.py                      # runs configs/embedded.yaml in full (~10 min, 2 cores)
     python bench/ship_results.py --db results/embedded.sqlite   # from a finished run of the same config
 
-Writes ctxmix/shipped/<name>.aggregates.csv (the runner's aggregates), <name>.check.csv (every
+Writes ctxmix/benchmark/shipped/<name>.aggregates.csv (the runner's aggregates), <name>.check.csv (every
 per-example score of a `--limit 2` run, which tests/test_shipped.py recomputes: a method or
 metric whose numbers moved makes the shipped results stale) and <name>.json (ctxmix version,
 config hashes, date, command, machine).
@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ctxmix import __version__, runner, tables  # noqa: E402
-from ctxmix.shipped import CHECK_LIMIT, SHIPPED, config_sha256  # noqa: E402
+from ctxmix import benchmark as runner, __version__
+from ctxmix.benchmark import tables
+from ctxmix.benchmark.shipped import CHECK_LIMIT, SHIPPED, config_sha256
 
 
 def _bench(config: Path, db: Path, limit: int | None) -> None:

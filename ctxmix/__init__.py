@@ -3,28 +3,83 @@
     import ctxmix
     m = ctxmix.load_model("minilm")
     ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["globenc", "alti"])
+
+The package reads as the pipeline, one subpackage per stage:
+
+    engine/     model -> trace -> exact decompositions (arch, layer, trace, models, seq2seq)
+    methods/    decompositions -> methods (registry, mixing, saliency, alti_plus, explain)
+    analyses/   methods -> corpus analyses (corpus, pairs, ranks)
+    benchmark/  methods x datasets x metrics (config, datasets, compute, store, executors, tables)
+    export/     figures, LaTeX, saved explanations
+    service/    what the dashboard and a hosted copy need (cache, limits, serve), without Streamlit
+
+Everything here is imported lazily (PEP 562): `import ctxmix` loads no model code, and neither
+plotly nor streamlit, until a name is used.
 """
 
-from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture
-from .models import EMBEDDED, Model, load_model, model_from_hf
-from .trace import Trace, trace
-from .methods import MIXING_METHODS, rollout
-from .saliency import SALIENCY_METHODS
-from .explain import Explanation, explain, explain_batch, scope_maps
-from .saved import load_explanation
-from .pairs import cross_segment_mixing
-from .seq2seq import source_contribution
-from .analysis import (contextualization_change, corpus_report, ff_amp, ff_outlier_correlations, ff_outliers,
-                       ff_report, ff_residual_norms)
-from . import analysis  # noqa: F401 - ctxmix.analysis.* reachable after `import ctxmix`
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-METHODS = {**MIXING_METHODS, **SALIENCY_METHODS}
+# public name -> the module that defines it
+_API = {
+    "BadInput": "errors", "CtxmixError": "errors", "ModelLoadError": "errors", "UnsupportedArchitecture": "errors",
+    "EMBEDDED": "engine.models", "Model": "engine.models", "load_model": "engine.models",
+    "model_from_hf": "engine.models",
+    "Trace": "engine.trace", "trace": "engine.trace",
+    "MIXING_METHODS": "methods.registry", "SALIENCY_METHODS": "methods.registry", "METHODS": "methods.registry",
+    "rollout": "methods.mixing",
+    "Explanation": "methods.explanation", "explain": "methods.explain", "explain_batch": "methods.explain",
+    "scope_maps": "methods.explain",
+    "source_contribution": "methods.alti_plus",
+    "load_explanation": "export.saved",
+    "cross_segment_mixing": "analyses.pairs",
+    "contextualization_change": "analyses.corpus", "corpus_report": "analyses.corpus", "ff_amp": "analyses.corpus",
+    "ff_outlier_correlations": "analyses.corpus", "ff_outliers": "analyses.corpus", "ff_report": "analyses.corpus",
+    "ff_residual_norms": "analyses.corpus",
+    "verify": "verify",
+}
+# documented submodules reachable as attributes (`ctxmix.data.corpus(...)`, `ctxmix.analysis.ff_amp`)
+_SUBMODULES = {
+    "engine": "engine", "methods": "methods", "analyses": "analyses", "benchmark": "benchmark", "export": "export",
+    "service": "service", "data": "data", "analysis": "analyses.corpus", "errors": "errors", "hub": "hub",
+    "cli": "cli", "progress": "progress",
+}
 
-__all__ = [
-    "BadInput", "CtxmixError", "ModelLoadError", "UnsupportedArchitecture", "EMBEDDED", "Model",
-    "load_model", "model_from_hf", "Trace", "trace", "MIXING_METHODS", "SALIENCY_METHODS", "METHODS",
-    "rollout", "Explanation", "explain", "explain_batch", "scope_maps", "load_explanation", "cross_segment_mixing", "source_contribution", "contextualization_change", "ff_amp",
-    "ff_outliers", "ff_outlier_correlations", "ff_residual_norms", "corpus_report", "ff_report", "__version__",
-]
+__all__ = sorted(_API) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        value = getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{_SUBMODULES[name]}")
+    else:
+        raise AttributeError(f"module 'ctxmix' has no attribute {name!r}")
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API) | set(_SUBMODULES))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provides
+    from . import data  # noqa: F401
+    from .analyses import corpus as analysis  # noqa: F401
+    from .analyses.corpus import (contextualization_change, corpus_report, ff_amp,  # noqa: F401
+                                  ff_outlier_correlations, ff_outliers, ff_report, ff_residual_norms)
+    from .analyses.pairs import cross_segment_mixing  # noqa: F401
+    from .engine.models import EMBEDDED, Model, load_model, model_from_hf  # noqa: F401
+    from .engine.trace import Trace, trace  # noqa: F401
+    from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture  # noqa: F401
+    from .export.saved import load_explanation  # noqa: F401
+    from .methods.alti_plus import source_contribution  # noqa: F401
+    from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
+    from .methods.explanation import Explanation  # noqa: F401
+    from .methods.mixing import rollout  # noqa: F401
+    from .methods.registry import METHODS, MIXING_METHODS, SALIENCY_METHODS  # noqa: F401
+    from .verify import verify  # noqa: F401

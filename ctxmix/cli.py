@@ -31,7 +31,7 @@ def _load(args):
 
 
 def _texts(args) -> list[str]:
-    from .data import corpus
+    from ctxmix.data import corpus
 
     return corpus(args.corpus, limit=args.limit)
 
@@ -127,7 +127,7 @@ def cmd_res2(args) -> None:
 
 
 def cmd_methods(args) -> None:
-    from . import METHODS
+    from ctxmix import METHODS
 
     for name, info in METHODS.items():
         print(f"{name:22} {info.group:14} {info.paper}: {info.doc}"
@@ -136,11 +136,11 @@ def cmd_methods(args) -> None:
 
 
 def cmd_models(args) -> None:
-    from .arch import supported_families
-    from .models import EMBEDDED
+    from ctxmix.engine.arch import supported_families
+    from ctxmix.engine.models import EMBEDDED
 
-    from . import MIXING_METHODS, SALIENCY_METHODS
-    from .arch import families_table
+    from ctxmix import MIXING_METHODS, SALIENCY_METHODS
+    from ctxmix.engine.arch import families_table
 
     for k, v in EMBEDDED.items():
         print(f"{k:18} {v}")
@@ -155,7 +155,7 @@ def cmd_models(args) -> None:
 def cmd_verify(args) -> None:
     import pandas as pd
 
-    from .verify import verify
+    from ctxmix.verify import verify
 
     m = _load(args)
     df = verify(m, args.text, decoder_text=args.decoder_text)
@@ -170,7 +170,7 @@ def cmd_verify(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import METHODS
+    from ctxmix import METHODS
 
     p = argparse.ArgumentParser(prog="python -m ctxmix", description="Context mixing in Transformers.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -244,13 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_res2)
 
     s = sub.add_parser("bench", help="run a benchmark config: models x methods x datasets x metrics (resumable)")
-    from .runner import add_bench_arguments, cmd_bench
+    from ctxmix.benchmark.command import add_bench_arguments, cmd_bench
 
     add_bench_arguments(s)
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="start the dashboard (local: 127.0.0.1; --hosted: login, caps, no error details)")
-    from .serve import add_serve_arguments, cmd_serve
+    from ctxmix.service.serve import add_serve_arguments, cmd_serve
 
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
@@ -270,12 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import CtxmixError
+    from ctxmix.errors import CtxmixError
 
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     if args.verb not in ("serve", "methods", "models"):
-        from .models import keep_cpu_buffers
+        from ctxmix.engine.models import keep_cpu_buffers
 
         keep_cpu_buffers()  # this process is ours: faster chunked products on CPU (see its docstring)
     try:

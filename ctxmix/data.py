@@ -1,4 +1,6 @@
 """Offline text sources: small corpora shipped with gensim, local files, and (optionally) the HF hub.
+(Over 500 lines: one small reader per corpus, each with its cleaning rules; they share the
+corpus() entry point and its limits.)
 
 ctxmix must work without internet, so every analysis and test can draw its inputs from the
 test corpora that gensim ships in ``gensim/test/test_data`` (Pang & Lee movie-review

@@ -10,7 +10,7 @@ class ModelLoadError(CtxmixError):
 
 
 class UnsupportedArchitecture(CtxmixError):
-    """The model's architecture has no declarative description in `ctxmix.arch`."""
+    """The model's architecture has no declarative description in `ctxmix.engine.arch`."""
 
 
 class BadInput(CtxmixError, ValueError):

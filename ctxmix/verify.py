@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .errors import BadInput
-from .models import Model
+from ctxmix.errors import BadInput
+from ctxmix.engine.models import Model
 
 COLUMNS = ["check", "error", "tolerance", "passed", "detail"]
 
@@ -41,7 +41,7 @@ def _value_columns(model: Model, width: int) -> torch.Tensor:
     """The columns of the value projection's output that hold V (all of it, or V of a fused QKV)."""
     if not model.spec.fused_qkv:
         return torch.arange(width, device=model.device)
-    from .arch import value_columns
+    from ctxmix.engine.arch import value_columns
 
     lw = model.layers[0]
     return value_columns(model.spec, lw.n_heads, lw.n_kv_heads, lw.head_dim, model.device)
@@ -59,7 +59,7 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
     costs L forward passes of n sequences. Works on every family ctxmix describes: separate or
     fused value projections ([Q | K | V] columns), grouped-query attention (a value head shared by
     several query heads is zeroed for all of them, as it is one vector)."""
-    from .arch import _get
+    from ctxmix.engine.arch import _get
 
     ids = torch.tensor([list(input_ids)], device=model.device)
     n = ids.shape[1]
@@ -109,7 +109,7 @@ def _ff_numeric_ig(lw, st, rows: torch.Tensor, F: torch.Tensor, nodes: int = 96)
     """Zero-baseline IG of the FF's activation along the straight path to its pre-activation,
     split over the input pieces F (B, c, m, d) (each piece's share of the pre-activation is F_j W),
     by Jacobian-vector products at `nodes` Gauss-Legendre points, times W_2: (B, c, m, d_out).
-    The reference `ctxmix.layer.ff_pieces`' closed forms (g(u)/u; SwiGLU/GeGLU weights) must meet."""
+    The reference `ctxmix.engine.layer.ff_pieces`' closed forms (g(u)/u; SwiGLU/GeGLU weights) must meet."""
     x, w = np.polynomial.legendre.leggauss(nodes)
     if lw.gated:
         g, up = st.u[:, rows].unsqueeze(2), st.u_up[:, rows].unsqueeze(2)
@@ -144,10 +144,11 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
     the checks above run on its encoder, and the decoder's are added (`decoder_text`, by default
     the text itself): its layers recomputed, ALTI+'s two decompositions per layer exact, its rows
     summing to one."""
-    from .explain import explain
-    from .layer import ff_pieces, scope_pieces
-    from .methods import MIXING_METHODS, _scope_targets
-    from .trace import trace
+    from ctxmix.methods.explain import explain
+    from ctxmix.engine.layer import ff_pieces, scope_pieces
+    from ctxmix.methods.registry import MIXING_METHODS
+    from ctxmix.methods.mixing import _scope_targets
+    from ctxmix.engine.trace import trace
 
     e = model.encode_input(text)
     if len(e.ids) > max_tokens:
@@ -207,7 +208,8 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
 
 def _decoder_checks(model: Model, text: str, decoder_text: str, tol: dict) -> list[dict]:
     """An encoder-decoder's decoder: recomputed layers, ALTI+'s decompositions, its rows."""
-    from .seq2seq import alti_plus_pieces, decoder_weights, encode_target, explain_seq2seq, trace_seq2seq
+    from ctxmix.methods.alti_plus import alti_plus_pieces, explain_seq2seq
+    from ctxmix.engine.seq2seq import decoder_weights, encode_target, trace_seq2seq
 
     dec_ids = encode_target(model, decoder_text)[0]
     tr = trace_seq2seq(model, model.encode(text)[0], dec_ids)

@@ -3,10 +3,10 @@ for each component, the dynamics against the pre-FF map, RES2 norms, FF-amplifie
 
 import streamlit as st
 
-from ctxmix.analysis import comparisons, corpus_report
-from ctxmix.cache import cached_frames, model_fingerprint
-from ctxmix.models import weights_sha256
-from ctxmix import plots
+from ctxmix.analyses.corpus import comparisons, corpus_report
+from ctxmix.service.cache import cached_frames, model_fingerprint
+from ctxmix.engine.models import weights_sha256
+from ctxmix.export import plots
 from ui import common
 
 common.page_setup()

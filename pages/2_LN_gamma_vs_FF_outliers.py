@@ -3,8 +3,8 @@
 import streamlit as st
 
 import ctxmix
-from ctxmix import plots
-from ctxmix.cache import cached_frames, model_fingerprint
+from ctxmix.export import plots
+from ctxmix.service.cache import cached_frames, model_fingerprint
 from ui import common
 
 common.page_setup()
@@ -24,14 +24,14 @@ with common.errors_as_messages():
 
     def compute(missing):
         with common.corpus_job():
-            out = ctxmix.analysis.ff_report(model, texts, progress=lambda d, t: bar.progress(d / max(t, 1)), **caps)
+            out = ctxmix.analyses.corpus.ff_report(model, texts, progress=lambda d, t: bar.progress(d / max(t, 1)), **caps)
         return {{"residual_norms": "res2"}.get(k, k): v for k, v in out.items()}
 
     # one FF-statistics pass gives the outliers and the RES2 norms the Contextualization change page shows
     df = cached_frames({"outliers": (fp, corpus_key, len(texts), caps), "res2": (fp, corpus_key, len(texts), 0.0, caps)},
                        compute)["outliers"]
     bar.empty()
-    common.set_provenance(model=name, weights_sha256=ctxmix.models.weights_sha256(model), corpus=corpus_key,
+    common.set_provenance(model=name, weights_sha256=ctxmix.engine.models.weights_sha256(model), corpus=corpus_key,
                           sequences=len(texts), caps=caps)
     corr = ctxmix.ff_outlier_correlations(df)
 

@@ -17,7 +17,7 @@ from ui import common
 
 common.page_setup()
 
-from ctxmix import shipped, tables  # noqa: E402
+from ctxmix.benchmark import shipped, tables
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("CTXMIX_BENCH_DIR") or ROOT / "results")

@@ -4,8 +4,8 @@ CLI's `explain --out x.npz`) and see every view of the Explain page, without loa
 import streamlit as st
 
 import ctxmix
-from ctxmix.limits import load_limits
-from ctxmix.saved import load_explanation
+from ctxmix.service.limits import load_limits
+from ctxmix.export.saved import load_explanation
 from ui import common, views
 
 common.page_setup()

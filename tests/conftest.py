@@ -44,7 +44,7 @@ FAMILIES = list(_tiny_configs())
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return T.AutoTokenizer.from_pretrained(ctxmix.models.minilm_path())
+    return T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
 
 
 def randomise_norms(hf):

@@ -9,9 +9,9 @@ import torch
 from scipy import stats
 
 import ctxmix
-from ctxmix.analysis import POST_COMPARISONS, PRE_COMPARISONS, low_gamma_dims, mask_tokens
+from ctxmix.analyses.corpus import POST_COMPARISONS, PRE_COMPARISONS, low_gamma_dims, mask_tokens
 
-from ctxmix.trace import trace_batch, trace_ids
+from ctxmix.engine.trace import trace_batch, trace_ids
 
 from conftest import FAMILIES, tiny_model
 

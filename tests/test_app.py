@@ -1,6 +1,5 @@
 """Every page renders with the embedded model (Streamlit's AppTest) and shows what it must."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -120,7 +119,8 @@ def test_hosted_mode_asks_for_a_password(monkeypatch):
 
 
 def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
-    from ctxmix.runner import run_bench, validate_config
+    from ctxmix.benchmark.command import run_bench
+    from ctxmix.benchmark.config import validate_config
 
     plan = validate_config({"name": "tiny", "models": ["minilm"], "methods": ["alti", "attention", "globenc"],
                             "datasets": [{"id": "agreement", "source": "agreement", "per_phenomenon": 1, "seed": 0}],
@@ -176,7 +176,7 @@ def test_a_full_server_answers_busy(monkeypatch):
     """When the server already runs its cap of corpus jobs, a new one gets a polite notice."""
     import ui.common
 
-    from ctxmix.limits import LOCAL
+    from ctxmix.service.limits import LOCAL
 
     monkeypatch.setattr(ui.common, "_JOBS", [LOCAL.max_concurrent_jobs])
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
@@ -222,7 +222,7 @@ def test_hostile_uploads_are_messages(case, tmp_path):
 def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
     """A saved explanation opens on its own page with every view of the Explain page."""
     import ctxmix
-    from ctxmix.saved import explanation_bytes
+    from ctxmix.export.saved import explanation_bytes
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["attention", "alti", "norm"], per_head=True)
@@ -248,7 +248,7 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
 
 def test_saved_pair_shows_its_cross_text_mixing():
     import ctxmix
-    from ctxmix.saved import explanation_bytes
+    from ctxmix.export.saved import explanation_bytes
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, ("A man eats .", "Someone is eating food ."), ["alti"])

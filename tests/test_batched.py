@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from ctxmix.methods import MIXING_METHODS, compute_maps, mixing_maps_batch, scope_maps_batch, scope_names
-from ctxmix.trace import trace_batch_tensors, trace_ids
+from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.methods.mixing import compute_maps, mixing_maps_batch, scope_maps_batch
+from ctxmix.engine.trace import trace_batch_tensors, trace_ids
 
 from conftest import FAMILIES, tiny_model
 
@@ -24,8 +25,8 @@ def _float32_inside(m) -> bool:
 @pytest.fixture(params=["whole batch", "sub-batches"])
 def splitting(request, monkeypatch):
     """"sub-batches": a budget that splits a batch of three into parts of two and one, with
-    their own row chunks (ctxmix.methods._sub_batches)."""
-    import ctxmix.methods as M
+    their own row chunks (ctxmix.methods.mixing._sub_batches)."""
+    import ctxmix.methods.mixing as M
 
     if request.param == "sub-batches":
         n = max(len(t.split()) for t in TEXTS) + 4
@@ -62,7 +63,7 @@ def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, 
             g = got[meth][b].double().cpu().numpy()
             np.testing.assert_allclose(g[:, :n, :n], ref[meth][0], rtol=rtol, atol=tol, err_msg=f"{family} {meth}")
             assert np.all(g[:, n:, :] == 0) and np.all(g[:, :, n:] == 0), f"padding leaked into {meth}"
-        ref_scopes = {k: v for k, v in __import__("ctxmix").methods.scope_layer_maps(tr, next_ln=True).items()}
+        ref_scopes = {k: v for k, v in __import__("ctxmix.methods.mixing").methods.mixing.scope_layer_maps(tr, next_ln=True).items()}
         assert set(ref_scopes) == set(scopes)
         for k, v in ref_scopes.items():
             np.testing.assert_allclose(scopes[k][b, :, :n, :n].double().cpu().numpy(), v, rtol=rtol, atol=tol)
@@ -88,7 +89,7 @@ CORPUS = TEXTS + ["the cat sat .", "", "why do the dogs that the cats chase bark
 def _reports(m, batch_size):
     import warnings
 
-    from ctxmix.analysis import corpus_report
+    from ctxmix.analyses.corpus import corpus_report
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the empty text's warning
@@ -126,7 +127,7 @@ def test_ff_amp_matches_the_dictionary_definition(tokenizer):
     from collections import defaultdict
 
     import ctxmix
-    from ctxmix.analysis import ff_amp_matrix, ff_amp_scopes
+    from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
 
     m = tiny_model("bert", tokenizer)
     df = ctxmix.ff_amp(m, CORPUS[:4], min_count=1, top_k=10**6, progress=False)
@@ -150,7 +151,7 @@ def test_ff_amp_matches_the_dictionary_definition(tokenizer):
 def test_device_spearman_equals_scipy_with_ties():
     from scipy import stats
 
-    from ctxmix.ranks import average_ranks, spearman
+    from ctxmix.analyses.ranks import average_ranks, spearman
 
     rng = np.random.default_rng(0)
     np.testing.assert_array_equal(average_ranks(torch.tensor([3.0, 1.0, 3.0, 2.0, 3.0])).numpy(), [4, 1, 4, 2, 4])
@@ -171,7 +172,7 @@ def test_device_spearman_equals_scipy_with_ties():
 def test_corpus_pass_does_not_synchronise_per_sequence(tokenizer, monkeypatch):
     """No .cpu()/.item()/.tolist()/.numpy() in the corpus loop: the count of such calls is the
     same for a corpus twice as long (only the final tables come back from the device)."""
-    from ctxmix.analysis import corpus_report
+    from ctxmix.analyses.corpus import corpus_report
 
     m = tiny_model("bert", tokenizer, dtype=torch.float32)
     calls = {"n": 0}
@@ -193,8 +194,8 @@ def test_corpus_pass_does_not_synchronise_per_sequence(tokenizer, monkeypatch):
 
 
 def test_batches_are_length_bucketed_and_fit_the_budget(tokenizer):
-    from ctxmix.analysis import plan_batches
-    from ctxmix.budget import batch_size_for, memory_budget, sequence_bytes
+    from ctxmix.analyses.corpus import plan_batches
+    from ctxmix.engine.budget import batch_size_for, memory_budget, sequence_bytes
 
     m = tiny_model("bert", tokenizer)
     lengths = [5, 40, 7, 40, 6, 12, 39, 8]
@@ -257,7 +258,7 @@ def test_lower_triangle_change_matches_scipy(tokenizer):
     from scipy import stats
 
     import ctxmix
-    from ctxmix.analysis import PRE_COMPARISONS
+    from ctxmix.analyses.corpus import PRE_COMPARISONS
 
     m = tiny_model("gpt2", tokenizer)
     df = ctxmix.contextualization_change(m, TEXTS, lower_triangle=True, progress=False, batch_size=3)
@@ -277,7 +278,7 @@ def test_lower_triangle_change_matches_scipy(tokenizer):
 def test_server_caps_on_a_corpus(tokenizer):
     """max_tokens cuts long sequences (the closing special token kept, with a warning);
     max_total_tokens refuses a larger corpus before any work."""
-    from ctxmix.analysis import encode_corpus
+    from ctxmix.analyses.corpus import encode_corpus
     from ctxmix.errors import BadInput
 
     m = tiny_model("bert", tokenizer)
@@ -293,8 +294,8 @@ def test_a_corpus_job_stops_at_its_progress_callback(tokenizer):
     """The dashboard cancels a job by raising from its progress callback (Streamlit interrupts a
     script at its next call when the user stops or reruns it): the pass ends there, and the
     memory-budget slot is given back."""
-    import ctxmix.budget as budget
-    from ctxmix.analysis import corpus_report
+    import ctxmix.engine.budget as budget
+    from ctxmix.analyses.corpus import corpus_report
 
     m = tiny_model("bert", tokenizer)
     calls = []

@@ -1,7 +1,6 @@
 """The results cache: bounded in memory (bytes) and on disk (least recently used first), and
 every entry verified by the checksum its metadata records."""
 
-import os
 import time
 
 import numpy as np
@@ -9,7 +8,7 @@ import torch
 import pandas as pd
 import pytest
 
-from ctxmix import cache
+from ctxmix.service import cache
 
 from conftest import tiny_model
 
@@ -111,7 +110,7 @@ def test_changed_weights_in_a_local_folder_are_not_served_old_maps(results, toke
 
 
 def test_in_memory_models_are_fingerprinted_by_their_tensors(tokenizer):
-    from ctxmix.models import weights_sha256
+    from ctxmix.engine.models import weights_sha256
 
     a, b = tiny_model("bert", tokenizer), tiny_model("bert", tokenizer)
     assert weights_sha256(a) == weights_sha256(b)  # same seed, same weights

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ctxmix import plots
+from ctxmix.export import plots
 
 TOKENS = ["[CLS]", "the", "keys", "the", "Ġtable", "[SEP]"]
 

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
-import torch
 
 import ctxmix
-from ctxmix.layer import head_vectors
-from ctxmix.trace import trace_ids
+from ctxmix.engine.layer import head_vectors
+from ctxmix.engine.trace import trace_ids
 
 from conftest import FAMILIES, tiny_model
 

@@ -299,7 +299,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_configs_are_validated_before_any_work(case):
-    from ctxmix.runner import validate_config
+    from ctxmix.benchmark.config import validate_config
 
     raw, words = CONFIGS[case]
     with pytest.raises(BadInput, match=words):
@@ -309,7 +309,7 @@ def test_configs_are_validated_before_any_work(case):
 @pytest.mark.parametrize("secrets, words", [({"max_tokens": -1}, "max_tokens"), ({"max_sequences": 2.5}, "max_sequences"),
                                             ({"max_upload_mb": "big"}, "max_upload_mb"), ({"max_tokens": True}, "max_tokens")])
 def test_server_caps_in_secrets_are_checked(secrets, words):
-    from ctxmix.limits import load_limits
+    from ctxmix.service.limits import load_limits
 
     with pytest.raises(BadInput, match=words):
         load_limits(True, secrets)

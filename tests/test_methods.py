@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 import ctxmix
-from ctxmix.layer import gated_ig_weights, ig_ratio
-from ctxmix.methods import MIXING_METHODS, rollout
+from ctxmix.engine.layer import gated_ig_weights, ig_ratio
+from ctxmix.methods.registry import MIXING_METHODS
+from ctxmix.methods.mixing import rollout
 from ctxmix.errors import BadInput
-from ctxmix.trace import trace_ids
+from ctxmix.engine.trace import trace_ids
 
 from conftest import tiny_model
 
@@ -213,7 +214,7 @@ def test_attcat_masks_special_tokens_as_the_attcat_code_does(tokenizer):
     unmasked they receive attention. CAT of the last layer input is <d logit/d h, h>, summed."""
     m = tiny_model("bert", tokenizer)
     tr = trace_ids(m, IDS)
-    from ctxmix.saliency import cat_scores
+    from ctxmix.methods.saliency import cat_scores
 
     _, masked = cat_scores(m, tr, 1, 0, mask_special=True)
     cat, plain = cat_scores(m, tr, 1, 0, mask_special=False)
@@ -253,8 +254,8 @@ def test_integrated_gradients_completeness(tokenizer):
     """IG attributions (before abs) sum to p(x) - p(baseline); check through captum's delta."""
     from captum.attr import IntegratedGradients
 
-    from ctxmix.saliency import _baseline_ids, _embed, _forward_embeds, _score
-    from ctxmix.trace import trace_ids
+    from ctxmix.methods.saliency import _baseline_ids, _embed, _forward_embeds, _score
+    from ctxmix.engine.trace import trace_ids
 
     m = tiny_model("bert", tokenizer)
     tr = trace_ids(m, IDS)
@@ -330,7 +331,6 @@ def test_half_precision_models_give_finite_maps_near_float32(tokenizer, family, 
 def test_gradients_at_the_embedding_output(tokenizer, family):
     """grad_at="embedding_output": the gradient with respect to layer 0's input, by hand; on a
     Llama-like model (no embedding LayerNorm, no position embeddings) that is the word embedding."""
-    from ctxmix.trace import trace_ids
 
     m = tiny_model(family, tokenizer)
     ids = IDS if family == "bert" else IDS[:-1]

@@ -9,10 +9,7 @@ import pytest
 import torch
 
 from ctxmix.errors import BadInput
-from ctxmix.metrics import (METRICS, TargetProbability, attcat_ks, average_precision, cue_alignment,
-                            cue_alignment_layers, cue_ap, cue_dot, cue_probes, deletion_metrics, deyoung_ks,
-                            get_metric, method_agreement, model_agreement, normalise_scores, perturb,
-                            protected_positions, ranked_positions, reference_spearman, spearman)
+from ctxmix.benchmark.metrics import METRICS, TargetProbability, attcat_ks, average_precision, cue_alignment, cue_alignment_layers, cue_ap, cue_dot, cue_probes, deletion_metrics, deyoung_ks, get_metric, method_agreement, model_agreement, normalise_scores, perturb, protected_positions, ranked_positions, reference_spearman, spearman
 
 from conftest import tiny_model
 
@@ -249,7 +246,7 @@ def test_metric_metadata():
 def test_stop_one_short_and_abs_ranking():
     """AttCAT's code never deletes the last deletable token (i != n - 1) and its QQP notebook ranks
     by |score|: both options change which tokens go, by hand on a 6-token example."""
-    from ctxmix.metrics import _plan
+    from ctxmix.benchmark.metrics import _plan
 
     ranked = [3, 1, 2, 4]  # 4 deletable tokens of 6
     _, full = _plan("aopc", ranked, 6, 4)
@@ -276,8 +273,8 @@ def test_unknown_words_are_words_not_special_tokens(tokenizer):
     mask it; [CLS]/[SEP] stay protected, and a [MASK] keeps its question in the IG baseline."""
     from types import SimpleNamespace
 
-    from ctxmix.analysis import mask_tokens
-    from ctxmix.saliency import _baseline_ids
+    from ctxmix.analyses.corpus import mask_tokens
+    from ctxmix.methods.saliency import _baseline_ids
 
     unk, mask = tokenizer.unk_token_id, tokenizer.mask_token_id
     ids = [101, 2023, unk, mask, 102]
@@ -294,7 +291,7 @@ def test_unknown_words_are_words_not_special_tokens(tokenizer):
 def test_raw_attention_keeps_or_zeroes_the_explained_token():
     from types import SimpleNamespace
 
-    from ctxmix.runner import _derived
+    from ctxmix.benchmark.compute import _derived
 
     A = np.full((1, 3, 3), 1 / 3)
     ex = SimpleNamespace(layer_maps={"attention": A})

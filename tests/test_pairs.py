@@ -12,10 +12,10 @@ import torch
 import yaml
 
 import ctxmix
-from ctxmix import runner
+from ctxmix import benchmark as runner
 from ctxmix.errors import BadInput
-from ctxmix.metrics import TargetProbability, deletion_metrics, perturb
-from ctxmix.pairs import cross_segment_mixing, segment_shares
+from ctxmix.benchmark.metrics import TargetProbability, deletion_metrics, perturb
+from ctxmix.analyses.pairs import cross_segment_mixing, segment_shares
 
 from conftest import tiny_model
 
@@ -42,7 +42,7 @@ def test_pair_is_tokenised_as_the_tokenizer_pairs_it(bert, tokenizer):
 
 def test_token_types_reach_the_trace(bert, tokenizer):
     """The traced states are the model's with the pair's token types (and not without them)."""
-    from ctxmix.trace import trace
+    from ctxmix.engine.trace import trace
 
     enc = tokenizer(A, B, return_tensors="pt")
     tr = trace(bert, (A, B))
@@ -159,7 +159,7 @@ def test_cross_segment_mixing_rows_sum_to_one(bert):
     assert len(df) == 3 * 2 * L * 2 and set(df["method"]) == {"attention", "alti", "globenc"}
     np.testing.assert_allclose(df[["other", "own", "special"]].sum(1), 1.0, atol=1e-12)
     assert (df["other"] > 0).all()
-    from ctxmix.plots import cross_mixing_figure
+    from ctxmix.export.plots import cross_mixing_figure
 
     fig = cross_mixing_figure(df)
     assert len(fig.data) == 3 * 2 * 2

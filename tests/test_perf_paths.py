@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import ctxmix.methods
-from ctxmix.methods import scope_layer_maps, value_zeroing_maps
-from ctxmix.trace import trace_ids
+import ctxmix.methods.mixing
+from ctxmix.methods.mixing import scope_layer_maps, value_zeroing_maps
+from ctxmix.engine.trace import trace_ids
 
 from conftest import FAMILIES, tiny_model
 
@@ -31,7 +31,7 @@ perf = _bench_perf()
 @pytest.fixture(params=["one chunk", "many chunks"])
 def chunking(request, monkeypatch):
     if request.param == "many chunks":  # a few rows (or zeroed tokens) per chunk
-        monkeypatch.setattr(ctxmix.methods, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
+        monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
     return request.param
 
 

@@ -6,9 +6,9 @@ import torch
 
 import ctxmix
 from ctxmix.errors import BadInput
-from ctxmix.methods import compute_maps
-from ctxmix.precision import engine_precision
-from ctxmix.trace import trace
+from ctxmix.methods.mixing import compute_maps
+from ctxmix.engine.precision import engine_precision
+from ctxmix.engine.trace import trace
 
 TEXT = "The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat ."
 MIXING = ["attention", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]
@@ -58,7 +58,7 @@ def test_precision_is_checked_and_kept_as_the_models_default(minilm):
         ctxmix.explain(minilm, TEXT, ["norm"], precision="fp8")
     with pytest.raises(BadInput, match="precision must be one of"):
         ctxmix.load_model("minilm", device="cpu", precision="half")
-    from ctxmix.cache import model_fingerprint
+    from ctxmix.service.cache import model_fingerprint
 
     m = ctxmix.load_model("minilm", device="cpu", precision="bf16")
     assert m.precision == "bf16"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import ctxmix
-from ctxmix.layer import layer_forward, norm_family_pieces, scope_pieces
-from ctxmix.methods import scope_names
-from ctxmix.trace import trace_ids
+from ctxmix.engine.layer import norm_family_pieces, scope_pieces
+from ctxmix.methods.registry import scope_names
+from ctxmix.engine.trace import trace_ids
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 TOL = 1e-8
@@ -64,7 +64,7 @@ def test_straightforward_ff_product_reconstructs_too(tiny):
 
 def test_factorised_equals_straightforward(tiny):
     """The optimised FF path (W_1 on per-head vectors, mixed afterwards) gives the same maps."""
-    from ctxmix.methods import scope_layer_maps
+    from ctxmix.methods.mixing import scope_layer_maps
 
     tr = trace_ids(tiny, IDS)
     fast, slow = scope_layer_maps(tr), scope_layer_maps(tr, factorised=False)
@@ -114,7 +114,7 @@ def test_scope_maps_api_shapes(tiny):
 
 def test_chunked_equals_whole(tiny, monkeypatch):
     """Chunking the n x n x d' pieces over output rows changes nothing."""
-    import ctxmix.methods as M
+    import ctxmix.methods.mixing as M
 
     whole = ctxmix.scope_maps(tiny, input_ids=IDS)
     monkeypatch.setattr(M, "CHUNK_ELEMENTS", 1)  # one output row per chunk
@@ -128,7 +128,7 @@ def test_reconstruction_error_covers_the_decompositions_computed(tokenizer, monk
     the scope decompositions it computed: a scope whose pieces stop summing to its vector shows."""
     from conftest import tiny_model
 
-    import ctxmix.methods as M
+    import ctxmix.methods.mixing as M
 
     m = tiny_model("bert", tokenizer)
     plain = ctxmix.explain(m, None, ["alti"], input_ids=IDS)

@@ -17,8 +17,9 @@ import yaml
 
 import ctxmix
 import ctxmix.cli
-from ctxmix import runner, tables
-from ctxmix.agreement import PHENOMENA, AgreementItem, agreement_items, encode_items
+from ctxmix import benchmark as runner
+from ctxmix.benchmark import tables
+from ctxmix.benchmark.agreement import PHENOMENA, AgreementItem, agreement_items, encode_items
 from ctxmix.errors import BadInput
 
 from conftest import tiny_model
@@ -97,7 +98,7 @@ def test_config_shape_errors(tmp_path):
 
 
 def test_hub_datasets_fail_clearly_offline(monkeypatch):
-    monkeypatch.setattr(runner, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(runner.config, "_hub_reachable", lambda timeout=3.0: False)
     raw = {"name": "a", "models": ["minilm"],
            "datasets": [{"id": "sst2", "source": "hf", "path": "glue", "name": "sst2", "split": "validation",
                          "text_field": "sentence"}]}
@@ -107,7 +108,7 @@ def test_hub_datasets_fail_clearly_offline(monkeypatch):
 
 
 def test_shipped_configs_are_valid(monkeypatch, tmp_path):
-    monkeypatch.setattr(runner, "_check_hub_datasets", lambda specs, errors: None)
+    monkeypatch.setattr(runner.config, "_check_hub_datasets", lambda specs, errors: None)
     lgd = tmp_path / "lgd.tsv"
     lgd.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** here\tare\tis\n")
     paths = sorted((ROOT / "configs").glob("*.yaml"))
@@ -170,9 +171,9 @@ def test_blimp_pairs_become_agreement_items():
              ("regular_plural_subject_verb_agreement_1", "Kristen has fixed this chair.",
               "Kristen have fixed this chair.", "has", "have", "Kristen")]
     for subset, good, bad, target, foil, cue in cases:
-        it = runner._blimp_item("x", subset, good, bad)
+        it = runner.datasets._blimp_item("x", subset, good, bad)
         assert (it.target, it.foil, it.words[it.cue_indices[0]]) == (target, foil, cue), subset
-    assert runner._blimp_item("x", "anaphor_number_agreement", "A b c.", "A d e.") is None
+    assert runner.datasets._blimp_item("x", "anaphor_number_agreement", "A b c.", "A d e.") is None
 
 
 def test_linzen_goldberg_file(tmp_path, tiny_dir):
@@ -253,12 +254,12 @@ def test_interrupted_run_resumes_without_recomputing(tmp_path, tiny_dir, monkeyp
             raise KeyboardInterrupt
         return real(tasks)
 
-    monkeypatch.setattr(runner, "compute_batch", flaky)
+    monkeypatch.setattr(runner.executors, "compute_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         runner.run_bench(p, db=db, quiet=True)
     done_before = set(q(db, "SELECT example_id, method FROM units"))
     assert len(done_before) == 8  # the first batch: two examples x four methods, each committed
-    monkeypatch.setattr(runner, "compute_batch", real)
+    monkeypatch.setattr(runner.executors, "compute_batch", real)
     runner.run_bench(p, db=db, quiet=True)
     log = q(db, "SELECT example_id, method, COUNT(*) FROM computations GROUP BY 1, 2")
     assert len(log) == 20 and all(n == 1 for *_, n in log)
@@ -284,7 +285,7 @@ def test_resumed_batches_are_bit_identical(tmp_path, tiny_dir, kind, monkeypatch
         q(db, f"DELETE FROM {table} WHERE example_id = ?", lost)
     seen = []
     real = runner.compute_batch
-    monkeypatch.setattr(runner, "compute_batch", lambda tasks: seen.append(tasks) or real(tasks))
+    monkeypatch.setattr(runner.executors, "compute_batch", lambda tasks: seen.append(tasks) or real(tasks))
     runner.run_bench(p, db=db, quiet=True)
     assert q(db, sql) == whole  # exactly, not approximately
     # the whole batch (examples 3-5) went through the engine again, only the lost one with methods
@@ -311,7 +312,7 @@ def test_methods_that_do_not_apply_are_marked_na(tmp_path):
 
 
 def test_derived_methods(tmp_path, tiny_dir, tokenizer):
-    from ctxmix.methods import rollout
+    from ctxmix.methods.mixing import rollout
 
     # masked LM on agreement data: blank_out_foil against a direct computation
     it = agreement_items(1, seed=0, phenomena=["sva_attractor"])[0]
@@ -480,7 +481,7 @@ def test_embedded_config_end_to_end(tmp_path):
     assert t["mean rank"].notna().all()
     assert (tmp_path / "out" / "minilm-sentiment__pang_lee.tex").read_text().count(r"\textbf") >= 5
     # the shipped results are not stale: the same --limit 2 run gives the shipped check scores
-    from ctxmix import shipped
+    from ctxmix.benchmark import shipped
 
     assert shipped.CHECK_LIMIT == 2
     got = tables.load_scores(db, "embedded").set_index(["model", "dataset", "example_id", "method", "metric", "layer"])

@@ -54,7 +54,7 @@ def test_half_precision_for_viewing(ex, tmp_path):
 
 
 def test_damaged_and_foreign_files(ex, tmp_path):
-    from ctxmix.limits import HOSTED
+    from ctxmix.service.limits import HOSTED
 
     (tmp_path / "text.npz").write_text("hello")
     with pytest.raises(BadInput, match="could not be read"):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ctxmix.sentiment import ID2LABEL, META_FILE, accuracy, build_minilm_sentiment, heldout_split, load_meta
+from ctxmix.engine.sentiment import ID2LABEL, META_FILE, accuracy, build_minilm_sentiment, heldout_split, load_meta
 
 
 def test_heldout_split_is_stratified_and_seeded():

@@ -11,8 +11,8 @@ import torch
 import transformers as T
 
 import ctxmix
-from ctxmix.seq2seq import (alti_plus_pieces, decoder_weights, encode_target, explain_seq2seq, source_contribution,
-                            trace_seq2seq)
+from ctxmix.methods.alti_plus import alti_plus_pieces, source_contribution
+from ctxmix.engine.seq2seq import decoder_weights, encode_target, trace_seq2seq
 
 from conftest import V, randomise_norms
 
@@ -123,8 +123,8 @@ def test_alti_plus_maps(s2s):
 
 def test_alti_plus_hand_checkable_combination(bart):
     """One layer's joint row is [C_cross_enc | c_res * C_self]: check it from the two blocks' ALTI."""
-    from ctxmix.layer import alti_layer
-    from ctxmix.seq2seq import alti_plus_layer
+    from ctxmix.engine.layer import alti_layer
+    from ctxmix.methods.alti_plus import alti_plus_layer
 
     src, _ = bart.encode(SRC)
     dec, _, _ = encode_target(bart, TGT)
@@ -142,7 +142,7 @@ def test_alti_plus_hand_checkable_combination(bart):
 
 
 def test_encoder_alone_runs_every_mixing_method(s2s):
-    from ctxmix.methods import scope_names
+    from ctxmix.methods.registry import scope_names
 
     methods = [m for m, info in ctxmix.MIXING_METHODS.items()
                if info.group != "scope" or m in scope_names(s2s.spec.position)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ctxmix.errors import BadInput
-from ctxmix.limits import HOSTED, LOCAL, hosted_mode, load_limits, read_secrets
-from ctxmix.serve import serve_plan
+from ctxmix.service.limits import HOSTED, LOCAL, hosted_mode, load_limits, read_secrets
+from ctxmix.service.serve import serve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,7 +165,7 @@ def test_archives_are_checked_before_numpy_opens_them(tmp_path):
 
     import numpy as np
 
-    from ctxmix.limits import check_archive
+    from ctxmix.service.limits import check_archive
 
     lim = HOSTED
     ok = io.BytesIO()

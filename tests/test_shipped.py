@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from ctxmix import runner, shipped, tables
+from ctxmix import benchmark as runner
+from ctxmix.benchmark import shipped, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,9 +17,9 @@ import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
 
 import ctxmix
-from ctxmix import plots
-from ctxmix.limits import hosted_mode, load_limits
-from ctxmix.limits import password as ctxmix_password
+from ctxmix.export import plots
+from ctxmix.service.limits import hosted_mode, load_limits
+from ctxmix.service.limits import password as ctxmix_password
 
 EMBEDDED_MODELS = ["minilm", "minilm-sentiment", "smollm2"]
 DEFAULT_TEXT = "The keys to the cabinet are on the table ."
@@ -44,12 +44,12 @@ def _secrets() -> dict:
 
 def hosted() -> bool:
     """Hosted mode: CTXMIX_HOSTED, `hosted = true` in .streamlit/secrets.toml, or any password
-    (ctxmix.limits.hosted_mode: a password means the server is shared, so everything applies)."""
+    (ctxmix.service.limits.hosted_mode: a password means the server is shared, so everything applies)."""
     return hosted_mode(os.environ, _secrets())
 
 
 def limits() -> dict:
-    """The caps of this server (ctxmix.limits): generous locally, tight in hosted mode."""
+    """The caps of this server (ctxmix.service.limits): generous locally, tight in hosted mode."""
     return asdict(load_limits(hosted(), _secrets()))
 
 
@@ -262,7 +262,7 @@ def corpus_job():
 
 
 def corpus_caps() -> dict:
-    """The per-sequence and per-job token caps every corpus computation gets (ctxmix.limits)."""
+    """The per-sequence and per-job token caps every corpus computation gets (ctxmix.service.limits)."""
     lim = limits()
     return {"max_tokens": lim["max_tokens"], "max_total_tokens": lim["max_job_tokens"]}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ctxmix import plots
-from ctxmix.methods import MIXING_METHODS
-from ctxmix.pairs import cross_segment_mixing
+from ctxmix.export import plots
+from ctxmix.methods.registry import MIXING_METHODS
+from ctxmix.analyses.pairs import cross_segment_mixing
 from ui import common
 
 

@@ -1,0 +1,203 @@
+"""bench/perf.py's comparisons with other tools and precisions: Integrated Gradients against
+captum, value zeroing against inseq (in its own virtualenv), and the bf16/tf32/half-precision
+rows. (Split from perf.py to keep each script readable; perf.py runs them.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from perf_common import bert_base, ids_for, log, row, timed, tokenizer  # noqa: E402
+
+MIXING = ["attention", "attention_rollout", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]
+
+
+def bench_ig(a, dev) -> list[dict]:
+    """Target 6: ctxmix.methods.saliency.integrated_gradients against captum's IntegratedGradients."""
+    from captum.attr import IntegratedGradients
+
+    from ctxmix.methods.saliency import integrated_gradients, resolve_target
+    from ctxmix.engine.trace import trace_ids
+
+    m = bert_base(dev, head=True)
+    n, steps = a.ig_n, 50
+    ids = ids_for(n)
+    tr = trace_ids(m, ids)
+    target = resolve_target(m, tr, None, 0)
+    hf = m.hf
+    x = torch.tensor([ids], device=m.device)
+    special = set(m.tokenizer.all_special_ids)
+    base_ids = torch.tensor([[t if t in special else m.tokenizer.pad_token_id for t in ids]], device=m.device)
+    emb = hf.get_input_embeddings()
+
+    def captum_ig():
+        E = emb(x).detach()
+        B = emb(base_ids).detach()
+
+        def f(e):  # the probability of the target class, softmax in float64 (as ctxmix's _score)
+            mask = torch.ones(e.shape[:2], dtype=torch.long, device=e.device)
+            return torch.softmax(hf(inputs_embeds=e, attention_mask=mask).logits.double(), -1)[:, target].to(e.dtype)
+
+        with torch.enable_grad():
+            attr = IntegratedGradients(f).attribute(E, baselines=B, n_steps=steps)  # captum's defaults otherwise
+        return attr[0].sum(-1).abs().double().cpu().numpy()
+
+    def ctxmix_ig():
+        return integrated_gradients(m, tr, target, 0, baseline="pad", n_steps=steps)
+
+    ids_short = ids_for(8)  # warm-up both
+    integrated_gradients(m, trace_ids(m, ids_short), target, 0, n_steps=4)
+    log(f"integrated gradients n={n}, {steps} steps: captum directly, then ctxmix")
+    t_cap, ref = timed(captum_ig, dev, a.repeat)
+    t_cm, got = timed(ctxmix_ig, dev, a.repeat)
+    diff = float(np.abs(ref - got).max())
+    return [
+        row(f"integrated_gradients n={n}, {steps} steps, [PAD] baseline: speed-up over captum IntegratedGradients",
+            f"{t_cm:.2f} s", f"{t_cap:.2f} s (captum defaults)", t_cap / t_cm, ">= 1x", t_cap / t_cm >= 0.95),
+        row(f"integrated_gradients n={n}: max |difference| vs captum", f"{diff:.1e}",
+            f"max |score| {float(np.abs(ref).max()):.1e}", None, "<= 1e-5", diff <= 1e-5),
+    ]
+
+
+INSEQ_CHILD = r'''
+import json, sys, time
+import numpy as np, torch, transformers as T, inseq
+from inseq.attr.feat.ops import value_zeroing as vzmod
+
+tok_path, out_dir, n_target, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+text = open(out_dir + "/text.txt").read()
+torch.manual_seed(0)
+cfg = T.GPT2Config(vocab_size=30522, bos_token_id=101, eos_token_id=102, n_layer=layers)
+hf = T.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").eval()
+hf.save_pretrained(out_dir + "/model", safe_serialization=True)
+tok = T.AutoTokenizer.from_pretrained(tok_path)
+captured = {}
+orig = vzmod.ValueZeroing.compute_modules_post_zeroing_similarity
+def capture(self, inputs, *a, **k):  # keep inseq's whole (batch, zeroed j, output i, layer) score tensor
+    out = orig(self, inputs, *a, **k)
+    captured["scores"] = out.detach().float().cpu().clone()
+    return out
+vzmod.ValueZeroing.compute_modules_post_zeroing_similarity = capture
+model = inseq.load_model(hf, "value_zeroing", tokenizer=tok)
+words = text.split()
+model.attribute(input_texts=words[0], generated_texts=" ".join(words[:6]), show_progress=False)  # warm-up
+t0 = time.perf_counter()
+res = model.attribute(input_texts=words[0], generated_texts=text, show_progress=False)
+sec = time.perf_counter() - t0
+S = captured["scores"][0]  # (j, i, L): inseq scores the prefix before the last target token
+n = S.shape[0]
+ids = [t.id for t in res.sequence_attributions[0].target][:n]
+maps = torch.nan_to_num(S.permute(2, 1, 0), nan=0.0).numpy()  # (L, i, j)
+np.save(out_dir + "/inseq_maps.npy", maps)
+print(json.dumps({"seconds": sec, "ids": ids, "n": n, "transformers": T.__version__, "torch": torch.__version__}))
+'''
+
+
+def bench_inseq(a, dev) -> list[dict]:
+    """Target 7: inseq 0.7.1's value zeroing (own virtualenv) against ctxmix on the same weights."""
+    import transformers as T
+
+    import ctxmix
+    from ctxmix.methods.mixing import value_zeroing_maps
+    from ctxmix.engine.trace import trace_ids
+
+    py = Path(a.inseq_venv) / "bin" / "python"
+    if not py.exists():
+        return [row("inseq 0.7.1 value_zeroing", "skipped", f"no {py}", None, "report")]
+    tok = tokenizer()
+    # a Wikipedia text cut so that inseq's prefix (everything but the last target token) has ~inseq_n tokens
+    try:
+        from ctxmix.data import wiki_texts
+
+        words = " ".join(wiki_texts(20)).split()
+    except Exception:
+        words = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
+                 "while the children who live next door play in the garden . ").split() * 6
+    k = 1
+    while k < len(words) and len(tok(" ".join(words[:k + 1]))["input_ids"]) <= a.inseq_n + 1:
+        k += 1
+    text = " ".join(words[:k])
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "text.txt").write_text(text)
+        Path(tmp, "child.py").write_text(INSEQ_CHILD)
+        log(f"inseq 0.7.1 value zeroing in {a.inseq_venv} (GPT-2-base-sized random, ~{a.inseq_n} tokens)")
+        r = subprocess.run([str(py), str(Path(tmp, "child.py")), ctxmix.engine.models.minilm_path(), tmp, str(a.inseq_n),
+                            str(a.inseq_layers)], capture_output=True, text=True,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"})
+        if r.returncode:
+            err = [s for s in r.stderr.strip().splitlines() if s.strip()][-1:] or ["?"]
+            return [row("inseq 0.7.1 value_zeroing", "failed", err[0][:100], None, "report")]
+        info = json.loads(r.stdout.strip().splitlines()[-1])
+        ref = np.load(Path(tmp, "inseq_maps.npy"))
+        hf = T.GPT2LMHeadModel.from_pretrained(Path(tmp, "model"), attn_implementation="eager").eval()
+    # same device as inseq (CPU): a like-for-like time
+    m = ctxmix.model_from_hf(hf, tok, name="gpt2-base-sized random")
+    ids = info["ids"]
+    value_zeroing_maps(trace_ids(m, ids[:8]))  # warm-up
+    t_cm, got = timed(lambda: value_zeroing_maps(trace_ids(m, ids)), "cpu")
+    # inseq takes the cosine in float32, sets distances below 1e-5 to 0 before normalising rows, and
+    # compares the last layer after GPT-2's final norm (ln_f, from the model's output) where ctxmix
+    # uses the raw layer output; so the last layer is apart, and so are the layers where the 1e-5
+    # threshold zeroed scores (a random GPT-2's deep layers have distances around 1e-5)
+    low = np.tril(np.ones(ref.shape[1:], dtype=bool))
+    inner = list(range(len(ref) - 1))
+    cut = [l for l in inner if ((ref[l] == 0) & low & (got[l] > 0)).any()]
+    kept = [l for l in inner if l not in cut]
+    d_kept = max((float(np.abs(ref[l] - got[l]).max()) for l in kept), default=float("nan"))
+    d_cut = max((float(np.abs(ref[l] - got[l]).max()) for l in cut), default=float("nan"))
+    last = float(np.abs(ref[-1] - got[-1]).max())
+    span = (f"layers {kept[0] + 1}-{kept[-1] + 1}" if kept == list(range(kept[0], kept[-1] + 1)) else
+            "layers " + ",".join(str(l + 1) for l in kept)) if kept else "no layer"
+    return [
+        row(f"value zeroing, GPT-2-base-sized random ({m.n_layers} layers), n={info['n']}, CPU: speed-up over "
+            f"inseq 0.7.1 (transformers {info['transformers']})", f"{t_cm:.2f} s", f"{info['seconds']:.1f} s (inseq)",
+            info["seconds"] / t_cm, "report"),
+        row(f"  max |map difference| vs inseq, {span} (inseq: float32 cosine)", f"{d_kept:.1e}",
+            f"{len(cut)} layers where inseq's 1e-5 threshold zeroed scores: {d_cut:.1e}; last layer (ln_f): {last:.1e}",
+            None, "report"),
+    ]
+
+
+def bench_precision(a, dev) -> list[dict]:
+    """Every map, every engine precision (tf32, bf16 on the same float32 weights) and every half
+    dtype the model may be loaded in, against the float32 map, relative to its largest entry.
+    MiniLM's real weights (the rounding of real weights is what a user meets)."""
+    import ctxmix
+    from ctxmix.methods.registry import POST_LN_SCOPES
+
+    text = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
+            "while the children who live next door play in the garden .")
+    methods = MIXING + list(POST_LN_SCOPES)
+    m32 = ctxmix.load_model("minilm", device=str(dev))
+    ref = ctxmix.explain(m32, text, methods).layer_maps
+    rows = []
+
+    def compare(label, ex, goal):
+        errs = {k: float(np.abs(ex.layer_maps[k] - ref[k]).max() / np.abs(ref[k]).max()) for k in methods}
+        worst = max(errs, key=errs.get)
+        rows.append(row(f"MiniLM n={len(ex.tokens)}, {label}: max |map - float32 map| / max |float32 map|",
+                        f"{errs[worst]:.1e} ({worst})", ", ".join(f"{k} {v:.0e}" for k, v in errs.items()), None,
+                        f"<= {goal:g}", errs[worst] <= goal))
+
+    for prec, goal in (("tf32", 1e-3), ("bf16", 5e-3)):
+        log(f"precision {prec}")
+        compare(f"engine precision {prec} (float32 weights)", ctxmix.explain(m32, text, methods, precision=prec), goal)
+    for dt in ("float16", "bfloat16"):
+        log(f"model loaded in {dt}")
+        try:
+            m = ctxmix.load_model("minilm", device=str(dev), dtype=dt)
+            compare(f"model loaded in {dt}", ctxmix.explain(m, text, methods), 2e-2)
+        except Exception as e:  # report, do not stop the table
+            rows.append(row(f"model loaded in {dt}", "failed", f"{type(e).__name__}: {e}"[:100], None, "<= 0.02", False))
+    return rows

@@ -1,0 +1,14 @@
+"""Methods -> analyses of a corpus or an explanation: contextualization change, FF amplification
+and outliers (`corpus`), sentence-pair mixing (`pairs`), device-side ranks (`ranks`).
+"""
+
+
+def __getattr__(name: str):  # submodules load on first use (`ctxmix.analyses.corpus` after `import ctxmix`)
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,0 +1,176 @@
+"""Executors: the local loop and Ray, with progress, throttling and clean stops.
+"""
+
+from __future__ import annotations
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from ctxmix.errors import BadInput, CtxmixError
+from ctxmix.benchmark.compute import _ray_task, compute_batch
+from ctxmix.benchmark.config import ModelSpec, Plan
+from ctxmix.benchmark.datasets import Example
+from ctxmix.benchmark.store import ResultsStore
+
+
+@dataclass
+class Group:
+    """One example of one (model, dataset): the units still to compute. `batch` numbers the
+    engine batch it belongs to (its index in the dataset // example_batch) and `members` are all
+    the examples of that batch, finished ones included, so the batch is always traced whole."""
+
+    model: ModelSpec
+    dataset: str
+    example: Example
+    methods: list[str]
+    batch: int = 0
+    members: list = field(default_factory=list)
+
+
+def _batches(groups: list[Group]) -> list[list[Group]]:
+    """Consecutive groups of one (model, dataset, batch number)."""
+    out: list[list[Group]] = []
+    for g in groups:
+        if out and (out[-1][0].model.label, out[-1][0].dataset, out[-1][0].batch) == (g.model.label, g.dataset, g.batch):
+            out[-1].append(g)
+        else:
+            out.append([g])
+    return out
+
+
+def _batch_tasks(plan: Plan, gs: list[Group], store: ResultsStore) -> list[dict]:
+    """One task per member example of the batch: the unfinished ones with their methods, the
+    others with none (they only keep the batch's padding, hence its numbers, the same)."""
+    todo = {g.example.id: g for g in gs}
+    tasks = []
+    for e in gs[0].members:
+        g = todo.get(e.id) or Group(model=gs[0].model, dataset=gs[0].dataset, example=e, methods=[], batch=gs[0].batch)
+        tasks.append(_task(plan, g, store))
+    return tasks
+
+
+def _commit_batch(plan: Plan, gs: list[Group], tasks: list[dict], results: list, store: ResultsStore, bar) -> None:
+    by_id = {g.example.id: g for g in gs}
+    for task, res in zip(tasks, results):
+        g = by_id.get(task["example"]["id"])
+        if g is None:
+            continue
+        store.commit_result(plan.run_id, g.model, g.dataset, g.example.id, res, g.methods)
+        bar.update(len(g.methods))
+
+
+def _task(plan: Plan, g: Group, store: ResultsStore) -> dict:
+    from ctxmix.benchmark.metrics import get_metric
+
+    refs = {get_metric(m).reference for m in plan.metrics if get_metric(m).reference}
+    options = dict(plan.options)
+    spec = next((d for d in plan.datasets if d.id == g.dataset), None)
+    if spec is not None and spec.options.get("min_tokens") is not None:
+        options["min_tokens"] = int(spec.options["min_tokens"])  # a dataset's own filter wins
+    if spec is not None and spec.options.get("abs_saliency"):
+        options["abs_saliency"] = True  # rank by |score| for the deletion metrics (AttCAT's QQP notebook)
+    return {"kind": plan.kind, "model": asdict(g.model), "dataset": g.dataset, "example": asdict(g.example),
+            "methods": g.methods, "metrics": plan.metrics, "target": plan.target, "explain": plan.explain,
+            "options": options, "seed": plan.options["seed"],
+            "references": store.stored_saliency(plan.run_id, g.model.label, g.dataset, g.example.id, refs)
+            if g.methods else {}}
+
+
+class _Stop:
+    """SIGINT/SIGTERM ask the loop to stop after the unit being committed."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, *_):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *a):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _throttle() -> None:
+    d = float(os.environ.get("CTXMIX_BENCH_THROTTLE", "0") or 0)  # seconds per example; for tests of resuming
+    if d > 0:
+        time.sleep(d)
+
+
+def run_local(plan: Plan, groups: list[Group], store: ResultsStore, bar) -> None:
+    with _Stop() as stop:
+        for gs in _batches(groups):
+            if stop.requested:
+                break
+            tasks = _batch_tasks(plan, gs, store)
+            try:
+                results = compute_batch(tasks)
+            except (CtxmixError, RuntimeError) as e:  # recorded, not committed: retried by the next run
+                results = [{"status": "error", "reason": f"{type(e).__name__}: {e}"} for _ in tasks]
+            _throttle()
+            _commit_batch(plan, gs, tasks, results, store, bar)
+        if stop.requested:
+            raise KeyboardInterrupt
+
+
+def _ray_env() -> dict:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("CTXMIX_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+              "CTXMIX_WORKER_THREADS"):
+        if os.environ.get(k):
+            env[k] = os.environ[k]
+    return env
+
+
+def run_ray(plan: Plan, groups: list[Group], store: ResultsStore, bar, address: str | None = None,
+            num_cpus: int | None = None) -> None:
+    """Each batch of examples is a Ray task (one CPU); at most 2 x CPUs in flight; the driver commits."""
+    try:
+        import ray
+    except ImportError:
+        raise BadInput("--executor ray needs Ray: pip install ray==2.60.0 (see requirements-dev.txt)") from None
+    started = not ray.is_initialized()
+    if started:
+        kw = dict(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": _ray_env()})
+        if address:
+            ray.init(address=address, **kw)
+        else:
+            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=1)(_ray_task)
+        cap = max(1, int(2 * (ray.available_resources().get("CPU", 1) or 1)))
+        pending: dict = {}
+        todo = _batches(groups)
+        with _Stop() as stop:
+            while (todo and not stop.requested) or pending:
+                while todo and len(pending) < cap and not stop.requested:
+                    gs = todo.pop(0)
+                    tasks = _batch_tasks(plan, gs, store)
+                    pending[remote.remote(tasks)] = (gs, tasks)
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    gs, tasks = pending.pop(ref)
+                    try:
+                        results = ray.get(ref)
+                    except Exception as e:  # noqa: BLE001 - a worker crash is recorded, the run goes on
+                        results = [{"status": "error", "reason": f"ray task failed: {type(e).__name__}: {e}"}
+                                   for _ in tasks]
+                    _commit_batch(plan, gs, tasks, results, store, bar)
+            if stop.requested:
+                raise KeyboardInterrupt
+    finally:
+        if started:
+            ray.shutdown()

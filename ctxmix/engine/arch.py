@@ -1,0 +1,391 @@
+"""One declarative description per architecture family, and the weights it points to.
+
+Every decomposition in ctxmix runs on plain tensors taken from the model through these
+maps of module names (the ALTI repo's idea), so adding a family is adding one entry here;
+`tests/test_reconstruction.py` then proves the decompositions exact on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ctxmix.errors import UnsupportedArchitecture
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Module names of one architecture family, relative to `model.base_model`.
+
+    Paths inside a layer are dotted attribute names. `fused_qkv` means one projection
+    holds Q, K and V side by side (GPT-2's `c_attn`); `conv1d` means weights are stored
+    (in, out) as in GPT-2's Conv1D instead of nn.Linear's (out, in).
+    """
+
+    family: str
+    model_types: tuple[str, ...]
+    position: str  # "post": LN after each residual (BERT); "pre": LN before each block (GPT-2);
+    # "parallel": y = x + ATTN(LN1 x) + FF(LN2 x) (GPT-NeoX, Phi-1/2; LN1 and LN2 may be one module);
+    # "sandwich": h = x + LNa(ATTN(LN1 x)), y = h + LNf(FF(LN2 h)) (Gemma 2/3)
+    norm: str  # "layernorm" or "rmsnorm"
+    layers: str
+    value: str
+    out_proj: str
+    ln1: str  # the norm of the attention block (after RES1 in post-LN, before ATTN in pre-LN)
+    ln2: str  # the norm of the FF block
+    ff_out: str
+    act: str
+    ff_in: str | None = None  # W_1 of a plain FF
+    ff_gate: str | None = None  # gated FF: down(act(x W_g) * (x W_u))
+    ff_up: str | None = None
+    final_norm: str | None = None  # pre-LN: the norm after the last layer
+    fused_qkv: bool = False
+    conv1d: bool = False
+    causal: bool = False
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w): gamma = w + norm_offset
+    fused_gate_up: bool = False  # ff_gate names one projection [gate | up] (ModernBERT's Wi: act(first) * second)
+    qkv_per_head: bool = False  # fused QKV interleaved per head, [q_h | k_h | v_h] for each head (GPT-NeoX)
+    post_attn_norm: str | None = None  # "sandwich" (Gemma 2/3): the norm of the attention block's output
+    post_ff_norm: str | None = None  # "sandwich": the norm of the FF block's output
+    heads_attr: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads")
+    # encoder-decoder models: `layers` names the encoder's; the decoder's self-attention, FF and
+    # cross-attention are read through `ctxmix.engine.seq2seq.decoder_specs` (same module names under "decoder")
+    encoder_decoder: bool = False
+
+    @property
+    def gated(self) -> bool:
+        return self.ff_gate is not None
+
+
+_BERT_LIKE = dict(
+    position="post", norm="layernorm", layers="encoder.layer",
+    value="attention.self.value", out_proj="attention.output.dense",
+    ln1="attention.output.LayerNorm", ln2="output.LayerNorm",
+    ff_in="intermediate.dense", ff_out="output.dense", act="intermediate.intermediate_act_fn",
+)
+
+# BART-style layers (the encoder's, and the decoder's self-attention and FF)
+_ENC_DEC_LAYER = dict(
+    value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm", ln2="final_layer_norm",
+    ff_in="fc1", ff_out="fc2", act="activation_fn",
+)
+
+FAMILIES: tuple[ArchSpec, ...] = (
+    ArchSpec("BERT", ("bert",), **_BERT_LIKE),
+    ArchSpec("RoBERTa", ("roberta", "xlm-roberta", "camembert"), **_BERT_LIKE),
+    ArchSpec("ELECTRA", ("electra",), **_BERT_LIKE),
+    ArchSpec(
+        "DistilBERT", ("distilbert",), position="post", norm="layernorm", layers="transformer.layer",
+        value="attention.v_lin", out_proj="attention.out_lin", ln1="sa_layer_norm",
+        ln2="output_layer_norm", ff_in="ffn.lin1", ff_out="ffn.lin2", act="ffn.activation",
+    ),
+    ArchSpec(
+        "GPT-2", ("gpt2",), position="pre", norm="layernorm", layers="h", value="attn.c_attn",
+        out_proj="attn.c_proj", ln1="ln_1", ln2="ln_2", ff_in="mlp.c_fc", ff_out="mlp.c_proj",
+        act="mlp.act", final_norm="ln_f", fused_qkv=True, conv1d=True, causal=True,
+    ),
+    ArchSpec(
+        "OPT", ("opt",), position="pre", norm="layernorm", layers="decoder.layers",
+        value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm",
+        ln2="final_layer_norm", ff_in="fc1", ff_out="fc2", act="activation_fn",
+        final_norm="decoder.final_layer_norm", causal=True,
+    ),
+    ArchSpec(
+        # Qwen3 adds q/k norms, which the value path never reads; Llama 3 differs in rotary scaling only
+        "Llama", ("llama", "mistral", "qwen2", "qwen3"), position="pre", norm="rmsnorm", layers="layers",
+        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
+    ArchSpec(
+        # Llama's shape with RMSNorm scaling by (1 + w) and a GeGLU FF (gelu-tanh gate)
+        "Gemma", ("gemma",), position="pre", norm="rmsnorm", norm_offset=1.0, layers="layers",
+        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
+    ArchSpec(
+        # Phi-3/4: Llama's shape with a fused qkv_proj ([Q | K | V], K and V of the key-value heads)
+        # and a fused gate_up_proj (act(first half) * second half)
+        "Phi-3", ("phi3",), position="pre", norm="rmsnorm", layers="layers", value="self_attn.qkv_proj",
+        out_proj="self_attn.o_proj", ln1="input_layernorm", ln2="post_attention_layernorm",
+        ff_gate="mlp.gate_up_proj", fused_gate_up=True, ff_out="mlp.down_proj", act="mlp.activation_fn",
+        final_norm="norm", fused_qkv=True, causal=True,
+    ),
+    ArchSpec(
+        # encoder-decoder, post-LN (BART, Marian): the encoder as BERT's layers; ALTI+ through the decoder
+        "BART", ("bart", "marian"), position="post", norm="layernorm", layers="encoder.layers",
+        encoder_decoder=True, **_ENC_DEC_LAYER,
+    ),
+    ArchSpec(
+        # encoder-decoder, pre-LN with a final norm in the encoder and in the decoder (M2M-100, NLLB, mBART)
+        "M2M-100", ("m2m_100", "mbart"), position="pre", norm="layernorm", layers="encoder.layers",
+        final_norm="encoder.layer_norm", encoder_decoder=True, **_ENC_DEC_LAYER,
+    ),
+    ArchSpec(
+        # parallel residual; query_key_value interleaved per head ([q_h | k_h | v_h]), so GPT-2's
+        # block slicing would take the wrong columns. use_parallel_residual=False makes it pre-LN.
+        "GPT-NeoX", ("gpt_neox",), position="parallel", norm="layernorm", layers="layers",
+        value="attention.query_key_value", out_proj="attention.dense", ln1="input_layernorm",
+        ln2="post_attention_layernorm", ff_in="mlp.dense_h_to_4h", ff_out="mlp.dense_4h_to_h", act="mlp.act",
+        final_norm="final_layer_norm", fused_qkv=True, qkv_per_head=True, causal=True,
+    ),
+    ArchSpec(
+        # Phi-1/1.5/2: parallel, one norm shared by the attention and the FF
+        "Phi", ("phi",), position="parallel", norm="layernorm", layers="layers", value="self_attn.v_proj",
+        out_proj="self_attn.dense", ln1="input_layernorm", ln2="input_layernorm", ff_in="mlp.fc1",
+        ff_out="mlp.fc2", act="mlp.activation_fn", final_norm="final_layernorm", causal=True,
+    ),
+    ArchSpec(
+        # Gemma 2/3: pre-LN blocks whose outputs are normalised too. post_attention_layernorm normalises
+        # the attention output here (in Llama the module of that name is the FF's input norm)
+        "Gemma 2/3", ("gemma2", "gemma3_text"), position="sandwich", norm="rmsnorm", norm_offset=1.0,
+        layers="layers", value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
+        ln2="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+        post_ff_norm="post_feedforward_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+    ),
+    # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
+    ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
+    ArchSpec(
+        # pre-LN encoder: fused Wqkv ([Q | K | V]), GeGLU with a fused Wi (act(first half) * second half),
+        # LayerNorms without bias, layer 0's attn_norm an identity, local/global attention masks
+        "ModernBERT", ("modernbert",), position="pre", norm="layernorm", layers="layers", value="attn.Wqkv",
+        out_proj="attn.Wo", ln1="attn_norm", ln2="mlp_norm", ff_gate="mlp.Wi", fused_gate_up=True,
+        ff_out="mlp.Wo", act="mlp.act", final_norm="final_norm", fused_qkv=True,
+    ),
+)
+
+
+FAMILY_NOTES = {
+    "BART": "encoder-decoder: explain(model, source, ['alti'], decoder_text=...) gives ALTI+ source and target "
+            "contributions over [source; target]; without decoder_text every mixing method runs on the encoder",
+    "M2M-100": "encoder-decoder, pre-LN (as BART's row otherwise)",
+    "DeBERTa-v2": "attention logits carry relative-position terms; the weights come from the model",
+    "ModernBERT": "alternating local/global attention masks come with the model's attention weights; "
+                  "layer 0 has no attention norm",
+    "Gemma": "RMSNorm scales by 1 + w (the gamma ff_outliers compares is 1 + w)",
+    "Llama": "Qwen3's q/k norms and Llama 3's rotary scaling leave the value path as Llama's",
+    "Phi-3": "fused qkv_proj and gate_up_proj, split by the head counts",
+    "GPT-NeoX": "parallel residual: the FF reads LN2(x), so within a layer it adds to each token's own row "
+                "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
+    "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
+    "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
+                 "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
+}
+
+
+def families_table() -> list[dict]:
+    """One row per family: model types, norm position, norm, FF and the scope names that apply
+    (every mixing method applies to every family; gradient methods need a head)."""
+    from ctxmix.methods.registry import scope_names
+
+    rows = []
+    for sp in FAMILIES:
+        norm = sp.norm + (f" (gamma = {sp.norm_offset:g} + w)" if sp.norm_offset else "")
+        ff = ("gated, fused [gate | up]" if sp.fused_gate_up else "gated") if sp.gated else "plain"
+        rows.append({"family": sp.family, "model types": "/".join(sp.model_types),
+                     "norms": "parallel residual, pre-LN blocks" if sp.position == "parallel" else f"{sp.position}-LN",
+                     "norm": norm, "FF": ff,
+                     "attention": ("encoder bidirectional, decoder causal + cross-attention" if sp.encoder_decoder
+                                   else "causal" if sp.causal else "bidirectional"),
+                     "scopes": ", ".join(scope_names(sp.position)), "note": FAMILY_NOTES.get(sp.family, "")})
+    return rows
+
+
+def supported_families() -> str:
+    return ", ".join(f"{s.family} ({'/'.join(s.model_types)})" for s in FAMILIES)
+
+
+def spec_for(config) -> ArchSpec:
+    """The family of a Hugging Face config, or a clear error naming the supported ones."""
+    mt = getattr(config, "model_type", None)
+    for spec in FAMILIES:
+        if mt in spec.model_types:
+            if spec.family == "OPT" and not getattr(config, "do_layer_norm_before", True):
+                # OPT-350m puts the norms after the residuals, like BERT
+                return ArchSpec(**{**spec.__dict__, "position": "post", "final_norm": None})
+            if spec.family == "GPT-NeoX" and not getattr(config, "use_parallel_residual", True):
+                return ArchSpec(**{**spec.__dict__, "position": "pre"})
+            if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
+                raise UnsupportedArchitecture("OPT checkpoints with word_embed_proj_dim != hidden_size are not supported")
+            return spec
+    raise UnsupportedArchitecture(
+        f"model type {mt!r} is not supported; ctxmix describes these families: {supported_families()}"
+    )
+
+
+def _get(module: nn.Module, path: str):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Norm:
+    """LayerNorm (mean-centred) or RMSNorm as plain tensors: z -> (z - m)/s * gamma + beta."""
+
+    kind: str  # "layernorm", "rmsnorm" or "identity"
+    gamma: torch.Tensor | None  # (d,); None for "identity"
+    beta: torch.Tensor | None  # (d,) or None for RMSNorm
+    eps: float
+
+    def scale(self, z: torch.Tensor) -> torch.Tensor:
+        """s(z), shape (..., 1): std with eps inside the sqrt (biased), or RMS for RMSNorm (1 for
+        "identity", a norm the model leaves out, as ModernBERT's first attn_norm)."""
+        if self.kind == "identity":
+            return torch.ones_like(z[..., :1])
+        if self.kind == "layernorm":
+            z = z - z.mean(-1, keepdim=True)
+        return (z.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decompose_bias(z, self.scale(z))
+
+    def decompose_pieces(self, pieces: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Pieces (..., m, d) of an input whose full sum has scale s (..., 1): each piece's
+        own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021)."""
+        if self.kind == "identity":
+            return pieces
+        if self.kind == "layernorm":
+            pieces = pieces - pieces.mean(-1, keepdim=True)
+        return pieces / s.unsqueeze(-2) * self.gamma
+
+    def decompose_bias(self, bias: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """The bias piece (..., d) takes beta on top of its normalised share."""
+        if self.kind == "identity":
+            return bias
+        if self.kind == "layernorm":
+            bias = bias - bias.mean(-1, keepdim=True)
+        out = bias / s * self.gamma
+        return out + self.beta if self.beta is not None else out
+
+
+@dataclass
+class LayerWeights:
+    """One layer's parameters in (in, out) orientation; heads split by `n_heads`, `n_kv_heads`."""
+
+    index: int
+    position: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    Wv: torch.Tensor  # (d, Hkv*dh)
+    bv: torch.Tensor  # (Hkv*dh,)
+    Wo: torch.Tensor  # (H*dh, d)
+    bo: torch.Tensor  # (d,)
+    ln1: Norm
+    ln2: Norm
+    act: Callable[[torch.Tensor], torch.Tensor]
+    W2: torch.Tensor  # (d', d): FF output projection (down_proj for gated FFs)
+    b2: torch.Tensor
+    W1: torch.Tensor | None = None  # (d, d') plain FF
+    b1: torch.Tensor | None = None
+    Wg: torch.Tensor | None = None  # gated FF: gate and up projections
+    bg: torch.Tensor | None = None
+    Wu: torch.Tensor | None = None
+    bu: torch.Tensor | None = None
+    next_norm: Norm | None = None  # the norm that next reads this layer's output (pre-LN)
+    post_attn_norm: Norm | None = None  # sandwich: LNa, the attention output's norm
+    post_ff_norm: Norm | None = None  # sandwich: LNf, the FF output's norm
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gated(self) -> bool:
+        return self.Wg is not None
+
+    @property
+    def ff_norm(self) -> Norm:
+        """The norm that next processes the FF output: LN2 in post-LN, LNf in a sandwich layer
+        (Gemma 2/3: gamma = 1 + w), the next LN1 in pre-LN and parallel layers."""
+        if self.position == "post":
+            return self.ln2
+        if self.position == "sandwich":
+            return self.post_ff_norm
+        assert self.next_norm is not None
+        return self.next_norm
+
+
+def _linear(mod: nn.Module, conv1d: bool, d_out_hint: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    W = mod.weight.detach()
+    W = W if conv1d else W.T
+    b = mod.bias.detach() if getattr(mod, "bias", None) is not None else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+    return W, b
+
+
+def _norm(mod: nn.Module, kind: str, offset: float = 0.0) -> Norm:
+    if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
+        return Norm("identity", None, None, 0.0)
+    eps = getattr(mod, "eps", None)
+    if eps is None:
+        eps = getattr(mod, "variance_epsilon")
+    beta = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
+    if kind == "layernorm" and beta is None:
+        beta = torch.zeros_like(mod.weight)
+    gamma = mod.weight.detach()
+    return Norm(kind, gamma + offset if offset else gamma, beta, float(eps))
+
+
+def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
+    for name in spec.heads_attr:
+        if getattr(config, name, None):
+            H = int(getattr(config, name))
+            break
+    else:
+        raise UnsupportedArchitecture("cannot find the number of attention heads in the config")
+    Hkv = int(getattr(config, "num_key_value_heads", None) or H)
+    return H, Hkv
+
+
+def value_columns(spec: ArchSpec, H: int, Hkv: int, dh: int, device=None) -> torch.Tensor:
+    """The columns of a fused QKV projection that hold V: [Q | K | V] blocks (Q of the H query
+    heads, K and V of the Hkv key-value heads), or per head [q_h | k_h | v_h] (GPT-NeoX)."""
+    if spec.qkv_per_head:
+        return (torch.arange(H, device=device)[:, None] * 3 * dh + 2 * dh
+                + torch.arange(dh, device=device)[None]).reshape(-1)
+    v0 = (H + Hkv) * dh
+    return torch.arange(v0, v0 + Hkv * dh, device=device)
+
+
+def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
+    """Read every layer's parameters once (views, no copies) through the spec's names."""
+    layers = _get(base, spec.layers)
+    H, Hkv = _config_heads(config, spec)
+    final = _norm(_get(base, spec.final_norm), spec.norm, spec.norm_offset) if spec.final_norm else None
+    out: list[LayerWeights] = []
+    for li, layer in enumerate(layers):
+        Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
+        Wo, bo = _linear(_get(layer, spec.out_proj), spec.conv1d)
+        dh = Wo.shape[0] // H
+        if spec.fused_qkv:
+            cols = value_columns(spec, H, Hkv, dh, Wv.device)
+            Wv, bv = Wv[:, cols], bv[cols]
+        W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
+        lw = LayerWeights(
+            index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,
+            Wv=Wv, bv=bv, Wo=Wo, bo=bo,
+            ln1=_norm(_get(layer, spec.ln1), spec.norm, spec.norm_offset),
+            ln2=_norm(_get(layer, spec.ln2), spec.norm, spec.norm_offset),
+            act=_get(layer, spec.act), W2=W2, b2=b2,
+        )
+        if spec.post_attn_norm:
+            lw.post_attn_norm = _norm(_get(layer, spec.post_attn_norm), spec.norm, spec.norm_offset)
+            lw.post_ff_norm = _norm(_get(layer, spec.post_ff_norm), spec.norm, spec.norm_offset)
+        if spec.fused_gate_up:
+            W, b = _linear(_get(layer, spec.ff_gate), spec.conv1d)
+            half = W.shape[1] // 2
+            lw.Wg, lw.bg, lw.Wu, lw.bu = W[:, :half], b[:half], W[:, half:], b[half:]
+        elif spec.gated:
+            lw.Wg, lw.bg = _linear(_get(layer, spec.ff_gate), spec.conv1d)
+            lw.Wu, lw.bu = _linear(_get(layer, spec.ff_up), spec.conv1d)
+        else:
+            lw.W1, lw.b1 = _linear(_get(layer, spec.ff_in), spec.conv1d)
+        out.append(lw)
+    if spec.position != "post":
+        for lw, nxt in zip(out, out[1:] + [None]):
+            lw.next_norm = nxt.ln1 if nxt is not None else final
+    return out

@@ -1,0 +1,656 @@
+"""One Transformer layer recomputed from its weights, and its exact decompositions.
+(Over 500 lines on purpose: every layer shape's forward pass and its decompositions stay side by
+side, so a new shape is read and checked in one place.)
+
+Shapes: B sequences, n tokens, d model width, d' FF width, H heads, dh head width. Rows i
+index output tokens, columns j input tokens; "pieces" are tensors (B, c, n, d) holding, for a
+chunk of c output rows of each sequence, the contribution vector of every input token j.
+
+Everything is batch-first: a `LayerState` holds (B, n, ...) tensors of B right-padded
+sequences, and one call decomposes the whole batch. Padding cannot leak into a real token's
+pieces: padded keys get exactly zero attention, every norm and FF acts on one token at a time,
+and padded rows are cropped by the caller. The functions also accept an unbatched state
+((n, ...) tensors, as `Trace.states` holds) and then return unbatched pieces.
+
+The attention probabilities come from the model's own eager forward pass; everything else
+is recomputed here from `LayerWeights`, and `tests/test_reconstruction.py` checks that the
+recomputation and every decomposition give back the hidden states the model computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ctxmix.engine.arch import LayerWeights
+
+
+# ---------------------------------------------------------------- attention parts
+
+
+def head_values(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """v^h(x_j) = x_j W_V^h [+ b_V^h] for every (query) head: x (..., n, d) -> (..., H, n, dh).
+
+    Grouped-query attention (Hkv < H) shares each value head among H/Hkv query heads.
+    """
+    v = x @ lw.Wv
+    if with_bias:
+        v = v + lw.bv
+    v = v.view(*x.shape[:-1], lw.n_kv_heads, lw.head_dim)
+    if lw.n_kv_heads != lw.n_heads:
+        v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=-2)
+    return v.transpose(-3, -2)
+
+
+def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """f^h(x_j) = (x_j W_V^h [+ b_V^h]) W_O^h for every head: x (..., n, d) -> (..., H, n, d)."""
+    return torch.matmul(head_values(lw, x, with_bias), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+
+
+def ff_in_norm(lw: LayerWeights):
+    """The norm whose output the FF reads: LN1 in post-LN layers, LN2 in pre-LN layers."""
+    return lw.ln1 if lw.position == "post" else lw.ln2
+
+
+def ff_input_projections(lw: LayerWeights) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W, b) of the FF's input projections: [(W_1, b_1)], or [(W_g, b_g), (W_u, b_u)] when gated."""
+    return [(lw.Wg, lw.bg), (lw.Wu, lw.bu)] if lw.gated else [(lw.W1, lw.b1)]
+
+
+def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
+    """Per FF input projection W, M^h = W_O^h C diag(gamma) W, (H, dh, d'): C centres (LayerNorm;
+    identity for RMSNorm). A head vector's normalised share times W is then v^h M^h, so the
+    factorised paths project the n*H head values (n*d*d' FLOPs) instead of the n*H head vectors
+    (n*H*d*d'). Depends only on the weights, so it is computed once and kept with them."""
+    key = "head_ff_maps"
+    if key not in lw.extra:
+        norm = ff_in_norm(lw)
+        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+        if norm.kind == "layernorm":
+            Wo = Wo - Wo.mean(-1, keepdim=True)
+        lw.extra[key] = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
+    return lw.extra[key]
+
+
+def project_heads(lw: LayerWeights, v: torch.Tensor, precision: str = "float32") -> list[torch.Tensor]:
+    """Each head value's normalised share (before 1/s) times each FF input projection:
+    v (B, H, n, dh) -> [(B, n, H, d')], contiguous in (j, h) order for the per-chunk GEMMs."""
+    return [big_matmul(v, M, precision).transpose(1, 2).contiguous() for M in head_ff_maps(lw)]
+
+
+def value_bias_rows(lw: LayerWeights, ln_beta: torch.Tensor | None, alpha: torch.Tensor) -> torch.Tensor:
+    """What each output row receives from the value bias (and, in pre-LN, from LN1's beta):
+    sum_h (sum_j alpha^h_ij) (beta W_V^h + b_V^h) W_O^h, (B, c, d) for alpha (B, H, c, n).
+
+    The weights of a row sum to one only up to the precision the model's softmax ran in
+    (float32 even in float64 models of some families), so the sums are kept, not assumed."""
+    base = ln_beta if ln_beta is not None else torch.zeros(lw.Wv.shape[0], dtype=lw.Wv.dtype, device=lw.Wv.device)
+    per_head = head_vectors(lw, base[None], with_bias=True)[:, 0]  # (H, d)
+    return torch.einsum("...hi,hd->...id", alpha.sum(-1), per_head)
+
+
+def mix_T(alpha: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Attention-weighted pieces in (j, i) order: alpha (B, H, c, n), f (B, H, n, d) -> (B, n, c, d),
+    sum over heads. One batched GEMM over (b, j) on contiguous operands: with strided operands (and
+    with einsum) the same product runs 40x slower on CPU because the inner dimension is only H."""
+    return torch.matmul(alpha.permute(0, 3, 2, 1).contiguous(), f.transpose(1, 2).contiguous())
+
+
+def mix(alpha: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Attention-weighted pieces: alpha (B, H, c, n), f (B, H, n, d) -> (B, c, n, d), sum over heads."""
+    return mix_T(alpha, f).transpose(1, 2)
+
+
+# ---------------------------------------------------------------- precision
+
+PRECISIONS = ("float32", "tf32", "bf16")
+
+
+def big_matmul(a: torch.Tensor, W: torch.Tensor, precision: str = "float32") -> torch.Tensor:
+    """a @ W for the large products (pieces x W_1, FF activations x W_2), in the engine's precision.
+
+    "float32" (and float64 models) and "tf32": a plain product in the operands' dtype (TF32 is
+    switched on around the whole call by `ctxmix.engine.precision.engine_precision`, CUDA only).
+    "bf16": both operands rounded to bfloat16, products accumulated in float32 (tensor cores on
+    CUDA, oneDNN on CPU); the result comes back in the operands' dtype. Everything else (norms,
+    LayerNorm statistics, activation shares, cosines) never goes through here."""
+    if precision != "bf16" or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.matmul(a, W)
+    Wb = W.to(torch.bfloat16)
+    ab = a.to(torch.bfloat16)
+    if a.is_cuda and a.dim() >= 2 and W.dim() == 2:
+        try:  # float32 output straight from the tensor cores' accumulator (torch >= 2.9, CUDA)
+            out = torch.mm(ab.reshape(-1, ab.shape[-1]), Wb, out_dtype=torch.float32)
+            return out.view(*a.shape[:-1], W.shape[-1]).to(a.dtype)
+        except (RuntimeError, TypeError):
+            pass
+    return torch.matmul(ab, Wb).to(a.dtype)
+
+
+# ---------------------------------------------------------------- FF closed forms
+
+
+@lru_cache(maxsize=8)
+def _gauss_legendre(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    x, w = np.polynomial.legendre.leggauss(nodes)
+    return (x + 1) / 2, w / 2  # on [0, 1]
+
+
+def act_slope_at_zero(act) -> float:
+    """g'(0) by a central difference in float64 (0.5 for GELU, gelu_new and SiLU; 0 or 0.5
+    for ReLU, irrelevant there because all pieces of a zero pre-activation cancel)."""
+    h = 1e-6
+    x = torch.tensor([-h, h], dtype=torch.float64)
+    y = act(x)
+    return float((y[1] - y[0]) / (2 * h))
+
+
+def ig_ratio(u: torch.Tensor, act) -> torch.Tensor:
+    """r = g(u)/u: zero-baseline Integrated Gradients of g(sum of pieces) gives piece k the
+    share x_k * g(u)/u exactly (ff-blocks notes §2.5), so no numeric integration is needed."""
+    safe = torch.where(u == 0, torch.ones_like(u), u)
+    return torch.where(u == 0, torch.full_like(u, act_slope_at_zero(act)), act(u) / safe)
+
+
+def gated_ig_weights(g: torch.Tensor, act, nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-baseline IG of act(g) * u over pieces (g_j, u_j): piece j's share is
+    g_j * u * I1(g) + u_j * I2(g) with I1 = int_0^1 a act'(a g) da, I2 = int_0^1 act(a g) da.
+
+    Both integrals depend only on the totals, so one Gauss-Legendre rule per element does.
+    I1 is taken from the identity g*I1 + I2 = act(g) where |g| > 1, which makes the shares
+    sum to act(g) * u to rounding whatever the quadrature error; near 0 both come from the rule.
+    """
+    a, w = _gauss_legendre(nodes)
+    a = torch.as_tensor(a, dtype=g.dtype, device=g.device)
+    w = torch.as_tensor(w, dtype=g.dtype, device=g.device)
+    I2 = torch.zeros_like(g)
+    I1q = torch.zeros_like(g)
+    for ak, wk in zip(a, w):
+        ag = (ak * g).detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = act(ag)
+            (dy,) = torch.autograd.grad(y.sum(), ag)
+        I2 = I2 + wk * y.detach()
+        I1q = I1q + wk * ak * dy
+    big = g.abs() > 1
+    I1 = torch.where(big, (act(g) - I2) / torch.where(big, g, torch.ones_like(g)), I1q)
+    return I1, I2
+
+
+# ---------------------------------------------------------------- forward from weights
+
+
+@dataclass
+class LayerState:
+    """The real intermediate vectors of one layer: (B, n, d) or (B, n, d') for a batch, (n, ...)
+    for one sequence (`Trace.states`).
+
+    post-LN: r1 = x + attn, z = LN1(r1), r2 = z + ff, y = LN2(r2)
+    pre-LN:  x1 = LN1(x), h = x + attn(x1), z = LN2(h), y = h + ff
+    parallel (GPT-NeoX, Phi-1/2): x1 = LN1(x), r1 = x + attn(x1), z = LN2(x), y = r1 + ff
+    sandwich (Gemma 2/3): x1 = LN1(x), r1 = x + LNa(attn(x1)), z = LN2(r1), y = r1 + LNf(ff); `attn`
+    and `ff` are the blocks' outputs before LNa and LNf
+    `ff_in` is the vector the FF reads (z), `bypass` the vector RES2 adds around it.
+    """
+
+    x: torch.Tensor
+    alpha: torch.Tensor  # (B, H, n, n)
+    attn: torch.Tensor  # attention block output before RES1, incl. b_O
+    r1: torch.Tensor  # after RES1 (post-LN: pre-LN1; pre-LN: the residual stream h)
+    z: torch.Tensor  # FF input
+    u: torch.Tensor  # FF pre-activation (gate pre-activation for gated FFs)
+    u_up: torch.Tensor | None  # gated FFs: the up projection
+    ff: torch.Tensor  # FF output incl. b_2
+    r2: torch.Tensor  # after RES2
+    y: torch.Tensor  # layer output
+    x1: torch.Tensor | None = None  # pre-LN: LN1(x)
+
+    @property
+    def batched(self) -> bool:
+        return self.x.dim() == 3
+
+    def as_batch(self) -> "LayerState":
+        """This state with a leading batch dimension (views; a no-op when already batched)."""
+        if self.batched:
+            return self
+        return LayerState(**{k: (None if v is None else v.unsqueeze(0)) for k, v in self.__dict__.items()})
+
+    def sub_batch(self, part: slice) -> "LayerState":
+        """Sequences `part` of a batch (views)."""
+        return LayerState(**{k: (None if v is None else v[part]) for k, v in self.__dict__.items()})
+
+    def select(self, b: int, n: int) -> "LayerState":
+        """Sequence b of a batch, cropped to its n real tokens (views)."""
+        crop = {k: (None if v is None else v[b, ..., :n, :]) for k, v in self.__dict__.items() if k != "alpha"}
+        return LayerState(alpha=self.alpha[b, :, :n, :n], **crop)
+
+
+def ff_forward(lw: LayerWeights, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """FF on (..., d): returns (output, pre-activation, up projection or None)."""
+    if lw.gated:
+        g = z @ lw.Wg + lw.bg
+        up = z @ lw.Wu + lw.bu
+        return (lw.act(g) * up) @ lw.W2 + lw.b2, g, up
+    u = z @ lw.W1 + lw.b1
+    return lw.act(u) @ lw.W2 + lw.b2, u, None
+
+
+def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer once the attention output is known: (..., n, d) -> output.
+    Value zeroing runs this on a batch of perturbed attention outputs."""
+    if lw.position == "post":
+        z = lw.ln1(attn + x)
+        return lw.ln2(z + ff_forward(lw, z)[0])
+    if lw.position == "parallel":  # the FF reads LN2(x), which the attention output does not touch
+        return attn + x + ff_forward(lw, lw.ln2(x))[0]
+    if lw.position == "sandwich":
+        h = x + lw.post_attn_norm(attn)
+        return h + lw.post_ff_norm(ff_forward(lw, lw.ln2(h))[0])
+    h = attn + x
+    return h + ff_forward(lw, lw.ln2(h))[0]
+
+
+def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> LayerState:
+    """Recompute the layer on x (..., n, d) with the model's attention probabilities (..., H, n, n)."""
+    x1 = None
+    src = x
+    if lw.position != "post":
+        x1 = lw.ln1(x)
+        src = x1
+    f = head_vectors(lw, src, with_bias=True)
+    attn = torch.matmul(alpha, f).sum(-3) + lw.bo
+    r1 = attn + x if lw.position != "sandwich" else x + lw.post_attn_norm(attn)
+    if lw.position == "post":
+        z = lw.ln1(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = z + ff
+        y = lw.ln2(r2)
+    elif lw.position == "sandwich":  # Gemma 2/3: both blocks' outputs normalised before their residual
+        z = lw.ln2(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + lw.post_ff_norm(ff)
+        y = r2
+    elif lw.position == "parallel":  # GPT-NeoX, Phi-1/2: y = x + attn(LN1 x) + FF(LN2 x)
+        z = lw.ln2(x)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + ff
+        y = r2
+    else:
+        z = lw.ln2(r1)
+        ff, u, up = ff_forward(lw, z)
+        r2 = r1 + ff
+        y = r2
+    return LayerState(x=x, alpha=alpha, attn=attn, r1=r1, z=z, u=u, u_up=up, ff=ff, r2=r2, y=y, x1=x1)
+
+
+# ---------------------------------------------------------------- decompositions
+
+
+def _unbatched(fn):
+    """Let a batch-first decomposition take one sequence's (n, ...) state too: the state gets a
+    batch of one and every returned tensor loses it again."""
+    import functools
+
+    def strip(v):
+        if isinstance(v, torch.Tensor):
+            return v[0]
+        if isinstance(v, tuple):
+            return tuple(strip(t) for t in v)
+        if isinstance(v, dict):
+            return {k: strip(t) for k, t in v.items()}
+        return v
+
+    @functools.wraps(fn)
+    def wrapper(lw, st, *args, **kwargs):
+        if st.batched:
+            return fn(lw, st, *args, **kwargs)
+        return strip(fn(lw, st.as_batch(), *args, **kwargs))
+
+    return wrapper
+
+
+def _diag_add(F: torch.Tensor, rows: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """F (B, c, n, d): add vec[:, k] (B, c, d) to F[:, k, rows[k]] (the residual enters only i == j)."""
+    F = F.clone()
+    F[:, torch.arange(len(rows), device=F.device), rows] += vec
+    return F
+
+
+def _diag(F: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """F[:, k, rows[k]] for every k: (B, c, n, d) -> (B, c, d)."""
+    return F[:, torch.arange(len(rows), device=F.device), rows]
+
+
+def ff_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Tensor, b: torch.Tensor,
+              gated_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-baseline IG of the FF over the pieces F (B, c, n, d) and bias b (B, c, d) of its input."""
+    if lw.gated:
+        g = st.u[:, rows]
+        up = st.u_up[:, rows]
+        I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
+        gj = F @ lw.Wg
+        uj = F @ lw.Wu
+        gb = b @ lw.Wg + lw.bg
+        ub = b @ lw.Wu + lw.bu
+        hj = gj * (up * I1).unsqueeze(2) + uj * I2.unsqueeze(2)
+        hb = gb * up * I1 + ub * I2
+    else:
+        r = ig_ratio(st.u[:, rows], lw.act)
+        hj = (F @ lw.W1) * r.unsqueeze(2)
+        hb = (b @ lw.W1 + lw.b1) * r
+    return hj @ lw.W2, hb @ lw.W2 + lw.b2
+
+
+def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor,
+                         norm, s: torch.Tensor, b: torch.Tensor, cache: dict,
+                         gated_nodes: int = 64, precision: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """`ff_pieces` without the second n^2*d*d' product.
+
+    The FF reads pieces norm(sum_h alpha^h_ij f^h_j + [i=j] x_i) / s_i, linear in f and x, so
+    W_1 (or W_g, W_u) is applied to the H*n head vectors once per layer (cached in `cache`, through
+    the head values and `head_ff_maps`) and mixed with alpha afterwards (H*n^2*d' instead of n^2*d*d'). Only the product with W_2,
+    which exact maps cannot avoid, stays n^2*d'*d. Works in (j, i) order so that the big
+    tensors stay contiguous for the GEMM. cache["v"] (B, H, n, dh) the head values; s (B, c, 1);
+    b (B, c, d) the bias piece. `precision` applies to the two large products (see `big_matmul`).
+    """
+    B, c = st.x.shape[0], len(rows)
+    ones_c = torch.ones(B, c, 1, dtype=st.x.dtype, device=st.x.device)
+    if "G" not in cache:  # (B, n, H, d') per projection
+        cache["G"] = project_heads(lw, cache["v"], precision)
+    xg = norm.decompose_pieces(st.x[:, rows].unsqueeze(2), ones_c).squeeze(2)  # (B, c, d)
+    ar = torch.arange(c, device=rows.device)
+    aT = st.alpha[:, :, rows].permute(0, 3, 2, 1).contiguous()  # (B, n, c, H)
+
+    def project(G, W):  # (B, n, c, d') = pieces @ W, in (j, i) order
+        P = torch.matmul(aT, G)
+        P[:, rows, ar] += xg @ W
+        return P.div_(s.view(B, 1, c, 1))
+
+    if lw.gated:
+        g, up = st.u[:, rows], st.u_up[:, rows]
+        I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
+        hT = project(cache["G"][0], lw.Wg).mul_((up * I1).unsqueeze(1)) + project(cache["G"][1], lw.Wu).mul_(I2.unsqueeze(1))
+        hb = (b @ lw.Wg + lw.bg) * up * I1 + (b @ lw.Wu + lw.bu) * I2
+    else:
+        r = ig_ratio(st.u[:, rows], lw.act)
+        hT = project(cache["G"][0], lw.W1).mul_(r.unsqueeze(1))
+        hb = (b @ lw.W1 + lw.b1) * r
+    return big_matmul(hT, lw.W2, precision).transpose(1, 2), hb @ lw.W2 + lw.b2
+
+
+def _through(norm, F: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces and bias through a norm, with the scale of the real vector it reads."""
+    s = norm.scale(real)
+    return norm.decompose_pieces(F, s), norm.decompose_bias(b, s)
+
+
+def _res2(F_ff, b_ff, F_atb, b_atb, rows, res2: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """RES2: the whole attention-block decomposition added ("exact"), or the FF paper's printed
+    Eq. 57 ("diagonal": only F^ATB_i(x_i), bias of the FF alone), which does not reconstruct."""
+    if res2 == "exact":
+        return F_ff + F_atb, b_ff + b_atb
+    return _diag_add(F_ff, rows, _diag(F_atb, rows)), b_ff
+
+
+def _next_ln(lw: LayerWeights, st: LayerState, rows, F, b, name: str, out: dict, next_ln: bool) -> None:
+    """The layer output's pieces through the norm that reads it next (the dynamics view)."""
+    if next_ln and lw.next_norm is not None:
+        out[name] = _through(lw.next_norm, F, b, st.y[:, rows])
+
+
+@_unbatched
+def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str = "exact",
+                 next_ln: bool = False, cache: dict | None = None,
+                 factorised: bool = True, precision: str = "float32") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The FF paper's cumulative scopes for output rows `rows`: name -> (pieces (B,c,n,d), bias (B,c,d)).
+
+    The value bias b_V W_O goes to the bias term, as the FF paper writes (not spread over
+    tokens through alpha as GlobEnc's and ALTI's code do). `res2="exact"` adds the whole
+    attention-block decomposition at RES2 (exact); `"diagonal"` is the paper's printed Eq. 57
+    (only F^ATB_i(x_i) on the diagonal, bias b^{ATB+FF}), which does not reconstruct.
+    `next_ln` (pre-LN) adds "AtbLnFfResLn": the layer output through the norm that reads it next
+    (the next layer's LN1, or the final norm), used for the FF paper's dynamics view on GPT-2.
+    `cache` holds per-layer products shared by the row chunks of one layer; `factorised=False`
+    runs the straightforward FF product (the reference the tests compare against).
+    """
+    cache = {} if cache is None else cache
+    if res2 not in ("exact", "diagonal"):
+        raise ValueError("res2 must be 'exact' or 'diagonal'")
+    alpha = st.alpha[:, :, rows]
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if lw.position == "post":
+        if "f" not in cache:
+            cache["v"] = head_values(lw, st.x, with_bias=False)
+            cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+        f = cache["f"]
+        b = value_bias_rows(lw, None, alpha) + lw.bo
+        F = _diag_add(mix(alpha, f), rows, st.x[:, rows])
+        s1 = lw.ln1.scale(st.r1[:, rows])
+        F_atb, b_atb = lw.ln1.decompose_pieces(F, s1), lw.ln1.decompose_bias(b, s1)
+        out["Atb"] = (F_atb, b_atb)
+        if factorised:
+            F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision)
+        else:
+            F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb)
+        out["AtbFf"] = (F_ff, b_ff)
+        out["AtbFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b_atb, rows, res2)
+        out["AtbFfResLn"] = _through(lw.ln2, F_r, b_r, st.r2[:, rows])
+        return out
+    if lw.position == "sandwich":
+        return _sandwich_scopes(lw, st, rows, alpha, res2, next_ln, cache)
+    if lw.position == "parallel":
+        if res2 != "exact":
+            raise ValueError("res2='diagonal' is the FF paper's printed RES2 of a sequential layer; a parallel "
+                             "layer adds one residual around both blocks")
+        return _parallel_scopes(lw, st, rows, alpha, next_ln, cache)
+    # pre-LN: LN1 acts on each token alone; its beta goes to the bias with b_V and b_O
+    if "f" not in cache:
+        xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)  # LN1(x_j) - beta
+        cache["v"] = head_values(lw, xhat, with_bias=False)
+        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    f = cache["f"]
+    b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
+    F_atb = _diag_add(mix(alpha, f), rows, st.x[:, rows])
+    out["Atb"] = (F_atb, b)
+    s2 = lw.ln2.scale(st.r1[:, rows])
+    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
+    out["AtbLn"] = (F_ln, b_ln)
+    if factorised:
+        F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache, precision=precision)
+    else:
+        F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFf"] = (F_ff, b_ff)
+    out["AtbLnFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b, rows, res2)
+    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfResLn", out, next_ln)
+    return out
+
+
+def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, res2: str,
+                     next_ln: bool, cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Scopes of a sandwich layer (Gemma 2/3), h = x + LNa(ATTN(LN1 x)), y = h + LNf(FF(LN2 h)), in
+    the pre-LN names and order with the output norms where they act: Atb = LN1 + ATTN + LNa + RES1
+    (sums to h), AtbLn (LN2, the FF's input), AtbLnFf (the FF output), AtbLnFfLn (LNf),
+    AtbLnFfLnRes (RES2: the layer output), AtbLnFfLnResLn (the next norm). Every norm is decomposed
+    with the scale of the real vector it reads; the FF by zero-baseline IG on the straightforward
+    product (LNa's per-row scale sits between the heads and W_1, so no head factorisation)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if "f" not in cache:
+        xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
+        cache["f"] = torch.matmul(head_values(lw, xhat, with_bias=False), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    F_a, b = _through(lw.post_attn_norm, mix(alpha, cache["f"]), value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo,
+                      st.attn[:, rows])
+    F_atb = _diag_add(F_a, rows, st.x[:, rows])
+    out["Atb"] = (F_atb, b)
+    out["AtbLn"] = F_ln, b_ln = _through(lw.ln2, F_atb, b, st.r1[:, rows])
+    out["AtbLnFf"] = F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFfLn"] = F_f, b_f = _through(lw.post_ff_norm, F_ff, b_ff, st.ff[:, rows])
+    out["AtbLnFfLnRes"] = F_r, b_r = _res2(F_f, b_f, F_atb, b, rows, res2)
+    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfLnResLn", out, next_ln)
+    return out
+
+
+def _parallel_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, next_ln: bool,
+                     cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Scopes of a parallel layer, y = x + ATTN(LN1 x) + FF(LN2 x), in the post-LN order of the
+    FF paper's names: Atb = LN1 + ATTN (no residual: the one residual adds x around both blocks),
+    AtbFf = Atb + FF, AtbFfRes = AtbFf + x (the layer output), AtbFfResLn = through the next norm.
+    The FF reads LN2(x_i), a function of token i alone: its zero-baseline IG share goes to token i
+    (on the diagonal) and to the bias (LN2's beta, b_1, b_2), so the FF mixes no context within the
+    layer; what it changes is how much of each token's row is its own."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if "f" not in cache:
+        xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
+        cache["v"] = head_values(lw, xhat, with_bias=False)
+        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    F_atb = mix(alpha, cache["f"])
+    b_atb = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
+    out["Atb"] = (F_atb, b_atb)
+    x = st.x[:, rows]
+    own = lw.ln2.decompose_pieces(x.unsqueeze(-2), lw.ln2.scale(x))  # (B, c, 1, d): LN2(x_i) - beta
+    beta = lw.ln2.beta if lw.ln2.beta is not None else torch.zeros_like(x[0, 0])
+    F_ff, b_ff = ff_pieces(lw, st, rows, own, beta.expand_as(x))
+    out["AtbFf"] = (_diag_add(F_atb, rows, F_ff[:, :, 0]), b_atb + b_ff)
+    F_r = _diag_add(out["AtbFf"][0], rows, x)
+    out["AtbFfRes"] = (F_r, out["AtbFf"][1])
+    _next_ln(lw, st, rows, F_r, out["AtbFf"][1], "AtbFfResLn", out, next_ln)
+    return out
+
+
+@_unbatched
+def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Pieces (B, c, n, d) of GlobEnc's N, N_Res, N_ResLN, N_Enc and ALTI's T_i(x_j).
+
+    As in the GlobEnc and ALTI code, the value bias is spread over tokens through alpha
+    (f^h includes b_V), and b_O and the norms' beta are attributed to no token.
+
+    post-LN (the papers' setting): N = sum_h alpha f, N_Res adds x_i at j == i, N_ResLN
+    decomposes LN1 with the real pre-LN1 std, N_Enc passes those through LN2 with the std of
+    the real pre-LN2 vector (FF ignored but for that std). ALTI's T is N_ResLN's pieces.
+    pre-LN (ctxmix's extension, as the ALTI repo's pre-LN branch): N and N_Res read LN1(x_j);
+    N_ResLN applies LN2 (the norm that reads the residual stream next); N_Enc applies the next
+    layer's LN1 (or the final norm) to N_Res's pieces with the std of the real layer output
+    (FF ignored but for that std); ALTI's T is N_Res's pieces, compared with the stream h.
+    """
+    alpha = st.alpha[:, :, rows]
+    src = st.x if lw.position == "post" else st.x1
+    N = mix(alpha, head_vectors(lw, src, with_bias=True))
+    NR = _diag_add(N, rows, st.x[:, rows])
+    out = {"norm": N, "norm_res": NR}
+    if lw.position == "post":
+        s1 = lw.ln1.scale(st.r1[:, rows])
+        T = lw.ln1.decompose_pieces(NR, s1)
+        out["norm_res_ln"] = T
+        out["globenc"] = lw.ln2.decompose_pieces(T, lw.ln2.scale(st.r2[:, rows]))
+        out["alti_T"] = T
+    elif lw.position == "sandwich":  # N: what the attention block adds to the stream, LNa included
+        N = lw.post_attn_norm.decompose_pieces(N, lw.post_attn_norm.scale(st.attn[:, rows]))
+        NR = _diag_add(N, rows, st.x[:, rows])
+        out = {"norm": N, "norm_res": NR, "norm_res_ln": lw.ln2.decompose_pieces(NR, lw.ln2.scale(st.r1[:, rows]))}
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[:, rows]))
+        out["alti_T"] = NR
+    elif lw.position == "parallel":  # no norm reads x + attn: N_ResLN takes the next norm with its std
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln1
+        out["norm_res_ln"] = nxt.decompose_pieces(NR, nxt.scale(st.r1[:, rows]))
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[:, rows]))
+        out["alti_T"] = NR
+    else:
+        out["norm_res_ln"] = lw.ln2.decompose_pieces(NR, lw.ln2.scale(st.r1[:, rows]))
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+        out["globenc"] = nxt.decompose_pieces(NR, nxt.scale(st.y[:, rows]))
+        out["alti_T"] = NR
+    return out
+
+
+def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ALTI (Ferrando et al. 2022, Eq. 9-10): C_ij = max(0, |y_i|_1 - |y_i - T_ij|_1),
+    normalised over j. T (..., c, n, d), y (..., c, d) the real block output. Exact L1 (no eps).
+    A row whose every contribution is clipped (y_i dominated by the bias) stays all zero
+    rather than being given a made-up distribution."""
+    acc = torch.promote_types(T.dtype, torch.float32)  # half-precision models: sums and rows in float32
+    dist = (y.unsqueeze(-2) - T).abs().sum(-1, dtype=acc)
+    C = (y.abs().sum(-1, keepdim=True, dtype=acc) - dist).clamp(min=0)
+    return C / C.sum(-1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
+
+
+def _centre(z: torch.Tensor, norm) -> torch.Tensor:
+    return z - z.mean(-1, keepdim=True) if norm.kind == "layernorm" else z
+
+
+def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "float32") -> dict:
+    """Per-layer products that every chunk of zeroed tokens shares (see value_zeroing_columns):
+    the head vectors f^h(x_t) (B, n, H, d), and for each FF input projection W (W_1, or gate and up)
+    A = centre(r1) (gamma W) (B, n, d'), B^h_t = centre(f^h(x_t)) (gamma W) (B, n, H, d') and the
+    constant beta W + b."""
+    st = st.as_batch()
+    src = st.x if lw.position == "post" else st.x1
+    norm = ff_in_norm(lw)
+    v = head_values(lw, src, with_bias=True)  # (B, H, n, dh)
+    f = torch.matmul(v, lw.Wo.view(lw.n_heads, lw.head_dim, -1))  # (B, H, n, d)
+    if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
+        return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": []}
+    r1c = _centre(st.r1, norm) * norm.gamma
+    proj = [(r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
+            for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))]
+    return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": proj}
+
+
+def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
+                          prep: dict | None = None, factorised: bool = True,
+                          precision: str = "float32") -> torch.Tensor:
+    """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (B, c, n) cosine distances
+    between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept
+    ((c, n) for an unbatched state).
+
+    Zeroing v_t only removes R_ti = sum_h alpha^h_it f^h(x_t) from each attention output, so Q, K
+    and the weights are not recomputed and the c variants run as one batch. Factorised, the FF
+    input projection is not applied to the c*n perturbed vectors: the norm before the FF is
+    affine once its scale s_ti is known, so u_ti = (A_i - sum_h alpha^h_it B^h_t) / s_ti + const
+    (see value_zeroing_prepare), and only the W_2 product runs on c*n vectors. In "bf16" precision
+    that product is applied to the *change* of the FF activation, ff_i + (act(u') - act(u)) W_2,
+    so its rounding scales with the (small) change, not with the whole FF output. Rows i that give
+    no weight to the zeroed token (i < t in causal models) are unchanged: distance exactly 0.
+    Distances in float64.
+    """
+    if not st.batched:
+        return value_zeroing_columns(lw, st.as_batch(), cols, prep, factorised, precision)[0]
+    B, c, n = st.x.shape[0], len(cols), st.x.shape[1]
+    out = torch.zeros(B, c, n, dtype=torch.float64, device=st.x.device)
+    live = (st.alpha[:, :, :, cols] != 0).any(-1).any(1).any(0).nonzero()
+    if len(live) == 0:
+        return out
+    first = int(live[0])  # the rows before it receive nothing from the zeroed tokens (one sync per chunk)
+    alT = st.alpha[:, :, first:, cols].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
+    if lw.position == "sandwich":
+        factorised = False  # LNa's per-row scale sits between the zeroed value and the FF's projections
+    if lw.position == "parallel":  # y' = y - what v_t gave the attention output (the FF reads LN2(x) only)
+        f_t = (prep["f"][:, cols] if prep is not None else
+               head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous())
+        y = st.y[:, first:].unsqueeze(1) - torch.matmul(alT, f_t)
+    elif not factorised:
+        src = st.x if lw.position == "post" else st.x1
+        f_t = head_vectors(lw, src[:, cols], with_bias=True)  # (B, H, c, d)
+        removed = torch.matmul(alT, f_t.transpose(1, 2).contiguous())  # (B, c, m, d)
+        y = after_attention(lw, st.x[:, first:].unsqueeze(1), st.attn[:, first:].unsqueeze(1) - removed)
+    else:
+        prep = prep if prep is not None else value_zeroing_prepare(lw, st, precision)
+        norm = prep["norm"]
+        removed = torch.matmul(alT, prep["f"][:, cols])  # (B, c, m, d)
+        h = st.r1[:, first:].unsqueeze(1) - removed  # residual stream after attention, v_t zeroed
+        s = norm.scale(h)  # (B, c, m, 1)
+        us = [torch.matmul(alT, Bh[:, cols]).neg_().add_(A[:, first:].unsqueeze(1)).div_(s).add_(const)
+              for A, Bh, const in prep["proj"]]
+        inner = lw.act(us[0]) * us[1] if lw.gated else lw.act(us[0])
+        if precision == "bf16":
+            real = lw.act(st.u[:, first:]) * st.u_up[:, first:] if lw.gated else lw.act(st.u[:, first:])
+            ff = big_matmul(inner - real.unsqueeze(1), lw.W2, precision).add_(st.ff[:, first:].unsqueeze(1))
+        else:
+            ff = inner @ lw.W2 + lw.b2
+        y = lw.ln2(norm.decompose_bias(h, s) + ff) if lw.position == "post" else h + ff
+    cos = torch.nn.functional.cosine_similarity(y.double(), st.y[:, first:].double().unsqueeze(1), dim=-1)
+    # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
+    out[:, :, first:] = (1.0 - cos).clamp(min=0.0) * (alT != 0).any(-1)
+    return out  # (B, c zeroed, n outputs)

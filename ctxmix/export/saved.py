@@ -1,0 +1,78 @@
+"""Saved explanations: one compressed .npz per Explanation, reopened without any model.
+
+Arrays go in as `layer/<method>`, `global/<method>`, `saliency/<method>`; everything else
+(tokens, methods, prediction, options, provenance) as one JSON string entry, `meta`, so the
+file opens with `numpy.load(..., allow_pickle=False)` and can run no code. Layout version 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+from ctxmix.methods.explanation import FORMAT, KINDS, VERSION, Explanation
+
+
+def explanation_bytes(ex: Explanation, half: bool = False) -> bytes:
+    """The saved-explanation file as bytes (a download button's data)."""
+    return ex.to_bytes(half=half)
+
+
+def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
+    """Write `ex` to `path` (.npz added if missing); see `Explanation.save`."""
+    return ex.save(path, half=half)
+
+
+def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
+    """Reopen a saved explanation (no model needed) from a path or the file's bytes (an upload).
+    `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
+    size. Maps come back in float64."""
+    import io
+
+    if isinstance(path, (bytes, bytearray)):
+        src, label = io.BytesIO(path), name or "the file"
+        data = bytes(path)
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise BadInput(f"no such file: {str(p)!r}")
+        src, label, data = p, name or p.name, p
+    if limits is not None:
+        from ctxmix.service.limits import check_archive
+
+        check_archive(data, limits, name=label)
+    try:
+        with np.load(src, allow_pickle=False) as z:
+            if "meta" not in z.files:
+                raise BadInput(f"{label} is not a saved ctxmix explanation (no metadata)")
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: z[k] for k in z.files if k != "meta"}
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{label} could not be read as a saved explanation: {type(e).__name__}: {e}") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise BadInput(f"{label} is not a saved ctxmix explanation this version can read")
+    ex = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=list(meta["methods"]),
+                     prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"], foil=meta.get("foil"),
+                     model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
+                     warnings=list(meta["warnings"]), options=dict(meta.get("options") or {}),
+                     provenance=dict(meta.get("provenance") or {}), segments=meta.get("segments"))
+    n = len(ex.tokens)
+    segs = ex.segments
+    if segs is not None and (not isinstance(segs, list) or len(segs) != n
+                             or any(isinstance(v, bool) or v not in (-1, 0, 1) for v in segs)):
+        raise BadInput(f"{label} has segments that do not fit its {n} tokens")
+    for key, a in arrays.items():
+        kind, _, m = key.partition("/")
+        if kind not in KINDS or not m:
+            raise BadInput(f"{label}: unexpected entry {key!r}")
+        a = a.astype(np.float64)
+        ndim = {"saliency": 1, "head": 4}.get(kind, 3)
+        if a.ndim != ndim or (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and a.shape[-2:] != (n, n)):
+            raise BadInput(f"{label}: {key} has shape {a.shape}, which does not fit {n} tokens")
+        {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency, "head": ex.head_maps}[kind][m] = a
+    return ex

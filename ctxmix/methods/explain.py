@@ -1,0 +1,313 @@
+"""`explain`: every requested method on one text, from one traced forward pass."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from ctxmix.errors import BadInput, checked_arguments
+from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, check_methods
+from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
+from ctxmix.engine.models import Encoded, Model, non_word_ids, types_from_segments
+from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
+from ctxmix.methods.explanation import Explanation, provenance
+
+
+def default_position(model: Model, input_ids: list[int]) -> int:
+    if model.spec.causal:
+        return len(input_ids) - 1
+    mask_id = getattr(model.tokenizer, "mask_token_id", None)
+    if model.kind == "masked_lm" and mask_id is not None and mask_id in input_ids:
+        return input_ids.index(mask_id)
+    return 0
+
+
+def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dict | None:
+    """Label probabilities for classifiers; the top tokens at `position` for language models."""
+    if tr.logits is None:
+        return None
+    logits = tr.logits.double()
+    if model.kind == "classifier":
+        p = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
+        id2label = getattr(model.config, "id2label", None) or {}
+        labels = [str(id2label.get(i, i)) for i in range(len(p))]
+        k = int(p.argmax())
+        return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, p)))}
+    if logits.ndim == 2:
+        p = torch.softmax(logits[position], -1)
+        top = torch.topk(p, min(top_k, p.numel()))
+        toks = model.tokens(top.indices.tolist())
+        what = "next token after" if model.spec.causal else "token at"
+        return {"label": toks[0], "index": int(top.indices[0]), "what": f"{what} position {position}",
+                "probabilities": {t: float(v) for t, v in zip(toks, top.values)}}
+    return None
+
+
+def explain(model: Model, text, methods, target=None, *, position: int | None = None,
+            input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
+            segments: list[int] | None = None, res2: str = "exact", precision: str | None = None,
+            per_head: bool = False, foil=None, decoder_text: str | None = None, **saliency_options) -> Explanation:
+    """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
+
+    text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
+    them; `Explanation.segments` then says which tokens belong to which text (0 / 1, -1 for special
+    tokens), and every forward pass (trace, gradients, IG, CAT, blank-out) reads the pair's
+    token_type_ids where the model has them. `cross_segment_mixing(ex)` summarises A->B and B->A mixing.
+    input_ids: token ids instead of a text; with `segments=` (and optionally the model's own
+    `token_type_ids=`) they are a pair: see `check_segments` for how one is derived from the other.
+
+    target: the class (index or label) for gradient methods on classifiers, or the token id
+    for language models; the predicted one by default.
+    foil: a contrasting class or token ("why positive rather than negative", "why keys rather
+    than key"): the gradient and perturbation methods then explain the logit difference
+    l_target - l_foil (its sigmoid where a probability is needed); `Explanation.foil` records it.
+    position: the output row whose aggregated map is a mixing method's saliency.
+    precision: "float32" (exact), "tf32" or "bf16" for the large products of the scope and
+    value-zeroing decompositions; the model's default (`load_model(..., precision=)`) if None.
+    For a model loaded in float16/bfloat16 the decompositions run on float32 activations, and
+    `reconstruction_error` then includes the model's own half-precision rounding.
+    per_head: also fill `head_maps[m]` (L, H, n, n) for the requested methods that have a per-head
+    form (`ctxmix.methods.registry.PER_HEAD_METHODS`: attention and norm; `python -m ctxmix methods` says how
+    each relates to its layer map).
+    decoder_text: on an encoder-decoder model (BART, Marian, mBART, M2M-100/NLLB), the target the
+    decoder reads (teacher-forced): methods=["alti"] then gives ALTI+ (Ferrando et al., EMNLP 2022;
+    `ctxmix.methods.alti_plus`), maps square over [source; decoder inputs] with segments 0 / 1, one per decoder
+    layer; `ctxmix.source_contribution(ex)` is each target token's total source contribution.
+    Without it, an encoder-decoder's mixing methods explain its encoder alone.
+    """
+    if decoder_text is not None or model.spec.encoder_decoder:
+        ex = _encoder_decoder_call(model, text, methods, decoder_text, position, input_ids, token_type_ids,
+                                   segments, per_head, foil, saliency_options)
+        if ex is not None:
+            return ex
+    methods = check_methods(methods, model.spec.position)
+    if not isinstance(per_head, bool):
+        raise BadInput(f"per_head must be True or False, got {per_head!r}")
+    _check_call(res2, position, saliency_options)
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
+    if foil is not None:
+        saliency_options = {**saliency_options, "foil": foil}
+    return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
+                         saliency_options, per_head)[0]
+
+
+def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, input_ids, token_type_ids, segments,
+                          per_head, foil, saliency_options) -> Explanation | None:
+    """explain's encoder-decoder cases: ALTI+ with decoder_text; None when the encoder alone is
+    explained (mixing methods only: the gradient and perturbation methods need the decoder's output)."""
+    if not model.spec.encoder_decoder:
+        raise BadInput(f"decoder_text applies to encoder-decoder models (BART, Marian, mBART, M2M-100); "
+                       f"{model.name} is a {model.spec.family} model")
+    if decoder_text is None:
+        _encoder_only_methods(methods)
+        return None
+    from ctxmix.methods.alti_plus import explain_seq2seq
+
+    given = [k for k, v in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("segments", segments),
+                            ("foil", foil)) if v is not None] + (["per_head"] if per_head else []) + list(saliency_options)
+    if given:
+        raise BadInput(f"with decoder_text, explain takes a source text, methods and position only (got {', '.join(given)})")
+    return explain_seq2seq(model, text, methods, decoder_text, position)
+
+
+def _encoder_only_methods(methods) -> None:
+    names = [methods] if isinstance(methods, str) else list(methods or [])
+    other = [m for m in names if m not in MIXING_METHODS]
+    if other:
+        raise BadInput(f"{', '.join(map(str, other))}: on an encoder-decoder model the gradient and perturbation "
+                       "methods are not available; give decoder_text= for ALTI+ over source and target, or use "
+                       "mixing methods to explain the encoder alone")
+
+
+def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
+    """The trace of one text, pair, or id list (with its segments / token types)."""
+    e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
+
+
+def encode_one(model: Model, item, token_type_ids=None, segments=None, ids: bool | None = None) -> Encoded:
+    """A text, a pair (text_a, text_b) or a list of token ids (with optional segments / token
+    types) as an `Encoded`. ids: whether `item` is token ids (None: guess from its type)."""
+    if ids is None:
+        ids = not isinstance(item, (str, tuple))
+    if not ids:
+        if token_type_ids is not None or segments is not None:
+            raise BadInput("token_type_ids and segments go with input_ids; a text or pair is tokenised here")
+        if not isinstance(item, (str, tuple)):
+            raise BadInput(f"text must be a string or a pair (text_a, text_b) (or give input_ids=), "
+                           f"got {type(item).__name__}")
+        return model.encode_input(item)
+    ids_ = check_input_ids(model, item)
+    types, segs = check_segments(model, ids_, token_type_ids, segments)
+    return Encoded(ids_, types, segs, [])
+
+
+def check_segments(model: Model, ids: list[int], token_type_ids=None, segments=None):
+    """(token_type_ids or None, segments) for token ids. segments: 0 / 1 / -1 per token (text A,
+    text B, special). Without segments: -1 at special tokens, else the token type (0 for one text).
+    Without token_type_ids, on a model that reads them, a pair's are derived as BERT's tokenizer
+    makes them (`types_from_segments`)."""
+    n = len(ids)
+
+    def ints(v, name, ok):
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise BadInput(f"{name} must be a list of whole numbers, one per token")
+        v = list(v)
+        if len(v) != n:
+            raise BadInput(f"{name} has {len(v)} entries for {n} tokens")
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) not in ok:
+                raise BadInput(f"{name} entries must be one of {sorted(ok)}, got {x!r}")
+        return [int(x) for x in v]
+
+    if token_type_ids is not None:
+        if not model.uses_token_types:
+            raise BadInput(f"{model.name} reads no token_type_ids; give segments= to mark a pair")
+        token_type_ids = ints(token_type_ids, "token_type_ids", set(range(int(model.config.type_vocab_size))))
+    special = non_word_ids(model.tokenizer)
+    if segments is None:
+        segments = [-1 if t in special else (0 if token_type_ids is None else min(1, token_type_ids[i]))
+                    for i, t in enumerate(ids)]
+    else:
+        segments = ints(segments, "segments", {-1, 0, 1})
+    if token_type_ids is None and model.uses_token_types and 1 in segments:
+        token_type_ids = types_from_segments(segments)
+    return token_type_ids, segments
+
+
+def check_input_ids(model: Model, input_ids) -> list[int]:
+    """Token ids as a list of ints inside the vocabulary and the model's length."""
+    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+        raise BadInput("input_ids must be a list of token ids")
+    ids = list(input_ids)
+    if not ids:
+        raise BadInput("input_ids is empty")
+    V = max(int(getattr(model.config, "vocab_size", 0) or 0), len(model.tokenizer))
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= int(i) < V:
+            raise BadInput(f"input_ids must be whole numbers from 0 to {V - 1}, got {i!r}")
+    if len(ids) > model.max_length:
+        raise BadInput(f"input_ids has {len(ids)} tokens; the model takes at most {model.max_length}")
+    return [int(i) for i in ids]
+
+
+def _check_call(res2, position, saliency_options: dict) -> None:
+    """explain's options, checked before any work: a wrong value names the argument and what it takes."""
+    from ctxmix.methods.saliency import check_saliency_options
+
+    if res2 not in ("exact", "diagonal"):
+        raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
+    if position is not None and (isinstance(position, bool) or not isinstance(position, (int, np.integer))):
+        raise BadInput(f"position must be a whole number (a token index; negative counts from the end), got {position!r}")
+    check_saliency_options(saliency_options)
+
+
+@checked_arguments
+def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
+                  methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
+                  per_head: bool = False, foils: list | None = None, token_type_ids: list | None = None,
+                  segments: list | None = None, **saliency_options) -> list[Explanation]:
+    """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
+    optional `token_type_ids` / `segments`, one entry or None per text) with one padded forward pass and
+    one batched decomposition for all their mixing methods; the gradient and perturbation methods
+    still run per text. targets / positions / foils: one per text (None for the defaults; a foil
+    makes the gradient and perturbation methods explain target minus foil, as in `explain`).
+    methods_per_text: the methods each text needs, when they differ (a text with none only pads the
+    batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
+    float rounding (tests/test_batched.py)."""
+    if isinstance(texts, (str, tuple)) or not texts:
+        raise BadInput("explain_batch takes a non-empty list of texts (a sentence pair is one entry: [(a, b)])")
+    methods = check_methods(methods, model.spec.position)
+    if model.spec.encoder_decoder:
+        _encoder_only_methods(methods)
+    _check_call(res2, None, saliency_options)
+    per = [methods] * len(texts) if methods_per_text is None else [
+        [m for m in methods if m in set(ms)] for ms in methods_per_text]
+    if len(per) != len(texts):
+        raise BadInput("methods_per_text needs one list per text")
+    for name, rows in (("token_type_ids", token_type_ids), ("segments", segments)):
+        if rows is not None and len(rows) != len(texts):
+            raise BadInput(f"{name} needs one entry (or None) per text")
+    encs = [encode_one(model, t, None if token_type_ids is None else token_type_ids[k],
+                       None if segments is None else segments[k]) for k, t in enumerate(texts)]
+    tb = trace_batch_tensors(model, [e.ids for e in encs], [e.notes for e in encs],
+                             [e.token_type_ids for e in encs], [e.segments for e in encs])
+    targets = [None] * len(texts) if targets is None else list(targets)
+    positions = [None] * len(texts) if positions is None else list(positions)
+    foils = [None] * len(texts) if foils is None else list(foils)
+    if len(targets) != len(texts) or len(positions) != len(texts) or len(foils) != len(texts):
+        raise BadInput("targets, positions and foils need one entry per text")
+    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head),
+                         foils)
+
+
+def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
+                  precision: str | None, saliency_options: dict, per_head: bool = False,
+                  foils: list | None = None) -> list[Explanation]:
+    """Explanations of the sequences of one traced batch: the mixing maps of every method any
+    sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
+    from ctxmix.engine.precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
+    union = list(dict.fromkeys(m for ms in per for m in ms))
+    maps = mixing_maps_batch(tb, union, res2, precision) if union else {}
+    heads = head_maps_batch(tb, union) if per_head else {}
+    errs = tb.errors.tolist()
+    out = []
+    shared = saliency_options
+    for b, methods in enumerate(per):
+        saliency_options = shared if foils is None or foils[b] is None else {**shared, "foil": foils[b]}
+        tr = tb.trace(b, errs[b])
+        n = tr.n
+        pos = default_position(model, tr.input_ids) if positions[b] is None else int(positions[b])
+        if not -n <= pos < n:
+            raise BadInput(f"position {pos} is outside the {n} tokens")
+        pos %= n
+        ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
+                         model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes),
+                         segments=None if tr.segments is None else list(tr.segments),
+                         options={"res2": res2, "precision": precision, **saliency_options},
+                         provenance=provenance(model))
+        ex.prediction = prediction_of(model, tr, pos)
+        for m in methods:
+            if m in maps:
+                lm = maps[m][b, :, :n, :n].double().cpu().numpy()
+                # attention_rollout's layer map already holds 0.5*A + 0.5*I
+                gm = rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise)
+                ex.layer_maps[m], ex.global_maps[m] = lm, gm
+                ex.saliency[m] = gm[-1][pos].copy()
+            if m in heads:
+                ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
+        if per_head and not any(m in heads for m in methods):
+            ex.warnings.append(f"per_head: none of {', '.join(methods)} has a per-head form "
+                               f"(those that do: {', '.join(PER_HEAD_METHODS)})")
+        sal = [m for m in methods if m not in MIXING_METHODS]
+        if saliency_options.get("foil") is not None and not sal:
+            ex.warnings.append("the foil applies to the gradient and perturbation methods only; none was asked for")
+        if sal:
+            from ctxmix.methods.saliency import saliency_scores
+
+            from ctxmix.methods.saliency import resolve_foil
+
+            ex.target, scores = saliency_scores(model, tr, sal, target=targets[b], position=pos, **saliency_options)
+            ex.foil = resolve_foil(model, tr, saliency_options.get("foil"), ex.target, pos)
+            ex.saliency.update(scores)
+        out.append(ex)
+    return out
+
+
+@checked_arguments
+def scope_maps(model: Model, text=None, *, input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
+               segments: list[int] | None = None, res2: str = "exact",
+               precision: str | None = None) -> dict[str, np.ndarray]:
+    """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes
+    layer l's outputs to layer l's inputs). Post-LN keys Atb, AtbFf, AtbFfRes, AtbFfResLn;
+    pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2.
+    text: one string or a sentence pair (text_a, text_b); precision: see `explain`."""
+    from ctxmix.engine.precision import resolve_precision
+
+    precision = resolve_precision(model, precision)
+    _check_call(res2, None, {})
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
+    return scope_layer_maps(tr, res2=res2, precision=precision)

@@ -1,0 +1,326 @@
+"""Results cached in memory and on disk, keyed by (model, text or corpus, method, options).
+
+A restart does not recompute, and asking for one more method computes only that one.
+Files are written atomically (temporary name, then rename), so a killed process never leaves
+a half-written entry; every entry's metadata records the SHA-256 of its data file, and an entry
+that does not match (truncated, edited, half-copied) is dropped and recomputed. Formats are
+npz + json and csv + json (no pickle), so a shared cache folder cannot run code.
+
+Both caches are bounded: the in-memory one by bytes (CTXMIX_MEMCACHE_MB, default 256), the
+folder by CTXMIX_CACHE_MAX_MB (default 1024), least recently used entries removed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ctxmix.methods.explain import explain
+from ctxmix.methods.explanation import Explanation, provenance as _provenance
+from ctxmix.engine.models import Model, cache_dir
+
+_MEM: "OrderedDict[str, tuple[object, int]]" = OrderedDict()  # key -> (value, bytes)
+_MEM_BYTES = 0
+_LOCK = threading.Lock()
+_DISK_LOCK = threading.Lock()
+
+
+def _env_mb(name: str, default: float) -> int:
+    try:
+        v = float(os.environ.get(name, default))
+    except ValueError:
+        v = default
+    return int(max(0.0, v) * 2**20)
+
+
+def mem_limit_bytes() -> int:
+    return _env_mb("CTXMIX_MEMCACHE_MB", 256)
+
+
+def disk_limit_bytes() -> int:
+    return _env_mb("CTXMIX_CACHE_MAX_MB", 1024)
+
+
+def _size_of(v) -> int:
+    """Bytes an entry holds: its arrays and metadata, or a DataFrame's memory."""
+    if isinstance(v, pd.DataFrame):
+        return int(v.memory_usage(deep=True).sum())
+    if isinstance(v, tuple):
+        meta, arrays = v
+        return sum(int(np.asarray(a).nbytes) for a in arrays.values()) + len(json.dumps(meta, default=str))
+    return 1024
+
+
+def model_fingerprint(model: Model) -> str:
+    """Name, dtype, the engine's default precision, the hub commit and build metadata, and the
+    SHA-256 of the weights themselves (`ctxmix.engine.models.weights_sha256`), so a local folder whose
+    weights change never gets the old folder's cached maps."""
+    from ctxmix.engine.models import weights_sha256
+
+    c = model.hf.config
+    info = {k: v for k, v in model.info.items() if k != "weights"}  # file times are not identity
+    parts = [model.name, str(model.dtype), str(getattr(c, "_commit_hash", "") or ""),
+             json.dumps(info, sort_keys=True, default=str), weights_sha256(model)]
+    if getattr(model, "precision", "float32") != "float32":  # float32 keys stay as they were
+        parts.append(f"precision={model.precision}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _root() -> Path:
+    return Path(os.environ.get("CTXMIX_RESULTS") or cache_dir() / "results")
+
+
+def _dir(kind: str) -> Path:
+    p = _root() / kind
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _mem_get(k):
+    with _LOCK:
+        if k in _MEM:
+            _MEM.move_to_end(k)
+            return _MEM[k][0]
+    return None
+
+
+def _mem_put(k, v) -> None:
+    global _MEM_BYTES
+    size = _size_of(v)
+    with _LOCK:
+        if k in _MEM:
+            _MEM_BYTES -= _MEM.pop(k)[1]
+        if size > mem_limit_bytes():
+            return  # larger than the whole budget: kept on disk only
+        _MEM[k] = (v, size)
+        _MEM_BYTES += size
+        while _MEM_BYTES > mem_limit_bytes() and _MEM:
+            _MEM_BYTES -= _MEM.popitem(last=False)[1][1]
+
+
+def mem_clear() -> None:
+    global _MEM_BYTES
+    with _LOCK:
+        _MEM.clear()
+        _MEM_BYTES = 0
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _touch(*paths: Path) -> None:
+    """Mark an entry as used now (its files' mtime): the folder is trimmed by it."""
+    for p in paths:
+        try:
+            os.utime(p)
+        except OSError:
+            pass
+
+
+def trim_disk(limit: int | None = None) -> int:
+    """Remove least recently used entries (all files of one key together) until the results
+    folder fits `limit` bytes (CTXMIX_CACHE_MAX_MB). Returns the bytes removed."""
+    limit = disk_limit_bytes() if limit is None else limit
+    root = _root()
+    if not root.is_dir():
+        return 0
+    with _DISK_LOCK:
+        entries: dict[Path, list] = {}  # (folder / key) -> [last use, bytes, files]
+        for f in root.glob("*/*"):
+            if not f.is_file() or f.name.startswith("."):
+                continue
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            e = entries.setdefault(f.parent / f.name.split(".")[0], [0.0, 0, []])
+            e[0] = max(e[0], st.st_mtime)
+            e[1] += st.st_size
+            e[2].append(f)
+        total = sum(e[1] for e in entries.values())
+        removed = 0
+        for _, (_, size, files) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+            if total - removed <= limit:
+                break
+            for f in files:
+                f.unlink(missing_ok=True)
+            removed += size
+        return removed
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
+    """What the cache keeps of one method's result: shared metadata and its arrays."""
+    meta = {"tokens": ex.tokens, "input_ids": ex.input_ids, "prediction": ex.prediction, "position": ex.position,
+            "target": ex.target, "foil": ex.foil, "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error,
+            "warnings": ex.warnings, "segments": ex.segments}
+    arrays = {"saliency": ex.saliency[m]}
+    if m in ex.layer_maps:
+        arrays["layer"] = ex.layer_maps[m]
+        arrays["global"] = ex.global_maps[m]
+    if m in ex.head_maps:
+        arrays["head"] = ex.head_maps[m]
+    return meta, arrays
+
+
+def _save_method(k: str, entry: tuple[dict, dict]) -> None:
+    d = _dir("explain")
+    meta, arrays = entry
+
+    def write_npz(p):
+        with open(p, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+
+    _atomic_write(d / f"{k}.npz", write_npz)
+    meta = {**meta, "_sha256": _sha256(d / f"{k}.npz")}  # written after the data: a json names a whole npz
+    _atomic_write(d / f"{k}.json", lambda p: p.write_text(json.dumps(meta, default=str)))
+    trim_disk()
+
+
+def _load_method(k: str):
+    d = _dir("explain")
+    try:
+        meta = json.loads((d / f"{k}.json").read_text())
+        if meta.pop("_sha256", None) != _sha256(d / f"{k}.npz"):
+            raise ValueError("checksum mismatch")
+        with np.load(d / f"{k}.npz", allow_pickle=False) as z:
+            arrays = {n: z[n] for n in z.files}
+        _touch(d / f"{k}.json", d / f"{k}.npz")
+        return meta, arrays
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a corrupt, truncated or unverified entry is recomputed
+        for suffix in (".json", ".npz"):
+            (d / f"{k}{suffix}").unlink(missing_ok=True)
+        return None
+
+
+def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **options) -> Explanation:
+    """`explain` with a per-method cache: methods already computed for this (model, text,
+    options) come from memory or disk; the rest are computed together in one call."""
+    from ctxmix.methods.registry import check_methods
+
+    methods = check_methods(methods, model.spec.position)
+    fp = model_fingerprint(model)
+    keys = {m: key("explain", fp, text, m, options) for m in methods}
+    found: dict[str, tuple[dict, dict]] = {}
+    for m, k in keys.items():
+        hit = _mem_get(k)
+        if hit is None and disk:
+            hit = _load_method(k)
+            if hit is not None:
+                _mem_put(k, hit)
+        if hit is not None:
+            found[m] = hit
+    missing = [m for m in methods if m not in found]
+    if missing:
+        ex = explain(model, text, missing, **options)
+        for m in missing:
+            found[m] = _entry(ex, m)
+            _mem_put(keys[m], found[m])
+            if disk:
+                try:
+                    _save_method(keys[m], found[m])
+                except OSError:
+                    pass  # a read-only or full disk only costs the cache
+    meta = found[methods[0]][0]
+    # the target and foil come from an entry that explained one (a mixing method's entry has none)
+    tmeta = next((found[m][0] for m in methods if found[m][0].get("target") is not None), meta)
+    out = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=methods,
+                      prediction=meta["prediction"], position=meta["position"], target=tmeta["target"],
+                      foil=tmeta.get("foil"), segments=meta.get("segments"),
+                      model_name=meta["model_name"], reconstruction_error=meta["reconstruction_error"],
+                      warnings=list(meta["warnings"]), options=dict(options), provenance=_provenance(model))
+    for m in methods:
+        _, arrays = found[m]
+        out.saliency[m] = np.asarray(arrays["saliency"])
+        if "layer" in arrays:
+            out.layer_maps[m] = np.asarray(arrays["layer"])
+            out.global_maps[m] = np.asarray(arrays["global"])
+        if "head" in arrays:
+            out.head_maps[m] = np.asarray(arrays["head"])
+    return out
+
+
+def _frame_get(k: str, kind: str, disk: bool) -> pd.DataFrame | None:
+    hit = _mem_get(k)
+    if hit is not None:
+        return hit.copy()
+    path, meta_path = _dir(kind) / f"{k}.csv", _dir(kind) / f"{k}.json"
+    if disk and path.exists():
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("sha256") != _sha256(path):
+                raise ValueError("checksum mismatch")
+            df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+            if len(df) != meta.get("rows"):
+                raise ValueError("row count mismatch")
+            _touch(path, meta_path)
+            _mem_put(k, df)
+            return df.copy()
+        except Exception:  # noqa: BLE001 - truncated, edited or unverified: recomputed
+            path.unlink(missing_ok=True)
+            meta_path.unlink(missing_ok=True)
+    return None
+
+
+def _frame_put(k: str, kind: str, df: pd.DataFrame, disk: bool) -> None:
+    _mem_put(k, df)
+    if disk:
+        d = _dir(kind)
+        try:
+            _atomic_write(d / f"{k}.csv", lambda p: df.to_csv(p, index=False))
+            meta = {"sha256": _sha256(d / f"{k}.csv"), "rows": len(df)}
+            _atomic_write(d / f"{k}.json", lambda p: p.write_text(json.dumps(meta)))
+            trim_disk()
+        except OSError:
+            pass
+
+
+def cached_frame(kind: str, parts: tuple, compute, disk: bool = True) -> pd.DataFrame:
+    """A DataFrame computed once per key (e.g. a corpus analysis), kept in memory and as csv."""
+    k = key(kind, *parts)
+    df = _frame_get(k, kind, disk)
+    if df is None:
+        df = compute()
+        _frame_put(k, kind, df, disk)
+    return df.copy()
+
+
+def cached_frames(entries: dict[str, tuple], compute, disk: bool = True) -> dict[str, pd.DataFrame]:
+    """Several DataFrames, each under its own key {kind: key parts}; those not cached are computed
+    together by compute(missing kinds) -> {kind: DataFrame} (one corpus pass for several reports)."""
+    keys = {kind: key(kind, *parts) for kind, parts in entries.items()}
+    out = {kind: _frame_get(k, kind, disk) for kind, k in keys.items()}
+    missing = [kind for kind, df in out.items() if df is None]
+    if missing:
+        new = compute(missing)
+        for kind in missing:
+            _frame_put(keys[kind], kind, new[kind], disk)
+            out[kind] = new[kind].copy()
+    return out

@@ -1,0 +1,123 @@
+"""The caps that keep a shared server responsive, from one place, and what decides hosted mode.
+
+Hosted mode is on when CTXMIX_HOSTED is set, when the secrets file says `hosted = true`, or
+when any password is configured (CTXMIX_PASSWORD or `password` in secrets): a password means
+the server is meant to be shared, so login, caps and the model allow-list all apply (fail
+closed). The secrets file is Streamlit's `.streamlit/secrets.toml` (the working directory's,
+then the user's); its `max_*` keys override the hosted caps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Mapping
+
+from ctxmix.errors import BadInput
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on one server. Sizes in MB; tokens counted with the model's special tokens."""
+
+    max_tokens: int  # tokens per sequence
+    max_sequences: int  # sequences per corpus job
+    max_upload_mb: float  # an uploaded text file
+    max_archive_mb: float  # an uploaded archive (a saved explanation's .npz), compressed
+    max_job_tokens: int  # tokens in all the sequences of one corpus job
+    max_concurrent_jobs: int  # corpus jobs running at once on the server
+    max_archive_ratio: float = 20.0  # an archive's decompressed size / its compressed cap
+
+    @property
+    def server_upload_mb(self) -> int:
+        """Streamlit's server-wide `server.maxUploadSize`: whole MB, the ceiling of the largest cap."""
+        return max(1, math.ceil(max(self.max_upload_mb, self.max_archive_mb)))
+
+
+LOCAL = Limits(max_tokens=512, max_sequences=2000, max_upload_mb=5.0, max_archive_mb=20.0, max_job_tokens=1_000_000,
+               max_concurrent_jobs=4)
+HOSTED = Limits(max_tokens=128, max_sequences=100, max_upload_mb=1.0, max_archive_mb=20.0, max_job_tokens=12_800,
+                max_concurrent_jobs=2)
+
+
+def _truthy(v) -> bool:
+    return str(v).strip().lower() not in ("", "0", "false", "no", "off", "none")
+
+
+def read_secrets(paths: list[Path] | None = None) -> dict:
+    """Streamlit's secrets file as a dict ({} when there is none); a broken file is an error."""
+    paths = paths if paths is not None else [Path.cwd() / ".streamlit" / "secrets.toml",
+                                             Path.home() / ".streamlit" / "secrets.toml"]
+    out: dict = {}
+    for p in reversed(paths):  # the working directory's wins
+        if p.is_file():
+            try:
+                out.update(tomllib.loads(p.read_text(encoding="utf-8")))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise BadInput(f"{p} is not valid TOML: {e}") from None
+    return out
+
+
+def password(env: Mapping[str, str], secrets: Mapping) -> str | None:
+    return env.get("CTXMIX_PASSWORD") or (str(secrets["password"]) if secrets.get("password") else None)
+
+
+def hosted_mode(env: Mapping[str, str] | None = None, secrets: Mapping | None = None) -> bool:
+    """Hosted when asked for (CTXMIX_HOSTED, `hosted = true`) or when any password is set."""
+    env = os.environ if env is None else env
+    secrets = {} if secrets is None else secrets
+    return (_truthy(env.get("CTXMIX_HOSTED", "")) or _truthy(secrets.get("hosted", False))
+            or password(env, secrets) is not None)
+
+
+def login_configured(env: Mapping[str, str], secrets: Mapping) -> bool:
+    """A password, or an OIDC provider in an [auth] section (Streamlit's st.login)."""
+    return password(env, secrets) is not None or bool(secrets.get("auth"))
+
+
+def load_limits(hosted: bool, secrets: Mapping | None = None) -> Limits:
+    """The caps of this server: LOCAL, or HOSTED with the secrets' `max_*` overrides (checked)."""
+    if not hosted:
+        return LOCAL
+    secrets = secrets or {}
+    over = {}
+    for f in fields(Limits):
+        if f.name in secrets:
+            v = secrets[f.name]
+            kind = int if f.type in (int, "int") else float
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (kind is int and v != int(v)):
+                raise BadInput(f"secrets: {f.name} must be a positive {'whole ' if kind is int else ''}number, got {v!r}")
+            over[f.name] = kind(v)
+    return replace(HOSTED, **over)
+
+
+def check_archive(data: bytes | Path, limits: Limits, name: str = "the file") -> None:
+    """Refuse an uploaded .npz (a zip of arrays) before numpy opens it: larger than the archive cap,
+    not a zip, too many members, anything but .npy members, or members that would decompress to
+    more than `max_archive_ratio` times the cap (a zip bomb). numpy then reads it with
+    allow_pickle=False, so no member can run code."""
+    import io
+    import zipfile
+
+    size = len(data) if isinstance(data, (bytes, bytearray)) else Path(data).stat().st_size
+    cap = limits.max_archive_mb * 2**20
+    if size > cap:
+        raise BadInput(f"{name} is {size / 2**20:.1f} MB; archives may be at most {limits.max_archive_mb:g} MB here")
+    src = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        with zipfile.ZipFile(src) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError):
+        raise BadInput(f"{name} is not an .npz archive") from None
+    if len(members) > 1000:
+        raise BadInput(f"{name} holds {len(members)} files; an explanation holds far fewer")
+    bad = [m.filename for m in members if not m.filename.endswith(".npy")]
+    if bad:
+        raise BadInput(f"{name} holds files that are not arrays: {', '.join(bad[:5])}")
+    total = sum(m.file_size for m in members)
+    if total > limits.max_archive_ratio * cap:
+        raise BadInput(f"{name} would decompress to {total / 2**20:.0f} MB; at most "
+                       f"{limits.max_archive_ratio * limits.max_archive_mb:g} MB here")
