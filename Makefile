@@ -1,16 +1,17 @@
 # make run   : install into .venv and start the dashboard on the embedded default model
-# make test  : install into .venv and run the whole test suite (what CI runs)
+# make test  : install into .venv, lint, build the docs and run the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast lint docs bench clean
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps -e .   # the `ctxmix` command and the dashboard package, from this checkout
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,8 +20,18 @@ run: install
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(PY) -m ctxmix serve
 
 # pytest exits 5 when it collects nothing: not a failure of the code under test
-test: install
+test: install lint docs
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+# ruff (lint and format) on the whole tree; mypy on the engine and the methods
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# the documentation site; --strict: a broken reference or a missing page fails
+docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi

@@ -69,8 +69,16 @@ def one(model_name: str, n: int, what: str, device: str) -> dict:
         torch.cuda.synchronize()
     sec = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mb()
-    return {"model": model_name, "n": n, "what": what, "seconds": round(sec, 3), "peak_MB": round(peak),
-            "extra_MB": round(peak - base), "device": str(m.device), "threads": torch.get_num_threads()}
+    return {
+        "model": model_name,
+        "n": n,
+        "what": what,
+        "seconds": round(sec, 3),
+        "peak_MB": round(peak),
+        "extra_MB": round(peak - base),
+        "device": str(m.device),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -92,8 +100,12 @@ def main() -> None:
         for n in a.sizes:
             for what in a.what:
                 arg = json.dumps([model_name, n, what, a.device])
-                r = subprocess.run([sys.executable, __file__, "--child", arg], capture_output=True, text=True,
-                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                r = subprocess.run(
+                    [sys.executable, __file__, "--child", arg],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                )
                 if r.returncode:
                     print(r.stderr[-2000:], file=sys.stderr)
                     rows.append({"model": model_name, "n": n, "what": what, "seconds": "failed"})

@@ -36,12 +36,20 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PASSWORD = "load-test-password"
-SENTENCES = ["The keys to the cabinet are on the table .", "The cat that the dogs chase sleeps on the mat .",
-             "She loves math rather than engaging in sports .", "A small dog barked at the old man .",
-             "The authors that the guard likes are happy .", "The painting in the rooms is old .",
-             "Every student who reads books learns a lot .", "The boy near the cars was running .",
-             "My friends from the school are coming today .", "The report on the elections was long .",
-             "The pilot that the teachers met flies planes .", "The coffee in the cups is still hot ."]
+SENTENCES = [
+    "The keys to the cabinet are on the table .",
+    "The cat that the dogs chase sleeps on the mat .",
+    "She loves math rather than engaging in sports .",
+    "A small dog barked at the old man .",
+    "The authors that the guard likes are happy .",
+    "The painting in the rooms is old .",
+    "Every student who reads books learns a lot .",
+    "The boy near the cars was running .",
+    "My friends from the school are coming today .",
+    "The report on the elections was long .",
+    "The pilot that the teachers met flies planes .",
+    "The coffee in the cups is still hot .",
+]
 METHODS = ["alti", "globenc", "value_zeroing"]
 
 
@@ -75,8 +83,13 @@ def rss_mb(pid: int) -> float:
 
 def start_server(port: int, results: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CTXMIX_PASSWORD": PASSWORD, "CTXMIX_RESULTS": str(results)}
-    proc = subprocess.Popen([sys.executable, "-m", "ctxmix", "serve", "--hosted", "--port", str(port)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ctxmix", "serve", "--hosted", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     for _ in range(240):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1)
@@ -88,15 +101,25 @@ def start_server(port: int, results: Path) -> subprocess.Popen:
 
 
 def browser():
-    """Headless Debian Chromium through selenium, with the flags a closed network needs (tests/test_browser.py uses it too)."""
+    """Headless Debian Chromium through selenium, with the flags a closed network needs
+    (tests/test_browser.py uses it too)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium")
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1400,2400", "--disable-dev-shm-usage"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,2400",
+        "--disable-dev-shm-usage",
+    ):
         opts.add_argument(a)
     return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
 
@@ -147,8 +170,11 @@ def explain_session(port: int, text: str, timeout: float = 600) -> dict:
         ok = _wait(drv, done, timeout)
         sec = time.perf_counter() - t0
         body = drv.find_element(By.TAG_NAME, "body").text
-        return {"ok": ok and "Traceback" not in body, "seconds": sec,
-                "exception": bool(drv.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]'))}
+        return {
+            "ok": ok and "Traceback" not in body,
+            "seconds": sec,
+            "exception": bool(drv.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')),
+        }
     finally:
         drv.quit()
 
@@ -180,8 +206,12 @@ def corpus_session(port: int, timeout: float = 120) -> str:
 
 def oversized_upload(port: int, mb: int) -> str:
     """A raw upload body above the server's cap, with no session: how the server answers."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/_stcore/upload_file/x/y", data=b"x" * (mb * 2**20),
-                                 method="PUT", headers={"Content-Type": "application/octet-stream"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/_stcore/upload_file/x/y",
+        data=b"x" * (mb * 2**20),
+        method="PUT",
+        headers={"Content-Type": "application/octet-stream"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return str(r.status)
@@ -274,27 +304,48 @@ def main() -> None:
             ok = sum(bool(r.get("ok")) for r in res)
             mem1 = rss_mb(proc.pid)
             rows += [
-                {"target": f"{a.sessions} concurrent sessions: answered without error", "measured": f"{ok}/{a.sessions}",
-                 "goal": "all", "pass": ok == a.sessions},
-                {"target": "  latency from login to the last plot: p50 / p90 / max",
-                 "measured": f"{pct(secs, 50):.1f} / {pct(secs, 90):.1f} / {max(secs):.1f} s (wall {wall:.1f} s)",
-                 "goal": "report", "pass": "-"},
-                {"target": "  server memory (launcher + Streamlit)", "measured": f"{base:.0f} MB idle, {mem1:.0f} MB after",
-                 "goal": "report", "pass": "-"},
+                {
+                    "target": f"{a.sessions} concurrent sessions: answered without error",
+                    "measured": f"{ok}/{a.sessions}",
+                    "goal": "all",
+                    "pass": ok == a.sessions,
+                },
+                {
+                    "target": "  latency from login to the last plot: p50 / p90 / max",
+                    "measured": f"{pct(secs, 50):.1f} / {pct(secs, 90):.1f} / {max(secs):.1f} s (wall {wall:.1f} s)",
+                    "goal": "report",
+                    "pass": "-",
+                },
+                {
+                    "target": "  server memory (launcher + Streamlit)",
+                    "measured": f"{base:.0f} MB idle, {mem1:.0f} MB after",
+                    "goal": "report",
+                    "pass": "-",
+                },
             ]
             log("serial check of the cached maps")
             n, same, worst = serial_check(results, texts)
-            rows.append({"target": "  concurrent maps vs the same explanations computed serially",
-                         "measured": f"{same}/{n} bit-identical (max difference {worst:.1e})", "goal": "all identical",
-                         "pass": n > 0 and same == n})
-            log(f"flood: {a.flood_uploads} uploads of {HOSTED.server_upload_mb + 5} MB, {a.flood_jobs} corpus jobs, "
-                f"{a.sessions} Explain sessions")
+            rows.append(
+                {
+                    "target": "  concurrent maps vs the same explanations computed serially",
+                    "measured": f"{same}/{n} bit-identical (max difference {worst:.1e})",
+                    "goal": "all identical",
+                    "pass": n > 0 and same == n,
+                }
+            )
+            log(
+                f"flood: {a.flood_uploads} uploads of {HOSTED.server_upload_mb + 5} MB, {a.flood_jobs} corpus jobs, "
+                f"{a.sessions} Explain sessions"
+            )
             texts2 = [t + " again" for t in texts]
             jobs: list = []
             ups: list = []
             th_jobs = threading.Thread(target=lambda: jobs.extend(concurrent(corpus_session, [(port,)] * a.flood_jobs)))
-            th_ups = threading.Thread(target=lambda: ups.extend(
-                concurrent(oversized_upload, [(port, HOSTED.server_upload_mb + 5)] * a.flood_uploads)))
+            th_ups = threading.Thread(
+                target=lambda: ups.extend(
+                    concurrent(oversized_upload, [(port, HOSTED.server_upload_mb + 5)] * a.flood_uploads)
+                )
+            )
             th_jobs.start()
             th_ups.start()
             res2 = concurrent(explain_session, [(port, t) for t in texts2])
@@ -304,15 +355,32 @@ def main() -> None:
             ok2 = sum(bool(r.get("ok")) for r in res2)
             secs2 = [r["seconds"] for r in res2]
             rows += [
-                {"target": "flood: Explain sessions still answered", "measured": f"{ok2}/{a.sessions}, p50 "
-                 f"{pct(secs2, 50):.1f} s, max {max(secs2):.1f} s", "goal": "all", "pass": ok2 == a.sessions},
-                {"target": f"  corpus jobs started at once (cap {HOSTED.max_concurrent_jobs} per server)",
-                 "measured": ", ".join(f"{v}: {sum(1 for j in jobs if j == v)}" for v in ("running", "busy", "error")),
-                 "goal": "no error", "pass": all(j in ("running", "busy") for j in jobs)},
-                {"target": f"  over-cap uploads ({HOSTED.server_upload_mb + 5} MB, no session)",
-                 "measured": ", ".join(sorted(set(map(str, ups)))), "goal": "refused", "pass": all(u != "200" for u in ups)},
-                {"target": "  server memory after the flood", "measured": f"{mem2:.0f} MB ({mem2 - mem1:+.0f} MB)",
-                 "goal": "bounded (< +1 GB)", "pass": mem2 - mem1 < 1024},
+                {
+                    "target": "flood: Explain sessions still answered",
+                    "measured": f"{ok2}/{a.sessions}, p50 {pct(secs2, 50):.1f} s, max {max(secs2):.1f} s",
+                    "goal": "all",
+                    "pass": ok2 == a.sessions,
+                },
+                {
+                    "target": f"  corpus jobs started at once (cap {HOSTED.max_concurrent_jobs} per server)",
+                    "measured": ", ".join(
+                        f"{v}: {sum(1 for j in jobs if j == v)}" for v in ("running", "busy", "error")
+                    ),
+                    "goal": "no error",
+                    "pass": all(j in ("running", "busy") for j in jobs),
+                },
+                {
+                    "target": f"  over-cap uploads ({HOSTED.server_upload_mb + 5} MB, no session)",
+                    "measured": ", ".join(sorted(set(map(str, ups)))),
+                    "goal": "refused",
+                    "pass": all(u != "200" for u in ups),
+                },
+                {
+                    "target": "  server memory after the flood",
+                    "measured": f"{mem2:.0f} MB ({mem2 - mem1:+.0f} MB)",
+                    "goal": "bounded (< +1 GB)",
+                    "pass": mem2 - mem1 < 1024,
+                },
             ]
         finally:
             proc.terminate()

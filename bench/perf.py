@@ -52,15 +52,33 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 if str(HERE) not in sys.path:  # perf_common sits next to this script
     sys.path.insert(0, str(HERE))
 
-from perf_compare import bench_ig, bench_inseq, bench_precision  # noqa: E402
 from perf_common import (  # noqa: E402
-    bert_base, ids_for, log, machine, matmul_rates, peak_rss_mb, reset_peak_rss, row, rss_mb, sync, table_text, timed, value_zeroing_loop, widths,
+    bert_base,
+    ids_for,
+    log,
+    machine,
+    matmul_rates,
+    peak_rss_mb,
+    reset_peak_rss,
+    row,
+    rss_mb,
+    sync,
+    table_text,
+    timed,
+    value_zeroing_loop,
+    widths,
+)
+from perf_compare import (  # noqa: E402
+    MIXING,  # noqa: E402
+    bench_ig,
+    bench_inseq,
+    bench_precision,
 )
 
-from perf_compare import MIXING  # noqa: E402
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
 SECTIONS = ["vz", "flops", "batch", "explain", "corpus", "memory", "budget", "ig", "inseq", "precision", "embedded"]
 CPU_SKIPS = {"budget", "embedded"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
@@ -82,8 +100,8 @@ def vz_flops(m, n: int) -> int:
 
 def bench_value_zeroing(a, dev) -> list[dict]:
     """Target 1: ctxmix's batched value zeroing against the per-token loop, same maps."""
-    from ctxmix.methods.mixing import value_zeroing_maps
     from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.mixing import value_zeroing_maps
 
     n = a.vz_n
     m = bert_base(dev)
@@ -103,12 +121,24 @@ def bench_value_zeroing(a, dev) -> list[dict]:
     fl_cm = vz_flops(m, n)
     goal = 60.0 if torch.device(dev).type == "cuda" else 3.0
     return [
-        row(f"value zeroing n={n}, BERT-base (random): speed-up over the per-token loop",
-            f"{t_cm:.2f} s", f"{t_loop:.2f} s (loop, {m.n_layers * n} layer calls)", t_loop / t_cm,
-            f">= {goal:g}x", t_loop / t_cm >= goal),
-        row(f"value zeroing n={n}: max |map difference| vs the loop", f"{diff:.1e}", "-", None, "<= 1e-5", diff <= 1e-5),
-        row(f"value zeroing n={n}: FLOPs of the loop / FLOPs of ctxmix (the speed-up at equal efficiency)",
-            f"{fl_cm / 1e9:.0f} GFLOP", f"{fl_loop / 1e9:.0f} GFLOP (loop)", fl_loop / fl_cm, "report"),
+        row(
+            f"value zeroing n={n}, BERT-base (random): speed-up over the per-token loop",
+            f"{t_cm:.2f} s",
+            f"{t_loop:.2f} s (loop, {m.n_layers * n} layer calls)",
+            t_loop / t_cm,
+            f">= {goal:g}x",
+            t_loop / t_cm >= goal,
+        ),
+        row(
+            f"value zeroing n={n}: max |map difference| vs the loop", f"{diff:.1e}", "-", None, "<= 1e-5", diff <= 1e-5
+        ),
+        row(
+            f"value zeroing n={n}: FLOPs of the loop / FLOPs of ctxmix (the speed-up at equal efficiency)",
+            f"{fl_cm / 1e9:.0f} GFLOP",
+            f"{fl_loop / 1e9:.0f} GFLOP (loop)",
+            fl_loop / fl_cm,
+            "report",
+        ),
     ]
 
 
@@ -119,8 +149,8 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     The matmul rate of a shared or virtual machine drifts, so it is measured before, between
     and after the timed methods, and the best of all (the strictest reference) is used."""
     import ctxmix
-    from ctxmix.methods.mixing import scope_layer_maps
     from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.mixing import scope_layer_maps
 
     n = a.n
     cuda = torch.device(dev).type == "cuda"
@@ -135,7 +165,7 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     if "explain" in sections:
         for meth in MIXING:
             log(f"explain n={n}: {meth} alone")
-            parts[meth], _ = timed(lambda: ctxmix.explain(m, None, [meth], input_ids=ids), dev)
+            parts[meth], _ = timed(lambda: ctxmix.explain(m, None, [meth], input_ids=ids), dev)  # noqa: B023 - called at once
         rates.append(matmul_rates(dev, size))
     t_scope = t_vz = t_slow = t_all = None
     if "flops" in sections:
@@ -157,31 +187,65 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
         rates.append(matmul_rates(dev, size))
     rate = max(r[0] for r in rates)  # the best sustained rate: the strictest like-for-like reference
     peak = max(r[1] for r in rates)
-    rows = [row(f"dense float32 matmul rate ({size}^3 back to back for 3 s, all FLOPs / all time; "
-                f"measured {len(rates)} times in this section)",
-                f"{rate / 1e9:.1f} GFLOP/s sustained", f"range {min(r[0] for r in rates) / 1e9:.0f}-{rate / 1e9:.0f}; "
-                f"best single product {peak / 1e9:.0f} GFLOP/s", None, "reference for the FLOP rates"),]
+    rows = [
+        row(
+            f"dense float32 matmul rate ({size}^3 back to back for 3 s, all FLOPs / all time; "
+            f"measured {len(rates)} times in this section)",
+            f"{rate / 1e9:.1f} GFLOP/s sustained",
+            f"range {min(r[0] for r in rates) / 1e9:.0f}-{rate / 1e9:.0f}; "
+            f"best single product {peak / 1e9:.0f} GFLOP/s",
+            None,
+            "reference for the FLOP rates",
+        ),
+    ]
     if t_scope is not None:
         fl, fl_vz = L * 2 * n * n * d * dff, vz_flops(m, n)
         rows += [
-            row(f"scope_maps n={n}: achieved FLOP rate (2 n^2 d d' per layer) / sustained matmul rate",
+            row(
+                f"scope_maps n={n}: achieved FLOP rate (2 n^2 d d' per layer) / sustained matmul rate",
                 f"{fl / t_scope / 1e9:.1f} GFLOP/s ({t_scope:.2f} s)",
                 f"{rate / 1e9:.1f} GFLOP/s ({fl / t_scope / peak:.2f} of the best single product)",
-                fl / t_scope / rate, ">= 0.60", fl / t_scope / rate >= 0.6),
-            row(f"value zeroing n={n}: achieved FLOP rate (2 n^2 (d d' + H d' + H d) per layer) / sustained matmul rate",
+                fl / t_scope / rate,
+                ">= 0.60",
+                fl / t_scope / rate >= 0.6,
+            ),
+            row(
+                f"value zeroing n={n}: achieved FLOP rate (2 n^2 (d d' + H d' + H d) per layer) "
+                "/ sustained matmul rate",
                 f"{fl_vz / t_vz / 1e9:.1f} GFLOP/s ({t_vz:.2f} s, explain(value_zeroing))",
                 f"{rate / 1e9:.1f} GFLOP/s ({fl_vz / t_vz / peak:.2f} of the best single product)",
-                fl_vz / t_vz / rate, ">= 0.60", fl_vz / t_vz / rate >= 0.6),
-            row(f"scope_maps n={n}: factorised W_1 vs the straightforward FF product (speed-up)",
-                f"{t_scope:.2f} s", f"{t_slow:.2f} s (factorised=False)", t_slow / t_scope, "report"),
-            row(f"scope_maps n={n}: max |difference| factorised vs straightforward (float32)",
-                f"{diff:.1e}", f"max |map| {scale:.1f}", None, "<= 1e-5", diff <= 1e-5),
+                fl_vz / t_vz / rate,
+                ">= 0.60",
+                fl_vz / t_vz / rate >= 0.6,
+            ),
+            row(
+                f"scope_maps n={n}: factorised W_1 vs the straightforward FF product (speed-up)",
+                f"{t_scope:.2f} s",
+                f"{t_slow:.2f} s (factorised=False)",
+                t_slow / t_scope,
+                "report",
+            ),
+            row(
+                f"scope_maps n={n}: max |difference| factorised vs straightforward (float32)",
+                f"{diff:.1e}",
+                f"max |map| {scale:.1f}",
+                None,
+                "<= 1e-5",
+                diff <= 1e-5,
+            ),
         ]
     if t_all is not None:
         s = sum(parts.values())
-        rows.append(row(f"explain n={n}, all {len(MIXING)} mixing methods / sum of each alone",
-                        f"{t_all:.2f} s", f"{s:.2f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ")",
-                        t_all / s, "<= 1.3", t_all / s <= 1.3))
+        rows.append(
+            row(
+                f"explain n={n}, all {len(MIXING)} mixing methods / sum of each alone",
+                f"{t_all:.2f} s",
+                f"{s:.2f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ")",
+                t_all / s,
+                "<= 1.3",
+                t_all / s <= 1.3,
+            )
+        )
     return rows
 
 
@@ -193,8 +257,13 @@ def wiki_chunks(model, k: int, max_tokens: int = 128) -> list[str]:
         pool = wiki_texts(200)
     except Exception as e:  # the data module is another engineer's; fall back to plain prose
         log(f"ctxmix.data.wiki_texts unavailable ({e}); using built-in sentences")
-        pool = [("The keys to the cabinet are on the table, and the cat that the dogs chase sleeps on the mat "
-                 "while the children who live next door play in the garden. ") * 2] * k
+        pool = [
+            (
+                "The keys to the cabinet are on the table, and the cat that the dogs chase sleeps on the mat "
+                "while the children who live next door play in the garden. "
+            )
+            * 2
+        ] * k
     out = [t for t in pool if len(model.encode(t)[0]) <= max_tokens]
     return out[:k]
 
@@ -217,32 +286,59 @@ def bench_corpus(a, dev) -> list[dict]:
     t1, df1 = timed(lambda: ctxmix.contextualization_change(m, texts, progress=False, batch_size=1), dev)
     sps = len(texts) / t
     diff = float((df["change"] - df1["change"]).abs().max())
-    goal, ok = (">= 50 seq/s", sps >= 50) if cuda else (f">= {CORPUS_TODAY_CPU} seq/s (before batching)",
-                                                         sps >= CORPUS_TODAY_CPU)
+    goal, ok = (
+        (">= 50 seq/s", sps >= 50)
+        if cuda
+        else (f">= {CORPUS_TODAY_CPU} seq/s (before batching)", sps >= CORPUS_TODAY_CPU)
+    )
     rows = [
-        row(f"contextualization_change, BERT-base (random), {len(texts)} wiki chunks of {min(lens)}-{max(lens)} "
-            f"tokens (mean {np.mean(lens):.0f}), {where}, float32, batched", f"{sps:.3f} seq/s ({t:.1f} s)",
-            f"{len(texts) / t1:.3f} seq/s one sequence at a time ({t1:.1f} s)", t1 / t, goal, ok),
-        row("  batched vs one at a time: max |difference| of the change table", f"{diff:.1e}", "-", None, "<= 1e-5",
-            diff <= 1e-5),
-        row(f"  projected time for the FF paper's 992 sequences (<= 128 tokens), {where}",
-            f"{992 / sps / 60:.1f} min", "-", None, "< 20 s on an H100" if cuda else "report",
-            (992 / sps < 20) if cuda else None),
+        row(
+            f"contextualization_change, BERT-base (random), {len(texts)} wiki chunks of {min(lens)}-{max(lens)} "
+            f"tokens (mean {np.mean(lens):.0f}), {where}, float32, batched",
+            f"{sps:.3f} seq/s ({t:.1f} s)",
+            f"{len(texts) / t1:.3f} seq/s one sequence at a time ({t1:.1f} s)",
+            t1 / t,
+            goal,
+            ok,
+        ),
+        row(
+            "  batched vs one at a time: max |difference| of the change table",
+            f"{diff:.1e}",
+            "-",
+            None,
+            "<= 1e-5",
+            diff <= 1e-5,
+        ),
+        row(
+            f"  projected time for the FF paper's 992 sequences (<= 128 tokens), {where}",
+            f"{992 / sps / 60:.1f} min",
+            "-",
+            None,
+            "< 20 s on an H100" if cuda else "report",
+            (992 / sps < 20) if cuda else None,
+        ),
     ]
     for prec in ("tf32", "bf16"):
         log(f"  precision {prec}")
-        tp, dfp = timed(lambda: ctxmix.contextualization_change(m, texts, progress=False, precision=prec), dev)
+        tp, dfp = timed(lambda: ctxmix.contextualization_change(m, texts, progress=False, precision=prec), dev)  # noqa: B023 - called at once
         d = float((dfp["change"] - df["change"]).abs().max())
-        rows.append(row(f"  contextualization_change in {prec}: throughput / float32's (change differs by {d:.1e})",
-                        f"{len(texts) / tp:.3f} seq/s", f"{sps:.3f} seq/s float32", t / tp,
-                        ">= 3x" if cuda else "report (CPU: tf32 is float32)", (t / tp >= 3) if cuda else None))
+        rows.append(
+            row(
+                f"  contextualization_change in {prec}: throughput / float32's (change differs by {d:.1e})",
+                f"{len(texts) / tp:.3f} seq/s",
+                f"{sps:.3f} seq/s float32",
+                t / tp,
+                ">= 3x" if cuda else "report (CPU: tf32 is float32)",
+                (t / tp >= 3) if cuda else None,
+            )
+        )
     return rows
 
 
 def bench_batch(a, dev) -> list[dict]:
     """FLOP rates of the batched scope maps and value zeroing: B sequences of n tokens in one call."""
-    from ctxmix.methods.mixing import scope_maps_batch, value_zeroing_maps_batch
     from ctxmix.engine.trace import trace_batch_tensors
+    from ctxmix.methods.mixing import scope_maps_batch, value_zeroing_maps_batch
 
     cuda = torch.device(dev).type == "cuda"
     B, n = a.batch or (32 if cuda else 4), a.n
@@ -265,15 +361,27 @@ def bench_batch(a, dev) -> list[dict]:
         ids = ids_for(512)
         t_e, _ = timed(lambda: ctxmix.explain(m, None, MIXING, input_ids=ids), dev)
         t_sc, _ = timed(lambda: ctxmix.scope_maps(m, input_ids=ids), dev)
-        long_rows = [row("explain n=512, all 8 mixing methods, float32", f"{t_e:.2f} s", "-", None, "~0.3 s", t_e <= 0.45),
-                     row("scope_maps n=512, float32", f"{t_sc:.2f} s", "-", None, "~0.3 s", t_sc <= 0.45)]
+        long_rows = [
+            row("explain n=512, all 8 mixing methods, float32", f"{t_e:.2f} s", "-", None, "~0.3 s", t_e <= 0.45),
+            row("scope_maps n=512, float32", f"{t_sc:.2f} s", "-", None, "~0.3 s", t_sc <= 0.45),
+        ]
     return long_rows + [
-        row(f"scope maps, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
-            f"{fl_s / t_s / 1e9:.1f} GFLOP/s ({t_s:.2f} s)", f"{rate / 1e9:.1f} GFLOP/s", fl_s / t_s / rate, goal,
-            (fl_s / t_s / rate >= 0.5) if cuda else None),
-        row(f"value zeroing, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
-            f"{fl_v / t_v / 1e9:.1f} GFLOP/s ({t_v:.2f} s)", f"{rate / 1e9:.1f} GFLOP/s", fl_v / t_v / rate, goal,
-            (fl_v / t_v / rate >= 0.5) if cuda else None),
+        row(
+            f"scope maps, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
+            f"{fl_s / t_s / 1e9:.1f} GFLOP/s ({t_s:.2f} s)",
+            f"{rate / 1e9:.1f} GFLOP/s",
+            fl_s / t_s / rate,
+            goal,
+            (fl_s / t_s / rate >= 0.5) if cuda else None,
+        ),
+        row(
+            f"value zeroing, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
+            f"{fl_v / t_v / 1e9:.1f} GFLOP/s ({t_v:.2f} s)",
+            f"{rate / 1e9:.1f} GFLOP/s",
+            fl_v / t_v / rate,
+            goal,
+            (fl_v / t_v / rate >= 0.5) if cuda else None,
+        ),
     ]
 
 
@@ -292,8 +400,12 @@ def budget_child(fraction: float, n: int, k: int, device: str) -> dict:
     t0 = time.perf_counter()
     ctxmix.contextualization_change(m, texts, progress=False)
     torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - t0, "peak_GB": torch.cuda.max_memory_allocated() / 2**30,
-            "limit_GB": fraction * torch.cuda.get_device_properties(0).total_memory / 2**30, "batches": sizes}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "peak_GB": torch.cuda.max_memory_allocated() / 2**30,
+        "limit_GB": fraction * torch.cuda.get_device_properties(0).total_memory / 2**30,
+        "batches": sizes,
+    }
 
 
 def bench_budget(a, dev) -> list[dict]:
@@ -306,11 +418,26 @@ def bench_budget(a, dev) -> list[dict]:
     try:
         r = run_child(["--budget-child", json.dumps([frac, 512, 16, str(dev)])])
     except RuntimeError as e:
-        return [row("n=512 corpus batches on a simulated 16 GB card", "failed", str(e).splitlines()[-1][:100], None,
-                    "no out-of-memory", False)]
-    return [row(f"n=512 contextualization_change, 16 sequences, memory capped at {r['limit_GB']:.1f} GB",
-                f"peak {r['peak_GB']:.1f} GB, {r['seconds']:.1f} s", f"batches of {r['batches']}", None,
-                "no out-of-memory", r["peak_GB"] <= r["limit_GB"])]
+        return [
+            row(
+                "n=512 corpus batches on a simulated 16 GB card",
+                "failed",
+                str(e).splitlines()[-1][:100],
+                None,
+                "no out-of-memory",
+                False,
+            )
+        ]
+    return [
+        row(
+            f"n=512 contextualization_change, 16 sequences, memory capped at {r['limit_GB']:.1f} GB",
+            f"peak {r['peak_GB']:.1f} GB, {r['seconds']:.1f} s",
+            f"batches of {r['batches']}",
+            None,
+            "no out-of-memory",
+            r["peak_GB"] <= r["limit_GB"],
+        )
+    ]
 
 
 def bench_embedded(a, dev) -> list[dict]:
@@ -328,8 +455,16 @@ def bench_embedded(a, dev) -> list[dict]:
         runner.run_bench(plan, db=Path(tmp) / "e.sqlite", quiet=True)
         sync(dev)
         t = time.perf_counter() - t0
-    return [row("configs/embedded.yaml end to end (minilm-sentiment already built)", f"{t:.1f} s",
-                "-", None, "<= 15 s on an H100" if cuda else "report", (t <= 15) if cuda else None)]
+    return [
+        row(
+            "configs/embedded.yaml end to end (minilm-sentiment already built)",
+            f"{t:.1f} s",
+            "-",
+            None,
+            "<= 15 s on an H100" if cuda else "report",
+            (t <= 15) if cuda else None,
+        )
+    ]
 
 
 def memory_child(n: int, layers: int, device: str) -> dict:
@@ -354,10 +489,22 @@ def memory_child(n: int, layers: int, device: str) -> dict:
     sync(device)
     sec = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
-    what = ("torch.cuda.max_memory_allocated" if cuda else
-            "peak RSS, reset after loading" if reset else "peak RSS, loading included")
-    return {"n": n, "layers": layers, "peak_MB": peak, "base_MB": base, "extra_MB": peak - base, "seconds": sec,
-            "what": what}
+    what = (
+        "torch.cuda.max_memory_allocated"
+        if cuda
+        else "peak RSS, reset after loading"
+        if reset
+        else "peak RSS, loading included"
+    )
+    return {
+        "n": n,
+        "layers": layers,
+        "peak_MB": peak,
+        "base_MB": base,
+        "extra_MB": peak - base,
+        "seconds": sec,
+        "what": what,
+    }
 
 
 def run_child(args: list[str]) -> dict:
@@ -389,22 +536,43 @@ def bench_memory(a, dev) -> list[dict]:
             rows.append(row(f"scope_maps peak memory n={n} ({layers} layers)", "failed", str(e).splitlines()[-1][:80]))
             continue
         res.append(r)
-        rows.append(row(f"scope_maps n={n}, BERT-base width, {layers} layers: peak memory ({r['what']})",
-                        f"{r['peak_MB'] / 1024:.2f} GB total, {r['extra_MB']:.0f} MB extra",
-                        f"{r['base_MB']:.0f} MB after loading; {r['seconds']:.1f} s", None, "report"))
+        rows.append(
+            row(
+                f"scope_maps n={n}, BERT-base width, {layers} layers: peak memory ({r['what']})",
+                f"{r['peak_MB'] / 1024:.2f} GB total, {r['extra_MB']:.0f} MB extra",
+                f"{r['base_MB']:.0f} MB after loading; {r['seconds']:.1f} s",
+                None,
+                "report",
+            )
+        )
     top = [r for r in res if r["n"] >= 512]
     if top:
         r = top[0]
         note = "" if r["layers"] == 12 else f" ({r['layers']}-layer model, see --mem-layers-512)"
-        rows.append(row(f"scope_maps n={r['n']}: peak memory under 4 GB{note}", f"{r['peak_MB'] / 1024:.2f} GB", "4 GB",
-                        r["peak_MB"] / 4096, "< 4 GB", r["peak_MB"] < 4096))
+        rows.append(
+            row(
+                f"scope_maps n={r['n']}: peak memory under 4 GB{note}",
+                f"{r['peak_MB'] / 1024:.2f} GB",
+                "4 GB",
+                r["peak_MB"] / 4096,
+                "< 4 GB",
+                r["peak_MB"] < 4096,
+            )
+        )
     for layers in dict.fromkeys(r["layers"] for r in res):
         pts = sorted((r["n"], r["extra_MB"]) for r in res if r["layers"] == layers and r["extra_MB"] > 0)
         if len(pts) >= 2:
             slope = float(np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)[0])
-            rows.append(row(f"scope_maps extra-memory growth exponent in n, {layers} layers, n={pts[0][0]}..{pts[-1][0]} "
-                            f"(log-log slope)", f"{slope:.2f}", ", ".join(f"n={p[0]}: {p[1]:.0f} MB" for p in pts),
-                            None, "report"))
+            rows.append(
+                row(
+                    f"scope_maps extra-memory growth exponent in n, {layers} layers, n={pts[0][0]}..{pts[-1][0]} "
+                    f"(log-log slope)",
+                    f"{slope:.2f}",
+                    ", ".join(f"n={p[0]}: {p[1]:.0f} MB" for p in pts),
+                    None,
+                    "report",
+                )
+            )
     return rows
 
 
@@ -422,14 +590,22 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128, help="tokens for the FLOP-rate and explain targets")
     ap.add_argument("--corpus-texts", type=int, default=16, help="wiki chunks for the corpus throughput")
     ap.add_argument("--mem-sizes", type=int, nargs="+", default=[64, 128, 256, 512])
-    ap.add_argument("--mem-layers-512", type=int, default=0,
-                    help="layers of the model for n >= 512 memory (default: 12 on CUDA, 2 on CPU to fit 10 minutes)")
+    ap.add_argument(
+        "--mem-layers-512",
+        type=int,
+        default=0,
+        help="layers of the model for n >= 512 memory (default: 12 on CUDA, 2 on CPU to fit 10 minutes)",
+    )
     ap.add_argument("--ig-n", type=int, default=32, help="tokens for the integrated-gradients comparison")
     ap.add_argument("--inseq-n", type=int, default=61, help="tokens for the inseq comparison")
     ap.add_argument("--inseq-layers", type=int, default=12)
     ap.add_argument("--gemm", type=int, default=0, help="matmul size for the reference rate (2048 CPU, 8192 CUDA)")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="best of this many runs for the value-zeroing comparison, scope_maps and IG")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="best of this many runs for the value-zeroing comparison, scope_maps and IG",
+    )
     ap.add_argument("--batch", type=int, default=0, help="sequences of the batched FLOP-rate rows (32 CUDA, 4 CPU)")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     ap.add_argument("--budget-child", help=argparse.SUPPRESS)
@@ -469,8 +645,14 @@ def main() -> None:
         ("memory", lambda: bench_memory(a, dev)),
         ("budget", lambda: bench_budget(a, dev)),
         ("ig", lambda: bench_ig(a, dev)),
-        ("inseq", lambda: bench_inseq(a, dev) if a.inseq_venv else
-         [row("inseq 0.7.1 value_zeroing", "skipped (give --inseq-venv PATH)", "-", None, "report")]),
+        (
+            "inseq",
+            lambda: (
+                bench_inseq(a, dev)
+                if a.inseq_venv
+                else [row("inseq 0.7.1 value_zeroing", "skipped (give --inseq-venv PATH)", "-", None, "report")]
+            ),
+        ),
         ("precision", lambda: bench_precision(a, dev)),
         ("embedded", lambda: bench_embedded(a, dev)),
     ]
@@ -489,8 +671,10 @@ def main() -> None:
     total = time.perf_counter() - t_start
     df = pd.DataFrame(rows, columns=["target", "measured", "baseline", "ratio", "goal", "pass"])
     print(f"ctxmix performance on {dev}: {machine(dev)}")
-    print(f"total {total / 60:.1f} min; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end"
-          + ("; --quick" if a.quick else ""))
+    print(
+        f"total {total / 60:.1f} min; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end"
+        + ("; --quick" if a.quick else "")
+    )
     print(table_text(df))
     if a.out:
         df.to_csv(a.out, index=False)

@@ -20,7 +20,6 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-
 # ----------------------------------------------------------------------------- the baseline
 
 
@@ -55,6 +54,7 @@ def value_zeroing_loop(model, input_ids: list[int]) -> np.ndarray:
         value = _get(layer, model.spec.value)
         ref = H[l + 1][0].double()
         for t in range(n):
+
             def zero_v_t(mod, inp, out, t=t):
                 out = out.clone()
                 out[:, t, :] = 0.0
@@ -192,9 +192,14 @@ def machine(device) -> str:
 
 
 def row(target, measured, baseline="-", ratio=None, goal="report", ok=None) -> dict:
-    return {"target": target, "measured": measured, "baseline": baseline,
-            "ratio": "-" if ratio is None else (f"{ratio:.2f}" if abs(ratio) >= 0.01 else f"{ratio:.1e}"),
-            "goal": goal, "pass": "-" if ok is None else ("yes" if ok else "NO")}
+    return {
+        "target": target,
+        "measured": measured,
+        "baseline": baseline,
+        "ratio": "-" if ratio is None else (f"{ratio:.2f}" if abs(ratio) >= 0.01 else f"{ratio:.1e}"),
+        "goal": goal,
+        "pass": "-" if ok is None else ("yes" if ok else "NO"),
+    }
 
 
 def table_text(df) -> str:
@@ -207,5 +212,3 @@ def table_text(df) -> str:
 
 def log(msg: str) -> None:
     print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-

@@ -17,7 +17,6 @@ if str(HERE) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from perf_common import bert_base, ids_for, log, row, timed, tokenizer  # noqa: E402
 
 MIXING = ["attention", "attention_rollout", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]
@@ -27,8 +26,8 @@ def bench_ig(a, dev) -> list[dict]:
     """Target 6: ctxmix.methods.saliency.integrated_gradients against captum's IntegratedGradients."""
     from captum.attr import IntegratedGradients
 
-    from ctxmix.methods.saliency import integrated_gradients, resolve_target
     from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.saliency import integrated_gradients, resolve_target
 
     m = bert_base(dev, head=True)
     n, steps = a.ig_n, 50
@@ -63,14 +62,26 @@ def bench_ig(a, dev) -> list[dict]:
     t_cm, got = timed(ctxmix_ig, dev, a.repeat)
     diff = float(np.abs(ref - got).max())
     return [
-        row(f"integrated_gradients n={n}, {steps} steps, [PAD] baseline: speed-up over captum IntegratedGradients",
-            f"{t_cm:.2f} s", f"{t_cap:.2f} s (captum defaults)", t_cap / t_cm, ">= 1x", t_cap / t_cm >= 0.95),
-        row(f"integrated_gradients n={n}: max |difference| vs captum", f"{diff:.1e}",
-            f"max |score| {float(np.abs(ref).max()):.1e}", None, "<= 1e-5", diff <= 1e-5),
+        row(
+            f"integrated_gradients n={n}, {steps} steps, [PAD] baseline: speed-up over captum IntegratedGradients",
+            f"{t_cm:.2f} s",
+            f"{t_cap:.2f} s (captum defaults)",
+            t_cap / t_cm,
+            ">= 1x",
+            t_cap / t_cm >= 0.95,
+        ),
+        row(
+            f"integrated_gradients n={n}: max |difference| vs captum",
+            f"{diff:.1e}",
+            f"max |score| {float(np.abs(ref).max()):.1e}",
+            None,
+            "<= 1e-5",
+            diff <= 1e-5,
+        ),
     ]
 
 
-INSEQ_CHILD = r'''
+INSEQ_CHILD = r"""
 import json, sys, time
 import numpy as np, torch, transformers as T, inseq
 from inseq.attr.feat.ops import value_zeroing as vzmod
@@ -101,7 +112,7 @@ ids = [t.id for t in res.sequence_attributions[0].target][:n]
 maps = torch.nan_to_num(S.permute(2, 1, 0), nan=0.0).numpy()  # (L, i, j)
 np.save(out_dir + "/inseq_maps.npy", maps)
 print(json.dumps({"seconds": sec, "ids": ids, "n": n, "transformers": T.__version__, "torch": torch.__version__}))
-'''
+"""
 
 
 def bench_inseq(a, dev) -> list[dict]:
@@ -109,8 +120,8 @@ def bench_inseq(a, dev) -> list[dict]:
     import transformers as T
 
     import ctxmix
-    from ctxmix.methods.mixing import value_zeroing_maps
     from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.mixing import value_zeroing_maps
 
     py = Path(a.inseq_venv) / "bin" / "python"
     if not py.exists():
@@ -122,19 +133,31 @@ def bench_inseq(a, dev) -> list[dict]:
 
         words = " ".join(wiki_texts(20)).split()
     except Exception:
-        words = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
-                 "while the children who live next door play in the garden . ").split() * 6
+        words = (
+            "The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
+            "while the children who live next door play in the garden . "
+        ).split() * 6
     k = 1
-    while k < len(words) and len(tok(" ".join(words[:k + 1]))["input_ids"]) <= a.inseq_n + 1:
+    while k < len(words) and len(tok(" ".join(words[: k + 1]))["input_ids"]) <= a.inseq_n + 1:
         k += 1
     text = " ".join(words[:k])
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "text.txt").write_text(text)
         Path(tmp, "child.py").write_text(INSEQ_CHILD)
         log(f"inseq 0.7.1 value zeroing in {a.inseq_venv} (GPT-2-base-sized random, ~{a.inseq_n} tokens)")
-        r = subprocess.run([str(py), str(Path(tmp, "child.py")), ctxmix.engine.models.minilm_path(), tmp, str(a.inseq_n),
-                            str(a.inseq_layers)], capture_output=True, text=True,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"})
+        r = subprocess.run(
+            [
+                str(py),
+                str(Path(tmp, "child.py")),
+                ctxmix.engine.models.minilm_path(),
+                tmp,
+                str(a.inseq_n),
+                str(a.inseq_layers),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"},
+        )
         if r.returncode:
             err = [s for s in r.stderr.strip().splitlines() if s.strip()][-1:] or ["?"]
             return [row("inseq 0.7.1 value_zeroing", "failed", err[0][:100], None, "report")]
@@ -157,15 +180,31 @@ def bench_inseq(a, dev) -> list[dict]:
     d_kept = max((float(np.abs(ref[l] - got[l]).max()) for l in kept), default=float("nan"))
     d_cut = max((float(np.abs(ref[l] - got[l]).max()) for l in cut), default=float("nan"))
     last = float(np.abs(ref[-1] - got[-1]).max())
-    span = (f"layers {kept[0] + 1}-{kept[-1] + 1}" if kept == list(range(kept[0], kept[-1] + 1)) else
-            "layers " + ",".join(str(l + 1) for l in kept)) if kept else "no layer"
+    span = (
+        (
+            f"layers {kept[0] + 1}-{kept[-1] + 1}"
+            if kept == list(range(kept[0], kept[-1] + 1))
+            else "layers " + ",".join(str(l + 1) for l in kept)
+        )
+        if kept
+        else "no layer"
+    )
     return [
-        row(f"value zeroing, GPT-2-base-sized random ({m.n_layers} layers), n={info['n']}, CPU: speed-up over "
-            f"inseq 0.7.1 (transformers {info['transformers']})", f"{t_cm:.2f} s", f"{info['seconds']:.1f} s (inseq)",
-            info["seconds"] / t_cm, "report"),
-        row(f"  max |map difference| vs inseq, {span} (inseq: float32 cosine)", f"{d_kept:.1e}",
+        row(
+            f"value zeroing, GPT-2-base-sized random ({m.n_layers} layers), n={info['n']}, CPU: speed-up over "
+            f"inseq 0.7.1 (transformers {info['transformers']})",
+            f"{t_cm:.2f} s",
+            f"{info['seconds']:.1f} s (inseq)",
+            info["seconds"] / t_cm,
+            "report",
+        ),
+        row(
+            f"  max |map difference| vs inseq, {span} (inseq: float32 cosine)",
+            f"{d_kept:.1e}",
             f"{len(cut)} layers where inseq's 1e-5 threshold zeroed scores: {d_cut:.1e}; last layer (ln_f): {last:.1e}",
-            None, "report"),
+            None,
+            "report",
+        ),
     ]
 
 
@@ -176,8 +215,10 @@ def bench_precision(a, dev) -> list[dict]:
     import ctxmix
     from ctxmix.methods.registry import POST_LN_SCOPES
 
-    text = ("The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
-            "while the children who live next door play in the garden .")
+    text = (
+        "The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat "
+        "while the children who live next door play in the garden ."
+    )
     methods = MIXING + list(POST_LN_SCOPES)
     m32 = ctxmix.load_model("minilm", device=str(dev))
     ref = ctxmix.explain(m32, text, methods).layer_maps
@@ -186,9 +227,16 @@ def bench_precision(a, dev) -> list[dict]:
     def compare(label, ex, goal):
         errs = {k: float(np.abs(ex.layer_maps[k] - ref[k]).max() / np.abs(ref[k]).max()) for k in methods}
         worst = max(errs, key=errs.get)
-        rows.append(row(f"MiniLM n={len(ex.tokens)}, {label}: max |map - float32 map| / max |float32 map|",
-                        f"{errs[worst]:.1e} ({worst})", ", ".join(f"{k} {v:.0e}" for k, v in errs.items()), None,
-                        f"<= {goal:g}", errs[worst] <= goal))
+        rows.append(
+            row(
+                f"MiniLM n={len(ex.tokens)}, {label}: max |map - float32 map| / max |float32 map|",
+                f"{errs[worst]:.1e} ({worst})",
+                ", ".join(f"{k} {v:.0e}" for k, v in errs.items()),
+                None,
+                f"<= {goal:g}",
+                errs[worst] <= goal,
+            )
+        )
 
     for prec, goal in (("tf32", 1e-3), ("bf16", 5e-3)):
         log(f"precision {prec}")
@@ -199,5 +247,7 @@ def bench_precision(a, dev) -> list[dict]:
             m = ctxmix.load_model("minilm", device=str(dev), dtype=dt)
             compare(f"model loaded in {dt}", ctxmix.explain(m, text, methods), 2e-2)
         except Exception as e:  # report, do not stop the table
-            rows.append(row(f"model loaded in {dt}", "failed", f"{type(e).__name__}: {e}"[:100], None, "<= 0.02", False))
+            rows.append(
+                row(f"model loaded in {dt}", "failed", f"{type(e).__name__}: {e}"[:100], None, "<= 0.02", False)
+            )
     return rows

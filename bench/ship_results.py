@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ctxmix import benchmark as runner, __version__
+from ctxmix import __version__
+from ctxmix import benchmark as runner
 from ctxmix.benchmark import tables
 from ctxmix.benchmark.shipped import CHECK_LIMIT, SHIPPED, config_sha256
 
@@ -51,25 +52,38 @@ def main() -> None:
         check_db = Path(tmp) / "check.sqlite"
         _bench(config, check_db, CHECK_LIMIT)
         agg = tables.load_aggregates(db, plan.name).drop(columns=["run_id"])
-        check = tables.load_scores(check_db, plan.name)[["model", "dataset", "example_id", "method", "metric", "layer",
-                                                         "value"]]
+        check = tables.load_scores(check_db, plan.name)[
+            ["model", "dataset", "example_id", "method", "metric", "layer", "value"]
+        ]
         with sqlite3.connect(str(db)) as c:
-            units = dict(c.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status",
-                                   (plan.name,)).fetchall())
+            units = dict(
+                c.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status", (plan.name,)).fetchall()
+            )
     SHIPPED.mkdir(exist_ok=True)
     agg.sort_values(["model", "dataset", "method", "metric", "layer"]).to_csv(
-        SHIPPED / f"{plan.name}.aggregates.csv", index=False, float_format="%.10g")
+        SHIPPED / f"{plan.name}.aggregates.csv", index=False, float_format="%.10g"
+    )
     check.sort_values(["model", "dataset", "example_id", "method", "metric", "layer"]).to_csv(
-        SHIPPED / f"{plan.name}.check.csv", index=False, float_format="%.10g")
-    meta = {"name": plan.name, "config": str(config.resolve().relative_to(ROOT)), "ctxmix_version": __version__,
-            "config_hash": plan.config_hash(), "config_sha256": config_sha256(config),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": f"python -m ctxmix bench --config {config.resolve().relative_to(ROOT)}",
-            "check": f"the per-example scores of --limit {CHECK_LIMIT}", "units": units,
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "python": platform.python_version()}
+        SHIPPED / f"{plan.name}.check.csv", index=False, float_format="%.10g"
+    )
+    meta = {
+        "name": plan.name,
+        "config": str(config.resolve().relative_to(ROOT)),
+        "ctxmix_version": __version__,
+        "config_hash": plan.config_hash(),
+        "config_sha256": config_sha256(config),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": f"python -m ctxmix bench --config {config.resolve().relative_to(ROOT)}",
+        "check": f"the per-example scores of --limit {CHECK_LIMIT}",
+        "units": units,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "python": platform.python_version(),
+    }
     (SHIPPED / f"{plan.name}.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {SHIPPED}/{plan.name}.{{aggregates.csv,check.csv,json}}: {len(agg)} aggregates, {len(check)} check scores")
+    print(
+        f"wrote {SHIPPED}/{plan.name}.{{aggregates.csv,check.csv,json}}: "
+        f"{len(agg)} aggregates, {len(check)} check scores"
+    )
 
 
 if __name__ == "__main__":

@@ -26,27 +26,50 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _API = {
-    "BadInput": "errors", "CtxmixError": "errors", "ModelLoadError": "errors", "UnsupportedArchitecture": "errors",
-    "EMBEDDED": "engine.models", "Model": "engine.models", "load_model": "engine.models",
+    "BadInput": "errors",
+    "CtxmixError": "errors",
+    "ModelLoadError": "errors",
+    "UnsupportedArchitecture": "errors",
+    "EMBEDDED": "engine.models",
+    "Model": "engine.models",
+    "load_model": "engine.models",
     "model_from_hf": "engine.models",
-    "Trace": "engine.trace", "trace": "engine.trace",
-    "MIXING_METHODS": "methods.registry", "SALIENCY_METHODS": "methods.registry", "METHODS": "methods.registry",
+    "Trace": "engine.trace",
+    "trace": "engine.trace",
+    "MIXING_METHODS": "methods.registry",
+    "SALIENCY_METHODS": "methods.registry",
+    "METHODS": "methods.registry",
     "rollout": "methods.mixing",
-    "Explanation": "methods.explanation", "explain": "methods.explain", "explain_batch": "methods.explain",
+    "Explanation": "methods.explanation",
+    "explain": "methods.explain",
+    "explain_batch": "methods.explain",
     "scope_maps": "methods.explain",
     "source_contribution": "methods.alti_plus",
     "load_explanation": "export.saved",
     "cross_segment_mixing": "analyses.pairs",
-    "contextualization_change": "analyses.corpus", "corpus_report": "analyses.corpus", "ff_amp": "analyses.corpus",
-    "ff_outlier_correlations": "analyses.corpus", "ff_outliers": "analyses.corpus", "ff_report": "analyses.corpus",
+    "contextualization_change": "analyses.corpus",
+    "corpus_report": "analyses.corpus",
+    "ff_amp": "analyses.corpus",
+    "ff_outlier_correlations": "analyses.corpus",
+    "ff_outliers": "analyses.corpus",
+    "ff_report": "analyses.corpus",
     "ff_residual_norms": "analyses.corpus",
     "verify": "verify",
 }
 # documented submodules reachable as attributes (`ctxmix.data.corpus(...)`, `ctxmix.analysis.ff_amp`)
 _SUBMODULES = {
-    "engine": "engine", "methods": "methods", "analyses": "analyses", "benchmark": "benchmark", "export": "export",
-    "service": "service", "data": "data", "analysis": "analyses.corpus", "errors": "errors", "hub": "hub",
-    "cli": "cli", "progress": "progress",
+    "engine": "engine",
+    "methods": "methods",
+    "analyses": "analyses",
+    "benchmark": "benchmark",
+    "export": "export",
+    "service": "service",
+    "data": "data",
+    "analysis": "analyses.corpus",
+    "errors": "errors",
+    "hub": "hub",
+    "cli": "cli",
+    "progress": "progress",
 }
 
 __all__ = sorted(_API) + ["__version__"]
@@ -70,8 +93,15 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provides
     from . import data  # noqa: F401
     from .analyses import corpus as analysis  # noqa: F401
-    from .analyses.corpus import (contextualization_change, corpus_report, ff_amp,  # noqa: F401
-                                  ff_outlier_correlations, ff_outliers, ff_report, ff_residual_norms)
+    from .analyses.corpus import (
+        contextualization_change,
+        corpus_report,
+        ff_amp,  # noqa: F401
+        ff_outlier_correlations,
+        ff_outliers,
+        ff_report,
+        ff_residual_norms,
+    )
     from .analyses.pairs import cross_segment_mixing  # noqa: F401
     from .engine.models import EMBEDDED, Model, load_model, model_from_hf  # noqa: F401
     from .engine.trace import Trace, trace  # noqa: F401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -44,8 +45,9 @@ def cmd_explain(args) -> None:
     if args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
         ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
     else:
-        ex = ctxmix.explain(m, text, args.method, target=args.target, position=args.position, foil=args.foil,
-                            per_head=args.per_head)
+        ex = ctxmix.explain(
+            m, text, args.method, target=args.target, position=args.position, foil=args.foil, per_head=args.per_head
+        )
     d = ex.to_dict()
     if not args.maps:
         d.pop("layer_maps")
@@ -98,9 +100,15 @@ def cmd_change(args) -> None:
     import ctxmix
 
     m = _load(args)
-    df = ctxmix.contextualization_change(m, _texts(args), ignore_low_gamma=args.ignore_low_gamma,
-                                         mask_rate=args.mask_rate, seed=args.seed, res2=args.res2,
-                                         lower_triangle=args.lower_triangle)
+    df = ctxmix.contextualization_change(
+        m,
+        _texts(args),
+        ignore_low_gamma=args.ignore_low_gamma,
+        mask_rate=args.mask_rate,
+        seed=args.seed,
+        res2=args.res2,
+        lower_triangle=args.lower_triangle,
+    )
     _write_table(df, args.out)
 
 
@@ -130,26 +138,30 @@ def cmd_methods(args) -> None:
     from ctxmix import METHODS
 
     for name, info in METHODS.items():
-        print(f"{name:22} {info.group:14} {info.paper}: {info.doc}"
-              + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else "")
-              + (f" Caveat: {info.caveat}" if info.caveat else ""))
+        print(
+            f"{name:22} {info.group:14} {info.paper}: {info.doc}"
+            + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else "")
+            + (f" Caveat: {info.caveat}" if info.caveat else "")
+        )
 
 
 def cmd_models(args) -> None:
-    from ctxmix.engine.arch import supported_families
-    from ctxmix.engine.models import EMBEDDED
-
     from ctxmix import MIXING_METHODS, SALIENCY_METHODS
-    from ctxmix.engine.arch import families_table
+    from ctxmix.engine.arch import families_table, supported_families
+    from ctxmix.engine.models import EMBEDDED
 
     for k, v in EMBEDDED.items():
         print(f"{k:18} {v}")
     print("\nany Hugging Face id or local folder of these families:", supported_families())
-    print(f"\nEvery family: the mixing methods ({', '.join(m for m, i in MIXING_METHODS.items() if i.group != 'scope')}) "
-          f"and its scopes; with a head (classifier or language model) also {', '.join(SALIENCY_METHODS)}.")
+    print(
+        f"\nEvery family: the mixing methods ({', '.join(m for m, i in MIXING_METHODS.items() if i.group != 'scope')}) "
+        f"and its scopes; with a head (classifier or language model) also {', '.join(SALIENCY_METHODS)}."
+    )
     for r in families_table():
-        print(f"\n{r['family']} ({r['model types']}): {r['norms']}, {r['norm']}, {r['FF']} FF, {r['attention']}"
-              f"\n  scopes: {r['scopes']}" + (f"\n  note: {r['note']}" if r["note"] else ""))
+        print(
+            f"\n{r['family']} ({r['model types']}): {r['norms']}, {r['norm']}, {r['FF']} FF, {r['attention']}"
+            f"\n  scopes: {r['scopes']}" + (f"\n  note: {r['note']}" if r["note"] else "")
+        )
 
 
 def cmd_verify(args) -> None:
@@ -160,8 +172,13 @@ def cmd_verify(args) -> None:
     m = _load(args)
     df = verify(m, args.text, decoder_text=args.decoder_text)
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
-        print(df.assign(error=df["error"].map("{:.2e}".format), tolerance=df["tolerance"].map("{:.0e}".format),
-                        passed=df["passed"].map({True: "pass", False: "FAIL"})).to_string(index=False))
+        print(
+            df.assign(
+                error=df["error"].map("{:.2e}".format),
+                tolerance=df["tolerance"].map("{:.0e}".format),
+                passed=df["passed"].map({True: "pass", False: "FAIL"}),
+            ).to_string(index=False)
+        )
     failed = df[~df["passed"]]
     if len(failed):
         print(f"\n{len(failed)} check(s) failed on {m.name}: " + "; ".join(failed["check"]))
@@ -172,34 +189,61 @@ def cmd_verify(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from ctxmix import METHODS
 
-    p = argparse.ArgumentParser(prog="python -m ctxmix", description="Context mixing in Transformers.")
+    p = argparse.ArgumentParser(
+        prog="ctxmix" if os.path.basename(sys.argv[0]) == "ctxmix" else "python -m ctxmix",
+        description="Context mixing in Transformers.",
+    )
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def model_args(s):
         s.add_argument("--model", default="minilm", help="minilm, minilm-sentiment, smollm2, a HF id or a folder")
         s.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
-        s.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"],
-                       help="the dtype the model is held in (half precision: decomposed on float32 activations)")
-        s.add_argument("--precision", default="float32", choices=["float32", "tf32", "bf16"],
-                       help="the engine's precision for the large products (float32 is exact)")
+        s.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["float32", "float64", "float16", "bfloat16"],
+            help="the dtype the model is held in (half precision: decomposed on float32 activations)",
+        )
+        s.add_argument(
+            "--precision",
+            default="float32",
+            choices=["float32", "tf32", "bf16"],
+            help="the engine's precision for the large products (float32 is exact)",
+        )
 
     def corpus_args(s):
-        s.add_argument("--corpus", default="wiki", help="wiki, pang_lee, lee, a .txt/.jsonl file, or hf:NAME:SPLIT:FIELD")
+        s.add_argument(
+            "--corpus", default="wiki", help="wiki, pang_lee, lee, a .txt/.jsonl file, or hf:NAME:SPLIT:FIELD"
+        )
         s.add_argument("--limit", type=int, default=100, help="number of sequences")
         s.add_argument("--out", help="output .csv or .json (default: print)")
 
     s = sub.add_parser("explain", help="every requested method on one text")
     s.add_argument("text")
     model_args(s)
-    s.add_argument("--method", nargs="+", default=["alti"], choices=list(METHODS), metavar="METHOD",
-                   help="one or more of: " + ", ".join(METHODS))
+    s.add_argument(
+        "--method",
+        nargs="+",
+        default=["alti"],
+        choices=list(METHODS),
+        metavar="METHOD",
+        help="one or more of: " + ", ".join(METHODS),
+    )
     s.add_argument("--target", default=None, help="class index/label or target token (gradient methods)")
     s.add_argument("--position", type=int, default=None, help="row used for mixing-method saliency")
     s.add_argument("--foil", default=None, help="a contrasting class or token: explain target minus foil")
-    s.add_argument("--pair", default=None, metavar="TEXT_B",
-                   help="a second text: explain the sentence pair (text, TEXT_B) as the tokenizer pairs them")
-    s.add_argument("--decoder-text", default=None, metavar="TARGET",
-                   help="encoder-decoder models: the target the decoder reads (ALTI+ source/target contributions)")
+    s.add_argument(
+        "--pair",
+        default=None,
+        metavar="TEXT_B",
+        help="a second text: explain the sentence pair (text, TEXT_B) as the tokenizer pairs them",
+    )
+    s.add_argument(
+        "--decoder-text",
+        default=None,
+        metavar="TARGET",
+        help="encoder-decoder models: the target the decoder reads (ALTI+ source/target contributions)",
+    )
     s.add_argument("--per-head", action="store_true", help="also per-head maps (attention, norm)")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")
     s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
@@ -261,10 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_models)
     s = sub.add_parser("verify", help="run ctxmix's correctness checks on a model (exit code 1 if any fails)")
     model_args(s)
-    s.add_argument("--text", default="The keys to the cabinet are on the table .",
-                   help="a short text (at most 48 tokens) to check on")
-    s.add_argument("--decoder-text", default=None, metavar="TARGET",
-                   help="encoder-decoder models: the decoder's text (default: the text itself)")
+    s.add_argument(
+        "--text",
+        default="The keys to the cabinet are on the table .",
+        help="a short text (at most 48 tokens) to check on",
+    )
+    s.add_argument(
+        "--decoder-text",
+        default=None,
+        metavar="TARGET",
+        help="encoder-decoder models: the decoder's text (default: the text itself)",
+    )
     s.set_defaults(func=cmd_verify)
     return p
 

@@ -18,9 +18,10 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ctxmix.errors import BadInput
 
@@ -304,9 +305,7 @@ def _read_text_file(p: Path) -> str:
     try:
         content = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise BadInput(
-            f"{p}: not valid UTF-8 (byte {exc.start}); re-save the file as UTF-8"
-        ) from exc
+        raise BadInput(f"{p}: not valid UTF-8 (byte {exc.start}); re-save the file as UTF-8") from exc
     if not content.strip():
         raise BadInput(f"{p}: the file is empty")
     return content
@@ -340,14 +339,9 @@ def _field_of(p: Path, lineno: int, record: Any, field: str, what: str = "field"
     if isinstance(record, dict):
         if field not in record:
             fields = ", ".join(repr(k) for k in record) or "none"
-            raise BadInput(
-                f"{p}, line {lineno}: no {what} {field!r}; fields on this line: {fields}"
-            )
+            raise BadInput(f"{p}, line {lineno}: no {what} {field!r}; fields on this line: {fields}")
         return record[field]
-    raise BadInput(
-        f"{p}, line {lineno}: expected a JSON object with a {field!r} {what}, "
-        f"got {type(record).__name__}"
-    )
+    raise BadInput(f"{p}, line {lineno}: expected a JSON object with a {field!r} {what}, got {type(record).__name__}")
 
 
 def _warn_skipped(p: Path, skipped: int) -> None:
@@ -374,9 +368,7 @@ def _read_table(p: Path) -> Any:
         raise BadInput(f"{p}: cannot parse as {p.suffix.lstrip('.').upper()}: {exc}") from None
 
 
-def read_texts(
-    path: str | os.PathLike[str], field: str = "text", limit: int | None = None
-) -> list[str]:
+def read_texts(path: str | os.PathLike[str], field: str = "text", limit: int | None = None) -> list[str]:
     """Texts from a local file: one per non-empty line (.txt) or per JSON line (.jsonl/.json).
 
     JSON lines may be objects (the text is taken from ``field``) or bare strings.  A ``.json``
@@ -411,10 +403,7 @@ def read_texts(
             if value is None:
                 value = ""
             if not isinstance(value, str):
-                raise BadInput(
-                    f"{p}, line {lineno}: field {field!r} must be a string, "
-                    f"got {type(value).__name__}"
-                )
+                raise BadInput(f"{p}, line {lineno}: field {field!r} must be a string, got {type(value).__name__}")
             if value.strip():
                 texts.append(value.strip())
             else:
@@ -486,7 +475,8 @@ def read_labelled(
             raise BadInput(f"{p}: the file has a header but no rows")
         pairs = frame[pair_field] if pair_field else [None] * len(frame)
         for row_no, (text, label, pair) in enumerate(
-            zip(frame[text_field], frame[label_field], pairs), start=2  # line 1 is the header
+            zip(frame[text_field], frame[label_field], pairs),
+            start=2,  # line 1 is the header
         ):
             text = str(text).strip()
             pair = None if pair_field is None else ("" if pair is None or pair != pair else str(pair).strip())
@@ -513,18 +503,12 @@ def read_labelled(
             if label is None or (isinstance(label, str) and not label.strip()):
                 raise missing_label(f"line {lineno}")
             if not isinstance(label, (str, int, float)):
-                raise BadInput(
-                    f"{p}, line {lineno}: label must be a string or an integer, "
-                    f"got {type(label).__name__}"
-                )
+                raise BadInput(f"{p}, line {lineno}: label must be a string or an integer, got {type(label).__name__}")
             rows.append((text, label, pair))
             if limit is not None and len(rows) >= limit:
                 break
     else:
-        raise BadInput(
-            f"{p}: unsupported file type {suffix or '(none)'!r} for labelled data; "
-            "use .csv, .tsv or .jsonl"
-        )
+        raise BadInput(f"{p}: unsupported file type {suffix or '(none)'!r} for labelled data; use .csv, .tsv or .jsonl")
 
     _warn_skipped(p, skipped)
     if not rows and limit != 0:
@@ -539,6 +523,7 @@ def read_labelled(
 # --------------------------------------------------------------------------------------
 # Hugging Face datasets (optional, online)
 # --------------------------------------------------------------------------------------
+
 
 def _offline_hint(reason: str) -> RuntimeError:
     """The RuntimeError raised whenever the dataset hub cannot be used."""
@@ -577,8 +562,7 @@ def hf_dataset_texts(name: str, split: str, field: str, limit: int | None = None
         raise _offline_hint(f"loading {name!r} split {split!r} failed: {exc}") from exc
     if field not in data.column_names:
         raise BadInput(
-            f"dataset {name!r} split {split!r} has no field {field!r}; "
-            f"fields: {', '.join(data.column_names)}"
+            f"dataset {name!r} split {split!r} has no field {field!r}; fields: {', '.join(data.column_names)}"
         )
     texts: list[str] = []
     for value in data[field] if limit is None else data.select(range(min(limit, len(data))))[field]:
@@ -616,9 +600,11 @@ def corpus(name: str, limit: int | None = None) -> list[str]:
         return hf_dataset_texts(parts[0], rest[0], rest[1], limit)
     if key and Path(key).expanduser().is_file():
         return read_texts(key, limit=limit)
-    looks_like_path = os.sep in key or "/" in key or Path(key).suffix.lower() in (
-        _TEXT_SUFFIXES | _JSONL_SUFFIXES | _CSV_SUFFIXES
-    ) - {""}
+    looks_like_path = (
+        os.sep in key
+        or "/" in key
+        or Path(key).suffix.lower() in (_TEXT_SUFFIXES | _JSONL_SUFFIXES | _CSV_SUFFIXES) - {""}
+    )
     if looks_like_path:
         raise BadInput(f"unknown corpus {key!r}: no such file; {valid}")
     raise BadInput(f"unknown corpus {key!r}; {valid}")

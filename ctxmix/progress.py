@@ -14,5 +14,12 @@ def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "it", 
     15 s when stderr is a log file, so logs stay short."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=leave, dynamic_ncols=True,
-                mininterval=0.2 if sys.stderr.isatty() else 15.0)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not enabled,
+        leave=leave,
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stderr.isatty() else 15.0,
+    )

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ctxmix.errors import BadInput
 from ctxmix.engine.models import Model
+from ctxmix.errors import BadInput
 
 COLUMNS = ["check", "error", "tolerance", "passed", "detail"]
 
@@ -70,6 +70,7 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
     def capture(l):
         def hook(mod, inp, out):
             captured[l] = (out[0] if isinstance(out, tuple) else out).detach()
+
         return hook
 
     handles = [layer.register_forward_hook(capture(l)) for l, layer in enumerate(layers)]
@@ -123,6 +124,7 @@ def _ff_numeric_ig(lw, st, rows: torch.Tensor, F: torch.Tensor, nodes: int = 96)
 
         def phi(a):
             return lw.act(a)
+
     out = torch.zeros_like(tang[0])
     for a, wk in zip((x + 1) / 2, w / 2):
         primal = tuple(float(a) * t.expand_as(tang[0]).contiguous() for t in ((g, up) if lw.gated else (g,)))
@@ -136,19 +138,23 @@ def _check(name: str, error: float, tol: float, detail: str = "") -> dict:
     return {"check": name, "error": float(error), "tolerance": tol, "passed": ok, "detail": detail}
 
 
-def verify(model: Model, text: str = "The keys to the cabinet are on the table .", max_tokens: int = 48,
-           decoder_text: str | None = None) -> pd.DataFrame:
+def verify(
+    model: Model,
+    text: str = "The keys to the cabinet are on the table .",
+    max_tokens: int = 48,
+    decoder_text: str | None = None,
+) -> pd.DataFrame:
     """Run ctxmix's correctness checks on `model` and `text`; one row per check with the largest
     relative error, its tolerance and whether it passed (columns check, error, tolerance, passed,
     detail). Errors are relative to the largest |value| of what is compared. On an encoder-decoder
     the checks above run on its encoder, and the decoder's are added (`decoder_text`, by default
     the text itself): its layers recomputed, ALTI+'s two decompositions per layer exact, its rows
     summing to one."""
-    from ctxmix.methods.explain import explain
     from ctxmix.engine.layer import ff_pieces, scope_pieces
-    from ctxmix.methods.registry import MIXING_METHODS
-    from ctxmix.methods.mixing import _scope_targets
     from ctxmix.engine.trace import trace
+    from ctxmix.methods.explain import explain
+    from ctxmix.methods.mixing import _scope_targets
+    from ctxmix.methods.registry import MIXING_METHODS
 
     e = model.encode_input(text)
     if len(e.ids) > max_tokens:
@@ -157,9 +163,14 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
     rows = []
     tr = trace(model, text)
     scale = max(float(h.abs().max()) for h in tr.hidden)
-    rows.append(_check("layers recomputed from the weights = the model's hidden states",
-                       tr.reconstruction_error / max(scale, 1e-30), tol["state"],
-                       f"{model.n_layers} layers, {tr.n} tokens, largest |state| {scale:.3g}"))
+    rows.append(
+        _check(
+            "layers recomputed from the weights = the model's hidden states",
+            tr.reconstruction_error / max(scale, 1e-30),
+            tol["state"],
+            f"{model.n_layers} layers, {tr.n} tokens, largest |state| {scale:.3g}",
+        )
+    )
     idx = torch.arange(tr.n, device=tr.states[0].x.device)
     worst: dict[str, float] = {}
     ig_err, ig_scale = 0.0, 1e-30
@@ -167,8 +178,10 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
         for lw, st1 in zip(model.layers, tr.states):
             st = st1.as_batch()
             pieces = scope_pieces(lw, st, idx, next_ln=True)
-            real = {s: v[:, idx] if v is not None else None
-                    for s, v in _scope_targets(lw, st, torch.arange(st.x.shape[1], device=idx.device)).items()}
+            real = {
+                s: v[:, idx] if v is not None else None
+                for s, v in _scope_targets(lw, st, torch.arange(st.x.shape[1], device=idx.device)).items()
+            }
             for name, (F, b) in pieces.items():
                 target = real.get(name)
                 if target is None:
@@ -187,20 +200,43 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
             ig_err = max(ig_err, float((closed - numeric).abs().max()))
             ig_scale = max(ig_scale, float(closed.abs().max()))
     for name, err in worst.items():
-        rows.append(_check(f"scope {name}: contributions + bias = its real vector", err, tol["exact"],
-                           "every layer, every token"))
-    rows.append(_check("FF closed-form IG = numeric IG (96-node Gauss-Legendre)", ig_err / ig_scale, tol["ig"],
-                       "every layer, every piece"))
+        rows.append(
+            _check(
+                f"scope {name}: contributions + bias = its real vector", err, tol["exact"], "every layer, every token"
+            )
+        )
+    rows.append(
+        _check(
+            "FF closed-form IG = numeric IG (96-node Gauss-Legendre)",
+            ig_err / ig_scale,
+            tol["ig"],
+            "every layer, every piece",
+        )
+    )
     ex = explain(model, text, ["value_zeroing", "attention", "attention_rollout", "alti"])
     loop = value_zeroing_loop(model, e.ids)
     vz = ex.layer_maps["value_zeroing"]
-    rows.append(_check("value zeroing = the per-token loop on the model", float(np.abs(vz - loop).max()), tol["vz"],
-                       "hooks zero one value vector at a time; rows normalised"))
+    rows.append(
+        _check(
+            "value zeroing = the per-token loop on the model",
+            float(np.abs(vz - loop).max()),
+            tol["vz"],
+            "hooks zero one value vector at a time; rows normalised",
+        )
+    )
     for m in ("attention", "attention_rollout", "alti", "value_zeroing"):
         if MIXING_METHODS[m].rows_sum_to_one:
-            err = max(float(np.abs(ex.layer_maps[m].sum(-1) - 1).max()), float(np.abs(ex.global_maps[m].sum(-1) - 1).max()))
-            rows.append(_check(f"{m}: rows sum to one (per layer and aggregated)", err,
-                               1e-5 if model.dtype != torch.float64 else 1e-6, ""))
+            err = max(
+                float(np.abs(ex.layer_maps[m].sum(-1) - 1).max()), float(np.abs(ex.global_maps[m].sum(-1) - 1).max())
+            )
+            rows.append(
+                _check(
+                    f"{m}: rows sum to one (per layer and aggregated)",
+                    err,
+                    1e-5 if model.dtype != torch.float64 else 1e-6,
+                    "",
+                )
+            )
     if model.spec.encoder_decoder:
         rows += _decoder_checks(model, text, text if decoder_text is None else decoder_text, tol)
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -208,25 +244,43 @@ def verify(model: Model, text: str = "The keys to the cabinet are on the table .
 
 def _decoder_checks(model: Model, text: str, decoder_text: str, tol: dict) -> list[dict]:
     """An encoder-decoder's decoder: recomputed layers, ALTI+'s decompositions, its rows."""
-    from ctxmix.methods.alti_plus import alti_plus_pieces, explain_seq2seq
     from ctxmix.engine.seq2seq import decoder_weights, encode_target, trace_seq2seq
+    from ctxmix.methods.alti_plus import alti_plus_pieces, explain_seq2seq
 
     dec_ids = encode_target(model, decoder_text)[0]
     tr = trace_seq2seq(model, model.encode(text)[0], dec_ids)
     scale = max(max(float(st.x.abs().max()), float(st.y.abs().max())) for st in tr.decoder)
-    out = [_check("decoder layers recomputed from the weights = the model's hidden states",
-                  tr.reconstruction_error / max(scale, 1e-30), tol["state"],
-                  f"{len(tr.decoder)} decoder layers, {len(dec_ids)} target tokens (encoder included)")]
+    out = [
+        _check(
+            "decoder layers recomputed from the weights = the model's hidden states",
+            tr.reconstruction_error / max(scale, 1e-30),
+            tol["state"],
+            f"{len(tr.decoder)} decoder layers, {len(dec_ids)} target tokens (encoder included)",
+        )
+    ]
     worst = {"self": 0.0, "cross": 0.0}
     with torch.no_grad():
         for (sw, cw), st in zip(decoder_weights(model), tr.decoder):
             P = alti_plus_pieces(sw, cw, st, torch.arange(st.x.shape[1], device=st.x.device))
             for k, (F, b, real) in P.items():
-                worst[k] = max(worst[k], float((F.sum(-2) + b - real).abs().max()) / max(float(real.abs().max()), 1e-30))
-    for k, what in (("self", "self-attention block: target pieces"), ("cross", "cross-attention block: source pieces + residual")):
+                worst[k] = max(
+                    worst[k], float((F.sum(-2) + b - real).abs().max()) / max(float(real.abs().max()), 1e-30)
+                )
+    for k, what in (
+        ("self", "self-attention block: target pieces"),
+        ("cross", "cross-attention block: source pieces + residual"),
+    ):
         out.append(_check(f"ALTI+ {what} + bias = its real output", worst[k], tol["exact"], "every decoder layer"))
     ex = explain_seq2seq(model, text, ["alti"], decoder_text)
-    err = max(float(np.abs(ex.layer_maps["alti"].sum(-1) - 1).max()), float(np.abs(ex.global_maps["alti"].sum(-1) - 1).max()))
-    out.append(_check("ALTI+: rows sum to one (per decoder layer and rolled out)", err,
-                      1e-5 if model.dtype != torch.float64 else 1e-6, ""))
+    err = max(
+        float(np.abs(ex.layer_maps["alti"].sum(-1) - 1).max()), float(np.abs(ex.global_maps["alti"].sum(-1) - 1).max())
+    )
+    out.append(
+        _check(
+            "ALTI+: rows sum to one (per decoder layer and rolled out)",
+            err,
+            1e-5 if model.dtype != torch.float64 else 1e-6,
+            "",
+        )
+    )
     return out

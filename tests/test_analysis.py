@@ -6,17 +6,18 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import FAMILIES, tiny_model
 from scipy import stats
 
 import ctxmix
 from ctxmix.analyses.corpus import POST_COMPARISONS, PRE_COMPARISONS, low_gamma_dims, mask_tokens
-
 from ctxmix.engine.trace import trace_batch, trace_ids
 
-from conftest import FAMILIES, tiny_model
-
-TEXTS = ["the keys to the cabinet are on the table .", "a small dog barked at the old man .",
-         "she loves math rather than engaging in sports ."]
+TEXTS = [
+    "the keys to the cabinet are on the table .",
+    "a small dog barked at the old man .",
+    "she loves math rather than engaging in sports .",
+]
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
@@ -107,8 +108,15 @@ def test_gpt2_gamma_is_next_layers_ln1(tokenizer):
 
 
 def test_outlier_correlations_hand_case():
-    df = pd.DataFrame({"layer": 1, "dim": range(4), "gamma": [1.0, 2.0, 3.0, 4.0],
-                       "ff_in_mean_abs": 0.0, "ff_out_mean_abs": [8.0, 4.0, 2.0, 1.0]})
+    df = pd.DataFrame(
+        {
+            "layer": 1,
+            "dim": range(4),
+            "gamma": [1.0, 2.0, 3.0, 4.0],
+            "ff_in_mean_abs": 0.0,
+            "ff_out_mean_abs": [8.0, 4.0, 2.0, 1.0],
+        }
+    )
     r = ctxmix.ff_outlier_correlations(df).iloc[0]
     assert r.spearman == pytest.approx(-1.0)
     assert r.pearson == pytest.approx(stats.pearsonr([1, 2, 3, 4], [8, 4, 2, 1]).statistic)
@@ -137,8 +145,12 @@ def test_ff_amp(tokenizer):
         s = ctxmix.scope_maps(m, input_ids=ids)
         A, B = s["Atb"][top.layer - 1], s["AtbFf"][top.layer - 1]
         D = B / B.sum(0, keepdims=True) - A / A.sum(0, keepdims=True)
-        vals += [D[i, j] for i in range(len(ids)) for j in range(len(ids))
-                 if i != j and toks[i] == top.out_token and toks[j] == top.in_token]
+        vals += [
+            D[i, j]
+            for i in range(len(ids))
+            for j in range(len(ids))
+            if i != j and toks[i] == top.out_token and toks[j] == top.in_token
+        ]
     assert top.score == pytest.approx(np.mean(vals)) and top["count"] == len(vals)
 
 

@@ -16,7 +16,7 @@ def _isolated_results(tmp_path, monkeypatch):
 
 
 def _run(path: str, **params) -> AppTest:
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=600)
     if path != "app.py":
         at.switch_page(path)
     for k, v in params.items():
@@ -34,8 +34,11 @@ def _charts(at) -> int:
 def test_explain_page_default_sentence():
     at = _run("app.py")
     assert at.title[0].value == "Explain one example"
-    assert [s.value for s in at.subheader][:3] == ["Saliency", "Rank correlation between methods (this example)",
-                                                   "Token-to-token maps"]
+    assert [s.value for s in at.subheader][:3] == [
+        "Saliency",
+        "Rank correlation between methods (this example)",
+        "Token-to-token maps",
+    ]
     assert _charts(at) >= 5  # saliency, layer map, aggregated map, scopes, FF-amp
     assert at.query_params["model"] in ("minilm", ["minilm"])
 
@@ -49,7 +52,7 @@ def test_explain_page_from_a_shared_link():
 
 
 def test_explain_page_bad_model_is_a_message():
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
     at.query_params["model"] = "./no/such/folder"
     at.run()
     assert not at.exception
@@ -93,7 +96,7 @@ def test_benchmarks_page_without_results(tmp_path, monkeypatch):
 def test_hosted_mode_asks_for_a_password(monkeypatch):
     monkeypatch.setenv("CTXMIX_HOSTED", "1")
     monkeypatch.setenv("CTXMIX_PASSWORD", "s3cret")
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120).run()
     assert not at.exception
     assert not at.get("plotly_chart")
     import ui.throttle
@@ -122,9 +125,15 @@ def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
     from ctxmix.benchmark.command import run_bench
     from ctxmix.benchmark.config import validate_config
 
-    plan = validate_config({"name": "tiny", "models": ["minilm"], "methods": ["alti", "attention", "globenc"],
-                            "datasets": [{"id": "agreement", "source": "agreement", "per_phenomenon": 1, "seed": 0}],
-                            "metrics": ["cue_dot", "cue_ap"]})
+    plan = validate_config(
+        {
+            "name": "tiny",
+            "models": ["minilm"],
+            "methods": ["alti", "attention", "globenc"],
+            "datasets": [{"id": "agreement", "source": "agreement", "per_phenomenon": 1, "seed": 0}],
+            "metrics": ["cue_dot", "cue_ap"],
+        }
+    )
     run_bench(plan, db=tmp_path / "tiny.sqlite", quiet=True, threads=1)
     monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
     at = _run("pages/3_Benchmarks.py")
@@ -135,8 +144,9 @@ def test_benchmarks_page_reads_a_results_store(tmp_path, monkeypatch):
     assert {"alti", "attention", "globenc"} <= set(shown.index)
 
 
-@pytest.mark.parametrize("params", [{"layer": "abc"}, {"layer": "99"}, {"slayer": "-5"}, {"layer": "1e9"},
-                                    {"text": "word " * 5000}])
+@pytest.mark.parametrize(
+    "params", [{"layer": "abc"}, {"layer": "99"}, {"slayer": "-5"}, {"layer": "1e9"}, {"text": "word " * 5000}]
+)
 def test_bad_url_parameters_fall_back_with_a_notice(params):
     """A mistyped or hostile link shows the default view and says so: no traceback, no raw error."""
     at = _run("app.py", **params)
@@ -179,7 +189,7 @@ def test_a_full_server_answers_busy(monkeypatch):
     from ctxmix.service.limits import LOCAL
 
     monkeypatch.setattr(ui.common, "_JOBS", [LOCAL.max_concurrent_jobs])
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
     at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
     at.query_params["corpus"] = "pang_lee"
     at.query_params["n"] = "2"
@@ -204,7 +214,7 @@ def test_hostile_uploads_are_messages(case, tmp_path):
     """Uploads on a corpus page: each bad file gets one message that names the upload, never a
     traceback or the server's temporary path."""
     name, data = UPLOADS[case]
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
     at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
     at.query_params["corpus"] = "upload"
     at.query_params["n"] = "3"
@@ -226,7 +236,7 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["attention", "alti", "norm"], per_head=True)
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
     at.switch_page("pages/4_Saved_explanation.py")
     at.run()
     assert any("Upload a saved explanation" in i.value for i in at.info)
@@ -234,8 +244,11 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
     at.query_params["map"] = "norm"
     at.run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    assert [s.value for s in at.subheader][:3] == ["Saliency", "Rank correlation between methods (this example)",
-                                                   "Token-to-token maps"]
+    assert [s.value for s in at.subheader][:3] == [
+        "Saliency",
+        "Rank correlation between methods (this example)",
+        "Token-to-token maps",
+    ]
     assert _charts(at) >= 4  # saliency, layer map, aggregated map, one head
     assert any("Made by ctxmix" in c.value for c in at.caption)
     at.selectbox(key="head").set_value(3)
@@ -252,7 +265,7 @@ def test_saved_pair_shows_its_cross_text_mixing():
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, ("A man eats .", "Someone is eating food ."), ["alti"])
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
     at.switch_page("pages/4_Saved_explanation.py")
     at.run()
     at.file_uploader[0].set_value(("pair.npz", explanation_bytes(ex), "application/octet-stream"))
@@ -282,7 +295,6 @@ def test_target_foil_and_position_pickers(tmp_path, tokenizer):  # noqa: D103
     """On a classifier the Explain page picks the target class, a foil class and the position; the
     saliency caption says what was explained and the link carries the choices."""
     import torch
-
     from conftest import tiny_model
 
     m = tiny_model("bert", tokenizer, dtype=torch.float32)

@@ -4,15 +4,17 @@ on every family, for every mixing method and scope, in float32 and float64."""
 import numpy as np
 import pytest
 import torch
-
-from ctxmix.methods.registry import MIXING_METHODS, scope_names
-from ctxmix.methods.mixing import compute_maps, mixing_maps_batch, scope_maps_batch
-from ctxmix.engine.trace import trace_batch_tensors, trace_ids
-
 from conftest import FAMILIES, tiny_model
 
-TEXTS = ["the keys to the cabinet are on the table .", "a small dog barked .",
-         "she loves math rather than engaging in sports , and her brother does not ."]
+from ctxmix.engine.trace import trace_batch_tensors, trace_ids
+from ctxmix.methods.mixing import compute_maps, mixing_maps_batch, scope_maps_batch
+from ctxmix.methods.registry import MIXING_METHODS, scope_names
+
+TEXTS = [
+    "the keys to the cabinet are on the table .",
+    "a small dog barked .",
+    "she loves math rather than engaging in sports , and her brother does not .",
+]
 MIXING = [m for m, info in MIXING_METHODS.items() if info.group != "scope"]
 
 
@@ -24,7 +26,7 @@ def _float32_inside(m) -> bool:
 
 @pytest.fixture(params=["whole batch", "sub-batches"])
 def splitting(request, monkeypatch):
-    """"sub-batches": a budget that splits a batch of three into parts of two and one, with
+    """ "sub-batches": a budget that splits a batch of three into parts of two and one, with
     their own row chunks (ctxmix.methods.mixing._sub_batches)."""
     import ctxmix.methods.mixing as M
 
@@ -38,7 +40,7 @@ def splitting(request, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("reference", ["own states", "own forward pass"])
 def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, reference, splitting):
-    """"own states": the engine on the batch against the engine on each sequence's cropped states of
+    """ "own states": the engine on the batch against the engine on each sequence's cropped states of
     the same forward pass (isolates the batched decompositions: 1e-10 in float64, 1e-5 in float32);
     "own forward pass": against an unpadded trace of the sequence alone (adds the model's own
     padded-vs-unpadded rounding, float32-sized in families that compute in float32 inside)."""
@@ -63,7 +65,10 @@ def test_each_sequence_of_a_batch_equals_its_own_maps(tokenizer, family, dtype, 
             g = got[meth][b].double().cpu().numpy()
             np.testing.assert_allclose(g[:, :n, :n], ref[meth][0], rtol=rtol, atol=tol, err_msg=f"{family} {meth}")
             assert np.all(g[:, n:, :] == 0) and np.all(g[:, :, n:] == 0), f"padding leaked into {meth}"
-        ref_scopes = {k: v for k, v in __import__("ctxmix.methods.mixing").methods.mixing.scope_layer_maps(tr, next_ln=True).items()}
+        ref_scopes = {
+            k: v
+            for k, v in __import__("ctxmix.methods.mixing").methods.mixing.scope_layer_maps(tr, next_ln=True).items()
+        }
         assert set(ref_scopes) == set(scopes)
         for k, v in ref_scopes.items():
             np.testing.assert_allclose(scopes[k][b, :, :n, :n].double().cpu().numpy(), v, rtol=rtol, atol=tol)
@@ -82,8 +87,12 @@ def test_batched_rows_sum_to_one_where_promised(tokenizer):
 
 # ----------------------------------------------------------------- corpus analyses on the device
 
-CORPUS = TEXTS + ["the cat sat .", "", "why do the dogs that the cats chase bark at night ?",
-                  "a very long sentence about nothing in particular that goes on and on for a while ."]
+CORPUS = TEXTS + [
+    "the cat sat .",
+    "",
+    "why do the dogs that the cats chase bark at night ?",
+    "a very long sentence about nothing in particular that goes on and on for a while .",
+]
 
 
 def _reports(m, batch_size):
@@ -93,8 +102,18 @@ def _reports(m, batch_size):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the empty text's warning
-        return corpus_report(m, CORPUS, change=True, amp=True, norms=True, outliers=True, min_count=1,
-                             top_k=1000, progress=False, batch_size=batch_size)
+        return corpus_report(
+            m,
+            CORPUS,
+            change=True,
+            amp=True,
+            norms=True,
+            outliers=True,
+            min_count=1,
+            top_k=1000,
+            progress=False,
+            batch_size=batch_size,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -187,8 +206,7 @@ def test_corpus_pass_does_not_synchronise_per_sequence(tokenizer, monkeypatch):
     counts = []
     for k in (1, 2):
         calls["n"] = 0
-        corpus_report(m, TEXTS * 2 * k, change=True, amp=True, norms=True, outliers=True, progress=False,
-                      batch_size=2)
+        corpus_report(m, TEXTS * 2 * k, change=True, amp=True, norms=True, outliers=True, progress=False, batch_size=2)
         counts.append(calls["n"])
     assert counts[0] == counts[1], counts
 

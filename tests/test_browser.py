@@ -36,9 +36,23 @@ def server(tmp_path_factory):
 
     ctxmix.load_model("minilm-sentiment")  # built once into $CTXMIX_CACHE here, so the server only loads it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CTXMIX_RESULTS": str(tmp_path_factory.mktemp("results"))}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
-                             "--server.headless", "true"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            "ctxmix_dashboard/app.py",
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -100,13 +114,22 @@ def test_page_renders(server, browser, page, tmp_path):
 # (CI keeps them) or the test's tmp folder; the JS check below finds overlapping tick labels, titles
 # under the plotly toolbar and plots wider than their column.
 SCENES = {
-    "pair": ("model=minilm&method=alti&method=globenc&text=A+man+is+eating+a+sandwich+.&pair=Someone+eats+food+.",
-             "Sentence pair", 5),
-    "head_grid": ("model=minilm&method=attention&method=norm&map=norm&heads=1"
-                  "&text=The+keys+to+the+cabinet+are+on+the+table+.", "every head", 6),
-    "contrastive": ("model=minilm-sentiment&method=grad_x_input&method=integrated_gradients&method=alti"
-                    "&target=positive&foil=negative&text=a+moving+and+wonderfully+acted+film+that+never+drags+.",
-                    "minus output 0", 4),
+    "pair": (
+        "model=minilm&method=alti&method=globenc&text=A+man+is+eating+a+sandwich+.&pair=Someone+eats+food+.",
+        "Sentence pair",
+        5,
+    ),
+    "head_grid": (
+        "model=minilm&method=attention&method=norm&map=norm&heads=1&text=The+keys+to+the+cabinet+are+on+the+table+.",
+        "every head",
+        6,
+    ),
+    "contrastive": (
+        "model=minilm-sentiment&method=grad_x_input&method=integrated_gradients&method=alti"
+        "&target=positive&foil=negative&text=a+moving+and+wonderfully+acted+film+that+never+drags+.",
+        "minus output 0",
+        4,
+    ),
 }
 
 LAYOUT_CHECK = r"""
@@ -177,8 +200,9 @@ def test_explain_scene_screenshot(server, browser, scene, tmp_path):
     time.sleep(2)  # plotly's last relayout
     out = Path(os.environ.get("CTXMIX_SCREENSHOTS") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
-    height = browser.execute_script("return document.querySelector('[data-testid=\"stMain\"]')?.scrollHeight "
-                                    "|| document.body.scrollHeight")
+    height = browser.execute_script(
+        "return document.querySelector('[data-testid=\"stMain\"]')?.scrollHeight || document.body.scrollHeight"
+    )
     browser.set_window_size(1400, min(12000, max(2400, int(height) + 200)))
     time.sleep(2)
     browser.save_screenshot(str(out / f"explain_{scene}.png"))

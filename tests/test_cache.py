@@ -4,13 +4,12 @@ every entry verified by the checksum its metadata records."""
 import time
 
 import numpy as np
-import torch
 import pandas as pd
 import pytest
+import torch
+from conftest import tiny_model
 
 from ctxmix.service import cache
-
-from conftest import tiny_model
 
 
 @pytest.fixture

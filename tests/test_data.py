@@ -5,7 +5,17 @@ import re
 
 import pytest
 
-from ctxmix.data import CORPORA, LabelledText, corpus, hf_dataset_texts, lee_background, pang_lee, read_labelled, read_texts, wiki_texts
+from ctxmix.data import (
+    CORPORA,
+    LabelledText,
+    corpus,
+    hf_dataset_texts,
+    lee_background,
+    pang_lee,
+    read_labelled,
+    read_texts,
+    wiki_texts,
+)
 
 
 def test_pang_lee_has_200_balanced_labelled_sentences():

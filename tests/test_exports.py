@@ -144,7 +144,7 @@ def test_static_figures_carry_their_provenance():
     pdf = plots.figure_bytes(_fig(), "pdf", provenance=PROV)
     assert b"/Subject (ctxmix provenance:" in pdf and pdf.rstrip().endswith(b"%%EOF")
     last = pdf.rfind(b"startxref")
-    off = int(pdf[last + 9:].split()[0])
-    assert pdf[off:off + 4] == b"xref"  # the incremental update's table is where the trailer says
+    off = int(pdf[last + 9 :].split()[0])
+    assert pdf[off : off + 4] == b"xref"  # the incremental update's table is where the trailer says
     entry = int(re.search(rb"(\d{10}) 00000 n", pdf[off:]).group(1))
-    assert re.match(rb"\d+ 0 obj", pdf[entry:entry + 12])
+    assert re.match(rb"\d+ 0 obj", pdf[entry : entry + 12])

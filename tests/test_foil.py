@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix.errors import BadInput
-
-from conftest import tiny_model
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 SAL = ["grad", "grad_x_input", "integrated_gradients", "blank_out", "cat", "attcat"]

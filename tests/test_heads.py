@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
+from conftest import FAMILIES, tiny_model
 
 import ctxmix
 from ctxmix.engine.layer import head_vectors
 from ctxmix.engine.trace import trace_ids
-
-from conftest import FAMILIES, tiny_model
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 

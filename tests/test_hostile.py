@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix.errors import BadInput, CtxmixError
-
-from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
@@ -91,8 +90,13 @@ BATCH = {
     "one string": (lambda m: ctxmix.explain_batch(m, "a string", ["alti"]), "non-empty list"),
     "empty list": (lambda m: ctxmix.explain_batch(m, [], ["alti"]), "non-empty list"),
     "methods per text of the wrong length": (
-        lambda m: ctxmix.explain_batch(m, TEXTS, ["alti"], methods_per_text=[["alti"]]), "one list per text"),
-    "targets of the wrong length": (lambda m: ctxmix.explain_batch(m, TEXTS, ["grad"], targets=[0]), "one entry per text"),
+        lambda m: ctxmix.explain_batch(m, TEXTS, ["alti"], methods_per_text=[["alti"]]),
+        "one list per text",
+    ),
+    "targets of the wrong length": (
+        lambda m: ctxmix.explain_batch(m, TEXTS, ["grad"], targets=[0]),
+        "one entry per text",
+    ),
     "a bad option": (lambda m: ctxmix.explain_batch(m, TEXTS, ["alti"], ig_steps=-1), "ig_steps"),
 }
 
@@ -108,28 +112,44 @@ CORPUS = {
     "one string": (lambda m: ctxmix.contextualization_change(m, "a string", progress=False), "not one string"),
     "empty corpus": (lambda m: ctxmix.contextualization_change(m, [], progress=False), "empty"),
     "only blank texts": (lambda m: ctxmix.contextualization_change(m, ["", "  "], progress=False), "every text"),
-    "ignore_low_gamma above 1": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=1.5,
-                                                                            progress=False), "ignore_low_gamma"),
-    "ignore_low_gamma negative": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=-0.1,
-                                                                             progress=False), "ignore_low_gamma"),
-    "ignore_low_gamma a string": (lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma="x",
-                                                                             progress=False), "ignore_low_gamma"),
-    "mask_rate negative": (lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=-1, progress=False),
-                           "mask_rate"),
-    "mask_rate above 1": (lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=2, progress=False),
-                          "mask_rate"),
-    "batch_size zero": (lambda m: ctxmix.contextualization_change(m, TEXTS, batch_size=0, progress=False),
-                        "batch_size"),
-    "precision unknown": (lambda m: ctxmix.contextualization_change(m, TEXTS, precision="x", progress=False),
-                          "precision"),
+    "ignore_low_gamma above 1": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=1.5, progress=False),
+        "ignore_low_gamma",
+    ),
+    "ignore_low_gamma negative": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma=-0.1, progress=False),
+        "ignore_low_gamma",
+    ),
+    "ignore_low_gamma a string": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, ignore_low_gamma="x", progress=False),
+        "ignore_low_gamma",
+    ),
+    "mask_rate negative": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=-1, progress=False),
+        "mask_rate",
+    ),
+    "mask_rate above 1": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, mask_rate=2, progress=False),
+        "mask_rate",
+    ),
+    "batch_size zero": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, batch_size=0, progress=False),
+        "batch_size",
+    ),
+    "precision unknown": (
+        lambda m: ctxmix.contextualization_change(m, TEXTS, precision="x", progress=False),
+        "precision",
+    ),
     "res2 unknown": (lambda m: ctxmix.contextualization_change(m, TEXTS, res2="x", progress=False), "res2"),
     "top_k negative": (lambda m: ctxmix.ff_amp(m, TEXTS, top_k=-1, progress=False), "top_k"),
     "top_k zero": (lambda m: ctxmix.ff_amp(m, TEXTS, top_k=0, progress=False), "top_k"),
     "min_count zero": (lambda m: ctxmix.ff_amp(m, TEXTS, min_count=0, progress=False), "min_count"),
     "normalise unknown": (lambda m: ctxmix.ff_amp(m, TEXTS, normalise="x", progress=False), "normalise"),
     "outliers of one string": (lambda m: ctxmix.ff_outliers(m, "a string", progress=False), "not one string"),
-    "norms with a bad mask rate": (lambda m: ctxmix.ff_residual_norms(m, TEXTS, mask_rate=7, progress=False),
-                                   "mask_rate"),
+    "norms with a bad mask rate": (
+        lambda m: ctxmix.ff_residual_norms(m, TEXTS, mask_rate=7, progress=False),
+        "mask_rate",
+    ),
 }
 
 
@@ -142,13 +162,25 @@ def test_corpus_analyses_reject(bert, case):
             call(bert)
 
 
-@pytest.mark.parametrize("call", ["contextualization_change", "ff_amp", "ff_outliers", "ff_residual_norms",
-                                  "corpus_report", "scope_maps", "explain_batch", "load_model"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "contextualization_change",
+        "ff_amp",
+        "ff_outliers",
+        "ff_residual_norms",
+        "corpus_report",
+        "scope_maps",
+        "explain_batch",
+        "load_model",
+    ],
+)
 def test_unknown_keywords_are_the_same_message_everywhere(bert, call):
     """Every public function answers an unknown keyword with a BadInput naming what it takes."""
     fn = getattr(ctxmix, call)
     args = {"load_model": ("minilm",), "scope_maps": (bert, "a b"), "explain_batch": (bert, TEXTS, ["alti"])}.get(
-        call, (bert, TEXTS))
+        call, (bert, TEXTS)
+    )
     words = "unknown option 'colour'" if call == "explain_batch" else f"{call}: .*unexpected keyword.*; it takes"
     with pytest.raises(BadInput, match=words):  # explain and explain_batch name their saliency options too
         fn(*args, colour="red")
@@ -306,8 +338,15 @@ def test_configs_are_validated_before_any_work(case):
         validate_config(raw, check_models=False)
 
 
-@pytest.mark.parametrize("secrets, words", [({"max_tokens": -1}, "max_tokens"), ({"max_sequences": 2.5}, "max_sequences"),
-                                            ({"max_upload_mb": "big"}, "max_upload_mb"), ({"max_tokens": True}, "max_tokens")])
+@pytest.mark.parametrize(
+    "secrets, words",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_sequences": 2.5}, "max_sequences"),
+        ({"max_upload_mb": "big"}, "max_upload_mb"),
+        ({"max_tokens": True}, "max_tokens"),
+    ],
+)
 def test_server_caps_in_secrets_are_checked(secrets, words):
     from ctxmix.service.limits import load_limits
 
@@ -316,6 +355,5 @@ def test_server_caps_in_secrets_are_checked(secrets, words):
 
 
 def test_the_suite_is_large_enough():
-    n = (len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 8 + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS)
-         + 4)
+    n = len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 8 + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS) + 4
     assert n >= 100, n

@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix.engine.layer import gated_ig_weights, ig_ratio
-from ctxmix.methods.registry import MIXING_METHODS
-from ctxmix.methods.mixing import rollout
-from ctxmix.errors import BadInput
 from ctxmix.engine.trace import trace_ids
-
-from conftest import tiny_model
+from ctxmix.errors import BadInput
+from ctxmix.methods.mixing import rollout
+from ctxmix.methods.registry import MIXING_METHODS
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 ALL_MIXING = ["attention", "attention_rollout", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]
@@ -46,10 +45,12 @@ def _reference_value_zeroing(model, ids):
         C = np.zeros((len(_hf_layers(model)), n, n))
         for l, layer in enumerate(_hf_layers(model)):
             for t in range(n):
+
                 def hook(mod, inp, o, t=t):
                     o = o.clone()
                     o[:, t, :] = 0.0
                     return o
+
                 h = layer.attention.self.value.register_forward_hook(hook)
                 y = layer(H[l])
                 h.remove()
@@ -73,8 +74,14 @@ def _reference_alti(model, ids):
     dh = d // Hh
     cache, hooks = {}, []
     for l, layer in enumerate(enc.layer):
-        hooks.append(layer.attention.self.value.register_forward_hook(lambda m, i, o, l=l: cache.__setitem__(("v", l), o)))
-        hooks.append(layer.attention.output.LayerNorm.register_forward_hook(lambda m, i, o, l=l: cache.__setitem__(("ln", l), (i[0], o))))
+        hooks.append(
+            layer.attention.self.value.register_forward_hook(lambda m, i, o, l=l: cache.__setitem__(("v", l), o))
+        )
+        hooks.append(
+            layer.attention.output.LayerNorm.register_forward_hook(
+                lambda m, i, o, l=l: cache.__setitem__(("ln", l), (i[0], o))
+            )
+        )
     with torch.no_grad():
         out = model.hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
     for h in hooks:
@@ -93,7 +100,7 @@ def _reference_alti(model, ids):
         Tpre = Tpre + torch.eye(J, dtype=x.dtype).unsqueeze(-1) * x.unsqueeze(0)
         pre, post = cache[("ln", l)][0][0], cache[("ln", l)][1][0]
         sigma = torch.sqrt(pre.var(-1, unbiased=False) + ln.eps)
-        Lmap = lambda u: (u - u.mean(-1, keepdim=True)) * ln.weight  # noqa: E731
+        Lmap = lambda u: (u - u.mean(-1, keepdim=True)) * ln.weight  # noqa: E731, B023 - called within the iteration
         T = Lmap(Tpre) / sigma[:, None, None]
         y = T.sum(1) + Lmap(bo)[None] / sigma[:, None] + ln.bias
         assert torch.allclose(y, post, atol=1e-10)
@@ -132,10 +139,18 @@ def test_globenc_matches_reference_formula(tokenizer):
             np.testing.assert_allclose(ex.layer_maps["norm_res"][l], zres.norm(dim=-1).numpy(), atol=1e-10)
             ln1, ln2 = layer.attention.output.LayerNorm, layer.output.LayerNorm
             pre1 = layer.attention.output.dense(torch.einsum("hij,jhv->ihv", A, v).reshape(n, d)) + x
-            zt = (zres - zres.mean(-1, keepdim=True)) / torch.sqrt(pre1.var(-1, unbiased=False) + ln1.eps)[:, None, None] * ln1.weight
+            zt = (
+                (zres - zres.mean(-1, keepdim=True))
+                / torch.sqrt(pre1.var(-1, unbiased=False) + ln1.eps)[:, None, None]
+                * ln1.weight
+            )
             a = ln1(pre1)
             pre2 = layer.output.dense(layer.intermediate(a)) + a
-            xt = (zt - zt.mean(-1, keepdim=True)) / torch.sqrt(pre2.var(-1, unbiased=False) + ln2.eps)[:, None, None] * ln2.weight
+            xt = (
+                (zt - zt.mean(-1, keepdim=True))
+                / torch.sqrt(pre2.var(-1, unbiased=False) + ln2.eps)[:, None, None]
+                * ln2.weight
+            )
             np.testing.assert_allclose(ex.layer_maps["globenc"][l], xt.norm(dim=-1).numpy(), atol=1e-10)
     np.testing.assert_allclose(ex.global_maps["globenc"], rollout(ex.layer_maps["globenc"]))
 
@@ -228,10 +243,15 @@ def test_attcat_masks_special_tokens_as_the_attcat_code_does(tokenizer):
     np.testing.assert_allclose(cat[-1], (g[0] * h[0]).sum(-1).detach().numpy(), atol=1e-10)
 
 
-@pytest.mark.parametrize("opts, msg", [({"ig_baseline": "blank"}, "ig_baseline must be one of 'pad'"),
-                                       ({"ig_steps": 0}, "ig_steps must be a whole number from 1"),
-                                       ({"blank_replacement": "pad"}, "blank_replacement must be one of 'unk'"),
-                                       ({"ig_stepz": 3}, "unknown option 'ig_stepz'")])
+@pytest.mark.parametrize(
+    "opts, msg",
+    [
+        ({"ig_baseline": "blank"}, "ig_baseline must be one of 'pad'"),
+        ({"ig_steps": 0}, "ig_steps must be a whole number from 1"),
+        ({"blank_replacement": "pad"}, "blank_replacement must be one of 'unk'"),
+        ({"ig_stepz": 3}, "unknown option 'ig_stepz'"),
+    ],
+)
 def test_saliency_options_are_checked(tokenizer, opts, msg):
     m = tiny_model("bert", tokenizer)
     with pytest.raises(BadInput, match=msg):
@@ -254,8 +274,8 @@ def test_integrated_gradients_completeness(tokenizer):
     """IG attributions (before abs) sum to p(x) - p(baseline); check through captum's delta."""
     from captum.attr import IntegratedGradients
 
-    from ctxmix.methods.saliency import _baseline_ids, _embed, _forward_embeds, _score
     from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.saliency import _baseline_ids, _embed, _forward_embeds, _score
 
     m = tiny_model("bert", tokenizer)
     tr = trace_ids(m, IDS)
@@ -334,8 +354,15 @@ def test_gradients_at_the_embedding_output(tokenizer, family):
 
     m = tiny_model(family, tokenizer)
     ids = IDS if family == "bert" else IDS[:-1]
-    ex = ctxmix.explain(m, None, ["grad", "grad_x_input", "integrated_gradients"], target=1, input_ids=ids,
-                        grad_at="embedding_output", ig_steps=16)
+    ex = ctxmix.explain(
+        m,
+        None,
+        ["grad", "grad_x_input", "integrated_gradients"],
+        target=1,
+        input_ids=ids,
+        grad_at="embedding_output",
+        ig_steps=16,
+    )
     x = torch.tensor([ids])
     with torch.enable_grad():
         h0 = m.hf(input_ids=x, output_hidden_states=True).hidden_states[0].detach().requires_grad_(True)
@@ -352,8 +379,9 @@ def test_gradients_at_the_embedding_output(tokenizer, family):
             p = torch.softmax(m.hf.classifier(m.hf.base_model.pooler(hs)).double()[0], -1)[1]
         (g,) = torch.autograd.grad(p, h0)
     np.testing.assert_allclose(ex.saliency["grad"], g[0].norm(dim=-1).numpy(), rtol=1e-8, atol=1e-14)
-    np.testing.assert_allclose(ex.saliency["grad_x_input"], (g[0] * h0[0].detach()).norm(dim=-1).numpy(),
-                               rtol=1e-8, atol=1e-14)
+    np.testing.assert_allclose(
+        ex.saliency["grad_x_input"], (g[0] * h0[0].detach()).norm(dim=-1).numpy(), rtol=1e-8, atol=1e-14
+    )
     word = ctxmix.explain(m, None, ["grad"], target=1, input_ids=ids)
     if family == "llama":  # layer 0 reads the word embeddings: the two choices agree
         np.testing.assert_allclose(word.saliency["grad"], ex.saliency["grad"], rtol=1e-10)

@@ -7,11 +7,31 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from ctxmix.errors import BadInput
-from ctxmix.benchmark.metrics import METRICS, TargetProbability, attcat_ks, average_precision, cue_alignment, cue_alignment_layers, cue_ap, cue_dot, cue_probes, deletion_metrics, deyoung_ks, get_metric, method_agreement, model_agreement, normalise_scores, perturb, protected_positions, ranked_positions, reference_spearman, spearman
-
 from conftest import tiny_model
+
+from ctxmix.benchmark.metrics import (
+    METRICS,
+    TargetProbability,
+    attcat_ks,
+    average_precision,
+    cue_alignment,
+    cue_alignment_layers,
+    cue_ap,
+    cue_dot,
+    cue_probes,
+    deletion_metrics,
+    deyoung_ks,
+    get_metric,
+    method_agreement,
+    model_agreement,
+    normalise_scores,
+    perturb,
+    protected_positions,
+    ranked_positions,
+    reference_spearman,
+    spearman,
+)
+from ctxmix.errors import BadInput
 
 CLS, SEP, PAD, A, B, C = 101, 102, 0, 7, 8, 9  # token ids of the toy vocabulary
 WEIGHTS = {A: 3.0, B: 1.0, C: 0.0}  # the toy's class-1 logit is the sum of these over the tokens present
@@ -39,8 +59,14 @@ class ToyNet(torch.nn.Module):
 
 
 def toy_model():
-    tok = SimpleNamespace(pad_token_id=PAD, unk_token_id=100, cls_token_id=CLS, sep_token_id=SEP, mask_token_id=103,
-                          all_special_ids=[PAD, 100, CLS, SEP, 103])
+    tok = SimpleNamespace(
+        pad_token_id=PAD,
+        unk_token_id=100,
+        cls_token_id=CLS,
+        sep_token_id=SEP,
+        mask_token_id=103,
+        all_special_ids=[PAD, 100, CLS, SEP, 103],
+    )
     return SimpleNamespace(kind="classifier", device=torch.device("cpu"), tokenizer=tok, hf=ToyNet(), name="toy")
 
 
@@ -52,8 +78,9 @@ REVERSED = np.array([9.0, 0.0, 1.0, 3.0, 9.0])
 def run_deletion(sal, metrics):
     m = toy_model()
     predict = TargetProbability(m, 1, batch_size=4)
-    out, p0 = deletion_metrics(predict, IDS, {"s": sal}, metrics, protected=protected_positions(m, IDS, 0),
-                               position=0, pad_id=PAD)
+    out, p0 = deletion_metrics(
+        predict, IDS, {"s": sal}, metrics, protected=protected_positions(m, IDS, 0), position=0, pad_id=PAD
+    )
     return out["s"], p0, m.hf.seen
 
 
@@ -103,16 +130,29 @@ def test_lodds_and_deyoung_by_hand():
 def test_identical_perturbations_run_once():
     m = toy_model()
     predict = TargetProbability(m, 1, batch_size=1000)
-    deletion_metrics(predict, IDS, {"a": PERFECT, "b": PERFECT.copy()}, ["aopc", "lodds_delete", "comprehensiveness"],
-                     protected={0, 4}, position=0, pad_id=PAD)
+    deletion_metrics(
+        predict,
+        IDS,
+        {"a": PERFECT, "b": PERFECT.copy()},
+        ["aopc", "lodds_delete", "comprehensiveness"],
+        protected={0, 4},
+        position=0,
+        pad_id=PAD,
+    )
     # original + deletions of {A}, {A,B}, {A,B,C}: four distinct inputs for two methods and three metrics
     assert sum(len(b) for b in m.hf.seen) == 4
 
 
 def test_no_deletable_token_gives_nan():
     m = toy_model()
-    out, _ = deletion_metrics(TargetProbability(m, 1), [CLS, SEP], {"s": np.ones(2)}, ["aopc", "comprehensiveness"],
-                              protected={0, 1}, pad_id=PAD)
+    out, _ = deletion_metrics(
+        TargetProbability(m, 1),
+        [CLS, SEP],
+        {"s": np.ones(2)},
+        ["aopc", "comprehensiveness"],
+        protected={0, 1},
+        pad_id=PAD,
+    )
     assert np.isnan(out["s"]["aopc"]) and np.isnan(out["s"]["comprehensiveness"])
 
 
@@ -283,8 +323,9 @@ def test_unknown_words_are_words_not_special_tokens(tokenizer):
     assert _baseline_ids(SimpleNamespace(tokenizer=tokenizer), ids, "pad") == [101, 0, 0, mask, 102]
     import random
 
-    masked = {mask_tokens(SimpleNamespace(tokenizer=tokenizer, name="x"), ids, 0.4, random.Random(s))[2]
-              for s in range(20)}
+    masked = {
+        mask_tokens(SimpleNamespace(tokenizer=tokenizer, name="x"), ids, 0.4, random.Random(s))[2] for s in range(20)
+    }
     assert mask in masked  # the [UNK] position can be masked
 
 

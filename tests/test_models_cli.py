@@ -11,11 +11,10 @@ import pandas as pd
 import pytest
 import torch
 import transformers as T
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix.engine.models import _cached_build
-
-from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,11 +46,15 @@ def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
         (folder / "ctxmix_meta.json").write_text(json.dumps({"built": len(builds)}))
 
     folder = tmp_path / "m"
-    m1 = _cached_build(folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"])
+    m1 = _cached_build(
+        folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
+    )
     assert len(builds) == 1 and m1.info["built"] == 1 and "model.safetensors" in m1.info["weights"]
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.warns(UserWarning, match="rebuilding"):
-        m2 = _cached_build(folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"])
+        m2 = _cached_build(
+            folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
+        )
     assert len(builds) == 2 and m2.info["built"] == 2
     # weights altered but still a valid file (same size): the recorded checksum catches it
     from safetensors.torch import load_file, save_file
@@ -60,7 +63,9 @@ def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
     sd["classifier.weight"] = sd["classifier.weight"] * 2
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match="rebuilding"):
-        m3 = _cached_build(folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"])
+        m3 = _cached_build(
+            folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
+        )
     assert len(builds) == 3 and m3.info["built"] == 3
 
 
@@ -80,10 +85,16 @@ def _saved(tmp_path, tokenizer, edit=None, tokenizer_files=True):
     return str(d)
 
 
-@pytest.mark.parametrize("case, words", [
-    ("head missing", "missing from the checkpoint"), ("a layer tensor missing", "missing from the checkpoint"),
-    ("wrong shape", "wrong shape"), ("NaN weights", "non-finite"), ("no tokenizer", "tokenizer has"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("head missing", "missing from the checkpoint"),
+        ("a layer tensor missing", "missing from the checkpoint"),
+        ("wrong shape", "wrong shape"),
+        ("NaN weights", "non-finite"),
+        ("no tokenizer", "tokenizer has"),
+    ],
+)
 def test_broken_model_folders_are_refused(tmp_path, tokenizer, case, words):
     def edit(sd):
         if case == "head missing":
@@ -127,8 +138,9 @@ def test_result_cache_survives_corruption(tmp_path, monkeypatch, tokenizer):
 
 def _cli(*args, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ctxmix", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ctxmix", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_help_lists_verbs():
@@ -146,8 +158,17 @@ def test_cli_bad_input_is_a_message():
 @pytest.mark.slow
 def test_cli_explain_and_change(tmp_path):
     out = tmp_path / "result.json"
-    r = _cli("explain", "The keys to the cabinet are on the table .", "--model", "minilm", "--method", "alti",
-             "--maps", "--out", str(out))
+    r = _cli(
+        "explain",
+        "The keys to the cabinet are on the table .",
+        "--model",
+        "minilm",
+        "--method",
+        "alti",
+        "--maps",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert d["tokens"][0] == "[CLS]" and np.array(d["layer_maps"]["alti"]).shape == (6, 12, 12)
@@ -165,12 +186,20 @@ def test_malloc_tuning_is_an_explicit_opt_in():
 
     if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
         pytest.skip("glibc only")
-    code = ("import ctxmix, ctxmix.engine.models as M; ctxmix.load_model('minilm', device='cpu'); a = M._ALLOCATOR_TUNED; "
-            "from ctxmix.cli import main; main(['scopes', 'a b', '--device', 'cpu', '--out', '{out}']); "
-            "print(a, M._ALLOCATOR_TUNED)")
+    code = (
+        "import ctxmix, ctxmix.engine.models as M; ctxmix.load_model('minilm', device='cpu'); a = M._ALLOCATOR_TUNED; "
+        "from ctxmix.cli import main; main(['scopes', 'a b', '--device', 'cpu', '--out', '{out}']); "
+        "print(a, M._ALLOCATOR_TUNED)"
+    )
     with __import__("tempfile").TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-c", code.format(out=f"{tmp}/s.npz")], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        r = subprocess.run(
+            [sys.executable, "-c", code.format(out=f"{tmp}/s.npz")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-2:] == ["False", "True"]
 
@@ -182,8 +211,25 @@ def test_cli_precision_and_dtype(tmp_path):
     out32, out16 = tmp_path / "a.npz", tmp_path / "b.npz"
     text = "The keys to the cabinet are on the table ."
     assert main(["scopes", text, "--model", "minilm", "--device", "cpu", "--out", str(out32)]) == 0
-    assert main(["scopes", text, "--model", "minilm", "--device", "cpu", "--precision", "bf16", "--dtype", "bfloat16",
-                 "--out", str(out16)]) == 0
+    assert (
+        main(
+            [
+                "scopes",
+                text,
+                "--model",
+                "minilm",
+                "--device",
+                "cpu",
+                "--precision",
+                "bf16",
+                "--dtype",
+                "bfloat16",
+                "--out",
+                str(out16),
+            ]
+        )
+        == 0
+    )
     a, b = np.load(out32), np.load(out16)
     d = np.abs(a["AtbFf"] - b["AtbFf"]).max() / np.abs(a["AtbFf"]).max()
     assert 0 < d < 2e-2

@@ -10,14 +10,13 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix import benchmark as runner
-from ctxmix.errors import BadInput
-from ctxmix.benchmark.metrics import TargetProbability, deletion_metrics, perturb
 from ctxmix.analyses.pairs import cross_segment_mixing, segment_shares
-
-from conftest import tiny_model
+from ctxmix.benchmark.metrics import TargetProbability, deletion_metrics, perturb
+from ctxmix.errors import BadInput
 
 A, B = "the keys to the cabinet are on the table .", "a key is in the drawer ."
 SAL = ["grad", "grad_x_input", "integrated_gradients", "blank_out", "cat", "attcat"]
@@ -61,10 +60,18 @@ def test_every_saliency_method_reads_the_token_types(bert, tokenizer):
     same ids read as one segment: so every gradient and perturbation pass gets them."""
     enc = tokenizer(A, B)
     pair = ctxmix.explain(bert, (A, B), SAL + MIX, target=1, ig_steps=8)
-    same = ctxmix.explain(bert, None, SAL + MIX, target=1, ig_steps=8, input_ids=enc["input_ids"],
-                          token_type_ids=enc["token_type_ids"])
-    flat = ctxmix.explain(bert, None, SAL + MIX, target=1, ig_steps=8, input_ids=enc["input_ids"],
-                          token_type_ids=[0] * len(enc["input_ids"]))
+    same = ctxmix.explain(
+        bert, None, SAL + MIX, target=1, ig_steps=8, input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"]
+    )
+    flat = ctxmix.explain(
+        bert,
+        None,
+        SAL + MIX,
+        target=1,
+        ig_steps=8,
+        input_ids=enc["input_ids"],
+        token_type_ids=[0] * len(enc["input_ids"]),
+    )
     for m in SAL + MIX:
         np.testing.assert_array_equal(pair.saliency[m], same.saliency[m], err_msg=m)
         assert np.abs(pair.saliency[m] - flat.saliency[m]).max() > 1e-6, m
@@ -81,8 +88,9 @@ def test_every_saliency_method_reads_the_token_types(bert, tokenizer):
 def test_segments_alone_give_berts_token_types(bert, tokenizer):
     enc = tokenizer(A, B)
     pair = ctxmix.explain(bert, (A, B), ["grad", "alti"], target=0)
-    by_segments = ctxmix.explain(bert, None, ["grad", "alti"], target=0, input_ids=enc["input_ids"],
-                                 segments=pair.segments)
+    by_segments = ctxmix.explain(
+        bert, None, ["grad", "alti"], target=0, input_ids=enc["input_ids"], segments=pair.segments
+    )
     assert by_segments.segments == pair.segments
     for m in ("grad", "alti"):
         np.testing.assert_array_equal(by_segments.saliency[m], pair.saliency[m])
@@ -131,8 +139,10 @@ def test_deletion_moves_the_segment_boundary(bert, tokenizer):
     predict = TargetProbability(bert, 1)
     got = predict([ids, ids[:5] + ids[7:]], [0, 0], [types, types[:5] + types[7:]])
     with torch.no_grad():
-        want = [torch.softmax(bert.hf(input_ids=torch.tensor([i]), token_type_ids=torch.tensor([t])).logits[0], -1)[1]
-                for i, t in ((ids, types), (ids[:5] + ids[7:], types[:5] + types[7:]))]
+        want = [
+            torch.softmax(bert.hf(input_ids=torch.tensor([i]), token_type_ids=torch.tensor([t])).logits[0], -1)[1]
+            for i, t in ((ids, types), (ids[:5] + ids[7:], types[:5] + types[7:]))
+        ]
     np.testing.assert_allclose(got, [float(w) for w in want], atol=1e-12)
     sal = {"m": np.arange(len(ids), dtype=float)}
     with_types, p0 = deletion_metrics(predict, ids, sal, ["aopc", "comprehensiveness"], token_type_ids=types)
@@ -176,8 +186,12 @@ def test_saved_pair_keeps_its_segments(bert, tmp_path):
 
 def _saliency(db, method):
     with sqlite3.connect(str(db)) as c:
-        return {r[0]: json.loads(r[1]) for r in c.execute(
-            "SELECT example_id, values_json FROM saliency WHERE method=? ORDER BY example_id", (method,))}
+        return {
+            r[0]: json.loads(r[1])
+            for r in c.execute(
+                "SELECT example_id, values_json FROM saliency WHERE method=? ORDER BY example_id", (method,)
+            )
+        }
 
 
 def test_runner_reads_pairs_with_token_types_unless_told_not_to(tmp_path, tokenizer):
@@ -186,13 +200,28 @@ def test_runner_reads_pairs_with_token_types_unless_told_not_to(tmp_path, tokeni
     m.hf.save_pretrained(tmp_path / "bert", safe_serialization=True)
     tokenizer.save_pretrained(tmp_path / "bert")
     data = tmp_path / "nli.csv"
-    pd.DataFrame({"premise": [A, "a fine film ."], "hypothesis": [B, "it was long ."], "label": [1, 0]}).to_csv(data, index=False)
+    pd.DataFrame({"premise": [A, "a fine film ."], "hypothesis": [B, "it was long ."], "label": [1, 0]}).to_csv(
+        data, index=False
+    )
     out = {}
     for flag in (True, False):
-        c = {"name": f"pairs-{flag}", "models": [str(tmp_path / "bert")], "token_type_ids": flag,
-             "datasets": [{"id": "nli", "source": "file", "path": str(data), "text_field": "premise",
-                           "text_pair_field": "hypothesis"}],
-             "methods": ["grad", "alti"], "metrics": ["aopc"], "target": "gold"}
+        c = {
+            "name": f"pairs-{flag}",
+            "models": [str(tmp_path / "bert")],
+            "token_type_ids": flag,
+            "datasets": [
+                {
+                    "id": "nli",
+                    "source": "file",
+                    "path": str(data),
+                    "text_field": "premise",
+                    "text_pair_field": "hypothesis",
+                }
+            ],
+            "methods": ["grad", "alti"],
+            "metrics": ["aopc"],
+            "target": "gold",
+        }
         p = tmp_path / f"{c['name']}.yaml"
         p.write_text(yaml.safe_dump(c))
         db = tmp_path / f"{flag}.sqlite"
@@ -201,12 +230,18 @@ def test_runner_reads_pairs_with_token_types_unless_told_not_to(tmp_path, tokeni
     ex = ctxmix.explain(m, (A, B), ["grad"], target=1)
     np.testing.assert_allclose(out[True]["000000"], ex.saliency["grad"], rtol=1e-5, atol=1e-8)
     enc = tokenizer(A, B)
-    flat = ctxmix.explain(m, None, ["grad"], target=1, input_ids=enc["input_ids"],
-                          token_type_ids=[0] * len(enc["input_ids"]))
+    flat = ctxmix.explain(
+        m, None, ["grad"], target=1, input_ids=enc["input_ids"], token_type_ids=[0] * len(enc["input_ids"])
+    )
     np.testing.assert_allclose(out[False]["000000"], flat.saliency["grad"], rtol=1e-5, atol=1e-8)
     # the default keeps the config hash of configs written before the option existed
-    base = {"name": "h", "models": ["minilm"], "datasets": [{"id": "pl", "source": "pang_lee"}], "methods": ["alti"],
-            "metrics": ["aopc"]}
+    base = {
+        "name": "h",
+        "models": ["minilm"],
+        "datasets": [{"id": "pl", "source": "pang_lee"}],
+        "methods": ["alti"],
+        "metrics": ["aopc"],
+    }
     h0 = runner.validate_config(base).config_hash()
     assert runner.validate_config({**base, "token_type_ids": True}).config_hash() == h0
     assert runner.validate_config({**base, "token_type_ids": False}).config_hash() != h0

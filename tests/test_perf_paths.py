@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FAMILIES, tiny_model
 
 import ctxmix.methods.mixing
-from ctxmix.methods.mixing import scope_layer_maps, value_zeroing_maps
 from ctxmix.engine.trace import trace_ids
-
-from conftest import FAMILIES, tiny_model
+from ctxmix.methods.mixing import scope_layer_maps, value_zeroing_maps
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import ctxmix
-from ctxmix.errors import BadInput
-from ctxmix.methods.mixing import compute_maps
 from ctxmix.engine.precision import engine_precision
 from ctxmix.engine.trace import trace
+from ctxmix.errors import BadInput
+from ctxmix.methods.mixing import compute_maps
 
 TEXT = "The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat ."
 MIXING = ["attention", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from conftest import tiny_model
 
 import ctxmix
 import ctxmix.cli
@@ -21,8 +22,6 @@ from ctxmix import benchmark as runner
 from ctxmix.benchmark import tables
 from ctxmix.benchmark.agreement import PHENOMENA, AgreementItem, agreement_items, encode_items
 from ctxmix.errors import BadInput
-
-from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,9 +41,14 @@ def tiny_dir(tmp_path_factory, tokenizer):
 
 
 def cfg(tmp_path, model, **kw):
-    c = {"name": "t", "models": [model], "datasets": [{"id": "pl", "source": "pang_lee", "limit": 3}],
-         "methods": ["attention", "alti", "grad", "random"], "metrics": ["spearman:grad_x_input", "aopc", "comprehensiveness"],
-         "explain": {"ig_steps": 4}}
+    c = {
+        "name": "t",
+        "models": [model],
+        "datasets": [{"id": "pl", "source": "pang_lee", "limit": 3}],
+        "methods": ["attention", "alti", "grad", "random"],
+        "metrics": ["spearman:grad_x_input", "aopc", "comprehensiveness"],
+        "explain": {"ig_steps": 4},
+    }
     c.update(kw)
     p = tmp_path / f"{c['name']}.yaml"
     p.write_text(yaml.safe_dump(c))
@@ -62,9 +66,13 @@ def q(db, sql, *args):
 
 
 def test_config_errors_are_all_listed_before_any_work(tmp_path):
-    raw = {"name": "bad", "models": ["minilm", "no-such-model-xyz"],
-           "datasets": ["pang_lee", {"id": "x", "source": "sst9"}],
-           "methods": ["alti", "alit"], "metrics": ["aopc", "aopcc", "spearman:nomethod"]}
+    raw = {
+        "name": "bad",
+        "models": ["minilm", "no-such-model-xyz"],
+        "datasets": ["pang_lee", {"id": "x", "source": "sst9"}],
+        "methods": ["alti", "alit"],
+        "metrics": ["aopc", "aopcc", "spearman:nomethod"],
+    }
     with pytest.raises(BadInput) as e:
         runner.validate_config(raw)
     msg = str(e.value)
@@ -86,22 +94,42 @@ def test_config_shape_errors(tmp_path):
     with pytest.raises(BadInput, match="unknown config key"):
         runner.validate_config({"name": "a", "models": ["minilm"], "datasets": ["pang_lee"], "methodz": []})
     with pytest.raises(BadInput, match="no such file"):
-        runner.validate_config({"name": "a", "models": ["minilm"], "datasets": [{"source": "file", "path": "/nope.csv"}]})
+        runner.validate_config(
+            {"name": "a", "models": ["minilm"], "datasets": [{"source": "file", "path": "/nope.csv"}]}
+        )
     with pytest.raises(BadInput, match="not among the models"):
-        runner.validate_config({"name": "a", "models": ["minilm"], "datasets": ["pang_lee"],
-                                "runs": [{"model": "x", "dataset": "pang_lee"}]})
+        runner.validate_config(
+            {
+                "name": "a",
+                "models": ["minilm"],
+                "datasets": ["pang_lee"],
+                "runs": [{"model": "x", "dataset": "pang_lee"}],
+            }
+        )
     with pytest.raises(BadInput, match="explain.ig_baseline"):
-        runner.validate_config({"name": "a", "models": ["minilm"], "datasets": ["pang_lee"],
-                                "explain": {"ig_baseline": "blank"}})
+        runner.validate_config(
+            {"name": "a", "models": ["minilm"], "datasets": ["pang_lee"], "explain": {"ig_baseline": "blank"}}
+        )
     with pytest.raises(BadInput, match="no such config file"):
         runner.load_config(tmp_path / "missing.yaml")
 
 
 def test_hub_datasets_fail_clearly_offline(monkeypatch):
     monkeypatch.setattr(runner.config, "_hub_reachable", lambda timeout=3.0: False)
-    raw = {"name": "a", "models": ["minilm"],
-           "datasets": [{"id": "sst2", "source": "hf", "path": "glue", "name": "sst2", "split": "validation",
-                         "text_field": "sentence"}]}
+    raw = {
+        "name": "a",
+        "models": ["minilm"],
+        "datasets": [
+            {
+                "id": "sst2",
+                "source": "hf",
+                "path": "glue",
+                "name": "sst2",
+                "split": "validation",
+                "text_field": "sentence",
+            }
+        ],
+    }
     with pytest.raises(BadInput, match="Hugging Face hub") as e:
         runner.validate_config(raw)
     assert "pang_lee" in str(e.value) or "pip install datasets" in str(e.value)
@@ -112,8 +140,14 @@ def test_shipped_configs_are_valid(monkeypatch, tmp_path):
     lgd = tmp_path / "lgd.tsv"
     lgd.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** here\tare\tis\n")
     paths = sorted((ROOT / "configs").glob("*.yaml"))
-    assert {p.stem for p in paths} >= {"embedded", "globenc-table1", "alti-table2", "attcat-table1",
-                                       "value-zeroing-table3", "ff-fig3-sst2"}
+    assert {p.stem for p in paths} >= {
+        "embedded",
+        "globenc-table1",
+        "alti-table2",
+        "attcat-table1",
+        "value-zeroing-table3",
+        "ff-fig3-sst2",
+    }
     for p in paths:
         raw = yaml.safe_load(p.read_text())
         for d in raw["datasets"]:
@@ -153,23 +187,56 @@ def test_agreement_set_is_seeded_and_marks_cues(tokenizer):
     kept_c, dropped_c = encode_items(a, tokenizer, causal=True)
     assert all(it.phenomenon in ("sva_attractor", "anaphor") for it, _ in kept_c)
     assert dropped_c == {"the cue follows the target (causal model)": 20}
-    odd = AgreementItem("x", "anaphor", ("The", "boys", "hurt", "themselves", "."), 3, "themselves",
-                        "xylophonically", (1,), "pl")
+    odd = AgreementItem(
+        "x", "anaphor", ("The", "boys", "hurt", "themselves", "."), 3, "themselves", "xylophonically", (1,), "pl"
+    )
     assert "not one token" in odd.encode(tokenizer)
     assert AgreementItem.from_dict(a[0].to_dict()) == a[0]
 
 
 def test_blimp_pairs_become_agreement_items():
-    cases = [("anaphor_number_agreement", "Many teenagers were helping themselves.",
-              "Many teenagers were helping herself.", "themselves", "herself", "teenagers"),
-             ("determiner_noun_agreement_2", "Jeffrey has not passed these museums.",
-              "Jeffrey has not passed this museums.", "these", "this", "museums"),
-             ("determiner_noun_agreement_with_adj_2", "Sara noticed these white hospitals.",
-              "Sara noticed this white hospitals.", "these", "this", "hospitals"),
-             ("distractor_agreement_relational_noun", "The pictures of Martha don't disgust Anne.",
-              "The pictures of Martha doesn't disgust Anne.", "do", "does", "pictures"),
-             ("regular_plural_subject_verb_agreement_1", "Kristen has fixed this chair.",
-              "Kristen have fixed this chair.", "has", "have", "Kristen")]
+    cases = [
+        (
+            "anaphor_number_agreement",
+            "Many teenagers were helping themselves.",
+            "Many teenagers were helping herself.",
+            "themselves",
+            "herself",
+            "teenagers",
+        ),
+        (
+            "determiner_noun_agreement_2",
+            "Jeffrey has not passed these museums.",
+            "Jeffrey has not passed this museums.",
+            "these",
+            "this",
+            "museums",
+        ),
+        (
+            "determiner_noun_agreement_with_adj_2",
+            "Sara noticed these white hospitals.",
+            "Sara noticed this white hospitals.",
+            "these",
+            "this",
+            "hospitals",
+        ),
+        (
+            "distractor_agreement_relational_noun",
+            "The pictures of Martha don't disgust Anne.",
+            "The pictures of Martha doesn't disgust Anne.",
+            "do",
+            "does",
+            "pictures",
+        ),
+        (
+            "regular_plural_subject_verb_agreement_1",
+            "Kristen has fixed this chair.",
+            "Kristen have fixed this chair.",
+            "has",
+            "have",
+            "Kristen",
+        ),
+    ]
     for subset, good, bad, target, foil, cue in cases:
         it = runner.datasets._blimp_item("x", subset, good, bad)
         assert (it.target, it.foil, it.words[it.cue_indices[0]]) == (target, foil, cue), subset
@@ -178,11 +245,18 @@ def test_blimp_pairs_become_agreement_items():
 
 def test_linzen_goldberg_file(tmp_path, tiny_dir):
     f = tmp_path / "lgd.tsv"
-    f.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** here\tare\tis\n"
-                 "2\tthe man near the doors is old\tthe man near the doors ***mask*** old\tis\tare\n")
-    p = cfg(tmp_path, tiny_dir["roberta"], datasets=[{"id": "sva", "source": "linzen_goldberg", "path": str(f)}],
-            methods=["alti", "blank_out"], metrics=["spearman:|blank_out|", "cue_dot"],
-            explain={"blank_replacement": "mask"})
+    f.write_text(
+        "1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** here\tare\tis\n"
+        "2\tthe man near the doors is old\tthe man near the doors ***mask*** old\tis\tare\n"
+    )
+    p = cfg(
+        tmp_path,
+        tiny_dir["roberta"],
+        datasets=[{"id": "sva", "source": "linzen_goldberg", "path": str(f)}],
+        methods=["alti", "blank_out"],
+        metrics=["spearman:|blank_out|", "cue_dot"],
+        explain={"blank_replacement": "mask"},
+    )
     db = tmp_path / "r.sqlite"
     runner.run_bench(p, db=db, quiet=True)
     assert q(db, "SELECT status, COUNT(*) FROM units GROUP BY 1") == [("done", 4)]
@@ -194,9 +268,16 @@ def test_linzen_goldberg_file(tmp_path, tiny_dir):
 
 def test_csv_empty_rows_are_skipped_and_counted(tmp_path, tiny_dir):
     data = tmp_path / "d.csv"
-    pd.DataFrame({"text": ["a fine film .", "", "dull and long .", "   "], "label": [1, 0, 0, 1]}).to_csv(data, index=False)
-    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "mine", "source": "file", "path": str(data)}],
-            methods=["attention"], metrics=["aopc"])
+    pd.DataFrame({"text": ["a fine film .", "", "dull and long .", "   "], "label": [1, 0, 0, 1]}).to_csv(
+        data, index=False
+    )
+    p = cfg(
+        tmp_path,
+        tiny_dir["bert"],
+        datasets=[{"id": "mine", "source": "file", "path": str(data)}],
+        methods=["attention"],
+        metrics=["aopc"],
+    )
     db = tmp_path / "r.sqlite"
     runner.run_bench(p, db=db, quiet=True)
     assert q(db, "SELECT n_examples, n_empty FROM datasets") == [(2, 2)]
@@ -222,7 +303,8 @@ def test_run_store_and_resume(tmp_path, tiny_dir):
     assert json.loads(cfg_json)["metrics"] == ["spearman:grad_x_input", "aopc", "comprehensiveness"]
     # the reference saliency is stored once per example, marked as a reference
     assert q(db, "SELECT method, role, COUNT(*) FROM saliency WHERE role='reference' GROUP BY 1, 2") == [
-        ("grad_x_input", "reference", 3)]
+        ("grad_x_input", "reference", 3)
+    ]
     agg = tables.load_aggregates(db, "t")
     assert {"agree:alti", "aopc"} <= set(agg["metric"])
     # a second run computes nothing; a method added later costs only that method
@@ -270,14 +352,21 @@ def test_resumed_batches_are_bit_identical(tmp_path, tiny_dir, kind, monkeypatch
     """Examples go through the engine in batches of fixed membership: after units of one example
     are lost (a kill between the commits of one batch), the resumed run recomputes its whole batch
     and stores exactly the numbers of an uninterrupted run."""
-    extra = ({"methods": ["attention", "alti", "value_zeroing", "random"], "metrics": ["spearman:grad_x_input"]}
-             if kind == "methods" else {"kind": kind, "methods": ["all"], "metrics": ["change"]})
-    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 7}], example_batch=3,
-            **extra)
+    extra = (
+        {"methods": ["attention", "alti", "value_zeroing", "random"], "metrics": ["spearman:grad_x_input"]}
+        if kind == "methods"
+        else {"kind": kind, "methods": ["all"], "metrics": ["change"]}
+    )
+    p = cfg(
+        tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 7}], example_batch=3, **extra
+    )
     db = tmp_path / "r.sqlite"
     runner.run_bench(p, db=db, quiet=True)
-    sql = ("SELECT example_id, method, metric, layer, value FROM scores ORDER BY 1, 2, 3, 4"
-           if kind != "methods" else "SELECT example_id, method, values_json FROM saliency ORDER BY 1, 2")
+    sql = (
+        "SELECT example_id, method, metric, layer, value FROM scores ORDER BY 1, 2, 3, 4"
+        if kind != "methods"
+        else "SELECT example_id, method, values_json FROM saliency ORDER BY 1, 2"
+    )
     whole = q(db, sql)
     assert len(whole) > 20
     lost = q(db, "SELECT DISTINCT example_id FROM units ORDER BY example_id")[4][0]  # one member of the 2nd batch
@@ -296,8 +385,13 @@ def test_resumed_batches_are_bit_identical(tmp_path, tiny_dir, kind, monkeypatch
 
 
 def test_methods_that_do_not_apply_are_marked_na(tmp_path):
-    p = cfg(tmp_path, "minilm", datasets=[{"id": "agr", "source": "agreement", "per_phenomenon": 2}],
-            methods=["attention", "value_zeroing", "grad", "random"], metrics=["cue_dot", "cue_ap", "cue_probes", "aopc"])
+    p = cfg(
+        tmp_path,
+        "minilm",
+        datasets=[{"id": "agr", "source": "agreement", "per_phenomenon": 2}],
+        methods=["attention", "value_zeroing", "grad", "random"],
+        metrics=["cue_dot", "cue_ap", "cue_probes", "aopc"],
+    )
     db = tmp_path / "r.sqlite"
     runner.run_bench(p, db=db, quiet=True)
     st = dict(q(db, "SELECT method, GROUP_CONCAT(DISTINCT status) FROM units GROUP BY method"))
@@ -316,10 +410,18 @@ def test_derived_methods(tmp_path, tiny_dir, tokenizer):
 
     # masked LM on agreement data: blank_out_foil against a direct computation
     it = agreement_items(1, seed=0, phenomena=["sva_attractor"])[0]
-    task = {"model": {"label": "r", "name": tiny_dir["roberta"]}, "dataset": "agr",
-            "example": {"id": it.uid, "text": it.good, "item": it.to_dict()},
-            "methods": ["blank_out_foil", "norm_rollout", "raw_attention", "grad"], "metrics": ["spearman:grad"],
-            "target": "predicted", "explain": {}, "options": {"batch_size": 4}, "seed": 0, "references": {}}
+    task = {
+        "model": {"label": "r", "name": tiny_dir["roberta"]},
+        "dataset": "agr",
+        "example": {"id": it.uid, "text": it.good, "item": it.to_dict()},
+        "methods": ["blank_out_foil", "norm_rollout", "raw_attention", "grad"],
+        "metrics": ["spearman:grad"],
+        "target": "predicted",
+        "explain": {},
+        "options": {"batch_size": 4},
+        "seed": 0,
+        "references": {},
+    }
     res = runner.compute_example(task)
     enc = it.encode(tokenizer)
     m = runner.get_model(tiny_dir["roberta"])
@@ -344,8 +446,14 @@ def test_derived_methods(tmp_path, tiny_dir, tokenizer):
 
 
 def test_contextualization_change_kind_matches_the_analysis(tmp_path, tiny_dir):
-    p = cfg(tmp_path, tiny_dir["bert"], kind="contextualization_change", methods=["+Ff", "+Ln"], metrics=["change"],
-            datasets=[{"id": "pl", "source": "pang_lee", "limit": 2}])
+    p = cfg(
+        tmp_path,
+        tiny_dir["bert"],
+        kind="contextualization_change",
+        methods=["+Ff", "+Ln"],
+        metrics=["change"],
+        datasets=[{"id": "pl", "source": "pang_lee", "limit": 2}],
+    )
     db = tmp_path / "r.sqlite"
     runner.run_bench(p, db=db, quiet=True)
     agg = tables.load_aggregates(db)
@@ -368,8 +476,11 @@ def test_contextualization_change_kind_matches_the_analysis(tmp_path, tiny_dir):
 def _agg():
     rows = []
     for meth, (a, l, s) in {"x": (0.5, -1.0, 0.9), "y": (0.3, -2.0, 0.2), "z": (0.4, 0.1, 0.5)}.items():
-        rows += [("m", "d", meth, "aopc", -1, a, 0.1, 5, 0), ("m", "d", meth, "lodds", -1, l, 0.2, 5, 0),
-                 ("m", "d", meth, "sufficiency", -1, s, 0.05, 5, 0)]
+        rows += [
+            ("m", "d", meth, "aopc", -1, a, 0.1, 5, 0),
+            ("m", "d", meth, "lodds", -1, l, 0.2, 5, 0),
+            ("m", "d", meth, "sufficiency", -1, s, 0.05, 5, 0),
+        ]
     return pd.DataFrame(rows, columns=["model", "dataset", "method", "metric", "layer", "mean", "std", "n", "n_nan"])
 
 
@@ -392,8 +503,17 @@ def test_table_marks_best_by_direction_and_ranks():
 
 
 def test_aggregate_scores_ignores_nan():
-    s = pd.DataFrame({"model": "m", "dataset": "d", "example_id": ["1", "2", "3"], "method": "a", "metric": "aopc",
-                      "layer": -1, "value": [1.0, 3.0, np.nan]})
+    s = pd.DataFrame(
+        {
+            "model": "m",
+            "dataset": "d",
+            "example_id": ["1", "2", "3"],
+            "method": "a",
+            "metric": "aopc",
+            "layer": -1,
+            "value": [1.0, 3.0, np.nan],
+        }
+    )
     a = tables.aggregate_scores(s).iloc[0]
     assert a["mean"] == 2.0 and a["std"] == 1.0 and a["n"] == 2 and a["n_nan"] == 1
 
@@ -411,12 +531,17 @@ def _env(**extra):
 
 @pytest.mark.slow
 def test_resume_after_kill(tmp_path, tiny_dir):
-    p = cfg(tmp_path, tiny_dir["bert"], datasets=[{"id": "pl", "source": "pang_lee", "limit": 12}],
-            methods=["attention", "alti", "grad"])
+    p = cfg(
+        tmp_path,
+        tiny_dir["bert"],
+        datasets=[{"id": "pl", "source": "pang_lee", "limit": 12}],
+        methods=["attention", "alti", "grad"],
+    )
     db = tmp_path / "r.sqlite"
     cmd = [sys.executable, "-m", "ctxmix", "bench", "--config", str(p), "--db", str(db), "--threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(CTXMIX_BENCH_THROTTLE="0.7"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(CTXMIX_BENCH_THROTTLE="0.7"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 240
         done = 0
@@ -469,14 +594,36 @@ def test_ray_executor_matches_local(tmp_path, tiny_dir):
 @pytest.mark.slow
 def test_embedded_config_end_to_end(tmp_path):
     db = tmp_path / "e.sqlite"
-    r = subprocess.run([sys.executable, "-m", "ctxmix", "bench", "--config", "configs/embedded.yaml", "--limit", "2",
-                        "--db", str(db), "--out", str(tmp_path / "out"), "--threads", "1"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxmix",
+            "bench",
+            "--config",
+            "configs/embedded.yaml",
+            "--limit",
+            "2",
+            "--db",
+            str(db),
+            "--out",
+            str(tmp_path / "out"),
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "== minilm-sentiment on pang_lee ==" in r.stdout and "== minilm on agreement ==" in r.stdout
     plan = runner.load_config(ROOT / "configs/embedded.yaml")
     t = tables.method_table(tables.load_aggregates(db, "embedded"), "minilm-sentiment", "pang_lee", plan.metrics)
-    assert {"globenc", "alti", "value_zeroing", "attcat", "integrated_gradients", "random", "AtbFfResLn"} <= set(t.index)
+    assert {"globenc", "alti", "value_zeroing", "attcat", "integrated_gradients", "random", "AtbFfResLn"} <= set(
+        t.index
+    )
     assert {"aopc", "lodds", "comprehensiveness", "sufficiency", "spearman:grad_x_input"} <= set(t.attrs["metrics"])
     assert t["mean rank"].notna().all()
     assert (tmp_path / "out" / "minilm-sentiment__pang_lee.tex").read_text().count(r"\textbf") >= 5
@@ -488,8 +635,14 @@ def test_embedded_config_end_to_end(tmp_path):
     want = shipped.load_check("embedded").set_index(got.index.names)
     assert set(got.index) == set(want.index), "methods or metrics changed: run python bench/ship_results.py"
     joined = want.join(got["value"], rsuffix="_now")
-    np.testing.assert_allclose(joined["value_now"], joined["value"], rtol=1e-4, atol=1e-6, equal_nan=True,
-                               err_msg="the shipped results are stale: run python bench/ship_results.py")
+    np.testing.assert_allclose(
+        joined["value_now"],
+        joined["value"],
+        rtol=1e-4,
+        atol=1e-6,
+        equal_nan=True,
+        err_msg="the shipped results are stale: run python bench/ship_results.py",
+    )
 
 
 def test_example_batch_is_checked(tmp_path):
@@ -502,8 +655,13 @@ def test_example_batch_is_checked(tmp_path):
 
 
 def test_fidelity_options_are_checked_and_only_a_change_is_hashed():
-    base = {"name": "h", "models": ["minilm"], "datasets": [{"id": "pl", "source": "pang_lee"}], "methods": ["alti"],
-            "metrics": ["aopc"]}
+    base = {
+        "name": "h",
+        "models": ["minilm"],
+        "datasets": [{"id": "pl", "source": "pang_lee"}],
+        "methods": ["alti"],
+        "metrics": ["aopc"],
+    }
     h0 = runner.validate_config(base).config_hash()
     for k in ("deletion_stop_one_short", "raw_attention_keep_self"):
         assert runner.validate_config({**base, k: False}).config_hash() == h0

@@ -4,11 +4,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import ctxmix
 from ctxmix.errors import BadInput
-
-from conftest import tiny_model
 
 TEXT = "the keys to the cabinet are on the table ."
 METHODS = ["attention", "globenc", "alti", "value_zeroing", "grad_x_input", "integrated_gradients", "AtbFf"]
@@ -24,8 +23,19 @@ def test_round_trip_is_exact(ex, tmp_path):
     p = ex.save(tmp_path / "ex")
     assert p.suffix == ".npz" and p.exists()
     back = ctxmix.load_explanation(p)
-    for field in ("tokens", "input_ids", "methods", "prediction", "position", "target", "model_name",
-                  "reconstruction_error", "warnings", "options", "provenance"):
+    for field in (
+        "tokens",
+        "input_ids",
+        "methods",
+        "prediction",
+        "position",
+        "target",
+        "model_name",
+        "reconstruction_error",
+        "warnings",
+        "options",
+        "provenance",
+    ):
         assert getattr(back, field) == getattr(ex, field), field
     for kind in ("layer_maps", "global_maps", "saliency"):
         a, b = getattr(ex, kind), getattr(back, kind)
@@ -83,8 +93,10 @@ def test_the_cli_writes_a_saved_explanation(tmp_path):
     from ctxmix.cli import main
 
     out = tmp_path / "cli.npz"
-    assert main(["explain", TEXT, "--model", "minilm", "--device", "cpu", "--method", "alti", "norm",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["explain", TEXT, "--model", "minilm", "--device", "cpu", "--method", "alti", "norm", "--out", str(out)])
+        == 0
+    )
     back = ctxmix.load_explanation(out)
     assert back.methods == ["alti", "norm"] and back.layer_maps["alti"].shape[0] == 6
     np.testing.assert_allclose(back.layer_maps["alti"].sum(-1), 1.0, atol=1e-6)

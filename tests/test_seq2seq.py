@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
+from conftest import V, randomise_norms
 
 import ctxmix
-from ctxmix.methods.alti_plus import alti_plus_pieces, source_contribution
 from ctxmix.engine.seq2seq import decoder_weights, encode_target, trace_seq2seq
-
-from conftest import V, randomise_norms
+from ctxmix.methods.alti_plus import alti_plus_pieces, source_contribution
 
 SRC = "the cat sat on the mat"
 TGT = "le chat est assis"
@@ -31,9 +30,22 @@ def tiny_seq2seq(kind: str, tokenizer, dtype=torch.float64):
     """Different layer and head counts in encoder and decoder, so a mix-up cannot pass."""
     torch.manual_seed(0)
     cls, cfg_cls = CLASSES[kind]
-    cfg = cfg_cls(vocab_size=V, d_model=24, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-                  decoder_attention_heads=2, encoder_ffn_dim=40, decoder_ffn_dim=36, max_position_embeddings=128,
-                  pad_token_id=0, bos_token_id=101, eos_token_id=102, decoder_start_token_id=102, init_std=0.2)
+    cfg = cfg_cls(
+        vocab_size=V,
+        d_model=24,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=36,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=101,
+        eos_token_id=102,
+        decoder_start_token_id=102,
+        init_std=0.2,
+    )
     hf = cls._from_config(cfg, attn_implementation="eager").to(dtype).eval()
     randomise_norms(hf)
     return ctxmix.model_from_hf(hf, tokenizer, name=f"tiny-{kind}")
@@ -144,8 +156,9 @@ def test_alti_plus_hand_checkable_combination(bart):
 def test_encoder_alone_runs_every_mixing_method(s2s):
     from ctxmix.methods.registry import scope_names
 
-    methods = [m for m, info in ctxmix.MIXING_METHODS.items()
-               if info.group != "scope" or m in scope_names(s2s.spec.position)]
+    methods = [
+        m for m, info in ctxmix.MIXING_METHODS.items() if info.group != "scope" or m in scope_names(s2s.spec.position)
+    ]
     ex = ctxmix.explain(s2s, SRC, methods)
     assert ex.reconstruction_error < 1e-10 and ex.prediction is None
     for m in methods:
@@ -205,16 +218,49 @@ def test_folder_load_and_cli(tmp_path, bart_folder):
     loaded = ctxmix.load_model(str(bart_folder), device="cpu")
     assert loaded.kind == "seq2seq"
     out = tmp_path / "ex.json"
-    run = subprocess.run([sys.executable, "-m", "ctxmix", "explain", SRC, "--model", str(bart_folder),
-                          "--method", "alti", "--decoder-text", TGT, "--out", str(out)], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxmix",
+            "explain",
+            SRC,
+            "--model",
+            str(bart_folder),
+            "--method",
+            "alti",
+            "--decoder-text",
+            TGT,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     d = json.loads(out.read_text())
     assert d["segments"].count(1) == len(encode_target(loaded, TGT)[0])
-    run = subprocess.run([sys.executable, "-m", "ctxmix", "explain", SRC, "--model", str(bart_folder),
-                          "--method", "alti", "--decoder-text", TGT], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxmix",
+            "explain",
+            SRC,
+            "--model",
+            str(bart_folder),
+            "--method",
+            "alti",
+            "--decoder-text",
+            TGT,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0 and "source contribution" in run.stdout, run.stderr
-    run = subprocess.run([sys.executable, "-m", "ctxmix", "verify", "--model", str(bart_folder)],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "ctxmix", "verify", "--model", str(bart_folder)], capture_output=True, text=True
+    )
     assert run.returncode == 0 and "ALTI+" in run.stdout, run.stdout + run.stderr
 
 
@@ -240,7 +286,7 @@ def test_explain_page_with_a_target_text(bart_folder, tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path / "results"))
     monkeypatch.chdir(root)
-    at = AppTest.from_file(str(root / "app.py"), default_timeout=300)
+    at = AppTest.from_file(str(root / "ctxmix_dashboard" / "app.py"), default_timeout=300)
     at.query_params["model"] = str(bart_folder)
     at.query_params["text"] = SRC
     at.query_params["method"] = ["alti", "globenc"]

@@ -77,9 +77,14 @@ def test_limits_from_secrets_are_checked(tmp_path):
 
 def test_bad_flags_are_messages():
     for args in (["--hosted"], ["--port", "0"], ["--port", "abc"]):
-        r = subprocess.run([sys.executable, "-m", "ctxmix", "serve", "--dry-run", *args], cwd=ROOT, capture_output=True,
-                           text=True, env={k: v for k, v in os.environ.items()
-                                           if k not in ("CTXMIX_PASSWORD", "CTXMIX_HOSTED")}, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "ctxmix", "serve", "--dry-run", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k not in ("CTXMIX_PASSWORD", "CTXMIX_HOSTED")},
+            timeout=120,
+        )
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
 
 
@@ -112,8 +117,13 @@ def test_serve_starts_on_localhost_only():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("CTXMIX_PASSWORD", "CTXMIX_HOSTED")}
-    proc = subprocess.Popen([sys.executable, "-m", "ctxmix", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ctxmix", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         for _ in range(120):
             try:
@@ -146,6 +156,7 @@ def test_hub_probe_honours_the_endpoint_and_offline_switches(monkeypatch):
 
             class R:
                 status_code = 200
+
             return R()
 
     monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: Session())

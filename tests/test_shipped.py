@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_shipped_embedded_results_match_the_config():
     agg, meta = shipped.load_shipped("embedded")
     assert meta["config"] == "configs/embedded.yaml"
-    assert meta["config_sha256"] == shipped.config_sha256(ROOT / meta["config"]), \
+    assert meta["config_sha256"] == shipped.config_sha256(ROOT / meta["config"]), (
         "configs/embedded.yaml changed: run python bench/ship_results.py"
+    )
     plan = runner.load_config(ROOT / "configs/embedded.yaml")
     assert meta["config_hash"] == plan.config_hash()
     assert shipped.stale_reasons("embedded", ROOT) == []
@@ -34,7 +35,9 @@ def test_stale_reasons_name_a_changed_config(tmp_path, monkeypatch):
     assert shipped.stale_reasons("embedded", tmp_path) == []
     raw["explain"]["ig_steps"] = 20
     (tmp_path / "configs/embedded.yaml").write_text(yaml.safe_dump(raw))
-    assert shipped.stale_reasons("embedded", tmp_path) == ["configs/embedded.yaml changed since these results were made"]
+    assert shipped.stale_reasons("embedded", tmp_path) == [
+        "configs/embedded.yaml changed since these results were made"
+    ]
 
 
 def test_paper_tables_quote_every_published_value():
@@ -42,5 +45,6 @@ def test_paper_tables_quote_every_published_value():
         cfg = yaml.safe_load(path.read_text())
         values = (cfg.get("paper") or {}).get("values", [])
         t = shipped.paper_table(cfg)
-        assert t.notna().sum().sum() == len({(v.get("row", v["method"]), v.get("model"), v.get("dataset"),
-                                               v["metric"], v.get("layer")) for v in values}), path.name
+        assert t.notna().sum().sum() == len(
+            {(v.get("row", v["method"]), v.get("model"), v.get("dataset"), v["metric"], v.get("layer")) for v in values}
+        ), path.name

@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import ctxmix
 import ctxmix.cli
 from ctxmix.verify import value_zeroing_loop, verify
-
-from conftest import tiny_model
 
 IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
 
@@ -31,8 +30,9 @@ def test_the_loop_is_the_official_algorithm_on_bert(tokenizer):
     m = tiny_model("bert", tokenizer)
     loop = value_zeroing_loop(m, IDS)
     np.testing.assert_allclose(loop, perf.value_zeroing_loop(m, IDS), atol=1e-12)
-    np.testing.assert_allclose(ctxmix.explain(m, None, ["value_zeroing"], input_ids=IDS).layer_maps["value_zeroing"],
-                               loop, atol=1e-10)
+    np.testing.assert_allclose(
+        ctxmix.explain(m, None, ["value_zeroing"], input_ids=IDS).layer_maps["value_zeroing"], loop, atol=1e-10
+    )
 
 
 def _altered(tokenizer):

@@ -8,48 +8,68 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
 import torch
 from scipy import stats
 
-from ctxmix.errors import BadInput, checked_arguments
-from ctxmix.engine.budget import batch_size_for, job_slot, memory_budget
-from ctxmix.methods.mixing import scope_maps_batch
-from ctxmix.engine.models import Model, structural_ids
 from ctxmix.analyses.ranks import masked_ranks, spearman_from_ranks
+from ctxmix.engine.budget import batch_size_for, job_slot, memory_budget
+from ctxmix.engine.models import Model, structural_ids
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors
+from ctxmix.errors import BadInput, checked_arguments
+from ctxmix.methods.mixing import scope_maps_batch
 from ctxmix.progress import progress_bar
 
 POST_COMPARISONS = {  # name -> (before, after)
-    "+Ff": ("Atb", "AtbFf"), "+Res": ("AtbFf", "AtbFfRes"), "+Ln": ("AtbFfRes", "AtbFfResLn"),
-    "dyn:FF": ("Atb", "AtbFf"), "dyn:FF+RES": ("Atb", "AtbFfRes"), "dyn:FF+RES+LN": ("Atb", "AtbFfResLn"),
+    "+Ff": ("Atb", "AtbFf"),
+    "+Res": ("AtbFf", "AtbFfRes"),
+    "+Ln": ("AtbFfRes", "AtbFfResLn"),
+    "dyn:FF": ("Atb", "AtbFf"),
+    "dyn:FF+RES": ("Atb", "AtbFfRes"),
+    "dyn:FF+RES+LN": ("Atb", "AtbFfResLn"),
 }
 PRE_COMPARISONS = {  # the dynamics are relative to the map just before the FF, as in the paper's Fig. 22
-    "+Ln": ("Atb", "AtbLn"), "+Ff": ("AtbLn", "AtbLnFf"), "+Res": ("AtbLnFf", "AtbLnFfRes"),
-    "dyn:FF": ("AtbLn", "AtbLnFf"), "dyn:FF+RES": ("AtbLn", "AtbLnFfRes"), "dyn:FF+RES+LN": ("AtbLn", "AtbLnFfResLn"),
+    "+Ln": ("Atb", "AtbLn"),
+    "+Ff": ("AtbLn", "AtbLnFf"),
+    "+Res": ("AtbLnFf", "AtbLnFfRes"),
+    "dyn:FF": ("AtbLn", "AtbLnFf"),
+    "dyn:FF+RES": ("AtbLn", "AtbLnFfRes"),
+    "dyn:FF+RES+LN": ("AtbLn", "AtbLnFfResLn"),
 }
 
 
 PARALLEL_COMPARISONS = {  # y = x + ATTN(LN1 x) + FF(LN2 x): the FF adds to each token's own row only
-    "+Ff": ("Atb", "AtbFf"), "+Res": ("AtbFf", "AtbFfRes"), "+Ln": ("AtbFfRes", "AtbFfResLn"),
-    "dyn:FF": ("Atb", "AtbFf"), "dyn:FF+RES": ("Atb", "AtbFfRes"), "dyn:FF+RES+LN": ("Atb", "AtbFfResLn"),
+    "+Ff": ("Atb", "AtbFf"),
+    "+Res": ("AtbFf", "AtbFfRes"),
+    "+Ln": ("AtbFfRes", "AtbFfResLn"),
+    "dyn:FF": ("Atb", "AtbFf"),
+    "dyn:FF+RES": ("Atb", "AtbFfRes"),
+    "dyn:FF+RES+LN": ("Atb", "AtbFfResLn"),
 }
 
 
 SANDWICH_COMPARISONS = {  # Gemma 2/3: the FF's output norm LNf is its own step, before RES2
-    "+Ln": ("Atb", "AtbLn"), "+Ff": ("AtbLn", "AtbLnFf"), "+FfLn": ("AtbLnFf", "AtbLnFfLn"),
+    "+Ln": ("Atb", "AtbLn"),
+    "+Ff": ("AtbLn", "AtbLnFf"),
+    "+FfLn": ("AtbLnFf", "AtbLnFfLn"),
     "+Res": ("AtbLnFfLn", "AtbLnFfLnRes"),
-    "dyn:FF": ("AtbLn", "AtbLnFf"), "dyn:FF+LN": ("AtbLn", "AtbLnFfLn"), "dyn:FF+LN+RES": ("AtbLn", "AtbLnFfLnRes"),
+    "dyn:FF": ("AtbLn", "AtbLnFf"),
+    "dyn:FF+LN": ("AtbLn", "AtbLnFfLn"),
+    "dyn:FF+LN+RES": ("AtbLn", "AtbLnFfLnRes"),
     "dyn:FF+LN+RES+LN": ("AtbLn", "AtbLnFfLnResLn"),
 }
 
 
 def comparisons(model: Model) -> dict[str, tuple[str, str]]:
-    return {"post": POST_COMPARISONS, "pre": PRE_COMPARISONS, "parallel": PARALLEL_COMPARISONS,
-            "sandwich": SANDWICH_COMPARISONS}[model.spec.position]
+    return {
+        "post": POST_COMPARISONS,
+        "pre": PRE_COMPARISONS,
+        "parallel": PARALLEL_COMPARISONS,
+        "sandwich": SANDWICH_COMPARISONS,
+    }[model.spec.position]
 
 
 def mask_tokens(model: Model, ids: list[int], rate: float, rng: random.Random) -> list[int]:
@@ -82,9 +102,14 @@ def _cut(model: Model, ids: list[int], max_tokens: int) -> list[int]:
     return ids[: max_tokens - 1] + [ids[-1]] if ids[-1] in special and max_tokens > 1 else ids[:max_tokens]
 
 
-def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                  max_tokens: int | None = None,
-                  max_total_tokens: int | None = None) -> tuple[list[int], list[list[int]], list[list[str]], int]:
+def encode_corpus(
+    model: Model,
+    texts: Iterable[str],
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+) -> tuple[list[int], list[list[int]], list[list[str]], int]:
     """Token ids of every non-empty text, masked in text order (so masking does not depend on
     batching). `max_tokens` cuts longer sequences (with a warning: a server's cap), and a corpus
     of more than `max_total_tokens` tokens in all is refused before any work.
@@ -115,8 +140,9 @@ def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0, se
         raise BadInput(f"every text of the corpus ({len(texts)}) is empty")
     total = sum(len(ids) for ids in ids_list)
     if max_total_tokens is not None and total > max_total_tokens:
-        raise BadInput(f"the corpus has {total} tokens in all; the cap here is {max_total_tokens}: "
-                       "use fewer or shorter sequences")
+        raise BadInput(
+            f"the corpus has {total} tokens in all; the cap here is {max_total_tokens}: use fewer or shorter sequences"
+        )
     if cut:
         warnings.warn(f"{cut} sequence(s) cut to {max_tokens} tokens", stacklevel=3)
     long = sum(1 for note in notes if note)
@@ -125,8 +151,9 @@ def encode_corpus(model: Model, texts: Iterable[str], mask_rate: float = 0.0, se
     return index, ids_list, notes, skipped
 
 
-def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None,
-                 max_waste: float | None = None) -> list[list[int]]:
+def plan_batches(
+    model: Model, lengths: list[int], batch_size: int | None = None, max_waste: float | None = None
+) -> list[list[int]]:
     """Length-bucketed batches: positions into `lengths`, sorted by length (stable). A batch grows
     while the memory budget holds it at its longest length (or up to `batch_size`) and while
     padding adds at most `max_waste` to its n^2 work (the decompositions cost n^2 per sequence:
@@ -150,15 +177,22 @@ def plan_batches(model: Model, lengths: list[int], batch_size: int | None = None
                 break
             size += 1
             work += n * n
-        batches.append(order[start: start + size])
+        batches.append(order[start : start + size])
         start += size
     return batches
 
 
-def corpus_batches(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                   progress: Progress = True, desc: str = "sequences", batch_size: int | None = None,
-                   max_tokens: int | None = None,
-                   max_total_tokens: int | None = None) -> Iterator[tuple[list[int], TraceBatch]]:
+def corpus_batches(
+    model: Model,
+    texts: Iterable[str],
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    progress: Progress = True,
+    desc: str = "sequences",
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+) -> Iterator[tuple[list[int], TraceBatch]]:
     """Trace the corpus in length-bucketed padded batches: yields (text indices, TraceBatch).
     Empty texts are skipped (and counted in a warning). progress: True for a tqdm bar, or a
     callable(done, total) (the dashboard's progress bar)."""
@@ -182,8 +216,15 @@ def corpus_batches(model: Model, texts: Iterable[str], mask_rate: float = 0.0, s
         warnings.warn(f"{skipped} empty text(s) skipped", stacklevel=2)
 
 
-def corpus_traces(model: Model, texts: Iterable[str], mask_rate: float = 0.0, seed: int = 0,
-                  progress: Progress = True, desc: str = "sequences", batch_size: int | None = None) -> Iterator[Trace]:
+def corpus_traces(
+    model: Model,
+    texts: Iterable[str],
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    progress: Progress = True,
+    desc: str = "sequences",
+    batch_size: int | None = None,
+) -> Iterator[Trace]:
     """One-sequence Traces of the corpus (views into length-bucketed batches), in batch order."""
     for _, tb in corpus_batches(model, texts, mask_rate, seed, progress, desc, batch_size):
         errs = tb.errors.tolist()
@@ -227,8 +268,9 @@ class _ChangeAcc:
         valid = valid.flatten(1)[:, None]  # (B, 1, n*n)
         scopes = dict.fromkeys(s for c in names for s in self.comps[c])
         ranks = {s: masked_ranks(maps[s].flatten(2), valid) for s in scopes}
-        rho = torch.stack([spearman_from_ranks(ranks[self.comps[c][0]], ranks[self.comps[c][1]], valid)
-                           for c in names], -1)  # (B, L, K)
+        rho = torch.stack(
+            [spearman_from_ranks(ranks[self.comps[c][0]], ranks[self.comps[c][1]], valid) for c in names], -1
+        )  # (B, L, K)
         self.index += index
         self.values.append(1.0 - rho)
 
@@ -244,8 +286,15 @@ class _ChangeAcc:
                 v = V[:, l, k]
                 v = v[~np.isnan(v)]
                 if len(v):
-                    rows.append({"layer": l + 1, "comparison": c, "change": float(np.mean(v)),
-                                 "std": float(np.std(v)), "n": len(v)})
+                    rows.append(
+                        {
+                            "layer": l + 1,
+                            "comparison": c,
+                            "change": float(np.mean(v)),
+                            "std": float(np.std(v)),
+                            "n": len(v),
+                        }
+                    )
         return pd.DataFrame(rows, columns=cols)
 
 
@@ -255,8 +304,9 @@ def ff_amp_matrix(before: np.ndarray, after: np.ndarray, normalise: str = "colum
     if normalise not in ("column", "row"):
         raise BadInput("normalise must be 'column' or 'row'")
     axis = 0 if normalise == "column" else 1
-    return (after / np.clip(after.sum(axis, keepdims=True), 1e-30, None)
-            - before / np.clip(before.sum(axis, keepdims=True), 1e-30, None))
+    return after / np.clip(after.sum(axis, keepdims=True), 1e-30, None) - before / np.clip(
+        before.sum(axis, keepdims=True), 1e-30, None
+    )
 
 
 def ff_amp_scopes(model: Model) -> tuple[str, str]:
@@ -268,7 +318,9 @@ def _ff_amp_t(before: torch.Tensor, after: torch.Tensor, normalise: str) -> torc
     """`ff_amp_matrix` on batched maps (..., n, n) in float64 (zero padding adds nothing to a sum)."""
     dim = -2 if normalise == "column" else -1
     before, after = before.double(), after.double()
-    return after / after.sum(dim, keepdim=True).clamp(min=1e-30) - before / before.sum(dim, keepdim=True).clamp(min=1e-30)
+    return after / after.sum(dim, keepdim=True).clamp(min=1e-30) - before / before.sum(dim, keepdim=True).clamp(
+        min=1e-30
+    )
 
 
 class _AmpAcc:
@@ -333,8 +385,10 @@ class _AmpAcc:
             sel = sel[np.argsort(-score[sel], kind="stable")][:top_k]
             out_tok = self.model.tokens(out_id[sel].tolist())
             in_tok = self.model.tokens(in_id[sel].tolist())
-            rows += [{"layer": l + 1, "out_token": o, "in_token": i, "score": float(score[k]), "count": int(counts[k])}
-                     for o, i, k in zip(out_tok, in_tok, sel)]
+            rows += [
+                {"layer": l + 1, "out_token": o, "in_token": i, "score": float(score[k]), "count": int(counts[k])}
+                for o, i, k in zip(out_tok, in_tok, sel)
+            ]
         return pd.DataFrame(rows, columns=cols)
 
 
@@ -364,15 +418,28 @@ class _FFStats:
 
     def means(self):
         c = float(self.count.clamp(min=1))
-        return (self.s_in.cpu().numpy() / c, self.s_out.cpu().numpy() / c,
-                self.n_out.cpu().numpy() / c, self.n_byp.cpu().numpy() / c)
+        return (
+            self.s_in.cpu().numpy() / c,
+            self.s_out.cpu().numpy() / c,
+            self.n_out.cpu().numpy() / c,
+            self.n_byp.cpu().numpy() / c,
+        )
 
 
 @checked_arguments
-def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0,
-                             mask_rate: float = 0.0, seed: int = 0, lower_triangle: bool = False,
-                             res2: str = "exact", progress: Progress = True, batch_size: int | None = None,
-                             precision: str | None = None) -> pd.DataFrame:
+def contextualization_change(
+    model: Model,
+    texts: Iterable[str],
+    *,
+    ignore_low_gamma: float = 0.0,
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    lower_triangle: bool = False,
+    res2: str = "exact",
+    progress: Progress = True,
+    batch_size: int | None = None,
+    precision: str | None = None,
+) -> pd.DataFrame:
     """Per layer and comparison, mean and std over sequences of 1 - Spearman rho between the
     flattened scope maps before and after a component (FF paper §5.1).
 
@@ -383,39 +450,89 @@ def contextualization_change(model: Model, texts: Iterable[str], *, ignore_low_g
     (causal models' upper triangle is all zeros; the paper flattens all n^2 cells).
     Columns: layer (from 1), comparison, change, std, n (sequences with a defined rho).
     """
-    return corpus_report(model, texts, ignore_low_gamma=ignore_low_gamma, mask_rate=mask_rate, seed=seed,
-                         lower_triangle=lower_triangle, res2=res2, progress=progress, amp=False,
-                         batch_size=batch_size, precision=precision)["change"]
+    return corpus_report(
+        model,
+        texts,
+        ignore_low_gamma=ignore_low_gamma,
+        mask_rate=mask_rate,
+        seed=seed,
+        lower_triangle=lower_triangle,
+        res2=res2,
+        progress=progress,
+        amp=False,
+        batch_size=batch_size,
+        precision=precision,
+    )["change"]
 
 
 @checked_arguments
-def ff_amp(model: Model, texts: Iterable[str], *, normalise: str = "column", top_k: int = 50, min_count: int = 2,
-           mask_rate: float = 0.0, seed: int = 0, progress: Progress = True, batch_size: int | None = None,
-           precision: str | None = None) -> pd.DataFrame:
+def ff_amp(
+    model: Model,
+    texts: Iterable[str],
+    *,
+    normalise: str = "column",
+    top_k: int = 50,
+    min_count: int = 2,
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    progress: Progress = True,
+    batch_size: int | None = None,
+    precision: str | None = None,
+) -> pd.DataFrame:
     """FF-amplified token pairs (FF paper §5.2): normalised map after the FF minus before it
     (AtbFf - Atb; AtbLnFf - AtbLn in pre-LN), averaged per (output token, input token) type
     pair over the corpus, i != j, pairs seen fewer than `min_count` times dropped; top k per layer.
     normalise="column" makes each input token's column sum to 1 (the paper's footnote 3, read
     literally); "row" makes each output row sum to 1.
     Columns: layer, out_token, in_token, score, count."""
-    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, normalise=normalise, top_k=top_k,
-                         min_count=min_count, progress=progress, change=False, batch_size=batch_size,
-                         precision=precision)["ff_amp"]
+    return corpus_report(
+        model,
+        texts,
+        mask_rate=mask_rate,
+        seed=seed,
+        normalise=normalise,
+        top_k=top_k,
+        min_count=min_count,
+        progress=progress,
+        change=False,
+        batch_size=batch_size,
+        precision=precision,
+    )["ff_amp"]
 
 
 def _check_fraction(name: str, v, low: float, high: float, high_open: bool = True) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v < high if high_open else low <= v <= high):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not (low <= v < high if high_open else low <= v <= high)
+    ):
         raise BadInput(f"{name} must be a number in [{low}, {high}{')' if high_open else ']'}, got {v!r}")
     return float(v)
 
 
 @checked_arguments
-def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float = 0.0, mask_rate: float = 0.0,
-                  seed: int = 0, lower_triangle: bool = False, res2: str = "exact", normalise: str = "column",
-                  top_k: int = 50, min_count: int = 2, change: bool = True, amp: bool = True, norms: bool = False,
-                  outliers: bool = False, progress: Progress = True, batch_size: int | None = None,
-                  precision: str | None = None, max_tokens: int | None = None,
-                  max_total_tokens: int | None = None) -> dict[str, pd.DataFrame]:
+def corpus_report(
+    model: Model,
+    texts: Iterable[str],
+    *,
+    ignore_low_gamma: float = 0.0,
+    mask_rate: float = 0.0,
+    seed: int = 0,
+    lower_triangle: bool = False,
+    res2: str = "exact",
+    normalise: str = "column",
+    top_k: int = 50,
+    min_count: int = 2,
+    change: bool = True,
+    amp: bool = True,
+    norms: bool = False,
+    outliers: bool = False,
+    progress: Progress = True,
+    batch_size: int | None = None,
+    precision: str | None = None,
+    max_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+) -> dict[str, pd.DataFrame]:
     """The FF paper's corpus reports from one pass over the corpus: "change"
     (`contextualization_change`), "ff_amp" (`ff_amp`), "residual_norms" (`ff_residual_norms`) and
     "outliers" (`ff_outliers`), each asked for by its flag.
@@ -433,8 +550,10 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     _check_fraction("ignore_low_gamma", ignore_low_gamma, 0.0, 1.0)
     _check_fraction("mask_rate", mask_rate, 0.0, 1.0, high_open=False)
     if mask_rate and model.spec.causal:
-        raise BadInput(f"mask_rate applies to bidirectional models (the FF paper masks BERT's and RoBERTa's input); "
-                       f"{model.name!r} is causal")
+        raise BadInput(
+            f"mask_rate applies to bidirectional models (the FF paper masks BERT's and RoBERTa's input); "
+            f"{model.name!r} is causal"
+        )
     if res2 not in ("exact", "diagonal"):
         raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
     for name, v in (("top_k", top_k), ("min_count", min_count)):
@@ -445,9 +564,17 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     am = _AmpAcc(model, normalise) if amp else None
     st = _FFStats(model) if (norms or outliers) else None
     with job_slot(), torch.no_grad():
-        for index, tb in corpus_batches(model, texts, mask_rate, seed, progress, desc="FF analyses",
-                                        batch_size=batch_size, max_tokens=max_tokens,
-                                        max_total_tokens=max_total_tokens):
+        for index, tb in corpus_batches(
+            model,
+            texts,
+            mask_rate,
+            seed,
+            progress,
+            desc="FF analyses",
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            max_total_tokens=max_total_tokens,
+        ):
             if ch is not None or am is not None:
                 maps = scope_maps_batch(tb, res2=res2, keep_dims=keep, next_ln=change, precision=precision)
                 if ch is not None:
@@ -465,36 +592,64 @@ def corpus_report(model: Model, texts: Iterable[str], *, ignore_low_gamma: float
     if st is not None:
         m_in, m_out, n_out, n_byp = st.means()
         if norms:
-            out["residual_norms"] = pd.DataFrame({"layer": np.arange(1, model.n_layers + 1), "ff_out_norm": n_out,
-                                                  "bypass_norm": n_byp, "ratio": n_byp / np.clip(n_out, 1e-30, None)})
+            out["residual_norms"] = pd.DataFrame(
+                {
+                    "layer": np.arange(1, model.n_layers + 1),
+                    "ff_out_norm": n_out,
+                    "bypass_norm": n_byp,
+                    "ratio": n_byp / np.clip(n_out, 1e-30, None),
+                }
+            )
         if outliers:
             frames = []
             for l, lw in enumerate(model.layers):
                 gamma = lw.ff_norm.gamma.double().cpu().numpy()
-                frames.append(pd.DataFrame({"layer": l + 1, "dim": np.arange(len(gamma)), "gamma": gamma,
-                                            "ff_in_mean_abs": m_in[l], "ff_out_mean_abs": m_out[l]}))
+                frames.append(
+                    pd.DataFrame(
+                        {
+                            "layer": l + 1,
+                            "dim": np.arange(len(gamma)),
+                            "gamma": gamma,
+                            "ff_in_mean_abs": m_in[l],
+                            "ff_out_mean_abs": m_out[l],
+                        }
+                    )
+                )
             out["outliers"] = pd.concat(frames, ignore_index=True)
     return out
 
 
 @checked_arguments
-def ff_report(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-              progress: Progress = True, **caps) -> dict[str, pd.DataFrame]:
+def ff_report(
+    model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0, progress: Progress = True, **caps
+) -> dict[str, pd.DataFrame]:
     """`ff_outliers` ("outliers") and `ff_residual_norms` ("residual_norms") from one pass;
     `caps`: max_tokens, max_total_tokens (see corpus_report)."""
-    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True,
-                         outliers=True, progress=progress, **caps)
+    return corpus_report(
+        model,
+        texts,
+        mask_rate=mask_rate,
+        seed=seed,
+        change=False,
+        amp=False,
+        norms=True,
+        outliers=True,
+        progress=progress,
+        **caps,
+    )
 
 
 @checked_arguments
-def ff_outliers(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-                progress: Progress = True) -> pd.DataFrame:
+def ff_outliers(
+    model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0, progress: Progress = True
+) -> pd.DataFrame:
     """Per layer and dimension: gamma of the norm that next processes the FF output (LN2 in
     post-LN; the next layer's LN1, or the final norm, in pre-LN), and the mean |FF input| and
     mean |FF output| over all tokens of the corpus (FF paper §6.2, Fig. 8).
     Columns: layer (from 1), dim, gamma, ff_in_mean_abs, ff_out_mean_abs."""
-    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, outliers=True,
-                         progress=progress)["outliers"]
+    return corpus_report(
+        model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, outliers=True, progress=progress
+    )["outliers"]
 
 
 def ff_outlier_correlations(outliers: pd.DataFrame) -> pd.DataFrame:
@@ -504,16 +659,23 @@ def ff_outlier_correlations(outliers: pd.DataFrame) -> pd.DataFrame:
     for l, g in outliers.groupby("layer"):
         x, y = g["gamma"].to_numpy(), g["ff_out_mean_abs"].to_numpy()
         ok = np.ptp(x) > 0 and np.ptp(y) > 0
-        rows.append({"layer": int(l), "pearson": float(stats.pearsonr(x, y).statistic) if ok else float("nan"),
-                     "spearman": float(stats.spearmanr(x, y).statistic) if ok else float("nan")})
+        rows.append(
+            {
+                "layer": int(l),
+                "pearson": float(stats.pearsonr(x, y).statistic) if ok else float("nan"),
+                "spearman": float(stats.spearmanr(x, y).statistic) if ok else float("nan"),
+            }
+        )
     return pd.DataFrame(rows, columns=["layer", "pearson", "spearman"])
 
 
 @checked_arguments
-def ff_residual_norms(model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0,
-                      progress: Progress = True) -> pd.DataFrame:
+def ff_residual_norms(
+    model: Model, texts: Iterable[str], *, mask_rate: float = 0.0, seed: int = 0, progress: Progress = True
+) -> pd.DataFrame:
     """Per layer, mean L2 norm over tokens of the FF output and of the vector RES2 bypasses
     around it (the attention-block output in post-LN, the residual stream in pre-LN; §6.1).
     Columns: layer, ff_out_norm, bypass_norm, ratio (bypass / FF)."""
-    return corpus_report(model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True,
-                         progress=progress)["residual_norms"]
+    return corpus_report(
+        model, texts, mask_rate=mask_rate, seed=seed, change=False, amp=False, norms=True, progress=progress
+    )["residual_norms"]

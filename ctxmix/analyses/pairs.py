@@ -34,9 +34,11 @@ def segment_shares(M: np.ndarray, segments: list[int]) -> dict[str, dict[str, fl
             out[d] = {"other": np.nan, "own": np.nan, "special": np.nan}
             continue
         R = A[rows] / tot[rows, None]
-        out[d] = {"other": float(R[:, seg == other_seg].sum(-1).mean()),
-                  "own": float(R[:, seg == rows_seg].sum(-1).mean()),
-                  "special": float(R[:, seg == -1].sum(-1).mean())}
+        out[d] = {
+            "other": float(R[:, seg == other_seg].sum(-1).mean()),
+            "own": float(R[:, seg == rows_seg].sum(-1).mean()),
+            "special": float(R[:, seg == -1].sum(-1).mean()),
+        }
     return out
 
 

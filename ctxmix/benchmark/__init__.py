@@ -47,9 +47,19 @@ Derived methods (computed here from ctxmix's maps, for the paper tables; not in
 is replaced by [UNK]; agreement data on language models).
 """
 
-_API = {"run_bench": "command", "cmd_bench": "command", "add_bench_arguments": "command", "validate_config": "config",
-        "load_config": "config", "Plan": "config", "load_examples": "datasets", "get_model": "compute",
-        "compute_batch": "compute", "compute_example": "compute", "ResultsStore": "store"}
+_API = {
+    "run_bench": "command",
+    "cmd_bench": "command",
+    "add_bench_arguments": "command",
+    "validate_config": "config",
+    "load_config": "config",
+    "Plan": "config",
+    "load_examples": "datasets",
+    "get_model": "compute",
+    "compute_batch": "compute",
+    "compute_example": "compute",
+    "ResultsStore": "store",
+}
 
 
 def __getattr__(name: str):  # the runner's API and the submodules, loaded on first use

@@ -35,23 +35,64 @@ from ctxmix.errors import BadInput
 PHENOMENA = ("sva_attractor", "anaphor", "det_noun", "det_adj_noun")
 
 # (singular, plural)
-_SUBJECTS = [("key", "keys"), ("book", "books"), ("picture", "pictures"), ("door", "doors"), ("box", "boxes"),
-             ("letter", "letters"), ("window", "windows"), ("bottle", "bottles"), ("lamp", "lamps"),
-             ("chair", "chairs"), ("painting", "paintings"), ("car", "cars"), ("song", "songs"), ("map", "maps")]
-_ATTRACTORS = [("cabinet", "cabinets"), ("shelf", "shelves"), ("house", "houses"), ("teacher", "teachers"),
-               ("room", "rooms"), ("garden", "gardens"), ("student", "students"), ("man", "men"),
-               ("woman", "women"), ("doctor", "doctors"), ("office", "offices"), ("child", "children")]
+_SUBJECTS = [
+    ("key", "keys"),
+    ("book", "books"),
+    ("picture", "pictures"),
+    ("door", "doors"),
+    ("box", "boxes"),
+    ("letter", "letters"),
+    ("window", "windows"),
+    ("bottle", "bottles"),
+    ("lamp", "lamps"),
+    ("chair", "chairs"),
+    ("painting", "paintings"),
+    ("car", "cars"),
+    ("song", "songs"),
+    ("map", "maps"),
+]
+_ATTRACTORS = [
+    ("cabinet", "cabinets"),
+    ("shelf", "shelves"),
+    ("house", "houses"),
+    ("teacher", "teachers"),
+    ("room", "rooms"),
+    ("garden", "gardens"),
+    ("student", "students"),
+    ("man", "men"),
+    ("woman", "women"),
+    ("doctor", "doctors"),
+    ("office", "offices"),
+    ("child", "children"),
+]
 _PREPS = ["of", "near", "behind", "from", "for", "beside"]
 # (singular verb, plural verb, continuation that fits both)
-_VERBS = [("is", "are", "old"), ("was", "were", "broken"), ("has", "have", "disappeared"),
-          ("is", "are", "on the table"), ("was", "were", "found yesterday"), ("seems", "seem", "new"),
-          ("has", "have", "been moved"), ("looks", "look", "expensive")]
+_VERBS = [
+    ("is", "are", "old"),
+    ("was", "were", "broken"),
+    ("has", "have", "disappeared"),
+    ("is", "are", "on the table"),
+    ("was", "were", "found yesterday"),
+    ("seems", "seem", "new"),
+    ("has", "have", "been moved"),
+    ("looks", "look", "expensive"),
+]
 _REL_VERBS = ["liked", "saw", "bought", "wanted", "mentioned", "found"]
 # (singular, plural, gender)
-_ANTECEDENTS = [("boy", "boys", "m"), ("girl", "girls", "f"), ("man", "men", "m"), ("woman", "women", "f"),
-                ("king", "kings", "m"), ("queen", "queens", "f"), ("actor", "actors", "m"),
-                ("actress", "actresses", "f"), ("waiter", "waiters", "m"), ("waitress", "waitresses", "f"),
-                ("father", "fathers", "m"), ("mother", "mothers", "f")]
+_ANTECEDENTS = [
+    ("boy", "boys", "m"),
+    ("girl", "girls", "f"),
+    ("man", "men", "m"),
+    ("woman", "women", "f"),
+    ("king", "kings", "m"),
+    ("queen", "queens", "f"),
+    ("actor", "actors", "m"),
+    ("actress", "actresses", "f"),
+    ("waiter", "waiters", "m"),
+    ("waitress", "waitresses", "f"),
+    ("father", "fathers", "m"),
+    ("mother", "mothers", "f"),
+]
 _REFL_VERBS = ["hurt", "saw", "liked", "helped", "blamed", "praised", "admired", "watched", "described", "hated"]
 _REFLEXIVE = {"m": "himself", "f": "herself", "pl": "themselves"}
 _NAMES = ["Sara", "John", "Mary", "David", "Emma", "Peter", "Lisa", "Tom", "Anna", "Mark"]
@@ -109,7 +150,7 @@ class AgreementItem:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AgreementItem":
+    def from_dict(cls, d: dict) -> AgreementItem:
         d = dict(d)
         d["words"] = tuple(d["words"])
         d["cue_indices"] = tuple(d["cue_indices"])
@@ -151,9 +192,14 @@ class AgreementItem:
         cues = [starts[c] for c in self.cue_indices if c < len(words)]
         if len(cues) != len(self.cue_indices) or any(c is None for c in cues):
             return "a cue word has no token"  # items without cue words (cue_indices = ()) are fine
-        att = starts[self.attractor_index] if self.attractor_index is not None and self.attractor_index < len(words) else None
-        return EncodedAgreement(input_ids=ids, position=position, cues=cues, target_id=target_id,
-                                foil_id=foil_id, attractor=att)
+        att = (
+            starts[self.attractor_index]
+            if self.attractor_index is not None and self.attractor_index < len(words)
+            else None
+        )
+        return EncodedAgreement(
+            input_ids=ids, position=position, cues=cues, target_id=target_id, foil_id=foil_id, attractor=att
+        )
 
 
 def _char_spans(words: list[str]) -> list[tuple[int, int]]:
@@ -217,8 +263,15 @@ def _sva(rng: random.Random) -> dict:
     else:
         head = ["the", subj, "that", "the", attr, rng.choice(_REL_VERBS)]
     words = head + [v_sg if sg else v_pl] + rest.split() + ["."]
-    return dict(words=_cap(words), target_index=len(head), target=v_sg if sg else v_pl, foil=v_pl if sg else v_sg,
-                cue_indices=(1,), number="sg" if sg else "pl", attractor_index=4)
+    return dict(
+        words=_cap(words),
+        target_index=len(head),
+        target=v_sg if sg else v_pl,
+        foil=v_pl if sg else v_sg,
+        cue_indices=(1,),
+        number="sg" if sg else "pl",
+        attractor_index=4,
+    )
 
 
 def _anaphor(rng: random.Random) -> dict:
@@ -234,8 +287,15 @@ def _anaphor(rng: random.Random) -> dict:
         head += [rng.choice(["near", "behind", "with", "beside"]), "the", a_pl if sg else a_sg]
         att = 4
     words = head + [rng.choice(_REFL_VERBS), target, "."]
-    return dict(words=_cap(words), target_index=len(head) + 1, target=target, foil=foil, cue_indices=(1,),
-                number="sg" if sg else "pl", attractor_index=att)
+    return dict(
+        words=_cap(words),
+        target_index=len(head) + 1,
+        target=target,
+        foil=foil,
+        cue_indices=(1,),
+        number="sg" if sg else "pl",
+        attractor_index=att,
+    )
 
 
 def _det(rng: random.Random, adjective: bool) -> dict:
@@ -244,12 +304,23 @@ def _det(rng: random.Random, adjective: bool) -> dict:
     sg = rng.random() < 0.5
     mid = [rng.choice(_ADJS)] if adjective else []
     words = [rng.choice(_NAMES), rng.choice(_DET_VERBS), d_sg if sg else d_pl] + mid + [n_sg if sg else n_pl, "."]
-    return dict(words=words, target_index=2, target=d_sg if sg else d_pl, foil=d_pl if sg else d_sg,
-                cue_indices=(3 + len(mid),), number="sg" if sg else "pl", attractor_index=None)
+    return dict(
+        words=words,
+        target_index=2,
+        target=d_sg if sg else d_pl,
+        foil=d_pl if sg else d_sg,
+        cue_indices=(3 + len(mid),),
+        number="sg" if sg else "pl",
+        attractor_index=None,
+    )
 
 
-_GENERATORS = {"sva_attractor": _sva, "anaphor": _anaphor, "det_noun": lambda r: _det(r, False),
-               "det_adj_noun": lambda r: _det(r, True)}
+_GENERATORS = {
+    "sva_attractor": _sva,
+    "anaphor": _anaphor,
+    "det_noun": lambda r: _det(r, False),
+    "det_adj_noun": lambda r: _det(r, True),
+}
 
 
 def agreement_items(per_phenomenon: int = 50, seed: int = 0, phenomena=None) -> list[AgreementItem]:
@@ -273,14 +344,25 @@ def agreement_items(per_phenomenon: int = 50, seed: int = 0, phenomena=None) -> 
             if key in seen:
                 continue
             seen.add(key)
-            items.append(AgreementItem(uid=f"{ph}-{len(seen) - 1:04d}", phenomenon=ph, words=tuple(d["words"]),
-                                       target_index=d["target_index"], target=d["target"], foil=d["foil"],
-                                       cue_indices=tuple(d["cue_indices"]), number=d["number"],
-                                       attractor_index=d["attractor_index"]))
+            items.append(
+                AgreementItem(
+                    uid=f"{ph}-{len(seen) - 1:04d}",
+                    phenomenon=ph,
+                    words=tuple(d["words"]),
+                    target_index=d["target_index"],
+                    target=d["target"],
+                    foil=d["foil"],
+                    cue_indices=tuple(d["cue_indices"]),
+                    number=d["number"],
+                    attractor_index=d["attractor_index"],
+                )
+            )
     return items
 
 
-def encode_items(items: list[AgreementItem], tokenizer, causal: bool = False) -> tuple[list[tuple[AgreementItem, EncodedAgreement]], dict[str, int]]:
+def encode_items(
+    items: list[AgreementItem], tokenizer, causal: bool = False
+) -> tuple[list[tuple[AgreementItem, EncodedAgreement]], dict[str, int]]:
     """Encode every item for one tokenizer; returns the kept pairs and {reason: count} of the rest."""
     kept, dropped = [], {}
     for it in items:

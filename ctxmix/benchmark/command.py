@@ -1,17 +1,18 @@
-"""`run_bench` and the `bench` command: plan the units, run them, write the tables.
-"""
+"""`run_bench` and the `bench` command: plan the units, run them, write the tables."""
 
 from __future__ import annotations
+
 import argparse
 import os
 import sys
 from pathlib import Path
-from ctxmix.errors import BadInput
+
 from ctxmix.benchmark.compute import applicable_methods, get_model
 from ctxmix.benchmark.config import EXAMPLE_BATCH, ModelSpec, Plan, load_config
 from ctxmix.benchmark.datasets import Example, load_examples
 from ctxmix.benchmark.executors import Group, run_local, run_ray
 from ctxmix.benchmark.store import ResultsStore
+from ctxmix.errors import BadInput
 from ctxmix.progress import progress_bar
 
 
@@ -64,8 +65,16 @@ def plan_groups(plan: Plan, store: ResultsStore) -> tuple[list[Group], int]:
             todo = [m for m in methods[label] if (label, ds, e.id, m) not in finished]
             if todo:
                 b = k // size
-                groups.append(Group(model=models[label], dataset=ds, example=e, methods=todo, batch=b,
-                                    members=exs[b * size: (b + 1) * size]))
+                groups.append(
+                    Group(
+                        model=models[label],
+                        dataset=ds,
+                        example=e,
+                        methods=todo,
+                        batch=b,
+                        members=exs[b * size : (b + 1) * size],
+                    )
+                )
     return groups, total
 
 
@@ -73,9 +82,18 @@ def default_db(plan: Plan) -> Path:
     return Path("results") / f"{plan.name}.sqlite"
 
 
-def run_bench(config: str | os.PathLike | Plan, *, db: str | os.PathLike | None = None, executor: str = "local",
-              limit: int | None = None, fresh: bool = False, ray_address: str | None = None,
-              num_cpus: int | None = None, threads: int | None = None, quiet: bool = False) -> Path:
+def run_bench(
+    config: str | os.PathLike | Plan,
+    *,
+    db: str | os.PathLike | None = None,
+    executor: str = "local",
+    limit: int | None = None,
+    fresh: bool = False,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
     """Run (or resume) a benchmark; returns the path of its SQLite store.
 
     threads: torch threads of this process (local executor) or of each Ray worker (default 1
@@ -113,8 +131,10 @@ def _run_bench(plan: Plan, db, executor: str, fresh: bool, ray_address, num_cpus
         groups, total = plan_groups(plan, store)
         n_units = sum(len(g.methods) for g in groups)
         if not quiet:
-            print(f"run {plan.run_id!r}: {total} example(s) x model(s), {n_units} unit(s) to compute "
-                  f"-> {path}", file=sys.stderr)
+            print(
+                f"run {plan.run_id!r}: {total} example(s) x model(s), {n_units} unit(s) to compute -> {path}",
+                file=sys.stderr,
+            )
         if groups:
             with progress_bar(n_units, plan.name, not quiet, unit="unit") as bar:
                 try:
@@ -124,8 +144,10 @@ def _run_bench(plan: Plan, db, executor: str, fresh: bool, ray_address, num_cpus
                         run_local(plan, groups, store, bar)
                 except KeyboardInterrupt:
                     store.write_aggregates(plan.run_id)
-                    print(f"\ninterrupted; finished units are saved in {path}: run the same command to resume",
-                          file=sys.stderr)
+                    print(
+                        f"\ninterrupted; finished units are saved in {path}: run the same command to resume",
+                        file=sys.stderr,
+                    )
                     raise
         store.write_aggregates(plan.run_id)
     return path
@@ -134,8 +156,12 @@ def _run_bench(plan: Plan, db, executor: str, fresh: bool, ray_address, num_cpus
 def add_bench_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--config", required=True, help="a YAML benchmark config (see configs/)")
     s.add_argument("--db", help="SQLite results file (default results/<config name>.sqlite)")
-    s.add_argument("--executor", choices=["local", "ray"], default="local",
-                   help="local: this process; ray: Ray tasks (pip install ray==2.60.0)")
+    s.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process; ray: Ray tasks (pip install ray==2.60.0)",
+    )
     s.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance")
     s.add_argument("--limit", type=int, default=None, help="at most this many examples per dataset")
@@ -143,16 +169,22 @@ def add_bench_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--report", action="store_true", help="only print and export the tables of the stored results")
     s.add_argument("--out", default=None, help="folder for the CSV/LaTeX tables (default results/<name>/)")
     s.add_argument("--figures", action="store_true", help="also write plotly figures (HTML) next to the tables")
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch threads (local) or per Ray worker; 1 is fastest on a busy machine")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (local) or per Ray worker; 1 is fastest on a busy machine",
+    )
     s.add_argument("--check", action="store_true", help="validate the config and exit")
 
 
 def cmd_bench(args) -> None:
     plan = load_config(args.config, limit=args.limit)
     if args.check:
-        print(f"config {args.config} is valid: {len(plan.runs)} model x dataset run(s), methods "
-              f"{', '.join(plan.methods)}, metrics {', '.join(plan.metrics) or '(none)'}")
+        print(
+            f"config {args.config} is valid: {len(plan.runs)} model x dataset run(s), methods "
+            f"{', '.join(plan.methods)}, metrics {', '.join(plan.metrics) or '(none)'}"
+        )
         return
     db = Path(args.db) if args.db else default_db(plan)
     if args.report:
@@ -162,16 +194,18 @@ def cmd_bench(args) -> None:
             store.write_aggregates(plan.run_id)
     else:
         try:
-            db = run_bench(plan, db=db, executor=args.executor, fresh=args.fresh, ray_address=args.ray_address,
-                           num_cpus=args.num_cpus, threads=args.threads)
+            db = run_bench(
+                plan,
+                db=db,
+                executor=args.executor,
+                fresh=args.fresh,
+                ray_address=args.ray_address,
+                num_cpus=args.num_cpus,
+                threads=args.threads,
+            )
         except KeyboardInterrupt:
             raise SystemExit(130) from None
     from ctxmix.benchmark.tables import report
 
     out = Path(args.out) if args.out else db.parent / plan.name
     print(report(db, plan, out_dir=out, figures=args.figures))
-
-
-__all__ = ["Plan", "DatasetSpec", "ModelSpec", "Example", "ResultsStore", "DERIVED_METHODS", "validate_config",
-           "load_config", "load_examples", "compute_example", "compute_batch", "run_bench", "plan_groups", "add_bench_arguments",
-           "cmd_bench", "get_model", "applicable_methods", "check_model_name"]

@@ -3,6 +3,7 @@ kind), batched per (model, dataset); what a Ray task runs.
 """
 
 from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -11,13 +12,14 @@ import time
 import warnings
 from collections import OrderedDict
 from typing import Any
-import numpy as np
-from ctxmix.errors import BadInput, CtxmixError
-from ctxmix.benchmark.config import _DERIVED_BASES
 
+import numpy as np
+
+from ctxmix.benchmark.config import _DERIVED_BASES
+from ctxmix.errors import BadInput, CtxmixError
 
 _MODEL_CACHE_SIZE = 2
-_MODEL_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_MODEL_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 
 
 def get_model(name: str, device: str = "auto", dtype: str = "float32"):
@@ -48,8 +50,7 @@ def model_revision(model) -> tuple[str, str]:
 def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[str], dict[str, str]]:
     """(methods that apply to `model`, {method: why not} for the others). "all" expands to every
     ctxmix method of the model's kind and LN position plus `random`."""
-    from ctxmix.methods.registry import MIXING_METHODS, scope_names
-    from ctxmix.methods.registry import SALIENCY_METHODS
+    from ctxmix.methods.registry import MIXING_METHODS, SALIENCY_METHODS, scope_names
 
     scopes = set(scope_names(model.spec.position))
     if "all" in methods:
@@ -78,8 +79,16 @@ def _encode_example(model, ex: dict, options: dict) -> dict:
     the config says `token_type_ids: false` (the AttCAT code runs its pairs without them)."""
     from ctxmix.methods.explain import default_position
 
-    out = {"ids": None, "position": None, "cues": None, "target": None, "foil": None, "why": None, "types": None,
-           "segments": None}
+    out = {
+        "ids": None,
+        "position": None,
+        "cues": None,
+        "target": None,
+        "foil": None,
+        "why": None,
+        "types": None,
+        "segments": None,
+    }
     if ex.get("item"):
         from ctxmix.benchmark.agreement import AgreementItem
 
@@ -88,8 +97,14 @@ def _encode_example(model, ex: dict, options: dict) -> dict:
         if isinstance(enc, str):
             return {**out, "why": enc}
         lm = model.kind in ("masked_lm", "causal_lm")
-        return {**out, "ids": enc.input_ids, "position": enc.position, "cues": enc.cues or None,
-                "target": enc.target_id if lm else None, "foil": enc.foil_id if lm else None}
+        return {
+            **out,
+            "ids": enc.input_ids,
+            "position": enc.position,
+            "cues": enc.cues or None,
+            "target": enc.target_id if lm else None,
+            "foil": enc.foil_id if lm else None,
+        }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         e = model.encode_input((ex["text"], ex["text_pair"]) if ex.get("text_pair") else ex["text"])
@@ -104,12 +119,16 @@ def _logits(model, ids: list[int], types: list[int] | None = None):
 
     with torch.no_grad():
         x = torch.tensor([ids], device=model.device)
-        return model.hf(input_ids=x, attention_mask=torch.ones_like(x),
-                        **model.type_ids_kwargs([types])).logits[0].double()
+        return (
+            model.hf(input_ids=x, attention_mask=torch.ones_like(x), **model.type_ids_kwargs([types]))
+            .logits[0]
+            .double()
+        )
 
 
-def _resolve_target(model, ids, position, ex: dict, target_mode: str, lm_target: int | None,
-                    types: list[int] | None = None) -> tuple[int, str]:
+def _resolve_target(
+    model, ids, position, ex: dict, target_mode: str, lm_target: int | None, types: list[int] | None = None
+) -> tuple[int, str]:
     if model.kind == "classifier":
         if target_mode == "gold" and ex.get("label") is not None:
             return int(ex["label"]), "gold"
@@ -124,8 +143,19 @@ def _example_seed(seed: int, *parts) -> int:
     return int(hashlib.sha256(json.dumps([seed, *parts]).encode()).hexdigest()[:12], 16)
 
 
-def _derived(name: str, ex_obj, position: int, n: int, seed_key: int, model=None, ids=None, target=None,
-             foil=None, batch_size: int = 32, keep_self: bool = False):
+def _derived(
+    name: str,
+    ex_obj,
+    position: int,
+    n: int,
+    seed_key: int,
+    model=None,
+    ids=None,
+    target=None,
+    foil=None,
+    batch_size: int = 32,
+    keep_self: bool = False,
+):
     """(saliency, layer maps or None) of a derived method. keep_self: raw_attention keeps the
     explained token's attention to itself (the ALTI repository's baseline) instead of zeroing it."""
     from ctxmix.methods.mixing import rollout
@@ -188,12 +218,17 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
         union = list(dict.fromkeys(m for k in members for m in preps[k]["explain_methods"]))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = explain_batch(model, [preps[k]["ids"] for k in members], union,
-                                targets=[preps[k].get("target") for k in members],
-                                positions=[preps[k]["position"] for k in members],
-                                token_type_ids=[preps[k].get("types") for k in members],
-                                segments=[preps[k].get("segments") for k in members],
-                                methods_per_text=[preps[k]["explain_methods"] for k in members], **opts)
+            got = explain_batch(
+                model,
+                [preps[k]["ids"] for k in members],
+                union,
+                targets=[preps[k].get("target") for k in members],
+                positions=[preps[k]["position"] for k in members],
+                token_type_ids=[preps[k].get("types") for k in members],
+                segments=[preps[k].get("segments") for k in members],
+                methods_per_text=[preps[k]["explain_methods"] for k in members],
+                **opts,
+            )
         exos = dict(zip(members, got))
     out: list[dict | None] = []
     for k, (task, prep) in enumerate(zip(tasks, preps)):
@@ -219,8 +254,8 @@ def _prepare_example(model, task: dict) -> dict:
         return {"ids": None, "result": {"status": "skipped", "reason": why}}
     if not task["methods"]:  # fills its batch only
         return {"ids": ids, "position": position, "explain_methods": [], "types": types, "segments": segments}
-    from ctxmix.benchmark.metrics import get_metric
     from ctxmix import METHODS
+    from ctxmix.benchmark.metrics import get_metric
 
     ok, na = applicable_methods(model, task["methods"], has_foil=foil is not None)
     metrics = [get_metric(m) for m in task["metrics"]]
@@ -229,21 +264,49 @@ def _prepare_example(model, task: dict) -> dict:
     ref_ok, ref_na = applicable_methods(model, sorted(refs_needed - set(have)), has_foil=foil is not None)
     compute = list(dict.fromkeys(ok + [r for r in ref_ok if r not in ok]))
     has_head = model.kind != "encoder"
-    target, target_note = (None, "none (no head)") if not has_head else _resolve_target(
-        model, ids, position, ex, task["target"], lm_target, types)
+    target, target_note = (
+        (None, "none (no head)")
+        if not has_head
+        else _resolve_target(model, ids, position, ex, task["target"], lm_target, types)
+    )
     explain_methods = [m for m in compute if m in METHODS]
     for m in compute:
         explain_methods += [b for b in _DERIVED_BASES.get(m, []) if b not in explain_methods]
-    return {"ids": ids, "position": position, "cues": cues, "foil": foil, "ok": ok, "na": na, "metrics": metrics,
-            "refs_needed": refs_needed, "have": have, "ref_na": ref_na, "compute": compute, "has_head": has_head,
-            "target": target, "target_note": target_note, "explain_methods": explain_methods, "types": types,
-            "segments": segments}
+    return {
+        "ids": ids,
+        "position": position,
+        "cues": cues,
+        "foil": foil,
+        "ok": ok,
+        "na": na,
+        "metrics": metrics,
+        "refs_needed": refs_needed,
+        "have": have,
+        "ref_na": ref_na,
+        "compute": compute,
+        "has_head": has_head,
+        "target": target,
+        "target_note": target_note,
+        "explain_methods": explain_methods,
+        "types": types,
+        "segments": segments,
+    }
 
 
 def _finish_example(model, task: dict, p: dict, exo) -> dict:
     """Saliency of the derived methods, the metrics and the result record of one example."""
-    from ctxmix.benchmark.metrics import CUE_METRICS, DELETION_METRICS, TargetProbability, cue_alignment, cue_alignment_layers, deletion_metrics, pad_token_id, protected_positions, reference_spearman
     from ctxmix import METHODS
+    from ctxmix.benchmark.metrics import (
+        CUE_METRICS,
+        DELETION_METRICS,
+        TargetProbability,
+        cue_alignment,
+        cue_alignment_layers,
+        deletion_metrics,
+        pad_token_id,
+        protected_positions,
+        reference_spearman,
+    )
 
     ex = task["example"]
     ids, position, target, foil, ok = p["ids"], p["position"], p["target"], p["foil"], p["ok"]
@@ -256,9 +319,19 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
             if m in exo.layer_maps:
                 layer_maps[m] = exo.layer_maps[m]
         else:
-            s, L = _derived(m, exo, position, n, _example_seed(task["seed"], task["dataset"], ex["id"], m), model=model,
-                            ids=ids, target=target, foil=foil, batch_size=task["options"].get("batch_size", 32),
-                            keep_self=task["options"].get("raw_attention_keep_self", False))
+            s, L = _derived(
+                m,
+                exo,
+                position,
+                n,
+                _example_seed(task["seed"], task["dataset"], ex["id"], m),
+                model=model,
+                ids=ids,
+                target=target,
+                foil=foil,
+                batch_size=task["options"].get("batch_size", 32),
+                keep_self=task["options"].get("raw_attention_keep_self", False),
+            )
             saliency[m] = np.asarray(s, dtype=np.float64)
             if L is not None:
                 layer_maps[m] = L
@@ -268,11 +341,18 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
     del_metrics = [x.name for x in metrics if x.name in DELETION_METRICS]
     if del_metrics and p["has_head"] and ok:
         predict = TargetProbability(model, target, batch_size=task["options"].get("batch_size", 32))
-        dm, p0 = deletion_metrics(predict, ids, {m: saliency[m] for m in ok}, del_metrics,
-                                  protected=protected_positions(model, ids, position), position=position,
-                                  pad_id=pad_token_id(model.tokenizer), token_type_ids=p.get("types"),
-                                  abs_saliency=task["options"].get("abs_saliency", False),
-                                  stop_one_short=task["options"].get("deletion_stop_one_short", False))
+        dm, p0 = deletion_metrics(
+            predict,
+            ids,
+            {m: saliency[m] for m in ok},
+            del_metrics,
+            protected=protected_positions(model, ids, position),
+            position=position,
+            pad_id=pad_token_id(model.tokenizer),
+            token_type_ids=p.get("types"),
+            abs_saliency=task["options"].get("abs_saliency", False),
+            stop_one_short=task["options"].get("deletion_stop_one_short", False),
+        )
         for m, vals in dm.items():
             scores[m] += [(k, -1, v) for k, v in vals.items()]
     cue_metrics = [x.name for x in metrics if x.name in CUE_METRICS]
@@ -287,14 +367,22 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
             if m in layer_maps:
                 for k, arr in cue_alignment_layers(layer_maps[m], position, cues, cue_metrics).items():
                     scores[m] += [(k, l + 1, float(v)) for l, v in enumerate(arr)]
-    out = {"status": "ok", "tokens": model.tokens(ids), "position": position, "target": target,
-           "target_note": p["target_note"], "n_tokens": n, "methods": {}}
+    out = {
+        "status": "ok",
+        "tokens": model.tokens(ids),
+        "position": position,
+        "target": target,
+        "target_note": p["target_note"],
+        "n_tokens": n,
+        "methods": {},
+    }
     for m in ok:
         out["methods"][m] = {"status": "done", "saliency": saliency[m].tolist(), "scores": scores[m]}
     for m, why in p["na"].items():
         out["methods"][m] = {"status": "na", "detail": why}
-    out["references"] = {r: saliency[r].tolist() for r in p["refs_needed"]
-                         if r in saliency and r not in ok and r not in p["have"]}
+    out["references"] = {
+        r: saliency[r].tolist() for r in p["refs_needed"] if r in saliency and r not in ok and r not in p["have"]
+    }
     out["reference_na"] = p["ref_na"]
     return out
 
@@ -305,9 +393,9 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
     import torch
 
     from ctxmix.analyses.corpus import comparisons, mask_tokens
-    from ctxmix.methods.mixing import scope_maps_batch
     from ctxmix.analyses.ranks import spearman
     from ctxmix.engine.trace import trace_batch_tensors
+    from ctxmix.methods.mixing import scope_maps_batch
 
     comps = comparisons(model)
     out: list[dict | None] = [None] * len(tasks)
@@ -340,18 +428,35 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
             valid = valid & torch.ones_like(valid[0]).tril()
         valid = valid.flatten(1)[:, None]  # (B, 1, n*n)
         names = [c for c, (a, b) in comps.items() if a in maps and b in maps]
-        change = torch.stack([1.0 - spearman(maps[comps[c][0]].flatten(2), maps[comps[c][1]].flatten(2), valid)
-                              for c in names], -1).cpu().numpy()  # (B, L, K): one transfer per batch
+        change = (
+            torch.stack(
+                [1.0 - spearman(maps[comps[c][0]].flatten(2), maps[comps[c][1]].flatten(2), valid) for c in names], -1
+            )
+            .cpu()
+            .numpy()
+        )  # (B, L, K): one transfer per batch
     for b, k in enumerate(members):
         task = tasks[k]
         if not task["methods"]:
             continue
         wanted = list(comps) if "all" in task["methods"] else task["methods"]
-        r = {"status": "ok", "tokens": model.tokens(batch[b]), "position": None, "target": None, "target_note": "",
-             "n_tokens": len(batch[b]), "methods": {}, "references": {}, "reference_na": {}}
+        r = {
+            "status": "ok",
+            "tokens": model.tokens(batch[b]),
+            "position": None,
+            "target": None,
+            "target_note": "",
+            "n_tokens": len(batch[b]),
+            "methods": {},
+            "references": {},
+            "reference_na": {},
+        }
         for c in wanted:
             if c not in names:
-                r["methods"][c] = {"status": "na", "detail": f"no comparison {c!r} for a {model.spec.position}-LN model"}
+                r["methods"][c] = {
+                    "status": "na",
+                    "detail": f"no comparison {c!r} for a {model.spec.position}-LN model",
+                }
                 continue
             vals = [float(v) for v in change[b, :, names.index(c)]]
             sc = [("change", l + 1, v) for l, v in enumerate(vals)]
@@ -372,5 +477,7 @@ def _ray_task(tasks: list[dict]) -> list[dict | None]:
     try:
         return compute_batch(tasks)
     except (CtxmixError, RuntimeError) as e:
-        return [None if not t["methods"] else {"status": "error", "reason": f"{type(e).__name__}: {e}", "methods": {}}
-                for t in tasks]
+        return [
+            None if not t["methods"] else {"status": "error", "reason": f"{type(e).__name__}: {e}", "methods": {}}
+            for t in tasks
+        ]

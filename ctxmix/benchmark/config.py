@@ -1,15 +1,15 @@
-"""Benchmark configs: the schema, validation before any work, and YAML loading.
-"""
+"""Benchmark configs: the schema, validation before any work, and YAML loading."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
-from ctxmix.errors import BadInput
 
+from ctxmix.errors import BadInput
 
 CONFIG_KINDS = ("methods", "contextualization_change")
 
@@ -20,8 +20,13 @@ DATASET_SOURCES = ("pang_lee", "agreement", "file", "hf", "blimp", "linzen_goldb
 TARGETS = ("predicted", "gold")
 
 
-EXPLAIN_OPTIONS = {"ig_baseline": ("pad", "mask", "unk", "zero"), "ig_steps": int, "blank_replacement": ("unk", "mask"),
-                   "cat_mask_special": (True, False), "grad_at": ("word", "embedding_output")}
+EXPLAIN_OPTIONS = {
+    "ig_baseline": ("pad", "mask", "unk", "zero"),
+    "ig_steps": int,
+    "blank_replacement": ("unk", "mask"),
+    "cat_mask_special": (True, False),
+    "grad_at": ("word", "embedding_output"),
+}
 
 
 DONE_STATUSES = ("done", "na", "skipped")
@@ -110,8 +115,13 @@ class Plan:
         for k in ("deletion_stop_one_short", "raw_attention_keep_self"):  # the same: only a change is hashed
             if opts.get(k) is False:
                 opts.pop(k)
-        keep = {"kind": self.kind, "metrics": sorted(self.metrics), "target": self.target, "explain": self.explain,
-                "options": opts}
+        keep = {
+            "kind": self.kind,
+            "metrics": sorted(self.metrics),
+            "target": self.target,
+            "explain": self.explain,
+            "options": opts,
+        }
         return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -155,8 +165,10 @@ def check_model_name(name: str) -> str | None:
         pass
     if _offline() or not _hub_reachable():
         what = f"model {name!r} is not available" if "/" in name else f"unknown model {name!r}"
-        return (f"{what}: not an embedded model ({', '.join(EMBEDDED)}){_suggest(name, EMBEDDED)}, "
-                "not a local folder, and not in the local Hugging Face cache while the hub is unreachable (offline)")
+        return (
+            f"{what}: not an embedded model ({', '.join(EMBEDDED)}){_suggest(name, EMBEDDED)}, "
+            "not a local folder, and not in the local Hugging Face cache while the hub is unreachable (offline)"
+        )
     try:
         from huggingface_hub import model_info
 
@@ -188,8 +200,10 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     ident = str(d.pop("id", None) or source)
     limit = d.pop("limit", None)
     if source not in DATASET_SOURCES:
-        errors.append(f"unknown dataset {source!r}{_suggest(source, DATASET_SOURCES)}; valid datasets: "
-                      f"{', '.join(DATASET_SOURCES)} (file: a CSV/JSONL with path; hf: a Hugging Face dataset)")
+        errors.append(
+            f"unknown dataset {source!r}{_suggest(source, DATASET_SOURCES)}; valid datasets: "
+            f"{', '.join(DATASET_SOURCES)} (file: a CSV/JSONL with path; hf: a Hugging Face dataset)"
+        )
         return None
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         errors.append(f"dataset {ident!r}: limit must be a non-negative integer")
@@ -203,8 +217,10 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     }[source]
     unknown = sorted(set(d) - allowed)
     if unknown:
-        errors.append(f"dataset {ident!r} ({source}): unknown option(s) {', '.join(unknown)}; "
-                      f"valid: limit, {', '.join(sorted(allowed))}")
+        errors.append(
+            f"dataset {ident!r} ({source}): unknown option(s) {', '.join(unknown)}; "
+            f"valid: limit, {', '.join(sorted(allowed))}"
+        )
     if "abs_saliency" in d and not isinstance(d["abs_saliency"], bool):
         errors.append(f"dataset {ident!r}: abs_saliency must be true or false")
     if source in ("file", "linzen_goldberg"):
@@ -225,8 +241,10 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     if source == "blimp":
         bad = [s for s in d.get("subsets") or [] if s not in BLIMP_CUES]
         if bad or not d.get("subsets"):
-            errors.append(f"dataset {ident!r} (blimp) needs subsets among {', '.join(BLIMP_CUES)}"
-                          + (f"; unknown: {', '.join(bad)}" if bad else ""))
+            errors.append(
+                f"dataset {ident!r} (blimp) needs subsets among {', '.join(BLIMP_CUES)}"
+                + (f"; unknown: {', '.join(bad)}" if bad else "")
+            )
     return DatasetSpec(id=ident, source=source, options=d, limit=limit)
 
 
@@ -237,14 +255,18 @@ def _check_hub_datasets(specs: list[DatasetSpec], errors: list[str]) -> None:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        errors.append(f"dataset(s) {', '.join(s.id for s in hub)} come from the Hugging Face hub and need the "
-                      "'datasets' package (pip install datasets) and network access")
+        errors.append(
+            f"dataset(s) {', '.join(s.id for s in hub)} come from the Hugging Face hub and need the "
+            "'datasets' package (pip install datasets) and network access"
+        )
         return
     if os.environ.get("HF_DATASETS_OFFLINE", "").strip() in ("1", "true", "yes"):
         return  # served from the local datasets cache, if it has them
     if _offline() or not _hub_reachable():
-        errors.append(f"dataset(s) {', '.join(s.id for s in hub)} need the Hugging Face hub, which is unreachable "
-                      "(offline). Offline datasets: pang_lee, agreement, file (your CSV/JSONL)")
+        errors.append(
+            f"dataset(s) {', '.join(s.id for s in hub)} need the Hugging Face hub, which is unreachable "
+            "(offline). Offline datasets: pang_lee, agreement, file (your CSV/JSONL)"
+        )
 
 
 def validate_config(raw: dict, *, limit: int | None = None, check_models: bool = True, source: str = "") -> Plan:
@@ -254,10 +276,32 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     if not isinstance(raw, dict):
         raise BadInput("a benchmark config must be a YAML mapping")
     errors: list[str] = []
-    known = {"name", "description", "kind", "models", "datasets", "runs", "methods", "metrics", "target",
-             "explain", "options", "paper", "batch_size", "min_tokens", "seed", "mask_rate", "lower_triangle",
-             "device", "dtype", "threads", "example_batch", "token_type_ids", "deletion_stop_one_short",
-             "raw_attention_keep_self"}
+    known = {
+        "name",
+        "description",
+        "kind",
+        "models",
+        "datasets",
+        "runs",
+        "methods",
+        "metrics",
+        "target",
+        "explain",
+        "options",
+        "paper",
+        "batch_size",
+        "min_tokens",
+        "seed",
+        "mask_rate",
+        "lower_triangle",
+        "device",
+        "dtype",
+        "threads",
+        "example_batch",
+        "token_type_ids",
+        "deletion_stop_one_short",
+        "raw_attention_keep_self",
+    }
     unknown = sorted(set(raw) - known)
     if unknown:
         errors.append(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -276,8 +320,12 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         if not isinstance(m, dict) or not m.get("name"):
             errors.append(f"a model must be a name or a mapping with a name, got {m!r}")
             continue
-        spec = ModelSpec(label=str(m.get("label") or m["name"]), name=str(m["name"]),
-                         device=str(m.get("device", raw.get("device", "auto"))), dtype=str(m.get("dtype", raw.get("dtype", "float32"))))
+        spec = ModelSpec(
+            label=str(m.get("label") or m["name"]),
+            name=str(m["name"]),
+            device=str(m.get("device", raw.get("device", "auto"))),
+            dtype=str(m.get("dtype", raw.get("dtype", "float32"))),
+        )
         if check_models:
             why = check_model_name(spec.name)
             if why:
@@ -307,9 +355,13 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
                 errors.append(f"each run must be a mapping with model and dataset, got {r!r}")
                 continue
             if r["model"] not in labels:
-                errors.append(f"run names model {r['model']!r}, which is not among the models ({', '.join(sorted(labels))})")
+                errors.append(
+                    f"run names model {r['model']!r}, which is not among the models ({', '.join(sorted(labels))})"
+                )
             if r["dataset"] not in ids:
-                errors.append(f"run names dataset {r['dataset']!r}, which is not among the datasets ({', '.join(sorted(ids))})")
+                errors.append(
+                    f"run names dataset {r['dataset']!r}, which is not among the datasets ({', '.join(sorted(ids))})"
+                )
             runs.append((str(r["model"]), str(r["dataset"])))
 
     methods = [str(x) for x in _as_list(raw.get("methods", ["all"]), "methods", errors)]
@@ -319,8 +371,10 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         valid = list(dict.fromkeys(list(POST_COMPARISONS) + list(PRE_COMPARISONS)))
         bad = [m for m in methods if m not in valid and m != "all"]
         if bad:
-            errors.append(f"unknown comparison(s) {', '.join(map(repr, bad))}; a contextualization_change config "
-                          f"takes comparisons: {', '.join(valid)}")
+            errors.append(
+                f"unknown comparison(s) {', '.join(map(repr, bad))}; a contextualization_change config "
+                f"takes comparisons: {', '.join(valid)}"
+            )
     else:
         valid = _all_method_names()
         bad = [m for m in methods if m not in valid and m != "all"]
@@ -336,18 +390,25 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
             if spec.get("name") != "spearman" or not ref:
                 errors.append(f"a metric mapping must be {{name: spearman, reference: METHOD}}, got {spec!r}")
                 continue
-            spec = f"spearman:{'|' + ref + '|' if spec.get('absolute') else ref}" + ("/nopos" if spec.get("exclude_position") else "")
+            spec = f"spearman:{'|' + ref + '|' if spec.get('absolute') else ref}" + (
+                "/nopos" if spec.get("exclude_position") else ""
+            )
         spec = str(spec)
         if spec == "agreement":
             continue  # agreement between methods and models is always computed from the stored saliency
         try:
             met = get_metric(spec)
         except BadInput:
-            errors.append(f"unknown metric {spec!r}{_suggest(spec, metric_names())}; valid metrics: "
-                          f"{', '.join(metric_names())}, agreement")
+            errors.append(
+                f"unknown metric {spec!r}{_suggest(spec, metric_names())}; valid metrics: "
+                f"{', '.join(metric_names())}, agreement"
+            )
             continue
         if met.reference and met.reference not in _all_method_names():
-            errors.append(f"metric {spec!r}: unknown reference method {met.reference!r}{_suggest(met.reference, _all_method_names())}")
+            errors.append(
+                f"metric {spec!r}: unknown reference method {met.reference!r}"
+                f"{_suggest(met.reference, _all_method_names())}"
+            )
         if kind == "contextualization_change" and met.name != "change":
             errors.append(f"a contextualization_change config takes the metric 'change' only, not {spec!r}")
         if kind == "methods" and met.name == "change":
@@ -368,21 +429,29 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
                 errors.append(f"explain.{k} must be a positive integer")
         elif v not in EXPLAIN_OPTIONS[k]:
             errors.append(f"explain.{k} must be one of {', '.join(map(str, EXPLAIN_OPTIONS[k]))}")
-    options = {"batch_size": raw.get("batch_size", 32), "min_tokens": raw.get("min_tokens", 0),
-               "seed": raw.get("seed", 0), "mask_rate": raw.get("mask_rate", 0.0),
-               "lower_triangle": bool(raw.get("lower_triangle", False)), "threads": raw.get("threads"),
-               "example_batch": raw.get("example_batch", EXAMPLE_BATCH),
-               "token_type_ids": raw.get("token_type_ids", True),
-               "deletion_stop_one_short": raw.get("deletion_stop_one_short", False),
-               "raw_attention_keep_self": raw.get("raw_attention_keep_self", False)}
+    options = {
+        "batch_size": raw.get("batch_size", 32),
+        "min_tokens": raw.get("min_tokens", 0),
+        "seed": raw.get("seed", 0),
+        "mask_rate": raw.get("mask_rate", 0.0),
+        "lower_triangle": bool(raw.get("lower_triangle", False)),
+        "threads": raw.get("threads"),
+        "example_batch": raw.get("example_batch", EXAMPLE_BATCH),
+        "token_type_ids": raw.get("token_type_ids", True),
+        "deletion_stop_one_short": raw.get("deletion_stop_one_short", False),
+        "raw_attention_keep_self": raw.get("raw_attention_keep_self", False),
+    }
     for k in ("deletion_stop_one_short", "raw_attention_keep_self"):
         if not isinstance(options[k], bool):
             errors.append(f"{k} must be true or false")
     if not isinstance(options["token_type_ids"], bool):
-        errors.append("token_type_ids must be true (sentence pairs reach the model with their token types, the "
-                      "default) or false (pairs run without them, as the AttCAT code does)")
-    if options["threads"] is not None and (isinstance(options["threads"], bool) or not isinstance(options["threads"], int)
-                                           or options["threads"] < 1):
+        errors.append(
+            "token_type_ids must be true (sentence pairs reach the model with their token types, the "
+            "default) or false (pairs run without them, as the AttCAT code does)"
+        )
+    if options["threads"] is not None and (
+        isinstance(options["threads"], bool) or not isinstance(options["threads"], int) or options["threads"] < 1
+    ):
         errors.append("threads must be a positive integer")
     for k in ("batch_size", "min_tokens", "seed"):
         if isinstance(options[k], bool) or not isinstance(options[k], int) or options[k] < 0:
@@ -400,8 +469,21 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     if errors:
         where = f" {source}" if source else ""
         raise BadInput(f"invalid benchmark config{where}:\n  - " + "\n  - ".join(errors))
-    return Plan(name=name, kind=kind, models=models, datasets=datasets, runs=runs, methods=methods, metrics=metrics,
-                target=target, explain=explain_opts, options=options, paper=paper, raw=raw, source=source)
+    return Plan(
+        name=name,
+        kind=kind,
+        models=models,
+        datasets=datasets,
+        runs=runs,
+        methods=methods,
+        metrics=metrics,
+        target=target,
+        explain=explain_opts,
+        options=options,
+        paper=paper,
+        raw=raw,
+        source=source,
+    )
 
 
 CONFIG_MAX_BYTES = 1 << 20  # a benchmark config is a page of YAML

@@ -1,15 +1,16 @@
-"""Benchmark datasets: labelled examples from files, the hub, BLiMP and Linzen-Goldberg.
-"""
+"""Benchmark datasets: labelled examples from files, the hub, BLiMP and Linzen-Goldberg."""
 
 from __future__ import annotations
+
 import os
 import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from ctxmix.errors import BadInput
+
 from ctxmix.benchmark.config import BLIMP_CUES, DatasetSpec
+from ctxmix.errors import BadInput
 
 
 @dataclass
@@ -22,19 +23,46 @@ class Example:
     item: dict | None = None  # an AgreementItem as a dict (agreement-style data)
 
 
+_CONTRACTIONS = {
+    "wouldn't": "would not",
+    "couldn't": "could not",
+    "shouldn't": "should not",
+    "won't": "will not",
+    "can't": "cannot",
+    "don't": "do not",
+    "doesn't": "does not",
+    "didn't": "did not",
+    "isn't": "is not",
+    "aren't": "are not",
+    "wasn't": "was not",
+    "weren't": "were not",
+    "hasn't": "has not",
+    "haven't": "have not",
+    "hadn't": "had not",
+}
 
 
-_CONTRACTIONS = {"wouldn't": "would not", "couldn't": "could not", "shouldn't": "should not", "won't": "will not",
-                 "can't": "cannot", "don't": "do not", "doesn't": "does not", "didn't": "did not",
-                 "isn't": "is not", "aren't": "are not", "wasn't": "was not", "weren't": "were not",
-                 "hasn't": "has not", "haven't": "have not", "hadn't": "had not"}
+_DETERMINERS = {
+    "the",
+    "a",
+    "an",
+    "some",
+    "many",
+    "these",
+    "those",
+    "this",
+    "that",
+    "every",
+    "all",
+    "most",
+    "few",
+    "several",
+    "no",
+    "each",
+}
 
 
-_DETERMINERS = {"the", "a", "an", "some", "many", "these", "those", "this", "that", "every", "all", "most", "few",
-                "several", "no", "each"}
-
-
-def _blimp_item(uid: str, subset: str, good: str, bad: str) -> "Any":
+def _blimp_item(uid: str, subset: str, good: str, bad: str) -> Any:
     """A BLiMP pair as an AgreementItem: target = the one differing word; cue by a rule (no
     parser: the subject head is the first word, or the second after a leading determiner;
     det-noun cues are the next (dna) or second next (dnaa) word)."""
@@ -54,8 +82,16 @@ def _blimp_item(uid: str, subset: str, good: str, bad: str) -> "Any":
     cue = t + 1 if rule == "next" else t + 2 if rule == "next2" else (1 if g[0].lower() in _DETERMINERS else 0)
     if cue >= len(g) or cue == t:
         return None
-    return AgreementItem(uid=uid, phenomenon=BLIMP_CUES[subset][0], words=tuple(g), target_index=t, target=g[t],
-                         foil=b[t], cue_indices=(cue,), number="?")
+    return AgreementItem(
+        uid=uid,
+        phenomenon=BLIMP_CUES[subset][0],
+        words=tuple(g),
+        target_index=t,
+        target=g[t],
+        foil=b[t],
+        cue_indices=(cue,),
+        number="?",
+    )
 
 
 def _label_of(value, reduce: str | None):
@@ -84,8 +120,10 @@ def _hf_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
     try:
         data = datasets.load_dataset(o["path"], o.get("name"), split=o["split"])
     except Exception as e:  # noqa: BLE001
-        raise BadInput(f"dataset {spec.id!r}: could not load {o['path']}/{o.get('name')} split {o['split']} from the "
-                       f"Hugging Face hub ({type(e).__name__}: {e}); offline datasets: pang_lee, agreement, file") from None
+        raise BadInput(
+            f"dataset {spec.id!r}: could not load {o['path']}/{o.get('name')} split {o['split']} from the "
+            f"Hugging Face hub ({type(e).__name__}: {e}); offline datasets: pang_lee, agreement, file"
+        ) from None
     out, empty = [], 0
     for i, rec in enumerate(data):
         text = _dig(rec, o["text_field"])
@@ -98,8 +136,15 @@ def _hf_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
             continue
         if isinstance(label, int) and label < 0:
             label = None  # GLUE test splits hide their labels as -1
-        out.append(Example(id=f"{i:06d}", text=text.strip(), label=label if isinstance(label, int) else None,
-                           label_name=None if label is None else str(label), text_pair=pair))
+        out.append(
+            Example(
+                id=f"{i:06d}",
+                text=text.strip(),
+                label=label if isinstance(label, int) else None,
+                label_name=None if label is None else str(label),
+                text_pair=pair,
+            )
+        )
     return out, empty
 
 
@@ -122,8 +167,9 @@ def _blimp_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
                 continue
             out.append(Example(id=it.uid, text=it.good, item=it.to_dict()))
     if dropped:
-        warnings.warn(f"dataset {spec.id!r}: {dropped} BLiMP pair(s) do not differ in exactly one word; left out",
-                      stacklevel=2)
+        warnings.warn(
+            f"dataset {spec.id!r}: {dropped} BLiMP pair(s) do not differ in exactly one word; left out", stacklevel=2
+        )
     return out, 0
 
 
@@ -141,8 +187,17 @@ def _linzen_goldberg(spec: DatasetSpec) -> tuple[list[Example], int]:
         words = parts[2].split()
         t = words.index("***mask***")
         words[t] = parts[3]
-        it = AgreementItem(uid=f"lgd-{i:06d}", phenomenon="sva", words=tuple(words), target_index=t, target=parts[3],
-                           foil=parts[4], cue_indices=(), number="?", meta={"attractors": parts[0]})
+        it = AgreementItem(
+            uid=f"lgd-{i:06d}",
+            phenomenon="sva",
+            words=tuple(words),
+            target_index=t,
+            target=parts[3],
+            foil=parts[4],
+            cue_indices=(),
+            number="?",
+            meta={"attractors": parts[0]},
+        )
         out.append(Example(id=it.uid, text=it.good, item=it.to_dict()))
     return out, empty
 
@@ -157,9 +212,11 @@ def load_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
         items = data.pang_lee(None)
         neg = [i for i, x in enumerate(items) if x.label == 0]
         pos = [i for i, x in enumerate(items) if x.label != 0]
-        order = [i for pair in zip(neg, pos) for i in pair] + neg[len(pos):] + pos[len(neg):]  # balanced prefixes
-        exs = [Example(id=f"pl-{i:04d}", text=items[i].text, label=items[i].label, label_name=items[i].label_name)
-               for i in order]
+        order = [i for pair in zip(neg, pos) for i in pair] + neg[len(pos) :] + pos[len(neg) :]  # balanced prefixes
+        exs = [
+            Example(id=f"pl-{i:04d}", text=items[i].text, label=items[i].label, label_name=items[i].label_name)
+            for i in order
+        ]
     elif spec.source == "agreement":
         from ctxmix.benchmark.agreement import agreement_items
 
@@ -175,16 +232,23 @@ def load_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if o.get("label_field", "label") is None and o.get("text_pair_field"):
-                raise BadInput(f"dataset {spec.id!r}: a text_pair_field needs a label_field (pairs are read as "
-                               "labelled rows)")
+                raise BadInput(
+                    f"dataset {spec.id!r}: a text_pair_field needs a label_field (pairs are read as labelled rows)"
+                )
             if o.get("label_field", "label") is None:
                 texts = data.read_texts(o["path"], field=o.get("text_field", "text"))
                 exs = [Example(id=f"{i:06d}", text=t) for i, t in enumerate(texts)]
             else:
-                rows = data.read_labelled(o["path"], o.get("text_field", "text"), o.get("label_field", "label"),
-                                          pair_field=o.get("text_pair_field"))
-                exs = [Example(id=f"{i:06d}", text=r.text, label=r.label, label_name=r.label_name,
-                               text_pair=r.text_pair) for i, r in enumerate(rows)]
+                rows = data.read_labelled(
+                    o["path"],
+                    o.get("text_field", "text"),
+                    o.get("label_field", "label"),
+                    pair_field=o.get("text_pair_field"),
+                )
+                exs = [
+                    Example(id=f"{i:06d}", text=r.text, label=r.label, label_name=r.label_name, text_pair=r.text_pair)
+                    for i, r in enumerate(rows)
+                ]
         for w in caught:  # ctxmix.data reports the empty records it skipped in a warning
             mm = re.search(r"skipped (\d+) empty record", str(w.message))
             if mm:
@@ -207,5 +271,3 @@ def load_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
     if spec.limit is not None:
         kept = kept[: spec.limit]
     return kept, empty
-
-

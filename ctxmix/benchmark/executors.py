@@ -1,17 +1,18 @@
-"""Executors: the local loop and Ray, with progress, throttling and clean stops.
-"""
+"""Executors: the local loop and Ray, with progress, throttling and clean stops."""
 
 from __future__ import annotations
+
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from ctxmix.errors import BadInput, CtxmixError
+
 from ctxmix.benchmark.compute import _ray_task, compute_batch
 from ctxmix.benchmark.config import ModelSpec, Plan
 from ctxmix.benchmark.datasets import Example
 from ctxmix.benchmark.store import ResultsStore
+from ctxmix.errors import BadInput, CtxmixError
 
 
 @dataclass
@@ -32,7 +33,11 @@ def _batches(groups: list[Group]) -> list[list[Group]]:
     """Consecutive groups of one (model, dataset, batch number)."""
     out: list[list[Group]] = []
     for g in groups:
-        if out and (out[-1][0].model.label, out[-1][0].dataset, out[-1][0].batch) == (g.model.label, g.dataset, g.batch):
+        if out and (out[-1][0].model.label, out[-1][0].dataset, out[-1][0].batch) == (
+            g.model.label,
+            g.dataset,
+            g.batch,
+        ):
             out[-1].append(g)
         else:
             out.append([g])
@@ -70,11 +75,21 @@ def _task(plan: Plan, g: Group, store: ResultsStore) -> dict:
         options["min_tokens"] = int(spec.options["min_tokens"])  # a dataset's own filter wins
     if spec is not None and spec.options.get("abs_saliency"):
         options["abs_saliency"] = True  # rank by |score| for the deletion metrics (AttCAT's QQP notebook)
-    return {"kind": plan.kind, "model": asdict(g.model), "dataset": g.dataset, "example": asdict(g.example),
-            "methods": g.methods, "metrics": plan.metrics, "target": plan.target, "explain": plan.explain,
-            "options": options, "seed": plan.options["seed"],
-            "references": store.stored_saliency(plan.run_id, g.model.label, g.dataset, g.example.id, refs)
-            if g.methods else {}}
+    return {
+        "kind": plan.kind,
+        "model": asdict(g.model),
+        "dataset": g.dataset,
+        "example": asdict(g.example),
+        "methods": g.methods,
+        "metrics": plan.metrics,
+        "target": plan.target,
+        "explain": plan.explain,
+        "options": options,
+        "seed": plan.options["seed"],
+        "references": store.stored_saliency(plan.run_id, g.model.label, g.dataset, g.example.id, refs)
+        if g.methods
+        else {},
+    }
 
 
 class _Stop:
@@ -126,17 +141,27 @@ def run_local(plan: Plan, groups: list[Group], store: ResultsStore, bar) -> None
 
 def _ray_env() -> dict:
     root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for k in ("CTXMIX_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
-              "CTXMIX_WORKER_THREADS"):
+    env = {
+        "PYTHONPATH": os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for k in (
+        "CTXMIX_CACHE",
+        "HF_HOME",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "CTXMIX_WORKER_THREADS",
+    ):
         if os.environ.get(k):
             env[k] = os.environ[k]
     return env
 
 
-def run_ray(plan: Plan, groups: list[Group], store: ResultsStore, bar, address: str | None = None,
-            num_cpus: int | None = None) -> None:
+def run_ray(
+    plan: Plan, groups: list[Group], store: ResultsStore, bar, address: str | None = None, num_cpus: int | None = None
+) -> None:
     """Each batch of examples is a Ray task (one CPU); at most 2 x CPUs in flight; the driver commits."""
     try:
         import ray
@@ -166,8 +191,9 @@ def run_ray(plan: Plan, groups: list[Group], store: ResultsStore, bar, address: 
                     try:
                         results = ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - a worker crash is recorded, the run goes on
-                        results = [{"status": "error", "reason": f"ray task failed: {type(e).__name__}: {e}"}
-                                   for _ in tasks]
+                        results = [
+                            {"status": "error", "reason": f"ray task failed: {type(e).__name__}: {e}"} for _ in tasks
+                        ]
                     _commit_batch(plan, gs, tasks, results, store, bar)
             if stop.requested:
                 raise KeyboardInterrupt

@@ -54,8 +54,8 @@ saliency vectors it stores.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -102,42 +102,111 @@ class Metric:
 
 
 _FIXED = [
-    Metric("comprehensiveness", "Comprehensiveness (AOPC)", True, (-1.0, 1.0),
-           "DeYoung et al. 2020: mean over bins 1/5/10/20/50 % of p(x) - p(x without the top-k tokens); "
-           "token ids deleted.", "deletion", needs_head=True),
-    Metric("sufficiency", "Sufficiency (AOPC)", False, (-1.0, 1.0),
-           "DeYoung et al. 2020: mean over bins 1/5/10/20/50 % of p(x) - p(only the top-k tokens kept); "
-           "token ids deleted.", "deletion", needs_head=True),
-    Metric("aopc", "AOPC (AttCAT)", True, (0.0, 1.0),
-           "AttCAT code: mean over 9 levels round(j/9 n) of |p(x) - p(x with the top-k ids deleted)|.",
-           "deletion", needs_head=True),
-    Metric("aopc_pad", "AOPC, [PAD] replacement", True, (0.0, 1.0),
-           "As aopc, with the top-k ids replaced by the pad id instead of deleted.", "deletion", needs_head=True),
-    Metric("lodds", "LOdds (AttCAT)", False, (-math.inf, math.inf),
-           "AttCAT code: mean over 9 levels of log(p(x_k) / p(x)), the top-k ids replaced by the pad id.",
-           "deletion", needs_head=True),
-    Metric("lodds_delete", "LOdds, deletion", False, (-math.inf, math.inf),
-           "As lodds, with the top-k ids deleted instead of replaced.", "deletion", needs_head=True),
-    Metric("cue_dot", "Cue alignment: dot product", True, (0.0, 1.0),
-           "Value zeroing §5: score mass on the cue tokens, S = |v| / sum|v|; per layer and global.",
-           "cue", per_layer=True, needs_cues=True),
-    Metric("cue_ap", "Cue alignment: average precision", True, (0.0, 1.0),
-           "Value zeroing Eq. 12: average precision of the ranking by score against the cue vector.",
-           "cue", per_layer=True, needs_cues=True),
-    Metric("cue_probes", "Cue alignment: probes needed", False, (0.0, math.inf),
-           "Value zeroing App. A.2: non-cue tokens ranked strictly above the best cue token.",
-           "cue", per_layer=True, needs_cues=True),
-    Metric("change", "Contextualization change (1 - rho)", None, (0.0, 2.0),
-           "FF paper §5.1: 1 - Spearman rho between the flattened n x n maps of two scopes, per layer.",
-           "analysis", per_layer=True),
+    Metric(
+        "comprehensiveness",
+        "Comprehensiveness (AOPC)",
+        True,
+        (-1.0, 1.0),
+        "DeYoung et al. 2020: mean over bins 1/5/10/20/50 % of p(x) - p(x without the top-k tokens); "
+        "token ids deleted.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "sufficiency",
+        "Sufficiency (AOPC)",
+        False,
+        (-1.0, 1.0),
+        "DeYoung et al. 2020: mean over bins 1/5/10/20/50 % of p(x) - p(only the top-k tokens kept); "
+        "token ids deleted.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "aopc",
+        "AOPC (AttCAT)",
+        True,
+        (0.0, 1.0),
+        "AttCAT code: mean over 9 levels round(j/9 n) of |p(x) - p(x with the top-k ids deleted)|.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "aopc_pad",
+        "AOPC, [PAD] replacement",
+        True,
+        (0.0, 1.0),
+        "As aopc, with the top-k ids replaced by the pad id instead of deleted.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "lodds",
+        "LOdds (AttCAT)",
+        False,
+        (-math.inf, math.inf),
+        "AttCAT code: mean over 9 levels of log(p(x_k) / p(x)), the top-k ids replaced by the pad id.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "lodds_delete",
+        "LOdds, deletion",
+        False,
+        (-math.inf, math.inf),
+        "As lodds, with the top-k ids deleted instead of replaced.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "cue_dot",
+        "Cue alignment: dot product",
+        True,
+        (0.0, 1.0),
+        "Value zeroing §5: score mass on the cue tokens, S = |v| / sum|v|; per layer and global.",
+        "cue",
+        per_layer=True,
+        needs_cues=True,
+    ),
+    Metric(
+        "cue_ap",
+        "Cue alignment: average precision",
+        True,
+        (0.0, 1.0),
+        "Value zeroing Eq. 12: average precision of the ranking by score against the cue vector.",
+        "cue",
+        per_layer=True,
+        needs_cues=True,
+    ),
+    Metric(
+        "cue_probes",
+        "Cue alignment: probes needed",
+        False,
+        (0.0, math.inf),
+        "Value zeroing App. A.2: non-cue tokens ranked strictly above the best cue token.",
+        "cue",
+        per_layer=True,
+        needs_cues=True,
+    ),
+    Metric(
+        "change",
+        "Contextualization change (1 - rho)",
+        None,
+        (0.0, 2.0),
+        "FF paper §5.1: 1 - Spearman rho between the flattened n x n maps of two scopes, per layer.",
+        "analysis",
+        per_layer=True,
+    ),
 ]
 
 METRICS: dict[str, Metric] = {m.name: m for m in _FIXED}
 DELETION_METRICS = tuple(m.name for m in _FIXED if m.family == "deletion")
 CUE_METRICS = tuple(m.name for m in _FIXED if m.family == "cue")
 
-SPEARMAN_HELP = ("spearman:REF (Spearman rho against method REF's saliency), spearman:|REF| (against |REF|), "
-                 "either with a /nopos suffix to leave the explained position out")
+SPEARMAN_HELP = (
+    "spearman:REF (Spearman rho against method REF's saliency), spearman:|REF| (against |REF|), "
+    "either with a /nopos suffix to leave the explained position out"
+)
 
 
 def metric_names() -> list[str]:
@@ -154,7 +223,7 @@ def get_metric(spec: str) -> Metric:
     if spec in METRICS:
         return METRICS[spec]
     if spec.startswith("spearman:"):
-        ref = spec[len("spearman:"):]
+        ref = spec[len("spearman:") :]
         nopos = ref.endswith("/nopos")
         if nopos:
             ref = ref[: -len("/nopos")]
@@ -164,10 +233,17 @@ def get_metric(spec: str) -> Metric:
         if not ref or not ref.replace("_", "").replace("+", "").isalnum():
             raise BadInput(f"malformed metric {spec!r}: expected {SPEARMAN_HELP}")
         shown = f"|{ref}|" if absolute else ref
-        return Metric(spec, f"Spearman vs {shown}" + (" (explained position left out)" if nopos else ""),
-                      True, (-1.0, 1.0),
-                      f"Spearman's rho between the method's saliency and {shown}'s, per example.",
-                      "reference", reference=ref, reference_abs=absolute, exclude_position=nopos)
+        return Metric(
+            spec,
+            f"Spearman vs {shown}" + (" (explained position left out)" if nopos else ""),
+            True,
+            (-1.0, 1.0),
+            f"Spearman's rho between the method's saliency and {shown}'s, per example.",
+            "reference",
+            reference=ref,
+            reference_abs=absolute,
+            exclude_position=nopos,
+        )
     raise BadInput(f"unknown metric {spec!r}; valid metrics: {', '.join(metric_names())} ({SPEARMAN_HELP})")
 
 
@@ -283,8 +359,9 @@ def cue_alignment(scores, cues: Iterable[int], metrics: Iterable[str] = CUE_METR
     return {m: _CUE_FUNCS[m](scores, cues) for m in metrics}
 
 
-def cue_alignment_layers(layer_maps: np.ndarray, position: int, cues: Iterable[int],
-                         metrics: Iterable[str] = CUE_METRICS) -> dict[str, np.ndarray]:
+def cue_alignment_layers(
+    layer_maps: np.ndarray, position: int, cues: Iterable[int], metrics: Iterable[str] = CUE_METRICS
+) -> dict[str, np.ndarray]:
     """Per layer (1..L) cue alignment of row `position` of each layer map (L, n, n)."""
     cues = list(cues)
     metrics = list(metrics)
@@ -321,8 +398,14 @@ def attcat_ks(n: int, m: int, levels: int = ATTCAT_LEVELS) -> list[int]:
     return [min(k, m) for k in ks if k > 0]
 
 
-def perturb(ids: Sequence[int], positions: Iterable[int], mode: str, pad_id: int,
-            position: int | None = None, types: Sequence[int] | None = None):
+def perturb(
+    ids: Sequence[int],
+    positions: Iterable[int],
+    mode: str,
+    pad_id: int,
+    position: int | None = None,
+    types: Sequence[int] | None = None,
+):
     """Delete the ids at `positions` (mode "delete") or overwrite them with `pad_id` ("pad").
     Returns the new ids and where the explained `position` is now; with a pair's token_type_ids
     `types`, also the new types (deleting tokens moves the segment boundary with them)."""
@@ -367,8 +450,7 @@ class TargetProbability:
     probability). Probabilities in float64.
     """
 
-    def __init__(self, model, target: int, foil: int | None = None, batch_size: int = 32,
-                 max_tokens: int = 16384):
+    def __init__(self, model, target: int, foil: int | None = None, batch_size: int = 32, max_tokens: int = 16384):
         if model.kind == "encoder":
             raise BadInput(f"deletion metrics need a model with a head; {model.name!r} has none")
         self.model = model
@@ -380,8 +462,12 @@ class TargetProbability:
         self.calls = 0  # forward passes, for tests and timing
 
     @torch.no_grad()
-    def __call__(self, seqs: Sequence[Sequence[int]], positions: Sequence[int | None] | None = None,
-                 token_type_ids: Sequence[Sequence[int] | None] | None = None) -> np.ndarray:
+    def __call__(
+        self,
+        seqs: Sequence[Sequence[int]],
+        positions: Sequence[int | None] | None = None,
+        token_type_ids: Sequence[Sequence[int] | None] | None = None,
+    ) -> np.ndarray:
         """token_type_ids: one row (or None) per sequence, for sentence pairs on BERT-like models."""
         n = len(seqs)
         positions = list(positions) if positions is not None else [None] * n
@@ -391,12 +477,18 @@ class TargetProbability:
         start = 0
         while start < n:
             stop = start + 1
-            while (stop < n and stop - start < self.batch_size
-                   and (stop - start + 1) * max(1, len(seqs[order[stop]])) <= self.max_tokens):
+            while (
+                stop < n
+                and stop - start < self.batch_size
+                and (stop - start + 1) * max(1, len(seqs[order[stop]])) <= self.max_tokens
+            ):
                 stop += 1
             idx = order[start:stop]
-            out[idx] = self._batch([list(seqs[i]) or [self.pad] for i in idx], [positions[i] for i in idx],
-                                   [types[i] if seqs[i] else None for i in idx])
+            out[idx] = self._batch(
+                [list(seqs[i]) or [self.pad] for i in idx],
+                [positions[i] for i in idx],
+                [types[i] if seqs[i] else None for i in idx],
+            )
             start = stop
         return out
 
@@ -412,8 +504,9 @@ class TargetProbability:
         tt = m.type_ids_kwargs(types, width) if types and any(t is not None for t in types) else {}
         logits = m.hf(input_ids=ids.to(m.device), attention_mask=mask.to(m.device), **tt).logits.double()
         if m.kind != "classifier":
-            rows = [len(s) - 1 if p is None or m.kind == "causal_lm" and p >= len(s) else p
-                    for s, p in zip(seqs, positions)]
+            rows = [
+                len(s) - 1 if p is None or m.kind == "causal_lm" and p >= len(s) else p for s, p in zip(seqs, positions)
+            ]
             logits = logits[torch.arange(len(seqs)), torch.tensor(rows)]
         if self.foil is not None:
             return torch.sigmoid(logits[:, self.target] - logits[:, self.foil]).cpu().numpy()
@@ -446,11 +539,19 @@ def _reduce(metric: str, p0: float, ps: np.ndarray) -> float:
     raise BadInput(f"{metric!r} is not a deletion metric; those are {', '.join(DELETION_METRICS)}")
 
 
-def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, np.ndarray],
-                     metrics: Iterable[str], protected: set[int] = frozenset(), position: int | None = None,
-                     pad_id: int = 0, p0: float | None = None,
-                     token_type_ids: Sequence[int] | None = None, abs_saliency: bool = False,
-                     stop_one_short: bool = False) -> tuple[dict[str, dict[str, float]], float]:
+def deletion_metrics(
+    predict: Callable,
+    ids: Sequence[int],
+    saliency: dict[str, np.ndarray],
+    metrics: Iterable[str],
+    protected: set[int] = frozenset(),
+    position: int | None = None,
+    pad_id: int = 0,
+    p0: float | None = None,
+    token_type_ids: Sequence[int] | None = None,
+    abs_saliency: bool = False,
+    stop_one_short: bool = False,
+) -> tuple[dict[str, dict[str, float]], float]:
     """Deletion metrics of several methods on one example, every perturbed input predicted in
     one batched call. `predict(seqs, positions[, token_type_ids]) -> probabilities` (a `TargetProbability`).
     token_type_ids: a sentence pair's, deleted along with their tokens. abs_saliency: rank by |score|
@@ -504,15 +605,48 @@ def deletion_metrics(predict: Callable, ids: Sequence[int], saliency: dict[str, 
 def describe(names: Iterable[str] | None = None) -> pd.DataFrame:
     """The metrics' metadata as a table (name, title, direction, range, family, description)."""
     ms = [get_metric(n) for n in names] if names is not None else list(METRICS.values())
-    return pd.DataFrame([{"metric": m.name, "title": m.title, "better": m.direction,
-                          "range": f"[{m.range[0]}, {m.range[1]}]", "family": m.family,
-                          "description": m.description} for m in ms])
+    return pd.DataFrame(
+        [
+            {
+                "metric": m.name,
+                "title": m.title,
+                "better": m.direction,
+                "range": f"[{m.range[0]}, {m.range[1]}]",
+                "family": m.family,
+                "description": m.description,
+            }
+            for m in ms
+        ]
+    )
 
 
 __all__ = [
-    "Metric", "METRICS", "DELETION_METRICS", "CUE_METRICS", "DEYOUNG_BINS", "ATTCAT_LEVELS", "get_metric",
-    "metric_names", "spearman", "reference_spearman", "method_agreement", "model_agreement", "normalise_scores",
-    "cue_dot", "cue_ap", "cue_probes", "average_precision", "cue_alignment", "cue_alignment_layers",
-    "ranked_positions", "deyoung_ks", "attcat_ks", "perturb", "pad_token_id", "protected_positions",
-    "TargetProbability", "deletion_metrics", "describe",
+    "Metric",
+    "METRICS",
+    "DELETION_METRICS",
+    "CUE_METRICS",
+    "DEYOUNG_BINS",
+    "ATTCAT_LEVELS",
+    "get_metric",
+    "metric_names",
+    "spearman",
+    "reference_spearman",
+    "method_agreement",
+    "model_agreement",
+    "normalise_scores",
+    "cue_dot",
+    "cue_ap",
+    "cue_probes",
+    "average_precision",
+    "cue_alignment",
+    "cue_alignment_layers",
+    "ranked_positions",
+    "deyoung_ks",
+    "attcat_ks",
+    "perturb",
+    "pad_token_id",
+    "protected_positions",
+    "TargetProbability",
+    "deletion_metrics",
+    "describe",
 ]

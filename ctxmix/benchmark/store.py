@@ -1,18 +1,18 @@
-"""The results store: SQLite (WAL), resumable units, scores, saliencies, aggregates.
-"""
+"""The results store: SQLite (WAL), resumable units, scores, saliencies, aggregates."""
 
 from __future__ import annotations
+
 import json
 import math
 import os
 import sqlite3
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
-from ctxmix.errors import BadInput
+
 from ctxmix.benchmark.config import DONE_STATUSES, DatasetSpec, ModelSpec, Plan
 from ctxmix.benchmark.datasets import Example
-
+from ctxmix.errors import BadInput
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, name TEXT, config_json TEXT, config_hash TEXT,
@@ -84,103 +84,218 @@ class ResultsStore:
             raise BadInput(
                 f"{self.path} already holds a run named {plan.run_id!r} with other settings (target, explain options, "
                 "metrics or options changed), so its finished units would not match. Rerun with --fresh to discard "
-                "it, or give the config another name.")
+                "it, or give the config another name."
+            )
         with self.conn:
             if row:
-                self.conn.execute("UPDATE runs SET config_json=?, updated=?, ctxmix_version=? WHERE run_id=?",
-                                  (cfg, time.time(), __version__, plan.run_id))
+                self.conn.execute(
+                    "UPDATE runs SET config_json=?, updated=?, ctxmix_version=? WHERE run_id=?",
+                    (cfg, time.time(), __version__, plan.run_id),
+                )
             else:
-                self.conn.execute("INSERT INTO runs VALUES(?,?,?,?,?,?,?)",
-                                  (plan.run_id, plan.name, cfg, h, __version__, time.time(), time.time()))
+                self.conn.execute(
+                    "INSERT INTO runs VALUES(?,?,?,?,?,?,?)",
+                    (plan.run_id, plan.name, cfg, h, __version__, time.time(), time.time()),
+                )
 
     def delete_run(self, run_id: str) -> None:
         with self.conn:
-            for t in ("runs", "datasets", "examples", "units", "scores", "saliency", "skips", "errors",
-                      "computations", "aggregates"):
+            for t in (
+                "runs",
+                "datasets",
+                "examples",
+                "units",
+                "scores",
+                "saliency",
+                "skips",
+                "errors",
+                "computations",
+                "aggregates",
+            ):
                 self.conn.execute(f"DELETE FROM {t} WHERE run_id=?", (run_id,))
 
     def record_dataset(self, run_id: str, spec: DatasetSpec, examples: list[Example], n_empty: int) -> None:
         ident = spec.identity()
-        row = self.conn.execute("SELECT identity FROM datasets WHERE run_id=? AND dataset=?", (run_id, spec.id)).fetchone()
+        row = self.conn.execute(
+            "SELECT identity FROM datasets WHERE run_id=? AND dataset=?", (run_id, spec.id)
+        ).fetchone()
         if row and row[0] != ident:
-            raise BadInput(f"dataset {spec.id!r} of run {run_id!r} was defined differently before; rerun with --fresh "
-                           "or give the dataset another id")
+            raise BadInput(
+                f"dataset {spec.id!r} of run {run_id!r} was defined differently before; rerun with --fresh "
+                "or give the dataset another id"
+            )
         with self.conn:
-            self.conn.execute("INSERT OR REPLACE INTO datasets VALUES(?,?,?,?,?)",
-                              (run_id, spec.id, ident, len(examples), n_empty))
+            self.conn.execute(
+                "INSERT OR REPLACE INTO datasets VALUES(?,?,?,?,?)", (run_id, spec.id, ident, len(examples), n_empty)
+            )
             self.conn.executemany(
                 "INSERT OR IGNORE INTO examples VALUES(?,?,?,?,?,?)",
-                [(run_id, spec.id, e.id, e.text, e.label,
-                  json.dumps({"label_name": e.label_name, "text_pair": e.text_pair, "item": e.item})) for e in examples])
+                [
+                    (
+                        run_id,
+                        spec.id,
+                        e.id,
+                        e.text,
+                        e.label,
+                        json.dumps({"label_name": e.label_name, "text_pair": e.text_pair, "item": e.item}),
+                    )
+                    for e in examples
+                ],
+            )
             if n_empty:
-                self.conn.execute("INSERT OR REPLACE INTO skips VALUES(?,?,?,?,?)",
-                                  (run_id, "*", spec.id, "*", f"{n_empty} row(s) with empty text"))
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO skips VALUES(?,?,?,?,?)",
+                    (run_id, "*", spec.id, "*", f"{n_empty} row(s) with empty text"),
+                )
 
     def finished_units(self, run_id: str) -> set[tuple[str, str, str, str]]:
-        q = f"SELECT model, dataset, example_id, method FROM units WHERE run_id=? AND status IN ({','.join('?' * len(DONE_STATUSES))})"
+        marks = ",".join("?" * len(DONE_STATUSES))
+        q = f"SELECT model, dataset, example_id, method FROM units WHERE run_id=? AND status IN ({marks})"
         return {tuple(r) for r in self.conn.execute(q, (run_id, *DONE_STATUSES))}
 
     def skipped_examples(self, run_id: str) -> set[tuple[str, str, str]]:
-        return {tuple(r) for r in self.conn.execute(
-            "SELECT model, dataset, example_id FROM skips WHERE run_id=? AND example_id != '*'", (run_id,))}
+        return {
+            tuple(r)
+            for r in self.conn.execute(
+                "SELECT model, dataset, example_id FROM skips WHERE run_id=? AND example_id != '*'", (run_id,)
+            )
+        }
 
     def stored_saliency(self, run_id: str, model: str, dataset: str, example_id: str, methods: Iterable[str]) -> dict:
         methods = list(methods)
         if not methods:
             return {}
-        q = (f"SELECT method, values_json FROM saliency WHERE run_id=? AND model=? AND dataset=? AND example_id=? "
-             f"AND method IN ({','.join('?' * len(methods))})")
+        q = (
+            f"SELECT method, values_json FROM saliency WHERE run_id=? AND model=? AND dataset=? AND example_id=? "
+            f"AND method IN ({','.join('?' * len(methods))})"
+        )
         return {m: json.loads(v) for m, v in self.conn.execute(q, (run_id, model, dataset, example_id, *methods))}
 
     # -- committing ---------------------------------------------------------------------------
 
-    def commit_result(self, run_id: str, model: ModelSpec, dataset: str, example_id: str, res: dict,
-                      wanted: list[str]) -> int:
+    def commit_result(
+        self, run_id: str, model: ModelSpec, dataset: str, example_id: str, res: dict, wanted: list[str]
+    ) -> int:
         """Write one example's result: each unit in its own transaction. Returns units committed."""
         from ctxmix import __version__
 
         now = time.time()
         if res.get("status") == "error":
             with self.conn:
-                self.conn.execute("INSERT INTO errors VALUES(?,?,?,?,?,?)",
-                                  (run_id, model.label, dataset, example_id, res.get("reason", ""), now))
+                self.conn.execute(
+                    "INSERT INTO errors VALUES(?,?,?,?,?,?)",
+                    (run_id, model.label, dataset, example_id, res.get("reason", ""), now),
+                )
             return 0
         rev, fp = res.get("model_revision", ""), res.get("fingerprint", "")
         if res.get("status") == "skipped":
             with self.conn:
-                self.conn.execute("INSERT OR REPLACE INTO skips VALUES(?,?,?,?,?)",
-                                  (run_id, model.label, dataset, example_id, res.get("reason", "")))
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO skips VALUES(?,?,?,?,?)",
+                    (run_id, model.label, dataset, example_id, res.get("reason", "")),
+                )
                 for m in wanted:
-                    self.conn.execute("INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                                      (run_id, model.label, dataset, example_id, m, "skipped", res.get("reason", ""),
-                                       model.name, rev, fp, __version__, None, 0.0, now))
+                    self.conn.execute(
+                        "INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        (
+                            run_id,
+                            model.label,
+                            dataset,
+                            example_id,
+                            m,
+                            "skipped",
+                            res.get("reason", ""),
+                            model.name,
+                            rev,
+                            fp,
+                            __version__,
+                            None,
+                            0.0,
+                            now,
+                        ),
+                    )
             return len(wanted)
         with self.conn:  # reference saliencies first, so a later unit of this example can reuse them
             for r, vals in (res.get("references") or {}).items():
-                self.conn.execute("INSERT OR REPLACE INTO saliency VALUES(?,?,?,?,?,?,?,?,?,?)",
-                                  (run_id, model.label, dataset, example_id, r, "reference",
-                                   json.dumps(res.get("tokens")), json.dumps(vals), res.get("position"), res.get("target")))
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO saliency VALUES(?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        run_id,
+                        model.label,
+                        dataset,
+                        example_id,
+                        r,
+                        "reference",
+                        json.dumps(res.get("tokens")),
+                        json.dumps(vals),
+                        res.get("position"),
+                        res.get("target"),
+                    ),
+                )
         n_done = sum(1 for m in res["methods"].values() if m["status"] == "done") or 1
         per = res.get("seconds", 0.0) / n_done
         count = 0
         for m, r in res["methods"].items():
             with self.conn:
-                self.conn.execute("INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                                  (run_id, model.label, dataset, example_id, m, r["status"],
-                                   r.get("detail", res.get("target_note", "")), model.name, rev, fp, __version__,
-                                   res.get("target"), per if r["status"] == "done" else 0.0, now))
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        run_id,
+                        model.label,
+                        dataset,
+                        example_id,
+                        m,
+                        r["status"],
+                        r.get("detail", res.get("target_note", "")),
+                        model.name,
+                        rev,
+                        fp,
+                        __version__,
+                        res.get("target"),
+                        per if r["status"] == "done" else 0.0,
+                        now,
+                    ),
+                )
                 if r["status"] == "done":
                     self.conn.executemany(
                         "INSERT OR REPLACE INTO scores VALUES(?,?,?,?,?,?,?,?,?,?,?)",
-                        [(run_id, model.label, model.name, rev, __version__, dataset, example_id, m, k, int(layer),
-                          None if v is None or not math.isfinite(v) else float(v)) for k, layer, v in r["scores"]])
+                        [
+                            (
+                                run_id,
+                                model.label,
+                                model.name,
+                                rev,
+                                __version__,
+                                dataset,
+                                example_id,
+                                m,
+                                k,
+                                int(layer),
+                                None if v is None or not math.isfinite(v) else float(v),
+                            )
+                            for k, layer, v in r["scores"]
+                        ],
+                    )
                     if r.get("saliency") is not None:
-                        self.conn.execute("INSERT OR REPLACE INTO saliency VALUES(?,?,?,?,?,?,?,?,?,?)",
-                                          (run_id, model.label, dataset, example_id, m, "method",
-                                           json.dumps(res.get("tokens")), json.dumps(r["saliency"]),
-                                           res.get("position"), res.get("target")))
-                    self.conn.execute("INSERT INTO computations VALUES(?,?,?,?,?,?,?)",
-                                      (run_id, model.label, dataset, example_id, m, res.get("pid"), now))
+                        self.conn.execute(
+                            "INSERT OR REPLACE INTO saliency VALUES(?,?,?,?,?,?,?,?,?,?)",
+                            (
+                                run_id,
+                                model.label,
+                                dataset,
+                                example_id,
+                                m,
+                                "method",
+                                json.dumps(res.get("tokens")),
+                                json.dumps(r["saliency"]),
+                                res.get("position"),
+                                res.get("target"),
+                            ),
+                        )
+                    self.conn.execute(
+                        "INSERT INTO computations VALUES(?,?,?,?,?,?,?)",
+                        (run_id, model.label, dataset, example_id, m, res.get("pid"), now),
+                    )
             count += 1
         return count
 
@@ -194,13 +309,17 @@ class ResultsStore:
     def write_aggregates(self, run_id: str) -> None:
         """Recompute the aggregates of a run from its scores and saliency vectors."""
         from ctxmix.benchmark.metrics import get_metric
-        from ctxmix.benchmark.tables import agreement_long, aggregate_scores, model_agreement_long
+        from ctxmix.benchmark.tables import aggregate_scores, agreement_long, model_agreement_long
 
-        scores = self.frame("SELECT model, dataset, example_id, method, metric, layer, value FROM scores WHERE run_id=?",
-                            (run_id,))
+        scores = self.frame(
+            "SELECT model, dataset, example_id, method, metric, layer, value FROM scores WHERE run_id=?", (run_id,)
+        )
         agg = aggregate_scores(scores)
-        sal = self.frame("SELECT model, dataset, example_id, method, tokens_json, values_json FROM saliency "
-                         "WHERE run_id=? AND role='method'", (run_id,))
+        sal = self.frame(
+            "SELECT model, dataset, example_id, method, tokens_json, values_json FROM saliency "
+            "WHERE run_id=? AND role='method'",
+            (run_id,),
+        )
         extra = [agreement_long(sal), model_agreement_long(sal)]
         import pandas as pd
 
@@ -219,14 +338,33 @@ class ResultsStore:
             self.conn.execute("DELETE FROM aggregates WHERE run_id=?", (run_id,))
             self.conn.executemany(
                 "INSERT INTO aggregates VALUES(?,?,?,?,?,?,?,?,?,?,?)",
-                [(run_id, r.model, r.dataset, r.method, r.metric, int(r.layer),
-                  None if pd.isna(r["mean"]) else float(r["mean"]), None if pd.isna(r["std"]) else float(r["std"]),
-                  int(r.n), int(r.n_nan), hib(r.metric)) for _, r in agg.iterrows()])
+                [
+                    (
+                        run_id,
+                        r.model,
+                        r.dataset,
+                        r.method,
+                        r.metric,
+                        int(r.layer),
+                        None if pd.isna(r["mean"]) else float(r["mean"]),
+                        None if pd.isna(r["std"]) else float(r["std"]),
+                        int(r.n),
+                        int(r.n_nan),
+                        hib(r.metric),
+                    )
+                    for _, r in agg.iterrows()
+                ],
+            )
 
     def counts(self, run_id: str) -> dict:
-        c = dict(self.conn.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status", (run_id,)).fetchall())
+        c = dict(
+            self.conn.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status", (run_id,)).fetchall()
+        )
         c["errors"] = self.conn.execute("SELECT COUNT(*) FROM errors WHERE run_id=?", (run_id,)).fetchone()[0]
-        c["empty_rows"] = self.conn.execute("SELECT COALESCE(SUM(n_empty),0) FROM datasets WHERE run_id=?", (run_id,)).fetchone()[0]
+        c["empty_rows"] = self.conn.execute(
+            "SELECT COALESCE(SUM(n_empty),0) FROM datasets WHERE run_id=?", (run_id,)
+        ).fetchone()[0]
         c["skipped_examples"] = self.conn.execute(
-            "SELECT COUNT(*) FROM skips WHERE run_id=? AND example_id != '*'", (run_id,)).fetchone()[0]
+            "SELECT COUNT(*) FROM skips WHERE run_id=? AND example_id != '*'", (run_id,)
+        ).fetchone()[0]
         return c

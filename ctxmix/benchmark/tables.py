@@ -16,12 +16,11 @@ No Streamlit here: the dashboard and the command line use the same functions.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import sqlite3
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -38,11 +37,18 @@ GLOBAL = -1  # the layer value of whole-model scores
 
 def _metric(name: str) -> Metric:
     if name.startswith("agree:"):
-        return Metric(name, f"Agreement with {name[6:]}", True, (-1.0, 1.0), "mean Spearman between saliencies",
-                      "agreement")
+        return Metric(
+            name, f"Agreement with {name[6:]}", True, (-1.0, 1.0), "mean Spearman between saliencies", "agreement"
+        )
     if name.startswith("model_agree:"):
-        return Metric(name, f"Agreement with model {name[12:]}", True, (-1.0, 1.0),
-                      "mean Spearman between two models' saliencies of the same method", "agreement")
+        return Metric(
+            name,
+            f"Agreement with model {name[12:]}",
+            True,
+            (-1.0, 1.0),
+            "mean Spearman between two models' saliencies of the same method",
+            "agreement",
+        )
     return get_metric(name)
 
 
@@ -114,8 +120,9 @@ def model_agreement_long(saliency: pd.DataFrame) -> pd.DataFrame:
                 if a.model == b.model or a.tokens_json != b.tokens_json:
                     continue
                 va, vb = np.asarray(json.loads(a.values_json)), np.asarray(json.loads(b.values_json))
-                rows.append((a.model, ds, ex, meth, f"model_agree:{b.model}", GLOBAL,
-                             _rank_corr(np.stack([va, vb]))[0, 1]))
+                rows.append(
+                    (a.model, ds, ex, meth, f"model_agree:{b.model}", GLOBAL, _rank_corr(np.stack([va, vb]))[0, 1])
+                )
     return pd.DataFrame(rows, columns=["model", "dataset", "example_id", "method", "metric", "layer", "value"])
 
 
@@ -138,8 +145,13 @@ def load_scores(db: str | Path, run: str | None = None) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 
 
-def method_table(agg: pd.DataFrame, model: str | None = None, dataset: str | None = None,
-                 metrics: Iterable[str] | None = None, layer: int = GLOBAL) -> pd.DataFrame:
+def method_table(
+    agg: pd.DataFrame,
+    model: str | None = None,
+    dataset: str | None = None,
+    metrics: Iterable[str] | None = None,
+    layer: int = GLOBAL,
+) -> pd.DataFrame:
     """Methods x metrics: column ``<metric>`` is the mean, ``<metric> std`` the std, ``n`` the
     examples; ``mean rank`` averages each method's rank (1 = best) over the metrics with a
     direction; rows sorted by it. ``table.attrs``: metrics, best {metric: method}, model, dataset."""
@@ -194,7 +206,7 @@ def agreement_matrix(agg: pd.DataFrame, model: str | None = None, dataset: str |
         df = df[df["model"] == model]
     if dataset is not None:
         df = df[df["dataset"] == dataset]
-    df = df.assign(other=df["metric"].str[len("agree:"):])
+    df = df.assign(other=df["metric"].str[len("agree:") :])
     M = df.pivot_table(index="method", columns="other", values="mean", sort=False)
     names = list(dict.fromkeys(list(M.index) + list(M.columns)))
     M = M.reindex(index=names, columns=names)
@@ -203,8 +215,9 @@ def agreement_matrix(agg: pd.DataFrame, model: str | None = None, dataset: str |
     return M
 
 
-def paper_comparison(table: pd.DataFrame, paper: dict, model: str | None = None,
-                     dataset: str | None = None) -> pd.DataFrame:
+def paper_comparison(
+    table: pd.DataFrame, paper: dict, model: str | None = None, dataset: str | None = None
+) -> pd.DataFrame:
     """Paper vs ctxmix, one row per (method, metric) the config's ``paper.values`` give for
     this model and dataset: paper mean/std, ctxmix mean/std, difference."""
     rows = []
@@ -216,11 +229,21 @@ def paper_comparison(table: pd.DataFrame, paper: dict, model: str | None = None,
         meth, met = v.get("method"), v.get("metric")
         ours = table[met].get(meth, np.nan) if met in table.columns else np.nan
         ours_sd = table[f"{met} std"].get(meth, np.nan) if f"{met} std" in table.columns else np.nan
-        rows.append({"method": meth, "paper row": v.get("row", meth), "metric": met, "paper": v.get("mean"),
-                     "paper std": v.get("std", np.nan), "ctxmix": ours, "ctxmix std": ours_sd,
-                     "difference": (ours - v["mean"]) if v.get("mean") is not None and pd.notna(ours) else np.nan})
-    return pd.DataFrame(rows, columns=["method", "paper row", "metric", "paper", "paper std", "ctxmix", "ctxmix std",
-                                       "difference"])
+        rows.append(
+            {
+                "method": meth,
+                "paper row": v.get("row", meth),
+                "metric": met,
+                "paper": v.get("mean"),
+                "paper std": v.get("std", np.nan),
+                "ctxmix": ours,
+                "ctxmix std": ours_sd,
+                "difference": (ours - v["mean"]) if v.get("mean") is not None and pd.notna(ours) else np.nan,
+            }
+        )
+    return pd.DataFrame(
+        rows, columns=["method", "paper row", "metric", "paper", "paper std", "ctxmix", "ctxmix std", "difference"]
+    )
 
 
 def format_table(table: pd.DataFrame, digits: int = 3, marker: str = "*") -> pd.DataFrame:
@@ -287,6 +310,7 @@ def table_figure(table: pd.DataFrame, title: str | None = None, columns: int = 3
     table's order (best mean rank at the top)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
+
     from ctxmix.export.plots import toolbar_title
 
     metrics = table.attrs.get("metrics", [])
@@ -294,51 +318,85 @@ def table_figure(table: pd.DataFrame, title: str | None = None, columns: int = 3
     cols = max(1, min(columns, len(metrics)))
     rows = max(1, -(-len(metrics) // cols))
     methods = [str(m) for m in table.index]
-    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.03,
-                        vertical_spacing=0.25 / rows if rows > 1 else 0.0,
-                        subplot_titles=[f"{m} {_metric(m).arrow}" for m in metrics])
+    fig = make_subplots(
+        rows=rows,
+        cols=cols,
+        shared_yaxes=True,
+        horizontal_spacing=0.03,
+        vertical_spacing=0.25 / rows if rows > 1 else 0.0,
+        subplot_titles=[f"{m} {_metric(m).arrow}" for m in metrics],
+    )
     for k, m in enumerate(metrics):
         r, c = divmod(k, cols)
-        fig.add_trace(go.Bar(y=methods, x=table[m], orientation="h", name=m, showlegend=False,
-                             error_x=dict(type="data", array=table[f"{m} std"].fillna(0).tolist(), visible=True,
-                                          thickness=1),
-                             marker_line_width=[2.5 if best.get(m) == meth else 0 for meth in table.index],
-                             marker_line_color="black", marker_color="#0072B2"), row=r + 1, col=c + 1)
+        fig.add_trace(
+            go.Bar(
+                y=methods,
+                x=table[m],
+                orientation="h",
+                name=m,
+                showlegend=False,
+                error_x=dict(type="data", array=table[f"{m} std"].fillna(0).tolist(), visible=True, thickness=1),
+                marker_line_width=[2.5 if best.get(m) == meth else 0 for meth in table.index],
+                marker_line_color="black",
+                marker_color="#0072B2",
+            ),
+            row=r + 1,
+            col=c + 1,
+        )
     fig.update_yaxes(autorange="reversed", tickfont=dict(size=10))
     fig.update_xaxes(tickfont=dict(size=10))
     fig.update_annotations(font_size=12)
-    fig.update_layout(title=toolbar_title(title or f"{table.attrs.get('model') or ''} on {table.attrs.get('dataset') or ''}"),
-                      height=rows * max(220, 17 * len(methods) + 60) + 90, margin=dict(t=100, b=30, l=10, r=10),
-                      template="simple_white")
+    fig.update_layout(
+        title=toolbar_title(title or f"{table.attrs.get('model') or ''} on {table.attrs.get('dataset') or ''}"),
+        height=rows * max(220, 17 * len(methods) + 60) + 90,
+        margin=dict(t=100, b=30, l=10, r=10),
+        template="simple_white",
+    )
     return fig
 
 
 def layer_figure(layers: pd.DataFrame, title: str | None = None) -> go.Figure:
     """Per-layer curves, one line per method (cue alignment; contextualization change)."""
     import plotly.graph_objects as go
+
     from ctxmix.export.plots import toolbar_title
 
     fig = go.Figure()
     for meth in layers.columns:
         fig.add_trace(go.Scatter(x=list(layers.index), y=layers[meth], mode="lines+markers", name=str(meth)))
     m = layers.attrs.get("metric", "")
-    fig.update_layout(title=toolbar_title(title or f"{m} per layer"), margin=dict(t=80), xaxis_title="layer", yaxis_title=m, height=420,
-                      template="simple_white")
+    fig.update_layout(
+        title=toolbar_title(title or f"{m} per layer"),
+        margin=dict(t=80),
+        xaxis_title="layer",
+        yaxis_title=m,
+        height=420,
+        template="simple_white",
+    )
     return fig
 
 
 def agreement_figure(M: pd.DataFrame, title: str = "Agreement between methods (mean Spearman)") -> go.Figure:
     import plotly.graph_objects as go
+
     from ctxmix.export.plots import toolbar_title
 
-    fig = go.Figure(go.Heatmap(z=M.values, x=list(M.columns), y=list(M.index), zmin=-1, zmax=1,
-                               colorscale="RdBu", reversescale=True))
+    fig = go.Figure(
+        go.Heatmap(
+            z=M.values, x=list(M.columns), y=list(M.index), zmin=-1, zmax=1, colorscale="RdBu", reversescale=True
+        )
+    )
     n = len(M.index)
     # upright method names: each needs one line height, so they never overlap
     fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=10))
     fig.update_yaxes(automargin=True, tickfont=dict(size=10))
-    fig.update_layout(title=toolbar_title(title), height=max(420, 20 * n + 240), yaxis_autorange="reversed", margin=dict(t=80),
-                      template="simple_white")
+    fig.update_layout(
+        title=toolbar_title(title),
+        height=max(420, 20 * n + 240),
+        yaxis_autorange="reversed",
+        margin=dict(t=80),
+        template="simple_white",
+    )
     return fig
 
 
@@ -351,18 +409,25 @@ def report(db: str | Path, plan, out_dir: str | Path | None = None, figures: boo
     """Text of every table of a run; CSV and LaTeX (and HTML figures) written to `out_dir`."""
     with sqlite3.connect(str(db)) as c:
         agg = pd.read_sql_query("SELECT * FROM aggregates WHERE run_id=?", c, params=(plan.run_id,))
-        counts = dict(c.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status",
-                                (plan.run_id,)).fetchall())
+        counts = dict(
+            c.execute("SELECT status, COUNT(*) FROM units WHERE run_id=? GROUP BY status", (plan.run_id,)).fetchall()
+        )
         secs = c.execute("SELECT COALESCE(SUM(seconds),0) FROM units WHERE run_id=?", (plan.run_id,)).fetchone()[0]
         empty = c.execute("SELECT COALESCE(SUM(n_empty),0) FROM datasets WHERE run_id=?", (plan.run_id,)).fetchone()[0]
-        skips = pd.read_sql_query("SELECT model, dataset, reason, COUNT(*) AS n FROM skips WHERE run_id=? AND "
-                                  "example_id != '*' GROUP BY model, dataset, reason", c, params=(plan.run_id,))
+        skips = pd.read_sql_query(
+            "SELECT model, dataset, reason, COUNT(*) AS n FROM skips WHERE run_id=? AND "
+            "example_id != '*' GROUP BY model, dataset, reason",
+            c,
+            params=(plan.run_id,),
+        )
         errors = c.execute("SELECT COUNT(*) FROM errors WHERE run_id=?", (plan.run_id,)).fetchone()[0]
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    lines = [f"run {plan.run_id}: units {', '.join(f'{k} {v}' for k, v in sorted(counts.items())) or 'none'}; "
-             f"compute {secs:.0f} s; empty rows skipped {empty}; errors {errors}"]
+    lines = [
+        f"run {plan.run_id}: units {', '.join(f'{k} {v}' for k, v in sorted(counts.items())) or 'none'}; "
+        f"compute {secs:.0f} s; empty rows skipped {empty}; errors {errors}"
+    ]
     for r in skips.itertuples():
         lines.append(f"  skipped on {r.model} / {r.dataset}: {r.n} x {r.reason}")
     for model, ds in plan.runs:
@@ -370,8 +435,11 @@ def report(db: str | Path, plan, out_dir: str | Path | None = None, figures: boo
         if not len(t.index):
             continue
         stem = f"{model}__{ds}".replace("/", "_")
-        lines += ["", f"== {model} on {ds} ==" + (f"  ({plan.paper.get('source')})" if plan.paper.get("source") else ""),
-                  format_table(t).to_string()]
+        lines += [
+            "",
+            f"== {model} on {ds} ==" + (f"  ({plan.paper.get('source')})" if plan.paper.get("source") else ""),
+            format_table(t).to_string(),
+        ]
         if out:
             to_csv(t, out / f"{stem}.csv")
             (out / f"{stem}.tex").write_text(to_latex(t, caption=f"{model} on {ds}"))
@@ -391,7 +459,8 @@ def report(db: str | Path, plan, out_dir: str | Path | None = None, figures: boo
                         lt.to_csv(out / f"{stem}__{m}_layers.csv")
                         if figures:
                             layer_figure(lt, f"{m} per layer, {model} on {ds}").write_html(
-                                out / f"{stem}__{m}_layers.html", include_plotlyjs="cdn")
+                                out / f"{stem}__{m}_layers.html", include_plotlyjs="cdn"
+                            )
         A = agreement_matrix(agg, model, ds)
         if len(A) > 1 and out:
             A.to_csv(out / f"{stem}__agreement.csv")
@@ -402,6 +471,21 @@ def report(db: str | Path, plan, out_dir: str | Path | None = None, figures: boo
     return "\n".join(lines)
 
 
-__all__ = ["aggregate_scores", "agreement_long", "model_agreement_long", "load_aggregates", "load_scores",
-           "method_table", "layer_table", "agreement_matrix", "paper_comparison", "format_table", "to_csv", "to_latex",
-           "table_figure", "layer_figure", "agreement_figure", "report"]
+__all__ = [
+    "aggregate_scores",
+    "agreement_long",
+    "model_agreement_long",
+    "load_aggregates",
+    "load_scores",
+    "method_table",
+    "layer_table",
+    "agreement_matrix",
+    "paper_comparison",
+    "format_table",
+    "to_csv",
+    "to_latex",
+    "table_figure",
+    "layer_figure",
+    "agreement_figure",
+    "report",
+]

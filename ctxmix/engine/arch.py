@@ -7,8 +7,9 @@ maps of module names (the ALTI repo's idea), so adding a family is adding one en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,17 +61,28 @@ class ArchSpec:
         return self.ff_gate is not None
 
 
-_BERT_LIKE = dict(
-    position="post", norm="layernorm", layers="encoder.layer",
-    value="attention.self.value", out_proj="attention.output.dense",
-    ln1="attention.output.LayerNorm", ln2="output.LayerNorm",
-    ff_in="intermediate.dense", ff_out="output.dense", act="intermediate.intermediate_act_fn",
+_BERT_LIKE: dict[str, Any] = dict(
+    position="post",
+    norm="layernorm",
+    layers="encoder.layer",
+    value="attention.self.value",
+    out_proj="attention.output.dense",
+    ln1="attention.output.LayerNorm",
+    ln2="output.LayerNorm",
+    ff_in="intermediate.dense",
+    ff_out="output.dense",
+    act="intermediate.intermediate_act_fn",
 )
 
 # BART-style layers (the encoder's, and the decoder's self-attention and FF)
-_ENC_DEC_LAYER = dict(
-    value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm", ln2="final_layer_norm",
-    ff_in="fc1", ff_out="fc2", act="activation_fn",
+_ENC_DEC_LAYER: dict[str, Any] = dict(
+    value="self_attn.v_proj",
+    out_proj="self_attn.out_proj",
+    ln1="self_attn_layer_norm",
+    ln2="final_layer_norm",
+    ff_in="fc1",
+    ff_out="fc2",
+    act="activation_fn",
 )
 
 FAMILIES: tuple[ArchSpec, ...] = (
@@ -78,103 +90,229 @@ FAMILIES: tuple[ArchSpec, ...] = (
     ArchSpec("RoBERTa", ("roberta", "xlm-roberta", "camembert"), **_BERT_LIKE),
     ArchSpec("ELECTRA", ("electra",), **_BERT_LIKE),
     ArchSpec(
-        "DistilBERT", ("distilbert",), position="post", norm="layernorm", layers="transformer.layer",
-        value="attention.v_lin", out_proj="attention.out_lin", ln1="sa_layer_norm",
-        ln2="output_layer_norm", ff_in="ffn.lin1", ff_out="ffn.lin2", act="ffn.activation",
+        "DistilBERT",
+        ("distilbert",),
+        position="post",
+        norm="layernorm",
+        layers="transformer.layer",
+        value="attention.v_lin",
+        out_proj="attention.out_lin",
+        ln1="sa_layer_norm",
+        ln2="output_layer_norm",
+        ff_in="ffn.lin1",
+        ff_out="ffn.lin2",
+        act="ffn.activation",
     ),
     ArchSpec(
-        "GPT-2", ("gpt2",), position="pre", norm="layernorm", layers="h", value="attn.c_attn",
-        out_proj="attn.c_proj", ln1="ln_1", ln2="ln_2", ff_in="mlp.c_fc", ff_out="mlp.c_proj",
-        act="mlp.act", final_norm="ln_f", fused_qkv=True, conv1d=True, causal=True,
+        "GPT-2",
+        ("gpt2",),
+        position="pre",
+        norm="layernorm",
+        layers="h",
+        value="attn.c_attn",
+        out_proj="attn.c_proj",
+        ln1="ln_1",
+        ln2="ln_2",
+        ff_in="mlp.c_fc",
+        ff_out="mlp.c_proj",
+        act="mlp.act",
+        final_norm="ln_f",
+        fused_qkv=True,
+        conv1d=True,
+        causal=True,
     ),
     ArchSpec(
-        "OPT", ("opt",), position="pre", norm="layernorm", layers="decoder.layers",
-        value="self_attn.v_proj", out_proj="self_attn.out_proj", ln1="self_attn_layer_norm",
-        ln2="final_layer_norm", ff_in="fc1", ff_out="fc2", act="activation_fn",
-        final_norm="decoder.final_layer_norm", causal=True,
+        "OPT",
+        ("opt",),
+        position="pre",
+        norm="layernorm",
+        layers="decoder.layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.out_proj",
+        ln1="self_attn_layer_norm",
+        ln2="final_layer_norm",
+        ff_in="fc1",
+        ff_out="fc2",
+        act="activation_fn",
+        final_norm="decoder.final_layer_norm",
+        causal=True,
     ),
     ArchSpec(
         # Qwen3 adds q/k norms, which the value path never reads; Llama 3 differs in rotary scaling only
-        "Llama", ("llama", "mistral", "qwen2", "qwen3"), position="pre", norm="rmsnorm", layers="layers",
-        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
-        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
-        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+        "Llama",
+        ("llama", "mistral", "qwen2", "qwen3"),
+        position="pre",
+        norm="rmsnorm",
+        layers="layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.o_proj",
+        ln1="input_layernorm",
+        ln2="post_attention_layernorm",
+        ff_gate="mlp.gate_proj",
+        ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj",
+        act="mlp.act_fn",
+        final_norm="norm",
+        causal=True,
     ),
     ArchSpec(
         # Llama's shape with RMSNorm scaling by (1 + w) and a GeGLU FF (gelu-tanh gate)
-        "Gemma", ("gemma",), position="pre", norm="rmsnorm", norm_offset=1.0, layers="layers",
-        value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
-        ln2="post_attention_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
-        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+        "Gemma",
+        ("gemma",),
+        position="pre",
+        norm="rmsnorm",
+        norm_offset=1.0,
+        layers="layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.o_proj",
+        ln1="input_layernorm",
+        ln2="post_attention_layernorm",
+        ff_gate="mlp.gate_proj",
+        ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj",
+        act="mlp.act_fn",
+        final_norm="norm",
+        causal=True,
     ),
     ArchSpec(
         # Phi-3/4: Llama's shape with a fused qkv_proj ([Q | K | V], K and V of the key-value heads)
         # and a fused gate_up_proj (act(first half) * second half)
-        "Phi-3", ("phi3",), position="pre", norm="rmsnorm", layers="layers", value="self_attn.qkv_proj",
-        out_proj="self_attn.o_proj", ln1="input_layernorm", ln2="post_attention_layernorm",
-        ff_gate="mlp.gate_up_proj", fused_gate_up=True, ff_out="mlp.down_proj", act="mlp.activation_fn",
-        final_norm="norm", fused_qkv=True, causal=True,
+        "Phi-3",
+        ("phi3",),
+        position="pre",
+        norm="rmsnorm",
+        layers="layers",
+        value="self_attn.qkv_proj",
+        out_proj="self_attn.o_proj",
+        ln1="input_layernorm",
+        ln2="post_attention_layernorm",
+        ff_gate="mlp.gate_up_proj",
+        fused_gate_up=True,
+        ff_out="mlp.down_proj",
+        act="mlp.activation_fn",
+        final_norm="norm",
+        fused_qkv=True,
+        causal=True,
     ),
     ArchSpec(
         # encoder-decoder, post-LN (BART, Marian): the encoder as BERT's layers; ALTI+ through the decoder
-        "BART", ("bart", "marian"), position="post", norm="layernorm", layers="encoder.layers",
-        encoder_decoder=True, **_ENC_DEC_LAYER,
+        "BART",
+        ("bart", "marian"),
+        position="post",
+        norm="layernorm",
+        layers="encoder.layers",
+        encoder_decoder=True,
+        **_ENC_DEC_LAYER,
     ),
     ArchSpec(
         # encoder-decoder, pre-LN with a final norm in the encoder and in the decoder (M2M-100, NLLB, mBART)
-        "M2M-100", ("m2m_100", "mbart"), position="pre", norm="layernorm", layers="encoder.layers",
-        final_norm="encoder.layer_norm", encoder_decoder=True, **_ENC_DEC_LAYER,
+        "M2M-100",
+        ("m2m_100", "mbart"),
+        position="pre",
+        norm="layernorm",
+        layers="encoder.layers",
+        final_norm="encoder.layer_norm",
+        encoder_decoder=True,
+        **_ENC_DEC_LAYER,
     ),
     ArchSpec(
         # parallel residual; query_key_value interleaved per head ([q_h | k_h | v_h]), so GPT-2's
         # block slicing would take the wrong columns. use_parallel_residual=False makes it pre-LN.
-        "GPT-NeoX", ("gpt_neox",), position="parallel", norm="layernorm", layers="layers",
-        value="attention.query_key_value", out_proj="attention.dense", ln1="input_layernorm",
-        ln2="post_attention_layernorm", ff_in="mlp.dense_h_to_4h", ff_out="mlp.dense_4h_to_h", act="mlp.act",
-        final_norm="final_layer_norm", fused_qkv=True, qkv_per_head=True, causal=True,
+        "GPT-NeoX",
+        ("gpt_neox",),
+        position="parallel",
+        norm="layernorm",
+        layers="layers",
+        value="attention.query_key_value",
+        out_proj="attention.dense",
+        ln1="input_layernorm",
+        ln2="post_attention_layernorm",
+        ff_in="mlp.dense_h_to_4h",
+        ff_out="mlp.dense_4h_to_h",
+        act="mlp.act",
+        final_norm="final_layer_norm",
+        fused_qkv=True,
+        qkv_per_head=True,
+        causal=True,
     ),
     ArchSpec(
         # Phi-1/1.5/2: parallel, one norm shared by the attention and the FF
-        "Phi", ("phi",), position="parallel", norm="layernorm", layers="layers", value="self_attn.v_proj",
-        out_proj="self_attn.dense", ln1="input_layernorm", ln2="input_layernorm", ff_in="mlp.fc1",
-        ff_out="mlp.fc2", act="mlp.activation_fn", final_norm="final_layernorm", causal=True,
+        "Phi",
+        ("phi",),
+        position="parallel",
+        norm="layernorm",
+        layers="layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.dense",
+        ln1="input_layernorm",
+        ln2="input_layernorm",
+        ff_in="mlp.fc1",
+        ff_out="mlp.fc2",
+        act="mlp.activation_fn",
+        final_norm="final_layernorm",
+        causal=True,
     ),
     ArchSpec(
         # Gemma 2/3: pre-LN blocks whose outputs are normalised too. post_attention_layernorm normalises
         # the attention output here (in Llama the module of that name is the FF's input norm)
-        "Gemma 2/3", ("gemma2", "gemma3_text"), position="sandwich", norm="rmsnorm", norm_offset=1.0,
-        layers="layers", value="self_attn.v_proj", out_proj="self_attn.o_proj", ln1="input_layernorm",
-        ln2="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
-        post_ff_norm="post_feedforward_layernorm", ff_gate="mlp.gate_proj", ff_up="mlp.up_proj",
-        ff_out="mlp.down_proj", act="mlp.act_fn", final_norm="norm", causal=True,
+        "Gemma 2/3",
+        ("gemma2", "gemma3_text"),
+        position="sandwich",
+        norm="rmsnorm",
+        norm_offset=1.0,
+        layers="layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.o_proj",
+        ln1="input_layernorm",
+        ln2="pre_feedforward_layernorm",
+        post_attn_norm="post_attention_layernorm",
+        post_ff_norm="post_feedforward_layernorm",
+        ff_gate="mlp.gate_proj",
+        ff_up="mlp.up_proj",
+        ff_out="mlp.down_proj",
+        act="mlp.act_fn",
+        final_norm="norm",
+        causal=True,
     ),
     # DeBERTa's attention logits carry relative-position terms; its value path is BERT's
     ArchSpec("DeBERTa-v2", ("deberta-v2",), **{**_BERT_LIKE, "value": "attention.self.value_proj"}),
     ArchSpec(
         # pre-LN encoder: fused Wqkv ([Q | K | V]), GeGLU with a fused Wi (act(first half) * second half),
         # LayerNorms without bias, layer 0's attn_norm an identity, local/global attention masks
-        "ModernBERT", ("modernbert",), position="pre", norm="layernorm", layers="layers", value="attn.Wqkv",
-        out_proj="attn.Wo", ln1="attn_norm", ln2="mlp_norm", ff_gate="mlp.Wi", fused_gate_up=True,
-        ff_out="mlp.Wo", act="mlp.act", final_norm="final_norm", fused_qkv=True,
+        "ModernBERT",
+        ("modernbert",),
+        position="pre",
+        norm="layernorm",
+        layers="layers",
+        value="attn.Wqkv",
+        out_proj="attn.Wo",
+        ln1="attn_norm",
+        ln2="mlp_norm",
+        ff_gate="mlp.Wi",
+        fused_gate_up=True,
+        ff_out="mlp.Wo",
+        act="mlp.act",
+        final_norm="final_norm",
+        fused_qkv=True,
     ),
 )
 
 
 FAMILY_NOTES = {
     "BART": "encoder-decoder: explain(model, source, ['alti'], decoder_text=...) gives ALTI+ source and target "
-            "contributions over [source; target]; without decoder_text every mixing method runs on the encoder",
+    "contributions over [source; target]; without decoder_text every mixing method runs on the encoder",
     "M2M-100": "encoder-decoder, pre-LN (as BART's row otherwise)",
     "DeBERTa-v2": "attention logits carry relative-position terms; the weights come from the model",
     "ModernBERT": "alternating local/global attention masks come with the model's attention weights; "
-                  "layer 0 has no attention norm",
+    "layer 0 has no attention norm",
     "Gemma": "RMSNorm scales by 1 + w (the gamma ff_outliers compares is 1 + w)",
     "Llama": "Qwen3's q/k norms and Llama 3's rotary scaling leave the value path as Llama's",
     "Phi-3": "fused qkv_proj and gate_up_proj, split by the head counts",
     "GPT-NeoX": "parallel residual: the FF reads LN2(x), so within a layer it adds to each token's own row "
-                "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
+    "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
     "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
     "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
-                 "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
+    "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
 }
 
 
@@ -187,12 +325,24 @@ def families_table() -> list[dict]:
     for sp in FAMILIES:
         norm = sp.norm + (f" (gamma = {sp.norm_offset:g} + w)" if sp.norm_offset else "")
         ff = ("gated, fused [gate | up]" if sp.fused_gate_up else "gated") if sp.gated else "plain"
-        rows.append({"family": sp.family, "model types": "/".join(sp.model_types),
-                     "norms": "parallel residual, pre-LN blocks" if sp.position == "parallel" else f"{sp.position}-LN",
-                     "norm": norm, "FF": ff,
-                     "attention": ("encoder bidirectional, decoder causal + cross-attention" if sp.encoder_decoder
-                                   else "causal" if sp.causal else "bidirectional"),
-                     "scopes": ", ".join(scope_names(sp.position)), "note": FAMILY_NOTES.get(sp.family, "")})
+        rows.append(
+            {
+                "family": sp.family,
+                "model types": "/".join(sp.model_types),
+                "norms": "parallel residual, pre-LN blocks" if sp.position == "parallel" else f"{sp.position}-LN",
+                "norm": norm,
+                "FF": ff,
+                "attention": (
+                    "encoder bidirectional, decoder causal + cross-attention"
+                    if sp.encoder_decoder
+                    else "causal"
+                    if sp.causal
+                    else "bidirectional"
+                ),
+                "scopes": ", ".join(scope_names(sp.position)),
+                "note": FAMILY_NOTES.get(sp.family, ""),
+            }
+        )
     return rows
 
 
@@ -211,14 +361,16 @@ def spec_for(config) -> ArchSpec:
             if spec.family == "GPT-NeoX" and not getattr(config, "use_parallel_residual", True):
                 return ArchSpec(**{**spec.__dict__, "position": "pre"})
             if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
-                raise UnsupportedArchitecture("OPT checkpoints with word_embed_proj_dim != hidden_size are not supported")
+                raise UnsupportedArchitecture(
+                    "OPT checkpoints with word_embed_proj_dim != hidden_size are not supported"
+                )
             return spec
     raise UnsupportedArchitecture(
         f"model type {mt!r} is not supported; ctxmix describes these families: {supported_families()}"
     )
 
 
-def _get(module: nn.Module, path: str):
+def _get(module: nn.Module, path: str) -> Any:
     obj = module
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -310,19 +462,23 @@ class LayerWeights:
         return self.next_norm
 
 
-def _linear(mod: nn.Module, conv1d: bool, d_out_hint: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear(mod: Any, conv1d: bool, d_out_hint: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     W = mod.weight.detach()
     W = W if conv1d else W.T
-    b = mod.bias.detach() if getattr(mod, "bias", None) is not None else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+    b = (
+        mod.bias.detach()
+        if getattr(mod, "bias", None) is not None
+        else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+    )
     return W, b
 
 
-def _norm(mod: nn.Module, kind: str, offset: float = 0.0) -> Norm:
+def _norm(mod: Any, kind: str, offset: float = 0.0) -> Norm:
     if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
         return Norm("identity", None, None, 0.0)
     eps = getattr(mod, "eps", None)
     if eps is None:
-        eps = getattr(mod, "variance_epsilon")
+        eps = mod.variance_epsilon
     beta = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
     if kind == "layernorm" and beta is None:
         beta = torch.zeros_like(mod.weight)
@@ -345,8 +501,9 @@ def value_columns(spec: ArchSpec, H: int, Hkv: int, dh: int, device=None) -> tor
     """The columns of a fused QKV projection that hold V: [Q | K | V] blocks (Q of the H query
     heads, K and V of the Hkv key-value heads), or per head [q_h | k_h | v_h] (GPT-NeoX)."""
     if spec.qkv_per_head:
-        return (torch.arange(H, device=device)[:, None] * 3 * dh + 2 * dh
-                + torch.arange(dh, device=device)[None]).reshape(-1)
+        return (
+            torch.arange(H, device=device)[:, None] * 3 * dh + 2 * dh + torch.arange(dh, device=device)[None]
+        ).reshape(-1)
     v0 = (H + Hkv) * dh
     return torch.arange(v0, v0 + Hkv * dh, device=device)
 
@@ -366,11 +523,20 @@ def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]
             Wv, bv = Wv[:, cols], bv[cols]
         W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
         lw = LayerWeights(
-            index=li, position=spec.position, n_heads=H, n_kv_heads=Hkv, head_dim=dh,
-            Wv=Wv, bv=bv, Wo=Wo, bo=bo,
+            index=li,
+            position=spec.position,
+            n_heads=H,
+            n_kv_heads=Hkv,
+            head_dim=dh,
+            Wv=Wv,
+            bv=bv,
+            Wo=Wo,
+            bo=bo,
             ln1=_norm(_get(layer, spec.ln1), spec.norm, spec.norm_offset),
             ln2=_norm(_get(layer, spec.ln2), spec.norm, spec.norm_offset),
-            act=_get(layer, spec.act), W2=W2, b2=b2,
+            act=_get(layer, spec.act),
+            W2=W2,
+            b2=b2,
         )
         if spec.post_attn_norm:
             lw.post_attn_norm = _norm(_get(layer, spec.post_attn_norm), spec.norm, spec.norm_offset)

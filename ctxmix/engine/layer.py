@@ -27,7 +27,6 @@ import torch
 
 from ctxmix.engine.arch import LayerWeights
 
-
 # ---------------------------------------------------------------- attention parts
 
 
@@ -163,9 +162,9 @@ def gated_ig_weights(g: torch.Tensor, act, nodes: int = 64) -> tuple[torch.Tenso
     I1 is taken from the identity g*I1 + I2 = act(g) where |g| > 1, which makes the shares
     sum to act(g) * u to rounding whatever the quadrature error; near 0 both come from the rule.
     """
-    a, w = _gauss_legendre(nodes)
-    a = torch.as_tensor(a, dtype=g.dtype, device=g.device)
-    w = torch.as_tensor(w, dtype=g.dtype, device=g.device)
+    a_np, w_np = _gauss_legendre(nodes)
+    a = torch.as_tensor(a_np, dtype=g.dtype, device=g.device)
+    w = torch.as_tensor(w_np, dtype=g.dtype, device=g.device)
     I2 = torch.zeros_like(g)
     I1q = torch.zeros_like(g)
     for ak, wk in zip(a, w):
@@ -212,17 +211,17 @@ class LayerState:
     def batched(self) -> bool:
         return self.x.dim() == 3
 
-    def as_batch(self) -> "LayerState":
+    def as_batch(self) -> LayerState:
         """This state with a leading batch dimension (views; a no-op when already batched)."""
         if self.batched:
             return self
         return LayerState(**{k: (None if v is None else v.unsqueeze(0)) for k, v in self.__dict__.items()})
 
-    def sub_batch(self, part: slice) -> "LayerState":
+    def sub_batch(self, part: slice) -> LayerState:
         """Sequences `part` of a batch (views)."""
         return LayerState(**{k: (None if v is None else v[part]) for k, v in self.__dict__.items()})
 
-    def select(self, b: int, n: int) -> "LayerState":
+    def select(self, b: int, n: int) -> LayerState:
         """Sequence b of a batch, cropped to its n real tokens (views)."""
         crop = {k: (None if v is None else v[b, ..., :n, :]) for k, v in self.__dict__.items() if k != "alpha"}
         return LayerState(alpha=self.alpha[b, :, :n, :n], **crop)
@@ -324,8 +323,9 @@ def _diag(F: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return F[:, torch.arange(len(rows), device=F.device), rows]
 
 
-def ff_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Tensor, b: torch.Tensor,
-              gated_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def ff_pieces(
+    lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Tensor, b: torch.Tensor, gated_nodes: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-baseline IG of the FF over the pieces F (B, c, n, d) and bias b (B, c, d) of its input."""
     if lw.gated:
         g = st.u[:, rows]
@@ -344,14 +344,23 @@ def ff_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Ten
     return hj @ lw.W2, hb @ lw.W2 + lw.b2
 
 
-def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor,
-                         norm, s: torch.Tensor, b: torch.Tensor, cache: dict,
-                         gated_nodes: int = 64, precision: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+def ff_pieces_factorised(
+    lw: LayerWeights,
+    st: LayerState,
+    rows: torch.Tensor,
+    norm,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    cache: dict,
+    gated_nodes: int = 64,
+    precision: str = "float32",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`ff_pieces` without the second n^2*d*d' product.
 
     The FF reads pieces norm(sum_h alpha^h_ij f^h_j + [i=j] x_i) / s_i, linear in f and x, so
     W_1 (or W_g, W_u) is applied to the H*n head vectors once per layer (cached in `cache`, through
-    the head values and `head_ff_maps`) and mixed with alpha afterwards (H*n^2*d' instead of n^2*d*d'). Only the product with W_2,
+    the head values and `head_ff_maps`) and mixed with alpha afterwards (H*n^2*d' instead of
+    n^2*d*d'). Only the product with W_2,
     which exact maps cannot avoid, stays n^2*d'*d. Works in (j, i) order so that the big
     tensors stay contiguous for the GEMM. cache["v"] (B, H, n, dh) the head values; s (B, c, 1);
     b (B, c, d) the bias piece. `precision` applies to the two large products (see `big_matmul`).
@@ -372,7 +381,9 @@ def ff_pieces_factorised(lw: LayerWeights, st: LayerState, rows: torch.Tensor,
     if lw.gated:
         g, up = st.u[:, rows], st.u_up[:, rows]
         I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
-        hT = project(cache["G"][0], lw.Wg).mul_((up * I1).unsqueeze(1)) + project(cache["G"][1], lw.Wu).mul_(I2.unsqueeze(1))
+        hT = project(cache["G"][0], lw.Wg).mul_((up * I1).unsqueeze(1)) + project(cache["G"][1], lw.Wu).mul_(
+            I2.unsqueeze(1)
+        )
         hb = (b @ lw.Wg + lw.bg) * up * I1 + (b @ lw.Wu + lw.bu) * I2
     else:
         r = ig_ratio(st.u[:, rows], lw.act)
@@ -402,9 +413,16 @@ def _next_ln(lw: LayerWeights, st: LayerState, rows, F, b, name: str, out: dict,
 
 
 @_unbatched
-def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str = "exact",
-                 next_ln: bool = False, cache: dict | None = None,
-                 factorised: bool = True, precision: str = "float32") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def scope_pieces(
+    lw: LayerWeights,
+    st: LayerState,
+    rows: torch.Tensor,
+    res2: str = "exact",
+    next_ln: bool = False,
+    cache: dict | None = None,
+    factorised: bool = True,
+    precision: str = "float32",
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The FF paper's cumulative scopes for output rows `rows`: name -> (pieces (B,c,n,d), bias (B,c,d)).
 
     The value bias b_V W_O goes to the bias term, as the FF paper writes (not spread over
@@ -443,8 +461,10 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
         return _sandwich_scopes(lw, st, rows, alpha, res2, next_ln, cache)
     if lw.position == "parallel":
         if res2 != "exact":
-            raise ValueError("res2='diagonal' is the FF paper's printed RES2 of a sequential layer; a parallel "
-                             "layer adds one residual around both blocks")
+            raise ValueError(
+                "res2='diagonal' is the FF paper's printed RES2 of a sequential layer; a parallel "
+                "layer adds one residual around both blocks"
+            )
         return _parallel_scopes(lw, st, rows, alpha, next_ln, cache)
     # pre-LN: LN1 acts on each token alone; its beta goes to the bias with b_V and b_O
     if "f" not in cache:
@@ -468,8 +488,9 @@ def scope_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor, res2: str
     return out
 
 
-def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, res2: str,
-                     next_ln: bool, cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _sandwich_scopes(
+    lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, res2: str, next_ln: bool, cache: dict
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Scopes of a sandwich layer (Gemma 2/3), h = x + LNa(ATTN(LN1 x)), y = h + LNf(FF(LN2 h)), in
     the pre-LN names and order with the output norms where they act: Atb = LN1 + ATTN + LNa + RES1
     (sums to h), AtbLn (LN2, the FF's input), AtbLnFf (the FF output), AtbLnFfLn (LNf),
@@ -480,8 +501,9 @@ def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
         cache["f"] = torch.matmul(head_values(lw, xhat, with_bias=False), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
-    F_a, b = _through(lw.post_attn_norm, mix(alpha, cache["f"]), value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo,
-                      st.attn[:, rows])
+    F_a, b = _through(
+        lw.post_attn_norm, mix(alpha, cache["f"]), value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo, st.attn[:, rows]
+    )
     F_atb = _diag_add(F_a, rows, st.x[:, rows])
     out["Atb"] = (F_atb, b)
     out["AtbLn"] = F_ln, b_ln = _through(lw.ln2, F_atb, b, st.r1[:, rows])
@@ -492,8 +514,9 @@ def _sandwich_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha
     return out
 
 
-def _parallel_scopes(lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, next_ln: bool,
-                     cache: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _parallel_scopes(
+    lw: LayerWeights, st: LayerState, rows: torch.Tensor, alpha: torch.Tensor, next_ln: bool, cache: dict
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Scopes of a parallel layer, y = x + ATTN(LN1 x) + FF(LN2 x), in the post-LN order of the
     FF paper's names: Atb = LN1 + ATTN (no residual: the one residual adds x around both blocks),
     AtbFf = Atb + FF, AtbFfRes = AtbFf + x (the layer output), AtbFfResLn = through the next norm.
@@ -593,14 +616,21 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
         return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": []}
     r1c = _centre(st.r1, norm) * norm.gamma
-    proj = [(r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
-            for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))]
+    proj = [
+        (r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
+        for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))
+    ]
     return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": proj}
 
 
-def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
-                          prep: dict | None = None, factorised: bool = True,
-                          precision: str = "float32") -> torch.Tensor:
+def value_zeroing_columns(
+    lw: LayerWeights,
+    st: LayerState,
+    cols: torch.Tensor,
+    prep: dict | None = None,
+    factorised: bool = True,
+    precision: str = "float32",
+) -> torch.Tensor:
     """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (B, c, n) cosine distances
     between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept
     ((c, n) for an unbatched state).
@@ -627,8 +657,11 @@ def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
     if lw.position == "sandwich":
         factorised = False  # LNa's per-row scale sits between the zeroed value and the FF's projections
     if lw.position == "parallel":  # y' = y - what v_t gave the attention output (the FF reads LN2(x) only)
-        f_t = (prep["f"][:, cols] if prep is not None else
-               head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous())
+        f_t = (
+            prep["f"][:, cols]
+            if prep is not None
+            else head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous()
+        )
         y = st.y[:, first:].unsqueeze(1) - torch.matmul(alT, f_t)
     elif not factorised:
         src = st.x if lw.position == "post" else st.x1
@@ -641,8 +674,10 @@ def value_zeroing_columns(lw: LayerWeights, st: LayerState, cols: torch.Tensor,
         removed = torch.matmul(alT, prep["f"][:, cols])  # (B, c, m, d)
         h = st.r1[:, first:].unsqueeze(1) - removed  # residual stream after attention, v_t zeroed
         s = norm.scale(h)  # (B, c, m, 1)
-        us = [torch.matmul(alT, Bh[:, cols]).neg_().add_(A[:, first:].unsqueeze(1)).div_(s).add_(const)
-              for A, Bh, const in prep["proj"]]
+        us = [
+            torch.matmul(alT, Bh[:, cols]).neg_().add_(A[:, first:].unsqueeze(1)).div_(s).add_(const)
+            for A, Bh, const in prep["proj"]
+        ]
         inner = lw.act(us[0]) * us[1] if lw.gated else lw.act(us[0])
         if precision == "bf16":
             real = lw.act(st.u[:, first:]) * st.u_up[:, first:] if lw.gated else lw.act(st.u[:, first:])

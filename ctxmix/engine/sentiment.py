@@ -230,9 +230,7 @@ def _load_base(seed: int) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _train_head(
-    model: Any, tokenizer: Any, train: Sequence[LabelledText], cfg: TrainConfig, progress: bool
-) -> None:
+def _train_head(model: Any, tokenizer: Any, train: Sequence[LabelledText], cfg: TrainConfig, progress: bool) -> None:
     """Method "head": logistic regression (L2, LBFGS) on frozen pooler outputs -> classifier."""
     import torch
 
@@ -416,8 +414,7 @@ def build_minilm_sentiment(
             "base_model_path": str(base_model_path()),
             "method": method,
             "method_description": (
-                "logistic regression (L2, LBFGS) on frozen pooler outputs; encoder and "
-                "(untrained) pooler unchanged"
+                "logistic regression (L2, LBFGS) on frozen pooler outputs; encoder and (untrained) pooler unchanged"
                 if method == "head"
                 else "fine-tuned encoder layers + pooler + classifier with AdamW; embeddings frozen"
             ),
@@ -427,9 +424,7 @@ def build_minilm_sentiment(
                 "train": len(train),
                 "heldout": len(test),
                 "stratified": True,
-                "heldout_per_label": {
-                    ID2LABEL[k]: sum(it.label == k for it in test) for k in ID2LABEL
-                },
+                "heldout_per_label": {ID2LABEL[k]: sum(it.label == k for it in test) for k in ID2LABEL},
             },
             "heldout_accuracy": heldout_acc,
             "train_accuracy": train_acc,

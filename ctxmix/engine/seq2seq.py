@@ -3,19 +3,28 @@ recomputed from them, and one teacher-forced trace of source and target. ALTI+ o
 `ctxmix.methods.alti_plus`."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass, replace
+
 import torch
+
 from ctxmix.engine.arch import ArchSpec, LayerWeights, layer_weights
-from ctxmix.errors import BadInput
 from ctxmix.engine.layer import ff_forward, head_vectors
 from ctxmix.engine.models import Model
+from ctxmix.engine.trace import Trace
+from ctxmix.errors import BadInput
 
 
 def decoder_specs(spec: ArchSpec) -> tuple[ArchSpec, ArchSpec]:
     """The decoder's self-attention + FF layers, and its cross-attention, named like the encoder's
     layers under "decoder" (the cross-attention is `encoder_attn`, its norm `encoder_attn_layer_norm`)."""
-    own = replace(spec, layers="decoder.layers", final_norm="decoder.layer_norm" if spec.final_norm else None,
-                  heads_attr=("decoder_attention_heads",), causal=True)
+    own = replace(
+        spec,
+        layers="decoder.layers",
+        final_norm="decoder.layer_norm" if spec.final_norm else None,
+        heads_attr=("decoder_attention_heads",),
+        causal=True,
+    )
     cross = replace(own, value="encoder_attn.v_proj", out_proj="encoder_attn.out_proj", ln1="encoder_attn_layer_norm")
     return own, cross
 
@@ -58,8 +67,14 @@ class DecoderState:
     y: torch.Tensor
 
 
-def decoder_layer_forward(sw: LayerWeights, cw: LayerWeights, x: torch.Tensor, e: torch.Tensor,
-                          alpha_self: torch.Tensor, alpha_cross: torch.Tensor) -> DecoderState:
+def decoder_layer_forward(
+    sw: LayerWeights,
+    cw: LayerWeights,
+    x: torch.Tensor,
+    e: torch.Tensor,
+    alpha_self: torch.Tensor,
+    alpha_cross: torch.Tensor,
+) -> DecoderState:
     """Recompute a decoder layer from its input x (B, T, d), the encoder output e (B, S, d) and the
     model's attention probabilities."""
     post = sw.position == "post"
@@ -78,7 +93,7 @@ class Seq2SeqTrace:
     as `DecoderState`s (batch of one)."""
 
     model: Model
-    encoder: object  # ctxmix.engine.trace.Trace of the source
+    encoder: Trace  # the source's
     decoder_ids: list[int]
     decoder: list[DecoderState]
     logits: torch.Tensor  # (T, vocab)
@@ -90,35 +105,64 @@ class Seq2SeqTrace:
 
 
 @torch.no_grad()
-def trace_seq2seq(model: Model, source_ids: list[int], decoder_ids: list[int], notes: list[str] | None = None) -> Seq2SeqTrace:
+def trace_seq2seq(
+    model: Model, source_ids: list[int], decoder_ids: list[int], notes: list[str] | None = None
+) -> Seq2SeqTrace:
     """Run the model once (teacher forcing) and rebuild the encoder's and the decoder's layers."""
     from ctxmix.engine.trace import Trace, _activations, _rebuild
 
     src = torch.tensor([source_ids], device=model.device)
     dec = torch.tensor([decoder_ids], device=model.device)
-    out = model.hf(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=dec,
-                   output_hidden_states=True, output_attentions=True)
+    out = model.hf(
+        input_ids=src,
+        attention_mask=torch.ones_like(src),
+        decoder_input_ids=dec,
+        output_hidden_states=True,
+        output_attentions=True,
+    )
     if any(a is None for a in (out.encoder_attentions or [None])) or any(
-            a is None for a in (out.cross_attentions or [None])):
-        raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
+        a is None for a in (out.cross_attentions or [None])
+    ):
+        raise RuntimeError(
+            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+        )
     ehs = [_activations(model, h[0]) for h in out.encoder_hidden_states]
     states, enc_err = _rebuild(model, ehs, [_activations(model, a[0]) for a in out.encoder_attentions], None)
-    enc = Trace(model=model, input_ids=list(source_ids), tokens=model.tokens(source_ids),
-                hidden=ehs[:-1] + [states[-1].y], states=states, logits=None,
-                reconstruction_error=float(enc_err), notes=list(notes or []))
+    enc = Trace(
+        model=model,
+        input_ids=list(source_ids),
+        tokens=model.tokens(source_ids),
+        hidden=ehs[:-1] + [states[-1].y],
+        states=states,
+        logits=None,
+        reconstruction_error=float(enc_err),
+        notes=list(notes or []),
+    )
     e = _activations(model, out.encoder_last_hidden_state)
     dhs = [_activations(model, h) for h in out.decoder_hidden_states]
     err = float(enc_err)
     dstates = []
     layers = decoder_weights(model)
     for l, (sw, cw) in enumerate(layers):
-        st = decoder_layer_forward(sw, cw, dhs[l], e, _activations(model, out.decoder_attentions[l]),
-                                   _activations(model, out.cross_attentions[l]))
+        st = decoder_layer_forward(
+            sw,
+            cw,
+            dhs[l],
+            e,
+            _activations(model, out.decoder_attentions[l]),
+            _activations(model, out.cross_attentions[l]),
+        )
         dstates.append(st)
         mine = st.y if l < len(layers) - 1 or sw.next_norm is None else sw.next_norm(st.y)
         err = max(err, float((mine - dhs[l + 1]).abs().max()))
-    return Seq2SeqTrace(model=model, encoder=enc, decoder_ids=list(decoder_ids), decoder=dstates,
-                        logits=out.logits[0], reconstruction_error=err)
+    return Seq2SeqTrace(
+        model=model,
+        encoder=enc,
+        decoder_ids=list(decoder_ids),
+        decoder=dstates,
+        logits=out.logits[0],
+        reconstruction_error=err,
+    )
 
 
 def encode_target(model: Model, decoder_text: str) -> tuple[list[int], list[int], list[str]]:
@@ -130,7 +174,7 @@ def encode_target(model: Model, decoder_text: str) -> tuple[list[int], list[int]
     notes = []
     if len(labels) > model.max_length:
         notes.append(f"decoder_text has {len(labels)} tokens; truncated to the model's maximum of {model.max_length}")
-        labels = labels[:model.max_length]
+        labels = labels[: model.max_length]
     start = getattr(model.config, "decoder_start_token_id", None)
     if start is None:
         raise BadInput(f"{model.name}'s config has no decoder_start_token_id; the decoder's input cannot be built")

@@ -84,25 +84,39 @@ class TraceBatch:
         lg = None if self.logits is None else (self.logits[b] if self.logits.dim() == 2 else self.logits[b, :n])
         states = [st.select(b, n) for st in self.states]
         hidden = [st.x for st in states] + [states[-1].y]
-        return Trace(model=self.model, input_ids=list(self.input_ids[b]), tokens=self.model.tokens(self.input_ids[b]),
-                     hidden=hidden, states=states, logits=lg,
-                     reconstruction_error=float(self.errors[b]) if error is None else error,
-                     notes=list(self.notes[b]) if self.notes else [],
-                     token_type_ids=(self.token_type_ids or [None] * self.B)[b],
-                     segments=(self.segments or [None] * self.B)[b])
+        return Trace(
+            model=self.model,
+            input_ids=list(self.input_ids[b]),
+            tokens=self.model.tokens(self.input_ids[b]),
+            hidden=hidden,
+            states=states,
+            logits=lg,
+            reconstruction_error=float(self.errors[b]) if error is None else error,
+            notes=list(self.notes[b]) if self.notes else [],
+            token_type_ids=(self.token_type_ids or [None] * self.B)[b],
+            segments=(self.segments or [None] * self.B)[b],
+        )
 
     @classmethod
-    def of(cls, tr: "Trace | TraceBatch") -> "TraceBatch":
+    def of(cls, tr: Trace | TraceBatch) -> TraceBatch:
         """A Trace as a batch of one (views), or a TraceBatch as it is."""
         if isinstance(tr, TraceBatch):
             return tr
         err = torch.tensor([tr.reconstruction_error], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
         dev = tr.states[0].x.device
-        return cls(model=tr.model, input_ids=[list(tr.input_ids)], states=[st.as_batch() for st in tr.states],
-                   logits=lg, errors=err, notes=[list(tr.notes)], ids=torch.tensor([tr.input_ids], device=dev),
-                   _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev), token_type_ids=[tr.token_type_ids],
-                   segments=[tr.segments])
+        return cls(
+            model=tr.model,
+            input_ids=[list(tr.input_ids)],
+            states=[st.as_batch() for st in tr.states],
+            logits=lg,
+            errors=err,
+            notes=[list(tr.notes)],
+            ids=torch.tensor([tr.input_ids], device=dev),
+            _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev),
+            token_type_ids=[tr.token_type_ids],
+            segments=[tr.segments],
+        )
 
 
 def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mask: torch.Tensor | None):
@@ -110,7 +124,9 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
     atts (L of (..., H, n, n)). Returns the states and the largest error per sequence against the
     model's own states, counted on real tokens only (mask (..., n), or all tokens)."""
     if atts is None or len(atts) != model.n_layers or atts[0] is None:
-        raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
+        raise RuntimeError(
+            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+        )
     states = []
     err = torch.zeros(hs[0].shape[:-2], dtype=torch.float64, device=hs[0].device)
     for l, lw in enumerate(model.layers):
@@ -132,7 +148,9 @@ def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict):
     net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
     out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
     if out.attentions is None or any(a is None for a in out.attentions):
-        raise RuntimeError("the model returned no attention weights; it must be loaded with attn_implementation='eager'")
+        raise RuntimeError(
+            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+        )
     return out
 
 
@@ -142,8 +160,13 @@ def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None,
-              token_type_ids: list[int] | None = None, segments: list[int] | None = None) -> Trace:
+def trace_ids(
+    model: Model,
+    input_ids: list[int],
+    notes: list[str] | None = None,
+    token_type_ids: list[int] | None = None,
+    segments: list[int] | None = None,
+) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights.
     token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given."""
     ids = torch.tensor([input_ids], device=model.device)
@@ -152,9 +175,18 @@ def trace_ids(model: Model, input_ids: list[int], notes: list[str] | None = None
     logits = getattr(out, "logits", None)
     hs = [_activations(model, h[0]) for h in out.hidden_states]
     states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
-    return Trace(model=model, input_ids=list(input_ids), tokens=model.tokens(input_ids), hidden=hs[:-1] + [states[-1].y],
-                 states=states, logits=None if logits is None else logits[0], reconstruction_error=float(err),
-                 notes=list(notes or []), token_type_ids=token_type_ids, segments=segments)
+    return Trace(
+        model=model,
+        input_ids=list(input_ids),
+        tokens=model.tokens(input_ids),
+        hidden=hs[:-1] + [states[-1].y],
+        states=states,
+        logits=None if logits is None else logits[0],
+        reconstruction_error=float(err),
+        notes=list(notes or []),
+        token_type_ids=token_type_ids,
+        segments=segments,
+    )
 
 
 def _check_rows(ids: list[int], *rows) -> None:
@@ -164,8 +196,13 @@ def _check_rows(ids: list[int], *rows) -> None:
 
 
 @torch.no_grad()
-def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None,
-                        token_type_ids: list | None = None, segments: list | None = None) -> TraceBatch:
+def trace_batch_tensors(
+    model: Model,
+    batch: list[list[int]],
+    notes: list[list[str]] | None = None,
+    token_type_ids: list | None = None,
+    segments: list | None = None,
+) -> TraceBatch:
     """Trace B sequences with one padded forward pass (right padding, masked keys) and rebuild
     every layer for the whole batch at once. Masked keys get exactly zero attention, so each
     sequence's states equal its unpadded trace up to float rounding (tests check every family)."""
@@ -194,17 +231,34 @@ def trace_batch_tensors(model: Model, batch: list[list[int]], notes: list[list[s
         if not bool(torch.stack([torch.isfinite(torch.where(keep, h, 0)).all() for h in hs]).all()):  # one sync
             # the model's own padded pass is not finite at real tokens (ModernBERT's and Mistral's eager
             # sliding windows can leave a padded query no key at all): trace each sequence alone
-            return _stack_traces(model, [trace_ids(model, list(seq), (notes or [[]] * len(batch))[b],
-                                                   (token_type_ids or [None] * len(batch))[b],
-                                                   (segments or [None] * len(batch))[b])
-                                         for b, seq in enumerate(batch)])
+            return _stack_traces(
+                model,
+                [
+                    trace_ids(
+                        model,
+                        list(seq),
+                        (notes or [[]] * len(batch))[b],
+                        (token_type_ids or [None] * len(batch))[b],
+                        (segments or [None] * len(batch))[b],
+                    )
+                    for b, seq in enumerate(batch)
+                ],
+            )
         hs = [torch.where(keep, h, 0) for h in hs]
         atts = [torch.where(keep[:, None] & mask[:, None, None, :], a, 0) for a in atts]
     states, err = _rebuild(model, hs, atts, mask)
-    return TraceBatch(model=model, input_ids=[list(s) for s in batch], states=states, logits=logits, errors=err,
-                      notes=[list(x) for x in (notes or [[] for _ in batch])], ids=ids, _mask=mask,
-                      token_type_ids=None if token_type_ids is None else list(token_type_ids),
-                      segments=None if segments is None else list(segments))
+    return TraceBatch(
+        model=model,
+        input_ids=[list(s) for s in batch],
+        states=states,
+        logits=logits,
+        errors=err,
+        notes=[list(x) for x in (notes or [[] for _ in batch])],
+        ids=ids,
+        _mask=mask,
+        token_type_ids=None if token_type_ids is None else list(token_type_ids),
+        segments=None if segments is None else list(segments),
+    )
 
 
 def _stack_traces(model: Model, traces: list[Trace]) -> TraceBatch:
@@ -220,7 +274,7 @@ def _stack_traces(model: Model, traces: list[Trace]) -> TraceBatch:
 
     states = []
     for l in range(len(traces[0].states)):
-        fields = {}
+        fields: dict[str, torch.Tensor | None] = {}
         for k, v0 in traces[0].states[l].__dict__.items():
             if v0 is None:
                 fields[k] = None
@@ -234,10 +288,18 @@ def _stack_traces(model: Model, traces: list[Trace]) -> TraceBatch:
     pad_id = model.tokenizer.pad_token_id or 0
     ids = torch.tensor([tr.input_ids + [pad_id] * (n_max - tr.n) for tr in traces], device=dev)
     mask = torch.arange(n_max, device=dev)[None] < torch.tensor([tr.n for tr in traces], device=dev)[:, None]
-    return TraceBatch(model=model, input_ids=[list(tr.input_ids) for tr in traces], states=states, logits=logits,
-                      errors=torch.tensor([tr.reconstruction_error for tr in traces], dtype=torch.float64, device=dev),
-                      notes=[list(tr.notes) for tr in traces], ids=ids, _mask=mask,
-                      token_type_ids=[tr.token_type_ids for tr in traces], segments=[tr.segments for tr in traces])
+    return TraceBatch(
+        model=model,
+        input_ids=[list(tr.input_ids) for tr in traces],
+        states=states,
+        logits=logits,
+        errors=torch.tensor([tr.reconstruction_error for tr in traces], dtype=torch.float64, device=dev),
+        notes=[list(tr.notes) for tr in traces],
+        ids=ids,
+        _mask=mask,
+        token_type_ids=[tr.token_type_ids for tr in traces],
+        segments=[tr.segments for tr in traces],
+    )
 
 
 def trace_batch(model: Model, batch: list[list[int]], notes: list[list[str]] | None = None) -> list[Trace]:

@@ -1,5 +1,4 @@
-"""Exports: figures (`plots`), one LaTeX writer (`latex`), saved explanations (`saved`).
-"""
+"""Exports: figures (`plots`), one LaTeX writer (`latex`), saved explanations (`saved`)."""
 
 
 def __getattr__(name: str):  # submodules load on first use (`ctxmix.export.plots` after `import ctxmix`)

@@ -5,9 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-_ESCAPES = (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"), ("_", r"\_"),
-            ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\textasciicircum{}"),
-            ("±", r"$\pm$"), ("↑", r"$\uparrow$"), ("↓", r"$\downarrow$"), ("–", "--"))
+_ESCAPES = (
+    ("\\", r"\textbackslash{}"),
+    ("&", r"\&"),
+    ("%", r"\%"),
+    ("$", r"\$"),
+    ("#", r"\#"),
+    ("_", r"\_"),
+    ("{", r"\{"),
+    ("}", r"\}"),
+    ("~", r"\textasciitilde{}"),
+    ("^", r"\textasciicircum{}"),
+    ("±", r"$\pm$"),
+    ("↑", r"$\uparrow$"),
+    ("↓", r"$\downarrow$"),
+    ("–", "--"),
+)
 
 
 def tex_escape(s) -> str:
@@ -18,14 +31,27 @@ def tex_escape(s) -> str:
     return s
 
 
-def booktabs(header: list[str], rows: list[list[str]], align: str, caption: str | None = None,
-             label: str | None = None, small: bool = False) -> str:
+def booktabs(
+    header: list[str],
+    rows: list[list[str]],
+    align: str,
+    caption: str | None = None,
+    label: str | None = None,
+    small: bool = False,
+) -> str:
     """A table environment with a booktabs tabular. `header` is plain text (escaped here); `rows`
     are cells already in LaTeX (the caller escapes text and may add \\textbf); `align` one letter
     per column."""
-    lines = [r"\begin{table}[t]", r"\centering"] + ([r"\small"] if small else []) + [
-        rf"\begin{{tabular}}{{{align}}}", r"\toprule", " & ".join(tex_escape(h) for h in header) + r" \\",
-        r"\midrule"]
+    lines = (
+        [r"\begin{table}[t]", r"\centering"]
+        + ([r"\small"] if small else [])
+        + [
+            rf"\begin{{tabular}}{{{align}}}",
+            r"\toprule",
+            " & ".join(tex_escape(h) for h in header) + r" \\",
+            r"\midrule",
+        ]
+    )
     lines += [" & ".join(r) + r" \\" for r in rows]
     lines += [r"\bottomrule", r"\end{tabular}"]
     if caption:

@@ -18,8 +18,14 @@ from ctxmix.export.latex import dataframe_booktabs
 
 OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 FONT = dict(family="Arial, Helvetica, sans-serif", size=13, color="#222")
-COMPONENT_COLOURS = {"+Ff": "#009E73", "+Res": "#0072B2", "+Ln": "#D55E00",
-                     "dyn:FF": "#009E73", "dyn:FF+RES": "#0072B2", "dyn:FF+RES+LN": "#D55E00"}
+COMPONENT_COLOURS = {
+    "+Ff": "#009E73",
+    "+Res": "#0072B2",
+    "+Ln": "#D55E00",
+    "dyn:FF": "#009E73",
+    "dyn:FF+RES": "#0072B2",
+    "dyn:FF+RES+LN": "#D55E00",
+}
 
 
 def display_tokens(tokens: list[str]) -> list[str]:
@@ -46,8 +52,13 @@ def _axis(tokens: list[str], vertical: bool = False) -> dict:
     keep = sorted(set(range(0, n, step)) | ({n - 1} if n else set()))
     if keep and len(keep) > 1 and keep[-1] - keep[-2] < step:  # the last label would crowd its neighbour
         keep.pop(-2)
-    return dict(tickmode="array", tickvals=keep, ticktext=[labels[i] for i in keep],
-                tickangle=0 if vertical or n <= 8 else -90, automargin=True)
+    return dict(
+        tickmode="array",
+        tickvals=keep,
+        ticktext=[labels[i] for i in keep],
+        tickangle=0 if vertical or n <= 8 else -90,
+        automargin=True,
+    )
 
 
 def toolbar_title(text: str) -> dict:
@@ -60,8 +71,13 @@ def _layout(fig: go.Figure, title: str | None = None, height: int | None = None)
     # titles (annotations just above the plots) get the room a title would
     subtitles = any(a.yref == "paper" and (a.y or 0) >= 0.99 for a in fig.layout.annotations)
     top = 36 + (40 if title else 0) + (34 if subtitles else 0)
-    fig.update_layout(template="simple_white", font=FONT, colorway=OKABE_ITO, margin=dict(l=60, r=20, t=top, b=60),
-                      title=toolbar_title(title or ""))
+    fig.update_layout(
+        template="simple_white",
+        font=FONT,
+        colorway=OKABE_ITO,
+        margin=dict(l=60, r=20, t=top, b=60),
+        title=toolbar_title(title or ""),
+    )
     if height:
         fig.update_layout(height=height)
     return fig
@@ -76,8 +92,9 @@ def color_range(maps: np.ndarray) -> float:
     return float(np.nanmax(np.abs(np.asarray(maps, dtype=float)))) or 1.0
 
 
-def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str = "contribution",
-                zmax: float | None = None) -> go.Figure:
+def map_heatmap(
+    tokens: list[str], M: np.ndarray, title: str = "", colorbar: str = "contribution", zmax: float | None = None
+) -> go.Figure:
     """One (n, n) map: rows = output tokens (top to bottom), columns = input tokens. `zmax` fixes
     the colour scale (e.g. `color_range` of all layers, so layers compare by colour)."""
     M = np.asarray(M, dtype=float)
@@ -85,7 +102,11 @@ def map_heatmap(tokens: list[str], M: np.ndarray, title: str = "", colorbar: str
         kw = dict(colorscale="RdBu", zmid=0) if zmax is None else dict(colorscale="RdBu", zmin=-zmax, zmax=zmax)
     else:
         kw = dict(colorscale="Blues", zmin=0) if zmax is None else dict(colorscale="Blues", zmin=0, zmax=zmax)
-    fig = go.Figure(go.Heatmap(z=M, colorbar=dict(title=colorbar), hovertemplate="out %{y} ← in %{x}: %{z:.4g}<extra></extra>", **kw))
+    fig = go.Figure(
+        go.Heatmap(
+            z=M, colorbar=dict(title=colorbar), hovertemplate="out %{y} ← in %{x}: %{z:.4g}<extra></extra>", **kw
+        )
+    )
     fig.update_xaxes(title="input token j", **_axis(tokens))
     fig.update_yaxes(title="output token i", autorange="reversed", **_axis(tokens, vertical=True))
     return _layout(fig, title, height=max(350, 28 * len(tokens) + 120))
@@ -99,12 +120,26 @@ def maps_grid(tokens: list[str], maps: dict[str, np.ndarray], title: str = "", s
     for k, name in enumerate(names):
         M = np.asarray(maps[name], dtype=float)
         signed = _signed(M)
-        fig.add_trace(go.Heatmap(z=M, colorscale="RdBu" if signed else "Blues", zmid=0 if signed else None,
-                                 zmin=None if signed else 0, zmax=zmax, showscale=False,
-                                 hovertemplate=f"{name}: out %{{y}} ← in %{{x}}: %{{z:.4g}}<extra></extra>"), 1, k + 1)
+        fig.add_trace(
+            go.Heatmap(
+                z=M,
+                colorscale="RdBu" if signed else "Blues",
+                zmid=0 if signed else None,
+                zmin=None if signed else 0,
+                zmax=zmax,
+                showscale=False,
+                hovertemplate=f"{name}: out %{{y}} ← in %{{x}}: %{{z:.4g}}<extra></extra>",
+            ),
+            1,
+            k + 1,
+        )
         fig.update_xaxes(**_axis(tokens), row=1, col=k + 1)
-        fig.update_yaxes(autorange="reversed", **(_axis(tokens, vertical=True) if k == 0 else dict(showticklabels=False)),
-                         row=1, col=k + 1)
+        fig.update_yaxes(
+            autorange="reversed",
+            **(_axis(tokens, vertical=True) if k == 0 else dict(showticklabels=False)),
+            row=1,
+            col=k + 1,
+        )
     side = max(260, 22 * len(tokens) + 80)
     fig.update_layout(width=None, height=side + 60)
     return _layout(fig, title)
@@ -118,17 +153,34 @@ def head_grid(tokens: list[str], head_maps: np.ndarray, title: str = "", zmax: f
     L, H = A.shape[:2]
     zmax = zmax or color_range(A)
     signed = _signed(A)
-    fig = make_subplots(rows=L, cols=H, horizontal_spacing=0.008, vertical_spacing=0.012,
-                        column_titles=[f"head {h + 1}" for h in range(H)], row_titles=[f"layer {l + 1}" for l in range(L)])
+    fig = make_subplots(
+        rows=L,
+        cols=H,
+        horizontal_spacing=0.008,
+        vertical_spacing=0.012,
+        column_titles=[f"head {h + 1}" for h in range(H)],
+        row_titles=[f"layer {l + 1}" for l in range(L)],
+    )
     toks = display_tokens(tokens)
     for l in range(L):
         for h in range(H):
-            fig.add_trace(go.Heatmap(z=A[l, h], x=list(range(len(toks))), y=list(range(len(toks))),
-                                     customdata=np.array([[f"{toks[i]} ← {toks[j]}" for j in range(len(toks))]
-                                                          for i in range(len(toks))]),
-                                     colorscale="RdBu" if signed else "Blues", zmin=-zmax if signed else 0, zmax=zmax,
-                                     showscale=False, hovertemplate=f"layer {l + 1}, head {h + 1}: %{{customdata}}: "
-                                                                    "%{z:.3g}<extra></extra>"), l + 1, h + 1)
+            fig.add_trace(
+                go.Heatmap(
+                    z=A[l, h],
+                    x=list(range(len(toks))),
+                    y=list(range(len(toks))),
+                    customdata=np.array(
+                        [[f"{toks[i]} ← {toks[j]}" for j in range(len(toks))] for i in range(len(toks))]
+                    ),
+                    colorscale="RdBu" if signed else "Blues",
+                    zmin=-zmax if signed else 0,
+                    zmax=zmax,
+                    showscale=False,
+                    hovertemplate=f"layer {l + 1}, head {h + 1}: %{{customdata}}: %{{z:.3g}}<extra></extra>",
+                ),
+                l + 1,
+                h + 1,
+            )
     fig.update_xaxes(showticklabels=False, ticks="", showline=False)
     fig.update_yaxes(showticklabels=False, ticks="", showline=False, autorange="reversed")
     fig.update_annotations(font_size=10)
@@ -149,12 +201,24 @@ def saliency_figure(tokens: list[str], saliency: dict[str, np.ndarray], normalis
         Z = Z / np.clip(np.abs(Z).max(1, keepdims=True), 1e-30, None)
     signed = _signed(Z)
     labels = display_tokens(tokens)
-    fig = go.Figure(go.Heatmap(z=Z, x=list(range(len(tokens))), y=names, customdata=raw,
-                               colorscale="RdBu" if signed else "Blues", zmid=0 if signed else None,
-                               zmin=-1 if signed else 0, zmax=1, showscale=True,
-                               colorbar=dict(title="scaled" if normalise else "score"),
-                               text=[labels] * len(names), texttemplate="%{text}", textfont=dict(size=12),
-                               hovertemplate="%{y} · %{text}: %{customdata:.4g}<extra></extra>"))
+    fig = go.Figure(
+        go.Heatmap(
+            z=Z,
+            x=list(range(len(tokens))),
+            y=names,
+            customdata=raw,
+            colorscale="RdBu" if signed else "Blues",
+            zmid=0 if signed else None,
+            zmin=-1 if signed else 0,
+            zmax=1,
+            showscale=True,
+            colorbar=dict(title="scaled" if normalise else "score"),
+            text=[labels] * len(names),
+            texttemplate="%{text}",
+            textfont=dict(size=12),
+            hovertemplate="%{y} · %{text}: %{customdata:.4g}<extra></extra>",
+        )
+    )
     fig.update_xaxes(showticklabels=False)
     fig.update_yaxes(autorange="reversed")
     return _layout(fig, height=90 + 40 * len(names))
@@ -167,9 +231,17 @@ def source_contribution_figure(tokens: list[str], share: np.ndarray) -> go.Figur
     labels = display_tokens(tokens)
     fig = go.Figure()
     for l, row in enumerate(share, 1):
-        fig.add_trace(go.Scatter(x=list(range(len(labels))), y=row, mode="lines+markers", name=f"layer {l}",
-                                 line=dict(width=3 if l == len(share) else 1.5),
-                                 hovertemplate="%{text}: %{y:.3f}<extra>layer " + str(l) + "</extra>", text=labels))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(len(labels))),
+                y=row,
+                mode="lines+markers",
+                name=f"layer {l}",
+                line=dict(width=3 if l == len(share) else 1.5),
+                hovertemplate="%{text}: %{y:.3f}<extra>layer " + str(l) + "</extra>",
+                text=labels,
+            )
+        )
     fig.update_yaxes(range=[0, 1], title="source contribution")
     fig.update_xaxes(title="target token (decoder input)", **_axis(tokens))
     return _layout(fig, height=360)
@@ -194,8 +266,18 @@ def change_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> go
     fig = make_subplots(rows=1, cols=len(comparisons), subplot_titles=comparisons, shared_yaxes=True)
     for k, c in enumerate(comparisons):
         d = df[df["comparison"] == c]
-        fig.add_trace(go.Bar(x=d["layer"], y=d["change"], error_y=dict(type="data", array=d["std"], thickness=1),
-                             marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]), name=c, showlegend=False), 1, k + 1)
+        fig.add_trace(
+            go.Bar(
+                x=d["layer"],
+                y=d["change"],
+                error_y=dict(type="data", array=d["std"], thickness=1),
+                marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]),
+                name=c,
+                showlegend=False,
+            ),
+            1,
+            k + 1,
+        )
         fig.update_xaxes(title="layer", dtick=1, row=1, col=k + 1)
     fig.update_yaxes(title="1 − Spearman ρ", row=1, col=1)
     return _layout(fig, title, height=340)
@@ -206,9 +288,15 @@ def grouped_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> g
     fig = go.Figure()
     for k, c in enumerate(comparisons):
         d = df[df["comparison"] == c]
-        fig.add_trace(go.Bar(x=d["layer"], y=d["change"], name=c.replace("dyn:", ""),
-                             error_y=dict(type="data", array=d["std"], thickness=1),
-                             marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k])))
+        fig.add_trace(
+            go.Bar(
+                x=d["layer"],
+                y=d["change"],
+                name=c.replace("dyn:", ""),
+                error_y=dict(type="data", array=d["std"], thickness=1),
+                marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]),
+            )
+        )
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="layer", dtick=1)
     fig.update_yaxes(title="1 − Spearman ρ vs the map before the FF")
@@ -220,16 +308,29 @@ def cross_mixing_figure(df: pd.DataFrame, title: str = "") -> go.Figure:
     share of a text's context that comes from the other text; one panel per map (each layer's own,
     aggregated), one colour per method, solid A→B, dotted B→A."""
     views = [v for v in ("layer", "aggregated") if v in set(df["map"])]
-    fig = make_subplots(rows=1, cols=len(views), shared_yaxes=True,
-                        subplot_titles=[{"layer": "each layer's map", "aggregated": "aggregated up to the layer"}[v]
-                                        for v in views])
+    fig = make_subplots(
+        rows=1,
+        cols=len(views),
+        shared_yaxes=True,
+        subplot_titles=[{"layer": "each layer's map", "aggregated": "aggregated up to the layer"}[v] for v in views],
+    )
     for k, m in enumerate(dict.fromkeys(df["method"])):
         for c, v in enumerate(views):
             for d, dash in (("A→B", "solid"), ("B→A", "dot")):
                 sel = df[(df["method"] == m) & (df["map"] == v) & (df["direction"] == d)]
-                fig.add_trace(go.Scatter(x=sel["layer"], y=sel["other"], mode="lines+markers", name=f"{m} {d}",
-                                         legendgroup=m, showlegend=c == 0,
-                                         line=dict(color=OKABE_ITO[k % len(OKABE_ITO)], dash=dash)), 1, c + 1)
+                fig.add_trace(
+                    go.Scatter(
+                        x=sel["layer"],
+                        y=sel["other"],
+                        mode="lines+markers",
+                        name=f"{m} {d}",
+                        legendgroup=m,
+                        showlegend=c == 0,
+                        line=dict(color=OKABE_ITO[k % len(OKABE_ITO)], dash=dash),
+                    ),
+                    1,
+                    c + 1,
+                )
             fig.update_xaxes(title="layer", dtick=1, row=1, col=c + 1)
     fig.update_yaxes(title="share from the other text", rangemode="tozero", row=1, col=1)
     return _layout(fig, title, height=360)
@@ -240,8 +341,10 @@ def res2_figure(df: pd.DataFrame) -> go.Figure:
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Bar(x=df["layer"], y=df["ff_out_norm"], name="‖FF output‖", marker_color="#009E73"))
     fig.add_trace(go.Bar(x=df["layer"], y=df["bypass_norm"], name="‖bypassed vector‖", marker_color="#0072B2"))
-    fig.add_trace(go.Scatter(x=df["layer"], y=df["ratio"], name="ratio", mode="lines+markers",
-                             line=dict(color="#D55E00")), secondary_y=True)
+    fig.add_trace(
+        go.Scatter(x=df["layer"], y=df["ratio"], name="ratio", mode="lines+markers", line=dict(color="#D55E00")),
+        secondary_y=True,
+    )
     fig.add_hline(y=2, line_dash="dot", line_color="#D55E00", secondary_y=True, annotation_text="2×")
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="layer", dtick=1)
@@ -256,22 +359,55 @@ def outlier_figure(df_layer: pd.DataFrame, fraction: float = 0.01, title: str = 
     d = df_layer.sort_values("dim")
     k = max(1, int(np.floor(fraction * len(d))))
     low = d.nsmallest(k, "gamma")
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05,
-                        subplot_titles=["mean |FF input|", "mean |FF output|", "γ of the next norm"])
-    fig.add_trace(go.Scatter(x=d["dim"], y=d["ff_in_mean_abs"], mode="lines", line=dict(color="#0072B2", width=1), name="|FF in|"), 1, 1)
-    fig.add_trace(go.Scatter(x=d["dim"], y=d["ff_out_mean_abs"], mode="lines", line=dict(color="#009E73", width=1), name="|FF out|"), 2, 1)
-    fig.add_trace(go.Scatter(x=d["dim"], y=d["gamma"], mode="lines", line=dict(color="#D55E00", width=1), name="γ"), 3, 1)
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.05,
+        subplot_titles=["mean |FF input|", "mean |FF output|", "γ of the next norm"],
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=d["dim"], y=d["ff_in_mean_abs"], mode="lines", line=dict(color="#0072B2", width=1), name="|FF in|"
+        ),
+        1,
+        1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=d["dim"], y=d["ff_out_mean_abs"], mode="lines", line=dict(color="#009E73", width=1), name="|FF out|"
+        ),
+        2,
+        1,
+    )
+    fig.add_trace(
+        go.Scatter(x=d["dim"], y=d["gamma"], mode="lines", line=dict(color="#D55E00", width=1), name="γ"), 3, 1
+    )
     for row, col in ((1, "ff_in_mean_abs"), (2, "ff_out_mean_abs"), (3, "gamma")):
-        fig.add_trace(go.Scatter(x=low["dim"], y=low[col], mode="markers", marker=dict(color="#000", size=7, symbol="x"),
-                                 name=f"lowest-γ {k}", showlegend=row == 1), row, 1)
+        fig.add_trace(
+            go.Scatter(
+                x=low["dim"],
+                y=low[col],
+                mode="markers",
+                marker=dict(color="#000", size=7, symbol="x"),
+                name=f"lowest-γ {k}",
+                showlegend=row == 1,
+            ),
+            row,
+            1,
+        )
     fig.update_xaxes(title="dimension", row=3, col=1)
     return _layout(fig, title, height=560)
 
 
 def correlation_bars(corr: pd.DataFrame) -> go.Figure:
     """Per-layer Pearson and Spearman r between gamma and mean |FF output|."""
-    fig = go.Figure([go.Bar(x=corr["layer"], y=corr["pearson"], name="Pearson r", marker_color="#0072B2"),
-                     go.Bar(x=corr["layer"], y=corr["spearman"], name="Spearman ρ", marker_color="#E69F00")])
+    fig = go.Figure(
+        [
+            go.Bar(x=corr["layer"], y=corr["pearson"], name="Pearson r", marker_color="#0072B2"),
+            go.Bar(x=corr["layer"], y=corr["spearman"], name="Spearman ρ", marker_color="#E69F00"),
+        ]
+    )
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="layer", dtick=1)
     fig.update_yaxes(title="r(γ, mean |FF out|)", range=[-1, 1])
@@ -298,8 +434,10 @@ def static_export_available() -> bool:
     return chromium_path() is not None
 
 
-STATIC_HINT = ("PNG, SVG and PDF export needs Chrome or Chromium on the server "
-               "(Debian/Ubuntu: `apt install chromium`; macOS: install Google Chrome). HTML works without it.")
+STATIC_HINT = (
+    "PNG, SVG and PDF export needs Chrome or Chromium on the server "
+    "(Debian/Ubuntu: `apt install chromium`; macOS: install Google Chrome). HTML works without it."
+)
 
 
 # Widths of paper columns and pages, in inches (ACL: 3.03 / 6.3; NeurIPS and ICLR: 5.5)
@@ -319,9 +457,14 @@ def paper_figure(fig: go.Figure, preset: str) -> go.Figure:
     height = int(min(width * 1.4, max(width * 0.5, h0 * width / w0)))
     px = PAPER_FONT_PT * 96 / 72
     subtitles = any(a.yref == "paper" and (a.y or 0) >= 0.99 for a in fig.layout.annotations)
-    out.update_layout(width=width, height=height, font=dict(size=px), title_font=dict(size=px + 1),
-                      title_pad=dict(t=4),  # no toolbar on paper
-                      margin=dict(l=40, r=10, t=(24 if fig.layout.title.text else 6) + (16 if subtitles else 0), b=40))
+    out.update_layout(
+        width=width,
+        height=height,
+        font=dict(size=px),
+        title_font=dict(size=px + 1),
+        title_pad=dict(t=4),  # no toolbar on paper
+        margin=dict(l=40, r=10, t=(24 if fig.layout.title.text else 6) + (16 if subtitles else 0), b=40),
+    )
     out.update_annotations(font_size=px)
     return out
 
@@ -351,8 +494,9 @@ def _png_with_text(png: bytes, text: str) -> bytes:
     return out.getvalue()
 
 
-def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | None = None,
-                 provenance: dict | None = None) -> bytes:
+def figure_bytes(
+    fig: go.Figure, fmt: str, scale: float = 2.0, preset: str | None = None, provenance: dict | None = None
+) -> bytes:
     """The figure as png, svg, pdf (kaleido + Chromium) or html (always works); `preset` sizes it
     for a paper (PAPER_PRESETS: "acl-column", "acl-page", "neurips", "iclr"). `provenance` goes into
     the file: an HTML or SVG comment, a PNG text chunk, the PDF's subject (its document information)."""
@@ -393,15 +537,17 @@ def _pdf_with_subject(pdf: bytes, text: str) -> bytes:
     size = re.search(rb"/Size\s+(\d+)", pdf)
     if start < 0 or root is None or size is None:
         return pdf
-    prev = int(pdf[start + 9:].split()[0])
+    prev = int(pdf[start + 9 :].split()[0])
     n = int(size.group(1))
     esc = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)").encode("latin-1", "replace")
     obj = n if m is None else int(m.group(1))
     body = f"{obj} 0 obj\n<< /Producer (ctxmix) /Subject (".encode() + esc + b") >>\nendobj\n"
     offset = len(pdf) + 1
     xref = f"xref\n{obj} 1\n{offset:010d} 00000 n \n".encode()
-    trailer = (f"trailer\n<< /Size {max(n, obj + 1)} /Root {root.group(1).decode()} /Info {obj} 0 R /Prev {prev} >>\n"
-               f"startxref\n{offset + len(body)}\n%%EOF\n").encode()
+    trailer = (
+        f"trailer\n<< /Size {max(n, obj + 1)} /Root {root.group(1).decode()} /Info {obj} 0 R /Prev {prev} >>\n"
+        f"startxref\n{offset + len(body)}\n%%EOF\n"
+    ).encode()
     return pdf + b"\n" + body + xref + trailer
 
 

@@ -56,15 +56,26 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
         raise BadInput(f"{label} could not be read as a saved explanation: {type(e).__name__}: {e}") from None
     if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
         raise BadInput(f"{label} is not a saved ctxmix explanation this version can read")
-    ex = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=list(meta["methods"]),
-                     prediction=meta["prediction"], position=int(meta["position"]), target=meta["target"], foil=meta.get("foil"),
-                     model_name=meta["model_name"], reconstruction_error=float(meta["reconstruction_error"]),
-                     warnings=list(meta["warnings"]), options=dict(meta.get("options") or {}),
-                     provenance=dict(meta.get("provenance") or {}), segments=meta.get("segments"))
+    ex = Explanation(
+        tokens=list(meta["tokens"]),
+        input_ids=list(meta["input_ids"]),
+        methods=list(meta["methods"]),
+        prediction=meta["prediction"],
+        position=int(meta["position"]),
+        target=meta["target"],
+        foil=meta.get("foil"),
+        model_name=meta["model_name"],
+        reconstruction_error=float(meta["reconstruction_error"]),
+        warnings=list(meta["warnings"]),
+        options=dict(meta.get("options") or {}),
+        provenance=dict(meta.get("provenance") or {}),
+        segments=meta.get("segments"),
+    )
     n = len(ex.tokens)
     segs = ex.segments
-    if segs is not None and (not isinstance(segs, list) or len(segs) != n
-                             or any(isinstance(v, bool) or v not in (-1, 0, 1) for v in segs)):
+    if segs is not None and (
+        not isinstance(segs, list) or len(segs) != n or any(isinstance(v, bool) or v not in (-1, 0, 1) for v in segs)
+    ):
         raise BadInput(f"{label} has segments that do not fit its {n} tokens")
     for key, a in arrays.items():
         kind, _, m = key.partition("/")
@@ -72,7 +83,11 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
             raise BadInput(f"{label}: unexpected entry {key!r}")
         a = a.astype(np.float64)
         ndim = {"saliency": 1, "head": 4}.get(kind, 3)
-        if a.ndim != ndim or (kind == "saliency" and a.shape != (n,)) or (kind != "saliency" and a.shape[-2:] != (n, n)):
+        if (
+            a.ndim != ndim
+            or (kind == "saliency" and a.shape != (n,))
+            or (kind != "saliency" and a.shape[-2:] != (n, n))
+        ):
             raise BadInput(f"{label}: {key} has shape {a.shape}, which does not fit {n} tokens")
         {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency, "head": ex.head_maps}[kind][m] = a
     return ex

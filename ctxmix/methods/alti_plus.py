@@ -42,15 +42,17 @@ A target token's total source contribution is the sum of its row's source column
 code (github.com/mt-upc/transformer-contributions-nmt), whose default layer-wise normalisation
 ("min_sum" with the resultant's L1 norm) is the formula above.
 """
+
 from __future__ import annotations
+
 import numpy as np
 import torch
+
 from ctxmix.engine.arch import LayerWeights
-from ctxmix.errors import BadInput
 from ctxmix.engine.layer import _diag_add, alti_layer, head_vectors, mix
 from ctxmix.engine.models import Model
 from ctxmix.engine.seq2seq import DecoderState, decoder_weights, encode_target, trace_seq2seq
-
+from ctxmix.errors import BadInput
 
 METHODS = ("alti",)  # what explain(..., decoder_text=) computes: ALTI+
 
@@ -102,14 +104,17 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
     tokens are [source; decoder inputs] with segments 0 / 1, layer maps M^l and global maps R^l over
     them (one per decoder layer), and the saliency of row `position` (the last decoder input by
     default, the one that predicts the target's last token)."""
-    from ctxmix.methods.explanation import Explanation, provenance as _provenance
-    from ctxmix.methods.registry import MIXING_METHODS
+    from ctxmix.methods.explanation import Explanation
+    from ctxmix.methods.explanation import provenance as _provenance
     from ctxmix.methods.mixing import norm_layer_maps, rollout
+    from ctxmix.methods.registry import MIXING_METHODS
 
     methods = [methods] if isinstance(methods, str) else list(methods)
     if methods != ["alti"]:
-        raise BadInput(f"with decoder_text, ctxmix computes ALTI+ (methods=['alti']), got {methods}; the other "
-                       "mixing methods explain the encoder alone (call explain without decoder_text)")
+        raise BadInput(
+            f"with decoder_text, ctxmix computes ALTI+ (methods=['alti']), got {methods}; the other "
+            "mixing methods explain the encoder alone (call explain without decoder_text)"
+        )
     if not isinstance(text, str):
         raise BadInput("on an encoder-decoder model the source must be one string")
     src_ids, notes = model.encode(text)
@@ -133,21 +138,34 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
     prev[:S, :S] = R_enc
     for l in range(L):
         prev = R[l] = M[l] @ prev
-    ex = Explanation(tokens=model.tokens(src_ids) + model.tokens(dec_ids), input_ids=src_ids + dec_ids, methods=["alti"],
-                     layer_maps={"alti": M}, global_maps={"alti": R}, saliency={"alti": R[-1, pos].copy()},
-                     position=pos, model_name=model.name, reconstruction_error=tr.reconstruction_error,
-                     warnings=list(tr.encoder.notes), segments=[0] * S + [1] * T,
-                     options={"decoder_text": decoder_text, "n_source": S, "method_variant": "ALTI+"},
-                     provenance=_provenance(model))
+    ex = Explanation(
+        tokens=model.tokens(src_ids) + model.tokens(dec_ids),
+        input_ids=src_ids + dec_ids,
+        methods=["alti"],
+        layer_maps={"alti": M},
+        global_maps={"alti": R},
+        saliency={"alti": R[-1, pos].copy()},
+        position=pos,
+        model_name=model.name,
+        reconstruction_error=tr.reconstruction_error,
+        warnings=list(tr.encoder.notes),
+        segments=[0] * S + [1] * T,
+        options={"decoder_text": decoder_text, "n_source": S, "method_variant": "ALTI+"},
+        provenance=_provenance(model),
+    )
     if pos >= S:
         t = pos - S
         p = torch.softmax(tr.logits[t].double(), -1)
         top = torch.topk(p, min(5, p.numel()))
         toks = model.tokens(top.indices.tolist())
         ex.target = int(target_ids[t])
-        ex.prediction = {"label": toks[0], "index": int(top.indices[0]), "what": f"next token after position {pos}",
-                         "probabilities": {k: float(v) for k, v in zip(toks, top.values)},
-                         "target_probability": float(p[ex.target])}
+        ex.prediction = {
+            "label": toks[0],
+            "index": int(top.indices[0]),
+            "what": f"next token after position {pos}",
+            "probabilities": {k: float(v) for k, v in zip(toks, top.values)},
+            "target_probability": float(p[ex.target]),
+        }
     return ex
 
 

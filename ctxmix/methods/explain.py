@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
-from ctxmix.errors import BadInput, checked_arguments
-from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, check_methods
-from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
 from ctxmix.engine.models import Encoded, Model, non_word_ids, types_from_segments
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
+from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance
+from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
+from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, check_methods
 
 
 def default_position(model: Model, input_ids: list[int]) -> int:
@@ -29,25 +28,42 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
         return None
     logits = tr.logits.double()
     if model.kind == "classifier":
-        p = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
+        probs = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
         id2label = getattr(model.config, "id2label", None) or {}
-        labels = [str(id2label.get(i, i)) for i in range(len(p))]
-        k = int(p.argmax())
-        return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, p)))}
+        labels = [str(id2label.get(i, i)) for i in range(len(probs))]
+        k = int(probs.argmax())
+        return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, probs)))}
     if logits.ndim == 2:
         p = torch.softmax(logits[position], -1)
         top = torch.topk(p, min(top_k, p.numel()))
         toks = model.tokens(top.indices.tolist())
         what = "next token after" if model.spec.causal else "token at"
-        return {"label": toks[0], "index": int(top.indices[0]), "what": f"{what} position {position}",
-                "probabilities": {t: float(v) for t, v in zip(toks, top.values)}}
+        return {
+            "label": toks[0],
+            "index": int(top.indices[0]),
+            "what": f"{what} position {position}",
+            "probabilities": {t: float(v) for t, v in zip(toks, top.values)},
+        }
     return None
 
 
-def explain(model: Model, text, methods, target=None, *, position: int | None = None,
-            input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
-            segments: list[int] | None = None, res2: str = "exact", precision: str | None = None,
-            per_head: bool = False, foil=None, decoder_text: str | None = None, **saliency_options) -> Explanation:
+def explain(
+    model: Model,
+    text,
+    methods,
+    target=None,
+    *,
+    position: int | None = None,
+    input_ids: list[int] | None = None,
+    token_type_ids: list[int] | None = None,
+    segments: list[int] | None = None,
+    res2: str = "exact",
+    precision: str | None = None,
+    per_head: bool = False,
+    foil=None,
+    decoder_text: str | None = None,
+    **saliency_options,
+) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
 
     text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
@@ -77,8 +93,19 @@ def explain(model: Model, text, methods, target=None, *, position: int | None = 
     Without it, an encoder-decoder's mixing methods explain its encoder alone.
     """
     if decoder_text is not None or model.spec.encoder_decoder:
-        ex = _encoder_decoder_call(model, text, methods, decoder_text, position, input_ids, token_type_ids,
-                                   segments, per_head, foil, saliency_options)
+        ex = _encoder_decoder_call(
+            model,
+            text,
+            methods,
+            decoder_text,
+            position,
+            input_ids,
+            token_type_ids,
+            segments,
+            per_head,
+            foil,
+            saliency_options,
+        )
         if ex is not None:
             return ex
     methods = check_methods(methods, model.spec.position)
@@ -88,26 +115,54 @@ def explain(model: Model, text, methods, target=None, *, position: int | None = 
     tr = _trace_one(model, text, input_ids, token_type_ids, segments)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
-    return _explanations(model, TraceBatch.of(tr), [methods], [target], [position], res2, precision,
-                         saliency_options, per_head)[0]
+    return _explanations(
+        model, TraceBatch.of(tr), [methods], [target], [position], res2, precision, saliency_options, per_head
+    )[0]
 
 
-def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, input_ids, token_type_ids, segments,
-                          per_head, foil, saliency_options) -> Explanation | None:
+def _encoder_decoder_call(
+    model: Model,
+    text,
+    methods,
+    decoder_text,
+    position,
+    input_ids,
+    token_type_ids,
+    segments,
+    per_head,
+    foil,
+    saliency_options,
+) -> Explanation | None:
     """explain's encoder-decoder cases: ALTI+ with decoder_text; None when the encoder alone is
     explained (mixing methods only: the gradient and perturbation methods need the decoder's output)."""
     if not model.spec.encoder_decoder:
-        raise BadInput(f"decoder_text applies to encoder-decoder models (BART, Marian, mBART, M2M-100); "
-                       f"{model.name} is a {model.spec.family} model")
+        raise BadInput(
+            f"decoder_text applies to encoder-decoder models (BART, Marian, mBART, M2M-100); "
+            f"{model.name} is a {model.spec.family} model"
+        )
     if decoder_text is None:
         _encoder_only_methods(methods)
         return None
     from ctxmix.methods.alti_plus import explain_seq2seq
 
-    given = [k for k, v in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("segments", segments),
-                            ("foil", foil)) if v is not None] + (["per_head"] if per_head else []) + list(saliency_options)
+    given = (
+        [
+            k
+            for k, v in (
+                ("input_ids", input_ids),
+                ("token_type_ids", token_type_ids),
+                ("segments", segments),
+                ("foil", foil),
+            )
+            if v is not None
+        ]
+        + (["per_head"] if per_head else [])
+        + list(saliency_options)
+    )
     if given:
-        raise BadInput(f"with decoder_text, explain takes a source text, methods and position only (got {', '.join(given)})")
+        raise BadInput(
+            f"with decoder_text, explain takes a source text, methods and position only (got {', '.join(given)})"
+        )
     return explain_seq2seq(model, text, methods, decoder_text, position)
 
 
@@ -115,9 +170,11 @@ def _encoder_only_methods(methods) -> None:
     names = [methods] if isinstance(methods, str) else list(methods or [])
     other = [m for m in names if m not in MIXING_METHODS]
     if other:
-        raise BadInput(f"{', '.join(map(str, other))}: on an encoder-decoder model the gradient and perturbation "
-                       "methods are not available; give decoder_text= for ALTI+ over source and target, or use "
-                       "mixing methods to explain the encoder alone")
+        raise BadInput(
+            f"{', '.join(map(str, other))}: on an encoder-decoder model the gradient and perturbation "
+            "methods are not available; give decoder_text= for ALTI+ over source and target, or use "
+            "mixing methods to explain the encoder alone"
+        )
 
 
 def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
@@ -135,8 +192,9 @@ def encode_one(model: Model, item, token_type_ids=None, segments=None, ids: bool
         if token_type_ids is not None or segments is not None:
             raise BadInput("token_type_ids and segments go with input_ids; a text or pair is tokenised here")
         if not isinstance(item, (str, tuple)):
-            raise BadInput(f"text must be a string or a pair (text_a, text_b) (or give input_ids=), "
-                           f"got {type(item).__name__}")
+            raise BadInput(
+                f"text must be a string or a pair (text_a, text_b) (or give input_ids=), got {type(item).__name__}"
+            )
         return model.encode_input(item)
     ids_ = check_input_ids(model, item)
     types, segs = check_segments(model, ids_, token_type_ids, segments)
@@ -167,8 +225,10 @@ def check_segments(model: Model, ids: list[int], token_type_ids=None, segments=N
         token_type_ids = ints(token_type_ids, "token_type_ids", set(range(int(model.config.type_vocab_size))))
     special = non_word_ids(model.tokenizer)
     if segments is None:
-        segments = [-1 if t in special else (0 if token_type_ids is None else min(1, token_type_ids[i]))
-                    for i, t in enumerate(ids)]
+        segments = [
+            -1 if t in special else (0 if token_type_ids is None else min(1, token_type_ids[i]))
+            for i, t in enumerate(ids)
+        ]
     else:
         segments = ints(segments, "segments", {-1, 0, 1})
     if token_type_ids is None and model.uses_token_types and 1 in segments:
@@ -199,15 +259,29 @@ def _check_call(res2, position, saliency_options: dict) -> None:
     if res2 not in ("exact", "diagonal"):
         raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
     if position is not None and (isinstance(position, bool) or not isinstance(position, (int, np.integer))):
-        raise BadInput(f"position must be a whole number (a token index; negative counts from the end), got {position!r}")
+        raise BadInput(
+            f"position must be a whole number (a token index; negative counts from the end), got {position!r}"
+        )
     check_saliency_options(saliency_options)
 
 
 @checked_arguments
-def explain_batch(model: Model, texts: list, methods, targets: list | None = None, positions: list | None = None, *,
-                  methods_per_text: list[list[str]] | None = None, res2: str = "exact", precision: str | None = None,
-                  per_head: bool = False, foils: list | None = None, token_type_ids: list | None = None,
-                  segments: list | None = None, **saliency_options) -> list[Explanation]:
+def explain_batch(
+    model: Model,
+    texts: list,
+    methods,
+    targets: list | None = None,
+    positions: list | None = None,
+    *,
+    methods_per_text: list[list[str]] | None = None,
+    res2: str = "exact",
+    precision: str | None = None,
+    per_head: bool = False,
+    foils: list | None = None,
+    token_type_ids: list | None = None,
+    segments: list | None = None,
+    **saliency_options,
+) -> list[Explanation]:
     """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
     optional `token_type_ids` / `segments`, one entry or None per text) with one padded forward pass and
     one batched decomposition for all their mixing methods; the gradient and perturbation methods
@@ -222,29 +296,49 @@ def explain_batch(model: Model, texts: list, methods, targets: list | None = Non
     if model.spec.encoder_decoder:
         _encoder_only_methods(methods)
     _check_call(res2, None, saliency_options)
-    per = [methods] * len(texts) if methods_per_text is None else [
-        [m for m in methods if m in set(ms)] for ms in methods_per_text]
+    per = (
+        [methods] * len(texts)
+        if methods_per_text is None
+        else [[m for m in methods if m in set(ms)] for ms in methods_per_text]
+    )
     if len(per) != len(texts):
         raise BadInput("methods_per_text needs one list per text")
     for name, rows in (("token_type_ids", token_type_ids), ("segments", segments)):
         if rows is not None and len(rows) != len(texts):
             raise BadInput(f"{name} needs one entry (or None) per text")
-    encs = [encode_one(model, t, None if token_type_ids is None else token_type_ids[k],
-                       None if segments is None else segments[k]) for k, t in enumerate(texts)]
-    tb = trace_batch_tensors(model, [e.ids for e in encs], [e.notes for e in encs],
-                             [e.token_type_ids for e in encs], [e.segments for e in encs])
+    encs = [
+        encode_one(
+            model, t, None if token_type_ids is None else token_type_ids[k], None if segments is None else segments[k]
+        )
+        for k, t in enumerate(texts)
+    ]
+    tb = trace_batch_tensors(
+        model,
+        [e.ids for e in encs],
+        [e.notes for e in encs],
+        [e.token_type_ids for e in encs],
+        [e.segments for e in encs],
+    )
     targets = [None] * len(texts) if targets is None else list(targets)
     positions = [None] * len(texts) if positions is None else list(positions)
     foils = [None] * len(texts) if foils is None else list(foils)
     if len(targets) != len(texts) or len(positions) != len(texts) or len(foils) != len(texts):
         raise BadInput("targets, positions and foils need one entry per text")
-    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head),
-                         foils)
+    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head), foils)
 
 
-def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: list, positions: list, res2: str,
-                  precision: str | None, saliency_options: dict, per_head: bool = False,
-                  foils: list | None = None) -> list[Explanation]:
+def _explanations(
+    model: Model,
+    tb: TraceBatch,
+    per: list[list[str]],
+    targets: list,
+    positions: list,
+    res2: str,
+    precision: str | None,
+    saliency_options: dict,
+    per_head: bool = False,
+    foils: list | None = None,
+) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
     from ctxmix.engine.precision import resolve_precision
@@ -264,11 +358,18 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
         if not -n <= pos < n:
             raise BadInput(f"position {pos} is outside the {n} tokens")
         pos %= n
-        ex = Explanation(tokens=tr.tokens, input_ids=tr.input_ids, methods=methods, position=pos,
-                         model_name=model.name, reconstruction_error=tr.reconstruction_error, warnings=list(tr.notes),
-                         segments=None if tr.segments is None else list(tr.segments),
-                         options={"res2": res2, "precision": precision, **saliency_options},
-                         provenance=provenance(model))
+        ex = Explanation(
+            tokens=tr.tokens,
+            input_ids=tr.input_ids,
+            methods=methods,
+            position=pos,
+            model_name=model.name,
+            reconstruction_error=tr.reconstruction_error,
+            warnings=list(tr.notes),
+            segments=None if tr.segments is None else list(tr.segments),
+            options={"res2": res2, "precision": precision, **saliency_options},
+            provenance=provenance(model),
+        )
         ex.prediction = prediction_of(model, tr, pos)
         for m in methods:
             if m in maps:
@@ -280,15 +381,15 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
             if m in heads:
                 ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
         if per_head and not any(m in heads for m in methods):
-            ex.warnings.append(f"per_head: none of {', '.join(methods)} has a per-head form "
-                               f"(those that do: {', '.join(PER_HEAD_METHODS)})")
+            ex.warnings.append(
+                f"per_head: none of {', '.join(methods)} has a per-head form "
+                f"(those that do: {', '.join(PER_HEAD_METHODS)})"
+            )
         sal = [m for m in methods if m not in MIXING_METHODS]
         if saliency_options.get("foil") is not None and not sal:
             ex.warnings.append("the foil applies to the gradient and perturbation methods only; none was asked for")
         if sal:
-            from ctxmix.methods.saliency import saliency_scores
-
-            from ctxmix.methods.saliency import resolve_foil
+            from ctxmix.methods.saliency import resolve_foil, saliency_scores
 
             ex.target, scores = saliency_scores(model, tr, sal, target=targets[b], position=pos, **saliency_options)
             ex.foil = resolve_foil(model, tr, saliency_options.get("foil"), ex.target, pos)
@@ -298,9 +399,16 @@ def _explanations(model: Model, tb: TraceBatch, per: list[list[str]], targets: l
 
 
 @checked_arguments
-def scope_maps(model: Model, text=None, *, input_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
-               segments: list[int] | None = None, res2: str = "exact",
-               precision: str | None = None) -> dict[str, np.ndarray]:
+def scope_maps(
+    model: Model,
+    text=None,
+    *,
+    input_ids: list[int] | None = None,
+    token_type_ids: list[int] | None = None,
+    segments: list[int] | None = None,
+    res2: str = "exact",
+    precision: str | None = None,
+) -> dict[str, np.ndarray]:
     """The FF paper's per-layer scope maps {scope: (L, n, n)} (no rollout: each attributes
     layer l's outputs to layer l's inputs). Post-LN keys Atb, AtbFf, AtbFfRes, AtbFfResLn;
     pre-LN keys Atb, AtbLn, AtbLnFf, AtbLnFfRes. res2="diagonal" gives the paper's printed RES2.

@@ -48,7 +48,7 @@ class Explanation:
     options: dict = field(default_factory=dict)  # res2, precision and the saliency options used
     provenance: dict = field(default_factory=dict)  # ctxmix version, model, dtype, date
 
-    def save(self, path, half: bool = False) -> "Path":
+    def save(self, path, half: bool = False) -> Path:
         """Write everything to one compressed .npz (metadata as a JSON string entry, so it opens
         with allow_pickle=False); `half=True` stores the maps in float16, "for viewing" (about
         half the size; saliency stays float64). Reopen with `ctxmix.load_explanation`."""
@@ -94,14 +94,31 @@ class Explanation:
 
 
 def _arrays(ex: Explanation, half: bool) -> dict:
-    meta = {"format": FORMAT, "version": VERSION, "tokens": ex.tokens, "input_ids": ex.input_ids,
-            "methods": ex.methods, "prediction": ex.prediction, "position": ex.position, "target": ex.target,
-            "foil": ex.foil, "segments": ex.segments,
-            "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error, "warnings": ex.warnings,
-            "options": ex.options, "provenance": ex.provenance, "maps_dtype": "float16" if half else "float64"}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokens": ex.tokens,
+        "input_ids": ex.input_ids,
+        "methods": ex.methods,
+        "prediction": ex.prediction,
+        "position": ex.position,
+        "target": ex.target,
+        "foil": ex.foil,
+        "segments": ex.segments,
+        "model_name": ex.model_name,
+        "reconstruction_error": ex.reconstruction_error,
+        "warnings": ex.warnings,
+        "options": ex.options,
+        "provenance": ex.provenance,
+        "maps_dtype": "float16" if half else "float64",
+    }
     arrays = {"meta": np.array(json.dumps(meta, default=str))}
-    for kind, maps in (("layer", ex.layer_maps), ("global", ex.global_maps), ("saliency", ex.saliency),
-                       ("head", ex.head_maps)):
+    for kind, maps in (
+        ("layer", ex.layer_maps),
+        ("global", ex.global_maps),
+        ("saliency", ex.saliency),
+        ("head", ex.head_maps),
+    ):
         for m, a in maps.items():
             a = np.asarray(a, dtype=np.float64)
             arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and kind != "saliency" else a
@@ -115,9 +132,13 @@ def provenance(model: Model) -> dict:
     from ctxmix import __version__
     from ctxmix.engine.models import weights_sha256
 
-    return {"ctxmix_version": __version__, "model": model.name, "model_family": model.spec.family,
-            "model_causal": model.spec.causal,
-            "weights_sha256": weights_sha256(model),
-            "model_dtype": str(model.dtype).replace("torch.", ""), "model_info": {k: v for k, v in model.info.items()
-                                                                                if k != "weights"},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "ctxmix_version": __version__,
+        "model": model.name,
+        "model_family": model.spec.family,
+        "model_causal": model.spec.causal,
+        "weights_sha256": weights_sha256(model),
+        "model_dtype": str(model.dtype).replace("torch.", ""),
+        "model_info": {k: v for k, v in model.info.items() if k != "weights"},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }

@@ -7,14 +7,21 @@ the most expensive one.
 """
 
 from __future__ import annotations
+
 import numpy as np
 import torch
-from ctxmix.engine.layer import alti_layer, norm_family_pieces, scope_pieces, value_zeroing_columns, value_zeroing_prepare
+
 from ctxmix.engine.budget import chunk_elements
+from ctxmix.engine.layer import (
+    alti_layer,
+    norm_family_pieces,
+    scope_pieces,
+    value_zeroing_columns,
+    value_zeroing_prepare,
+)
 from ctxmix.engine.precision import engine_precision
 from ctxmix.engine.trace import Trace, TraceBatch
 from ctxmix.methods.registry import MIXING_METHODS, scope_names
-
 
 # Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
 CHUNK_ELEMENTS = 2**25
@@ -84,9 +91,15 @@ def _numpy(maps: torch.Tensor) -> np.ndarray:
 
 
 @torch.no_grad()
-def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None = None, next_ln: bool = False,
-                     factorised: bool = True, precision: str = "float32",
-                     check: bool = False) -> dict[str, torch.Tensor]:
+def scope_maps_batch(
+    tb: TraceBatch,
+    res2: str = "exact",
+    keep_dims: list | None = None,
+    next_ln: bool = False,
+    factorised: bool = True,
+    precision: str = "float32",
+    check: bool = False,
+) -> dict[str, torch.Tensor]:
     """Per-layer scope maps of a batch {scope: (B, L, n, n)} on the model's device, padding zeroed:
     cell = ||F_i(x_j)||_2 of the exact pieces. One decomposition per layer and row chunk for the
     whole batch; nothing leaves the device.
@@ -115,10 +128,20 @@ def scope_maps_batch(tb: TraceBatch, res2: str = "exact", keep_dims: list | None
             for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
                 st = st_all.sub_batch(part)
                 cache: dict = {}  # per-layer products shared by the row chunks
-                for rows in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):  # see value_zeroing_maps_batch
+                for rows in _chunks(
+                    n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev
+                ):  # see value_zeroing_maps_batch
                     rows_d = rows.to(dev)
-                    pieces = scope_pieces(lw, st, rows_d, res2=res2, next_ln=next_ln, cache=cache,
-                                          factorised=factorised, precision=precision)
+                    pieces = scope_pieces(
+                        lw,
+                        st,
+                        rows_d,
+                        res2=res2,
+                        next_ln=next_ln,
+                        cache=cache,
+                        factorised=factorised,
+                        precision=precision,
+                    )
                     real = _scope_targets(lw, st, rows_d) if check and res2 == "exact" else {}
                     real_rows = tb.mask[part][:, rows_d]
                     for s, (F, b) in pieces.items():
@@ -136,18 +159,38 @@ def _scope_targets(lw, st, rows: torch.Tensor) -> dict[str, torch.Tensor | None]
     if lw.position == "post":
         return {"Atb": st.z[:, rows], "AtbFf": st.ff[:, rows], "AtbFfRes": st.r2[:, rows], "AtbFfResLn": st.y[:, rows]}
     if lw.position == "sandwich":
-        return {"Atb": st.r1[:, rows], "AtbLn": st.z[:, rows], "AtbLnFf": st.ff[:, rows],
-                "AtbLnFfLn": lw.post_ff_norm(st.ff[:, rows]), "AtbLnFfLnRes": st.y[:, rows],
-                "AtbLnFfLnResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
+        return {
+            "Atb": st.r1[:, rows],
+            "AtbLn": st.z[:, rows],
+            "AtbLnFf": st.ff[:, rows],
+            "AtbLnFfLn": lw.post_ff_norm(st.ff[:, rows]),
+            "AtbLnFfLnRes": st.y[:, rows],
+            "AtbLnFfLnResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows]),
+        }
     if lw.position == "parallel":
-        return {"Atb": st.attn[:, rows], "AtbFf": (st.attn + st.ff)[:, rows], "AtbFfRes": st.y[:, rows],
-                "AtbFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
-    return {"Atb": st.r1[:, rows], "AtbLn": st.z[:, rows], "AtbLnFf": st.ff[:, rows], "AtbLnFfRes": st.y[:, rows],
-            "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows])}
+        return {
+            "Atb": st.attn[:, rows],
+            "AtbFf": (st.attn + st.ff)[:, rows],
+            "AtbFfRes": st.y[:, rows],
+            "AtbFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows]),
+        }
+    return {
+        "Atb": st.r1[:, rows],
+        "AtbLn": st.z[:, rows],
+        "AtbLnFf": st.ff[:, rows],
+        "AtbLnFfRes": st.y[:, rows],
+        "AtbLnFfResLn": None if lw.next_norm is None else lw.next_norm(st.y[:, rows]),
+    }
 
 
-def scope_layer_maps(tr: Trace, res2: str = "exact", keep_dims: list | None = None,
-                     next_ln: bool = False, factorised: bool = True, precision: str = "float32") -> dict[str, np.ndarray]:
+def scope_layer_maps(
+    tr: Trace,
+    res2: str = "exact",
+    keep_dims: list | None = None,
+    next_ln: bool = False,
+    factorised: bool = True,
+    precision: str = "float32",
+) -> dict[str, np.ndarray]:
     """Per-layer scope maps of one sequence {scope: (L, n, n)} as float64 numpy (see scope_maps_batch)."""
     maps = scope_maps_batch(TraceBatch.of(tr), res2, keep_dims, next_ln, factorised, precision)
     return {s: _numpy(v) for s, v in maps.items()}
@@ -170,8 +213,9 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
                 rows_d = rows.to(dev)
                 P = norm_family_pieces(lw, st, rows_d)
                 for m in names:
-                    maps[m][part, l, rows_d] = (alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti"
-                                                else P[m].norm(dim=-1))
+                    maps[m][part, l, rows_d] = (
+                        alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti" else P[m].norm(dim=-1)
+                    )
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
@@ -245,13 +289,14 @@ def head_maps_batch(tb: TraceBatch, methods: list[str]) -> dict[str, torch.Tenso
         out["norm"] = torch.stack(per, 1)
     if tb.B > 1:
         m = tb.mask
-        keep = (m[:, None, None, :, None] & m[:, None, None, None, :])
+        keep = m[:, None, None, :, None] & m[:, None, None, None, :]
         out = {k: v * keep for k, v in out.items()}
     return out
 
 
-def mixing_maps_batch(tb: TraceBatch, methods: list[str], res2: str = "exact",
-                      precision: str = "float32") -> dict[str, torch.Tensor]:
+def mixing_maps_batch(
+    tb: TraceBatch, methods: list[str], res2: str = "exact", precision: str = "float32"
+) -> dict[str, torch.Tensor]:
     """Per-layer maps {method: (B, L, n, n)} on the device for the mixing methods among `methods`;
     methods that share a decomposition share one computation."""
     want = [m for m in methods if m in MIXING_METHODS]
@@ -271,8 +316,9 @@ def mixing_maps_batch(tb: TraceBatch, methods: list[str], res2: str = "exact",
     return {m: layer[m] for m in want}
 
 
-def compute_maps(tr: Trace, methods: list[str], res2: str = "exact",
-                 precision: str = "float32") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def compute_maps(
+    tr: Trace, methods: list[str], res2: str = "exact", precision: str = "float32"
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{method: (layer maps, aggregated maps)} for the mixing methods among `methods`, one sequence."""
     res: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for m, maps in mixing_maps_batch(TraceBatch.of(tr), methods, res2, precision).items():

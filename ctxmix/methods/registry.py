@@ -4,7 +4,9 @@ Both the mixing maps and the saliency methods read it; neither imports the other
 """
 
 from __future__ import annotations
+
 from dataclasses import dataclass
+
 from ctxmix.errors import BadInput
 
 
@@ -24,39 +26,85 @@ class MethodInfo:
     caveat: str = ""  # what a reader must know before trusting the maps (shown by the page and `methods`)
 
 
-ROLLOUT_CAVEAT = ("On causal models the aggregated maps collapse onto the first token (the attention sink that "
-                  "rows attend to, compounded layer by layer): read the per-layer maps there.")
+ROLLOUT_CAVEAT = (
+    "On causal models the aggregated maps collapse onto the first token (the attention sink that "
+    "rows attend to, compounded layer by layer): read the per-layer maps there."
+)
 
 
 MIXING_METHODS: dict[str, MethodInfo] = {
     m.name: m
     for m in [
-        MethodInfo("attention", "attention", "Attention (head mean)", "Abnar & Zuidema 2020",
-                   rows_sum_to_one=True, doc="Mean over heads of the attention probabilities; rolled out as is (GlobEnc's 'W').",
-                   per_head="head h: alpha^h; the layer map is the heads' mean"),
-        MethodInfo("attention_rollout", "attention", "Attention rollout", "Abnar & Zuidema 2020",
-                   rows_sum_to_one=True,
-                   doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product.",
-                   caveat=ROLLOUT_CAVEAT),
-        MethodInfo("norm", "norm", "N (norm)", "Kobayashi et al. 2020; GlobEnc",
-                   doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, no identity.",
-                   per_head="head h: ||alpha^h_ij f^h(x_j)|| (through LNa's share in Gemma 2/3); the heads' vectors "
-                            "sum to the layer's vector, whose norm is the layer map (so the layer map is at most "
-                            "the sum of the head maps)"),
-        MethodInfo("norm_res", "norm", "N_Res", "Kobayashi et al. 2021; GlobEnc",
-                   doc="N plus the residual x_i on the diagonal; rolled out unnormalised, no identity (GlobEnc code)."),
-        MethodInfo("norm_res_ln", "norm", "N_ResLN", "Kobayashi et al. 2021; GlobEnc",
-                   doc="N_Res through the LN1 decomposition (std of the real pre-LN1 vector); rolled out unnormalised."),
-        MethodInfo("globenc", "norm", "GlobEnc (N_Enc)", "Modarressi et al. 2022",
-                   doc="N_ResLN through LN2 with the std of the real pre-LN2 vector, FF ignored; rolled out without identity "
-                       "and without row normalisation, as the GlobEnc code does."),
-        MethodInfo("alti", "norm", "ALTI", "Ferrando et al. 2022", rows_sum_to_one=True,
-                   doc="max(0, |y_i|_1 - |y_i - T_i(x_j)|_1) normalised over j (exact L1), rolled out without identity. "
-                       "On an encoder-decoder with decoder_text: ALTI+ (Ferrando et al., EMNLP 2022), maps over "
-                       "[source; target] (ctxmix.methods.alti_plus)."),
-        MethodInfo("value_zeroing", "value_zeroing", "Value zeroing", "Mohebbi et al. 2023", rows_sum_to_one=True,
-                   doc="Cosine distance (float64) between y_i and y_i with v_j zeroed in all heads, row-normalised, "
-                       "rolled out without identity; layers scored independently."),
+        MethodInfo(
+            "attention",
+            "attention",
+            "Attention (head mean)",
+            "Abnar & Zuidema 2020",
+            rows_sum_to_one=True,
+            doc="Mean over heads of the attention probabilities; rolled out as is (GlobEnc's 'W').",
+            per_head="head h: alpha^h; the layer map is the heads' mean",
+        ),
+        MethodInfo(
+            "attention_rollout",
+            "attention",
+            "Attention rollout",
+            "Abnar & Zuidema 2020",
+            rows_sum_to_one=True,
+            doc="Per layer 0.5*A + 0.5*I with A the head-mean attention, rolled out by matrix product.",
+            caveat=ROLLOUT_CAVEAT,
+        ),
+        MethodInfo(
+            "norm",
+            "norm",
+            "N (norm)",
+            "Kobayashi et al. 2020; GlobEnc",
+            doc="||sum_h alpha^h_ij f^h(x_j)||, b_V spread through alpha (GlobEnc code); rolled out unnormalised, "
+            "no identity.",
+            per_head="head h: ||alpha^h_ij f^h(x_j)|| (through LNa's share in Gemma 2/3); the heads' vectors "
+            "sum to the layer's vector, whose norm is the layer map (so the layer map is at most "
+            "the sum of the head maps)",
+        ),
+        MethodInfo(
+            "norm_res",
+            "norm",
+            "N_Res",
+            "Kobayashi et al. 2021; GlobEnc",
+            doc="N plus the residual x_i on the diagonal; rolled out unnormalised, no identity (GlobEnc code).",
+        ),
+        MethodInfo(
+            "norm_res_ln",
+            "norm",
+            "N_ResLN",
+            "Kobayashi et al. 2021; GlobEnc",
+            doc="N_Res through the LN1 decomposition (std of the real pre-LN1 vector); rolled out unnormalised.",
+        ),
+        MethodInfo(
+            "globenc",
+            "norm",
+            "GlobEnc (N_Enc)",
+            "Modarressi et al. 2022",
+            doc="N_ResLN through LN2 with the std of the real pre-LN2 vector, FF ignored; rolled out without identity "
+            "and without row normalisation, as the GlobEnc code does.",
+        ),
+        MethodInfo(
+            "alti",
+            "norm",
+            "ALTI",
+            "Ferrando et al. 2022",
+            rows_sum_to_one=True,
+            doc="max(0, |y_i|_1 - |y_i - T_i(x_j)|_1) normalised over j (exact L1), rolled out without identity. "
+            "On an encoder-decoder with decoder_text: ALTI+ (Ferrando et al., EMNLP 2022), maps over "
+            "[source; target] (ctxmix.methods.alti_plus).",
+        ),
+        MethodInfo(
+            "value_zeroing",
+            "value_zeroing",
+            "Value zeroing",
+            "Mohebbi et al. 2023",
+            rows_sum_to_one=True,
+            doc="Cosine distance (float64) between y_i and y_i with v_j zeroed in all heads, row-normalised, "
+            "rolled out without identity; layers scored independently.",
+        ),
     ]
 }
 
@@ -72,17 +120,23 @@ SANDWICH_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfLn", "AtbLnFfLnRes")  # Ge
 
 for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES + SANDWICH_SCOPES):
     MIXING_METHODS[_s] = MethodInfo(
-        _s, "scope", f"Scope {_s}", "Kobayashi et al. 2024", rollout_normalise=True,
+        _s,
+        "scope",
+        f"Scope {_s}",
+        "Kobayashi et al. 2024",
+        rollout_normalise=True,
         doc="FF paper scope (within one layer, exact, b_V in the bias); aggregated here by row-normalised rollout, "
-            "which the paper does not do.")
+        "which the paper does not do.",
+    )
 
 
 def scope_names(position: str) -> tuple[str, ...]:
     """The FF paper's scopes of a layer shape: post-LN, pre-LN, or parallel (post-LN's names in
     post-LN's order: Atb = LN1 + ATTN, +Ff, +Res, and +Ln with the next norm; see
     `ctxmix.engine.layer._parallel_scopes`)."""
-    return {"pre": PRE_LN_SCOPES, "parallel": POST_LN_SCOPES[:3], "sandwich": SANDWICH_SCOPES}.get(position,
-                                                                                                POST_LN_SCOPES)
+    return {"pre": PRE_LN_SCOPES, "parallel": POST_LN_SCOPES[:3], "sandwich": SANDWICH_SCOPES}.get(
+        position, POST_LN_SCOPES
+    )
 
 
 def check_methods(methods, position: str | None = None) -> list[str]:
@@ -99,11 +153,16 @@ def check_methods(methods, position: str | None = None) -> list[str]:
     if bad:
         raise BadInput(f"unknown method(s) {', '.join(map(repr, bad))}; valid methods: {', '.join(valid)}")
     if position is not None:
-        wrong = [m for m in methods if MIXING_METHODS.get(m, MethodInfo("", "", "", "")).group == "scope"
-                 and m not in scope_names(position)]
+        wrong = [
+            m
+            for m in methods
+            if MIXING_METHODS.get(m, MethodInfo("", "", "", "")).group == "scope" and m not in scope_names(position)
+        ]
         if wrong:
-            raise BadInput(f"scope(s) {', '.join(wrong)} do not exist in a {position}-LN model; "
-                           f"its scopes are {', '.join(scope_names(position))}")
+            raise BadInput(
+                f"scope(s) {', '.join(wrong)} do not exist in a {position}-LN model; "
+                f"its scopes are {', '.join(scope_names(position))}"
+            )
     return methods
 
 
@@ -113,21 +172,51 @@ PER_HEAD_METHODS = ("attention", "norm")
 SALIENCY_METHODS: dict[str, MethodInfo] = {
     m.name: m
     for m in [
-        MethodInfo("grad", "saliency", "Gradient (L2)", "Bastings et al. 2022; ALTI",
-                   doc="||d p_target / d e_i||_2 over the word embedding e_i (or layer 0's input: grad_at)."),
-        MethodInfo("grad_x_input", "saliency", "Gradient x input (L2)", "GlobEnc Eq. 17",
-                   doc="||(d p_target / d e_i) * e_i||_2, GlobEnc's reference saliency."),
-        MethodInfo("integrated_gradients", "saliency", "Integrated gradients", "Sundararajan et al. 2017 (captum)",
-                   doc="captum IntegratedGradients (Gauss-Legendre) from a [PAD], [MASK] or [UNK] baseline "
-                       "(special tokens kept) or all-zero word embeddings; per token |sum over dimensions| "
-                       "as in the ALTI code."),
-        MethodInfo("blank_out", "saliency", "Blank-out", "Abnar & Zuidema 2020; ALTI",
-                   doc="p_target(x) - p_target(x with token i replaced by [UNK] or [MASK]); signed drop."),
-        MethodInfo("cat", "saliency", "CAT", "Qiang et al. 2022",
-                   doc="sum over layers of <d logit / d h^l_i, h^l_i>, h^l the input of layer l; signed. "
-                       "As in the AttCAT code, the explanation pass masks [CLS]/[SEP] as keys."),
-        MethodInfo("attcat", "saliency", "AttCAT", "Qiang et al. 2022",
-                   doc="CAT weighted per layer by the attention token i receives (mean over heads and queries); signed."),
+        MethodInfo(
+            "grad",
+            "saliency",
+            "Gradient (L2)",
+            "Bastings et al. 2022; ALTI",
+            doc="||d p_target / d e_i||_2 over the word embedding e_i (or layer 0's input: grad_at).",
+        ),
+        MethodInfo(
+            "grad_x_input",
+            "saliency",
+            "Gradient x input (L2)",
+            "GlobEnc Eq. 17",
+            doc="||(d p_target / d e_i) * e_i||_2, GlobEnc's reference saliency.",
+        ),
+        MethodInfo(
+            "integrated_gradients",
+            "saliency",
+            "Integrated gradients",
+            "Sundararajan et al. 2017 (captum)",
+            doc="captum IntegratedGradients (Gauss-Legendre) from a [PAD], [MASK] or [UNK] baseline "
+            "(special tokens kept) or all-zero word embeddings; per token |sum over dimensions| "
+            "as in the ALTI code.",
+        ),
+        MethodInfo(
+            "blank_out",
+            "saliency",
+            "Blank-out",
+            "Abnar & Zuidema 2020; ALTI",
+            doc="p_target(x) - p_target(x with token i replaced by [UNK] or [MASK]); signed drop.",
+        ),
+        MethodInfo(
+            "cat",
+            "saliency",
+            "CAT",
+            "Qiang et al. 2022",
+            doc="sum over layers of <d logit / d h^l_i, h^l_i>, h^l the input of layer l; signed. "
+            "As in the AttCAT code, the explanation pass masks [CLS]/[SEP] as keys.",
+        ),
+        MethodInfo(
+            "attcat",
+            "saliency",
+            "AttCAT",
+            "Qiang et al. 2022",
+            doc="CAT weighted per layer by the attention token i receives (mean over heads and queries); signed.",
+        ),
     ]
 }
 

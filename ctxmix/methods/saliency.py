@@ -12,17 +12,25 @@ is explained as the model reads it.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
 import numpy as np
 import torch
-from ctxmix.errors import BadInput
+
 from ctxmix.engine.models import Model, non_word_ids, structural_ids
 from ctxmix.engine.trace import Trace
+from ctxmix.errors import BadInput
+
+Target = int | tuple[int, int]  # a class or token id, or (target, foil): explain the logit difference
 
 
 def _needs_head(model: Model) -> None:
     if model.kind == "encoder":
-        raise BadInput(f"gradient and blank-out methods need a model with a head (a classifier or a language "
-                       f"model); {model.name!r} has none. Try 'minilm-sentiment'.")
+        raise BadInput(
+            f"gradient and blank-out methods need a model with a head (a classifier or a language "
+            f"model); {model.name!r} has none. Try 'minilm-sentiment'."
+        )
 
 
 def resolve_target(model: Model, tr: Trace, target, position: int) -> int:
@@ -81,8 +89,7 @@ IG_BASELINES = ("pad", "mask", "unk", "zero")
 def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
     """The input with every non-special token replaced by the baseline token."""
     tok = model.tokenizer
-    rep = {"pad": tok.pad_token_id, "mask": getattr(tok, "mask_token_id", None),
-           "unk": tok.unk_token_id}.get(baseline)
+    rep = {"pad": tok.pad_token_id, "mask": getattr(tok, "mask_token_id", None), "unk": tok.unk_token_id}.get(baseline)
     if rep is None:
         raise BadInput(f"this tokenizer has no {baseline} token; choose another baseline")
     keep = non_word_ids(tok)  # [UNK] is a word: it gets the baseline
@@ -121,8 +128,9 @@ def _embedding_output(model: Model, tr: Trace, ids: list[int]) -> torch.Tensor:
     """Layer 0's input for `ids` (with the trace's token types): (1, n, d)."""
     x = torch.tensor([ids], device=model.device)
     with torch.no_grad():
-        out = model.hf(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True,
-                       **tr.type_ids_kwargs())
+        out = model.hf(
+            input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True, **tr.type_ids_kwargs()
+        )
     return out.hidden_states[0].detach()
 
 
@@ -135,11 +143,12 @@ def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
         return model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **tr.type_ids_kwargs(batch=X.shape[0]))
 
 
-def _gradients(model: Model, tr: Trace, target: int, position: int,
-               grad_at: str = "word") -> tuple[torch.Tensor, torch.Tensor]:
+def _gradients(
+    model: Model, tr: Trace, target: Target, position: int, grad_at: str = "word"
+) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([tr.input_ids], device=model.device)
     with torch.enable_grad():
-        E = (_embed(model, ids) if grad_at == "word" else _embedding_output(model, tr, tr.input_ids))
+        E = _embed(model, ids) if grad_at == "word" else _embedding_output(model, tr, tr.input_ids)
         E = E.detach().requires_grad_(True)
         p = _score(model, _forward_at(model, tr, E, grad_at).logits, target, position)
         (g,) = torch.autograd.grad(p.sum(), E)
@@ -157,9 +166,16 @@ def ig_batch_size(model: Model, n: int, n_steps: int) -> int | None:
     return None if fit >= n_steps else int(fit)
 
 
-def integrated_gradients(model: Model, tr: Trace, target: int, position: int, baseline: str = "pad",
-                         n_steps: int = 50, internal_batch_size: int | None = None,
-                         grad_at: str = "word") -> np.ndarray:
+def integrated_gradients(
+    model: Model,
+    tr: Trace,
+    target: Target,
+    position: int,
+    baseline: str = "pad",
+    n_steps: int = 50,
+    internal_batch_size: int | None = None,
+    grad_at: str = "word",
+) -> np.ndarray:
     """captum's IntegratedGradients on the word embeddings (or on layer 0's input, grad_at=
     "embedding_output": the baseline is then the baseline ids' embedding output, or zeros); per
     token |sum over dimensions|. internal_batch_size: steps per pass; by default all in one pass
@@ -188,14 +204,16 @@ def integrated_gradients(model: Model, tr: Trace, target: int, position: int, ba
     if internal_batch_size is None:
         internal_batch_size = ig_batch_size(model, len(tr.input_ids), n_steps)
     with torch.enable_grad():
-        attr = IntegratedGradients(f).attribute(E, baselines=B, n_steps=n_steps, method="gausslegendre",
-                                                internal_batch_size=internal_batch_size)
+        attr = IntegratedGradients(f).attribute(
+            E, baselines=B, n_steps=n_steps, method="gausslegendre", internal_batch_size=internal_batch_size
+        )
     return attr[0].sum(-1).abs().double().cpu().numpy()
 
 
 @torch.no_grad()
-def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: str = "unk",
-              batch: int = 32) -> np.ndarray:
+def blank_out(
+    model: Model, tr: Trace, target: Target, position: int, replacement: str = "unk", batch: int = 32
+) -> np.ndarray:
     """Drop of p_target when each token in turn is replaced by [UNK] (or [MASK])."""
     tok = model.tokenizer
     rep = tok.unk_token_id if replacement == "unk" else getattr(tok, "mask_token_id", None)
@@ -206,20 +224,24 @@ def blank_out(model: Model, tr: Trace, target: int, position: int, replacement: 
     ids = torch.tensor(tr.input_ids, device=model.device)
     n = len(ids)
     mask = torch.ones(1, n, dtype=torch.long, device=model.device)
-    p0 = _score(model, model.hf(input_ids=ids[None], attention_mask=mask, **tr.type_ids_kwargs()).logits,
-                target, position)[0]
+    p0 = _score(
+        model, model.hf(input_ids=ids[None], attention_mask=mask, **tr.type_ids_kwargs()).logits, target, position
+    )[0]
     out = []
     for s in range(0, n, batch):
         js = torch.arange(s, min(n, s + batch), device=model.device)
         X = ids.repeat(len(js), 1)
         X[torch.arange(len(js)), js] = rep
-        logits = model.hf(input_ids=X, attention_mask=mask.expand(len(js), -1), **tr.type_ids_kwargs(batch=len(js))).logits
+        logits = model.hf(
+            input_ids=X, attention_mask=mask.expand(len(js), -1), **tr.type_ids_kwargs(batch=len(js))
+        ).logits
         out.append(p0 - _score(model, logits, target, position))
     return torch.cat(out).double().cpu().numpy()
 
 
-def cat_scores(model: Model, tr: Trace, target: int, position: int,
-               mask_special: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def cat_scores(
+    model: Model, tr: Trace, target: Target, position: int, mask_special: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-layer CAT and AttCAT rows (L, n): <d logit/d h^l, h^l> on layer inputs, AttCAT times the
     attention each token receives (mean over heads, then queries).
 
@@ -238,25 +260,34 @@ def cat_scores(model: Model, tr: Trace, target: int, position: int,
         hs = list(out.hidden_states[: model.n_layers])
         y = _score(model, out.logits, target, position, prob=False).sum()
         grads = torch.autograd.grad(y, hs, allow_unused=True)
-    cat = torch.stack([(g[0] * h[0]).sum(-1) if g is not None else torch.zeros_like(h[0, :, 0])
-                       for g, h in zip(grads, hs)]).detach()
+    cat = torch.stack(
+        [(g[0] * h[0]).sum(-1) if g is not None else torch.zeros_like(h[0, :, 0]) for g, h in zip(grads, hs)]
+    ).detach()
     received = torch.stack([a[0].mean(0).mean(0) for a in out.attentions]).detach()
     return cat.double().cpu().numpy(), (cat * received).double().cpu().numpy()
 
 
-SALIENCY_OPTIONS = {"ig_baseline": IG_BASELINES, "ig_steps": (1, 10_000), "blank_replacement": ("unk", "mask"),
-                    "cat_mask_special": (True, False), "grad_at": GRAD_AT}
+SALIENCY_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "ig_baseline": IG_BASELINES,
+    "ig_steps": (1, 10_000),
+    "blank_replacement": ("unk", "mask"),
+    "cat_mask_special": (True, False),
+    "grad_at": GRAD_AT,
+}
 
 
 def check_saliency_options(options: dict) -> dict:
     """The options of the gradient and perturbation methods, checked by name, type and range."""
     for k, v in options.items():
         if k not in SALIENCY_OPTIONS:
-            raise BadInput(f"unknown option {k!r}; explain takes target, position, input_ids, res2, precision and "
-                           f"the saliency options {', '.join(SALIENCY_OPTIONS)}")
+            raise BadInput(
+                f"unknown option {k!r}; explain takes target, position, input_ids, res2, precision and "
+                f"the saliency options {', '.join(SALIENCY_OPTIONS)}"
+            )
         allowed = SALIENCY_OPTIONS[k]
         if k == "ig_steps":
-            if isinstance(v, bool) or not isinstance(v, int) or not allowed[0] <= v <= allowed[1]:
+            lo, hi = int(allowed[0]), int(allowed[1])
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise BadInput(f"ig_steps must be a whole number from {allowed[0]} to {allowed[1]}, got {v!r}")
         elif not any(v is a or (type(v) is type(a) and v == a) for a in allowed):
             raise BadInput(f"{k} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
@@ -273,9 +304,19 @@ def resolve_foil(model: Model, tr: Trace, foil, target: int, position: int) -> i
     return f
 
 
-def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, position: int = 0,
-                    ig_baseline: str = "pad", ig_steps: int = 50, blank_replacement: str = "unk",
-                    cat_mask_special: bool = True, foil=None, grad_at: str = "word") -> tuple[int, dict]:
+def saliency_scores(
+    model: Model,
+    tr: Trace,
+    methods: list[str],
+    target=None,
+    position: int = 0,
+    ig_baseline: str = "pad",
+    ig_steps: int = 50,
+    blank_replacement: str = "unk",
+    cat_mask_special: bool = True,
+    foil=None,
+    grad_at: str = "word",
+) -> tuple[int, dict]:
     """{method: (n,)} for the saliency methods among `methods`; returns (target, scores).
     With a foil every method explains target minus foil (`_score`); `saliency_scores.foil` is
     not returned: call `resolve_foil` for it."""
@@ -290,8 +331,9 @@ def saliency_scores(model: Model, tr: Trace, methods: list[str], target=None, po
         if "grad_x_input" in methods:
             out["grad_x_input"] = (g * E).norm(dim=-1).double().cpu().numpy()
     if "integrated_gradients" in methods:
-        out["integrated_gradients"] = integrated_gradients(model, tr, scored, position, ig_baseline, ig_steps,
-                                                           grad_at=grad_at)
+        out["integrated_gradients"] = integrated_gradients(
+            model, tr, scored, position, ig_baseline, ig_steps, grad_at=grad_at
+        )
     if "blank_out" in methods:
         out["blank_out"] = blank_out(model, tr, scored, position, blank_replacement)
     if {"cat", "attcat"} & set(methods):

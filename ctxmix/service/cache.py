@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ctxmix.methods.explain import explain
-from ctxmix.methods.explanation import Explanation, provenance as _provenance
 from ctxmix.engine.models import Model, cache_dir
+from ctxmix.methods.explain import explain
+from ctxmix.methods.explanation import Explanation
+from ctxmix.methods.explanation import provenance as _provenance
 
-_MEM: "OrderedDict[str, tuple[object, int]]" = OrderedDict()  # key -> (value, bytes)
+_MEM: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (value, bytes)
 _MEM_BYTES = 0
 _LOCK = threading.Lock()
 _DISK_LOCK = threading.Lock()
@@ -66,8 +67,13 @@ def model_fingerprint(model: Model) -> str:
 
     c = model.hf.config
     info = {k: v for k, v in model.info.items() if k != "weights"}  # file times are not identity
-    parts = [model.name, str(model.dtype), str(getattr(c, "_commit_hash", "") or ""),
-             json.dumps(info, sort_keys=True, default=str), weights_sha256(model)]
+    parts = [
+        model.name,
+        str(model.dtype),
+        str(getattr(c, "_commit_hash", "") or ""),
+        json.dumps(info, sort_keys=True, default=str),
+        weights_sha256(model),
+    ]
     if getattr(model, "precision", "float32") != "float32":  # float32 keys stay as they were
         parts.append(f"precision={model.precision}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -176,9 +182,18 @@ def _atomic_write(path: Path, write) -> None:
 
 def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
     """What the cache keeps of one method's result: shared metadata and its arrays."""
-    meta = {"tokens": ex.tokens, "input_ids": ex.input_ids, "prediction": ex.prediction, "position": ex.position,
-            "target": ex.target, "foil": ex.foil, "model_name": ex.model_name, "reconstruction_error": ex.reconstruction_error,
-            "warnings": ex.warnings, "segments": ex.segments}
+    meta = {
+        "tokens": ex.tokens,
+        "input_ids": ex.input_ids,
+        "prediction": ex.prediction,
+        "position": ex.position,
+        "target": ex.target,
+        "foil": ex.foil,
+        "model_name": ex.model_name,
+        "reconstruction_error": ex.reconstruction_error,
+        "warnings": ex.warnings,
+        "segments": ex.segments,
+    }
     arrays = {"saliency": ex.saliency[m]}
     if m in ex.layer_maps:
         arrays["layer"] = ex.layer_maps[m]
@@ -251,11 +266,21 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
     meta = found[methods[0]][0]
     # the target and foil come from an entry that explained one (a mixing method's entry has none)
     tmeta = next((found[m][0] for m in methods if found[m][0].get("target") is not None), meta)
-    out = Explanation(tokens=list(meta["tokens"]), input_ids=list(meta["input_ids"]), methods=methods,
-                      prediction=meta["prediction"], position=meta["position"], target=tmeta["target"],
-                      foil=tmeta.get("foil"), segments=meta.get("segments"),
-                      model_name=meta["model_name"], reconstruction_error=meta["reconstruction_error"],
-                      warnings=list(meta["warnings"]), options=dict(options), provenance=_provenance(model))
+    out = Explanation(
+        tokens=list(meta["tokens"]),
+        input_ids=list(meta["input_ids"]),
+        methods=methods,
+        prediction=meta["prediction"],
+        position=meta["position"],
+        target=tmeta["target"],
+        foil=tmeta.get("foil"),
+        segments=meta.get("segments"),
+        model_name=meta["model_name"],
+        reconstruction_error=meta["reconstruction_error"],
+        warnings=list(meta["warnings"]),
+        options=dict(options),
+        provenance=_provenance(model),
+    )
     for m in methods:
         _, arrays = found[m]
         out.saliency[m] = np.asarray(arrays["saliency"])

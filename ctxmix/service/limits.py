@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Mapping
 
 from ctxmix.errors import BadInput
 
@@ -37,10 +37,22 @@ class Limits:
         return max(1, math.ceil(max(self.max_upload_mb, self.max_archive_mb)))
 
 
-LOCAL = Limits(max_tokens=512, max_sequences=2000, max_upload_mb=5.0, max_archive_mb=20.0, max_job_tokens=1_000_000,
-               max_concurrent_jobs=4)
-HOSTED = Limits(max_tokens=128, max_sequences=100, max_upload_mb=1.0, max_archive_mb=20.0, max_job_tokens=12_800,
-                max_concurrent_jobs=2)
+LOCAL = Limits(
+    max_tokens=512,
+    max_sequences=2000,
+    max_upload_mb=5.0,
+    max_archive_mb=20.0,
+    max_job_tokens=1_000_000,
+    max_concurrent_jobs=4,
+)
+HOSTED = Limits(
+    max_tokens=128,
+    max_sequences=100,
+    max_upload_mb=1.0,
+    max_archive_mb=20.0,
+    max_job_tokens=12_800,
+    max_concurrent_jobs=2,
+)
 
 
 def _truthy(v) -> bool:
@@ -49,8 +61,11 @@ def _truthy(v) -> bool:
 
 def read_secrets(paths: list[Path] | None = None) -> dict:
     """Streamlit's secrets file as a dict ({} when there is none); a broken file is an error."""
-    paths = paths if paths is not None else [Path.cwd() / ".streamlit" / "secrets.toml",
-                                             Path.home() / ".streamlit" / "secrets.toml"]
+    paths = (
+        paths
+        if paths is not None
+        else [Path.cwd() / ".streamlit" / "secrets.toml", Path.home() / ".streamlit" / "secrets.toml"]
+    )
     out: dict = {}
     for p in reversed(paths):  # the working directory's wins
         if p.is_file():
@@ -69,8 +84,11 @@ def hosted_mode(env: Mapping[str, str] | None = None, secrets: Mapping | None = 
     """Hosted when asked for (CTXMIX_HOSTED, `hosted = true`) or when any password is set."""
     env = os.environ if env is None else env
     secrets = {} if secrets is None else secrets
-    return (_truthy(env.get("CTXMIX_HOSTED", "")) or _truthy(secrets.get("hosted", False))
-            or password(env, secrets) is not None)
+    return (
+        _truthy(env.get("CTXMIX_HOSTED", ""))
+        or _truthy(secrets.get("hosted", False))
+        or password(env, secrets) is not None
+    )
 
 
 def login_configured(env: Mapping[str, str], secrets: Mapping) -> bool:
@@ -89,7 +107,9 @@ def load_limits(hosted: bool, secrets: Mapping | None = None) -> Limits:
             v = secrets[f.name]
             kind = int if f.type in (int, "int") else float
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (kind is int and v != int(v)):
-                raise BadInput(f"secrets: {f.name} must be a positive {'whole ' if kind is int else ''}number, got {v!r}")
+                raise BadInput(
+                    f"secrets: {f.name} must be a positive {'whole ' if kind is int else ''}number, got {v!r}"
+                )
             over[f.name] = kind(v)
     return replace(HOSTED, **over)
 
@@ -119,5 +139,7 @@ def check_archive(data: bytes | Path, limits: Limits, name: str = "the file") ->
         raise BadInput(f"{name} holds files that are not arrays: {', '.join(bad[:5])}")
     total = sum(m.file_size for m in members)
     if total > limits.max_archive_ratio * cap:
-        raise BadInput(f"{name} would decompress to {total / 2**20:.0f} MB; at most "
-                       f"{limits.max_archive_ratio * limits.max_archive_mb:g} MB here")
+        raise BadInput(
+            f"{name} would decompress to {total / 2**20:.0f} MB; at most "
+            f"{limits.max_archive_ratio * limits.max_archive_mb:g} MB here"
+        )

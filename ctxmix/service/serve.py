@@ -16,11 +16,15 @@ from pathlib import Path
 from ctxmix.errors import BadInput
 from ctxmix.service.limits import hosted_mode, load_limits, login_configured, read_secrets
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def serve_plan(hosted_flag: bool = False, address: str | None = None, port: int = 8501,
-               env: dict | None = None, secrets: dict | None = None, app: Path | None = None) -> dict:
+def serve_plan(
+    hosted_flag: bool = False,
+    address: str | None = None,
+    port: int = 8501,
+    env: dict | None = None,
+    secrets: dict | None = None,
+    app: Path | None = None,
+) -> dict:
     """What `serve` would run: {"command", "env", "hosted", "enforced" (lines to print)}; a
     BadInput when hosted mode has no login."""
     env = dict(os.environ if env is None else env)
@@ -29,15 +33,25 @@ def serve_plan(hosted_flag: bool = False, address: str | None = None, port: int 
     if not 1 <= int(port) <= 65535:
         raise BadInput(f"--port must be 1-65535, got {port}")
     if hosted and not login_configured(env, secrets):
-        raise BadInput("hosted mode needs a login: set CTXMIX_PASSWORD, or `password` or an [auth] (OIDC) section "
-                       "in .streamlit/secrets.toml; refusing to start an open server")
+        raise BadInput(
+            "hosted mode needs a login: set CTXMIX_PASSWORD, or `password` or an [auth] (OIDC) section "
+            "in .streamlit/secrets.toml; refusing to start an open server"
+        )
     lim = load_limits(hosted, secrets)
     address = address or "127.0.0.1"
-    app = app or ROOT / "app.py"
+    if app is None:
+        from ctxmix_dashboard import APP as app  # the dashboard ships beside ctxmix, in the same wheel
     settings = {
-        "server.address": address, "server.port": str(int(port)), "server.headless": "true",
-        "server.maxUploadSize": str(lim.server_upload_mb), "server.enableXsrfProtection": "true",
-        "client.showErrorDetails": "none" if hosted else "type", "browser.gatherUsageStats": "false",
+        "server.address": address,
+        "server.port": str(int(port)),
+        "server.headless": "true",
+        "server.maxUploadSize": str(lim.server_upload_mb),
+        "server.enableXsrfProtection": "true",
+        "client.showErrorDetails": "none" if hosted else "type",
+        "browser.gatherUsageStats": "false",
+        # what .streamlit/config.toml says, so an installed ctxmix started from any folder looks the same
+        "theme.base": "light",
+        "client.showSidebarNavigation": "false",
     }
     cmd = [sys.executable, "-m", "streamlit", "run", str(app)] + [f"--{k}={v}" for k, v in settings.items()]
     if hosted:
@@ -45,15 +59,21 @@ def serve_plan(hosted_flag: bool = False, address: str | None = None, port: int 
     how = "password" if (env.get("CTXMIX_PASSWORD") or secrets.get("password")) else "OIDC ([auth])"
     enforced = [f"ctxmix {'hosted' if hosted else 'local'} mode on http://{address}:{int(port)}"]
     if hosted:
-        enforced += [f"login: {how}", f"uploads: {lim.max_upload_mb:g} MB (text), {lim.max_archive_mb:g} MB (archives); "
-                     f"server-wide {lim.server_upload_mb} MB",
-                     f"caps: {lim.max_tokens} tokens per sequence, {lim.max_sequences} sequences and "
-                     f"{lim.max_job_tokens} tokens per job, {lim.max_concurrent_jobs} jobs at once",
-                     "models: the allow-list only; errors: messages without details; XSRF protection on"]
+        enforced += [
+            f"login: {how}",
+            f"uploads: {lim.max_upload_mb:g} MB (text), {lim.max_archive_mb:g} MB (archives); "
+            f"server-wide {lim.server_upload_mb} MB",
+            f"caps: {lim.max_tokens} tokens per sequence, {lim.max_sequences} sequences and "
+            f"{lim.max_job_tokens} tokens per job, {lim.max_concurrent_jobs} jobs at once",
+            "models: the allow-list only; errors: messages without details; XSRF protection on",
+        ]
     else:
-        enforced += ["no login: reachable from this machine only" if address in ("127.0.0.1", "localhost", "::1")
-                     else f"WARNING: no login and listening on {address}: anyone who reaches it can use it "
-                          "(use --hosted with a password to share)"]
+        enforced += [
+            "no login: reachable from this machine only"
+            if address in ("127.0.0.1", "localhost", "::1")
+            else f"WARNING: no login and listening on {address}: anyone who reaches it can use it "
+            "(use --hosted with a password to share)"
+        ]
     return {"command": cmd, "env": env, "hosted": hosted, "enforced": enforced}
 
 
@@ -66,7 +86,6 @@ def cmd_serve(args) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.chdir(ROOT)
     # become Streamlit (same process): a SIGTERM from a supervisor or a container stops the server
     # itself, where a launcher waiting on a child would die and leave the server running
     os.execve(plan["command"][0], plan["command"], plan["env"])

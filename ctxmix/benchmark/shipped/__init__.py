@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 SHIPPED = Path(__file__).resolve().parent
+PACKAGE_DIR = SHIPPED.parent  # ctxmix/benchmark: a result's "config" path (configs/<name>.yaml) is relative to it
 CHECK_LIMIT = 2  # examples per dataset in the check run
 
 
@@ -29,8 +30,11 @@ def config_sha256(path: str | Path) -> str:
 
 
 def shipped_names() -> list[str]:
-    return sorted(p.name[: -len(".json")] for p in SHIPPED.glob("*.json")
-                  if (SHIPPED / p.name.replace(".json", ".aggregates.csv")).exists())
+    return sorted(
+        p.name[: -len(".json")]
+        for p in SHIPPED.glob("*.json")
+        if (SHIPPED / p.name.replace(".json", ".aggregates.csv")).exists()
+    )
 
 
 def load_shipped(name: str = "embedded") -> tuple[pd.DataFrame, dict]:
@@ -45,7 +49,7 @@ def load_check(name: str = "embedded") -> pd.DataFrame:
     return pd.read_csv(SHIPPED / f"{name}.check.csv", dtype={"example_id": str})
 
 
-def stale_reasons(name: str, root: str | Path) -> list[str]:
+def stale_reasons(name: str, root: str | Path = PACKAGE_DIR) -> list[str]:
     """Why a shipped result may no longer be what its config computes (empty: none known).
     The numbers themselves are checked by the tests (`load_check`)."""
     from ctxmix import __version__
@@ -64,10 +68,20 @@ def stale_reasons(name: str, root: str | Path) -> list[str]:
 
 def paper_values(cfg: dict) -> pd.DataFrame:
     """A config's published numbers (`paper.values`), quoted, one row per value."""
-    rows = [{"model": v.get("model", ""), "dataset": v.get("dataset", ""), "paper row": v.get("row", v.get("method")),
-             "method": v.get("method"), "metric": v.get("metric"), "layer": v.get("layer", ""),
-             "mean": v.get("mean"), "std": v.get("std")}
-            for v in ((cfg or {}).get("paper") or {}).get("values", []) if isinstance(v, dict)]
+    rows = [
+        {
+            "model": v.get("model", ""),
+            "dataset": v.get("dataset", ""),
+            "paper row": v.get("row", v.get("method")),
+            "method": v.get("method"),
+            "metric": v.get("metric"),
+            "layer": v.get("layer", ""),
+            "mean": v.get("mean"),
+            "std": v.get("std"),
+        }
+        for v in ((cfg or {}).get("paper") or {}).get("values", [])
+        if isinstance(v, dict)
+    ]
     df = pd.DataFrame(rows, columns=["model", "dataset", "paper row", "method", "metric", "layer", "mean", "std"])
     return df.dropna(axis=1, how="all").loc[:, lambda d: [c for c in d.columns if (d[c].astype(str) != "").any()]]
 

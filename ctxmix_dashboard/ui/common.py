@@ -74,8 +74,10 @@ def require_login() -> bool:
         return True
     password = ctxmix_password(os.environ, _secrets())
     if not password:
-        st.error("Hosted mode needs a login: set CTXMIX_PASSWORD (or `password` in .streamlit/secrets.toml), "
-                 "or configure OIDC in an [auth] section of secrets.toml.")
+        st.error(
+            "Hosted mode needs a login: set CTXMIX_PASSWORD (or `password` in .streamlit/secrets.toml), "
+            "or configure OIDC in an [auth] section of secrets.toml."
+        )
         return False
     if st.session_state.get("authenticated"):
         return True
@@ -117,11 +119,13 @@ def client_address() -> str:
 # ---------------------------------------------------------------- pages
 
 # Material icons (Streamlit ships their font): emoji render as empty boxes where no emoji font is installed
-PAGES = [("app.py", "Explain", ":material/search:"),
-         ("pages/1_Contextualization_change.py", "Contextualization change", ":material/bar_chart:"),
-         ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", ":material/scatter_plot:"),
-         ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
-         ("pages/4_Saved_explanation.py", "Saved explanation", ":material/folder_open:")]
+PAGES = [
+    ("app.py", "Explain", ":material/search:"),
+    ("pages/1_Contextualization_change.py", "Contextualization change", ":material/bar_chart:"),
+    ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", ":material/scatter_plot:"),
+    ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
+    ("pages/4_Saved_explanation.py", "Saved explanation", ":material/folder_open:"),
+]
 SHARED = ("model", "corpus", "n")  # carried from page to page
 
 
@@ -131,8 +135,12 @@ def page_setup() -> None:
     if not require_login():
         st.stop()
     for path, label, icon in PAGES:
-        st.sidebar.page_link(path, label=label, icon=icon, query_params={k: st.session_state[f"_qp_{k}"]
-                                                                         for k in SHARED if f"_qp_{k}" in st.session_state})
+        st.sidebar.page_link(
+            path,
+            label=label,
+            icon=icon,
+            query_params={k: st.session_state[f"_qp_{k}"] for k in SHARED if f"_qp_{k}" in st.session_state},
+        )
     st.sidebar.divider()
     st.sidebar.caption(f"ctxmix {ctxmix.__version__} · " + ("hosted mode" if hosted() else "local"))
 
@@ -212,11 +220,20 @@ def model_picker(key: str = "model") -> str:
     if not hosted():
         options = options + ["other (Hugging Face id or local folder)"]
     index = options.index(current) if current in options else (len(options) - 1 if not hosted() else 0)
-    choice = st.sidebar.selectbox("Model", options, index=index, key=f"{key}_select",
-                                  help="Embedded models work offline. In hosted mode only the allow-list is offered.")
+    choice = st.sidebar.selectbox(
+        "Model",
+        options,
+        index=index,
+        key=f"{key}_select",
+        help="Embedded models work offline. In hosted mode only the allow-list is offered.",
+    )
     if choice.startswith("other"):
-        custom = st.sidebar.text_input("Hugging Face id or folder", value=current if current not in EMBEDDED_MODELS else "",
-                                       placeholder="bert-base-uncased", key=f"{key}_custom")
+        custom = st.sidebar.text_input(
+            "Hugging Face id or folder",
+            value=current if current not in EMBEDDED_MODELS else "",
+            placeholder="bert-base-uncased",
+            key=f"{key}_custom",
+        )
         if not custom:
             st.sidebar.info("Type a model id (needs network) or a local folder path.")
             st.stop()
@@ -231,8 +248,10 @@ def load_or_stop(name: str) -> ctxmix.Model:
         badge = f"{m.spec.family} · {m.spec.position}-LN · {m.n_layers} layers · {m.kind} · {m.device}"
         st.sidebar.caption(badge)
         if m.info.get("heldout_accuracy") is not None:
-            st.sidebar.caption(f"Held-out accuracy {m.info['heldout_accuracy']:.1%} "
-                               f"({m.info.get('heldout_size', '?')} Pang & Lee sentences)")
+            st.sidebar.caption(
+                f"Held-out accuracy {m.info['heldout_accuracy']:.1%} "
+                f"({m.info.get('heldout_size', '?')} Pang & Lee sentences)"
+            )
         return m
     st.stop()
 
@@ -308,9 +327,11 @@ def set_provenance(**info) -> dict:
     export of the page carries it, with the ctxmix version and the date."""
     import datetime
 
-    prov = {"ctxmix_version": ctxmix.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **{k: v for k, v in info.items() if v is not None}}
+    prov = {
+        "ctxmix_version": ctxmix.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **{k: v for k, v in info.items() if v is not None},
+    }
     st.session_state["_provenance"] = prov
     return prov
 
@@ -336,27 +357,51 @@ def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
     key = key or name
     row = st.container(horizontal=True, wrap=True, gap="small", vertical_alignment="center")
     static = plots.static_export_available()
-    sizes = {"screen": None, "ACL column (3.03 in)": "acl-column", "ACL page (6.3 in)": "acl-page",
-             "NeurIPS / ICLR (5.5 in)": "neurips"}
+    sizes = {
+        "screen": None,
+        "ACL column (3.03 in)": "acl-column",
+        "ACL page (6.3 in)": "acl-page",
+        "NeurIPS / ICLR (5.5 in)": "neurips",
+    }
     prov = _provenance()  # captured now: the downloads' data is produced later
     preset = sizes.get(st.session_state.get(f"{key}_size", "screen"))  # the size box is drawn after the buttons
     buttons = row.container(horizontal=True, wrap=False, gap="small", width="content")
     for fmt in ["png", "svg", "pdf"]:
-        buttons.download_button(fmt.upper(), data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset,
-                                                                                  provenance=prov))
-                                if static else b"",
-                                file_name=f"{name}.{fmt}", mime={"png": "image/png", "svg": "image/svg+xml",
-                                                                 "pdf": "application/pdf"}[fmt],
-                                key=f"{key}_{fmt}", disabled=not static, on_click="ignore",
-                                help=None if static else plots.STATIC_HINT)
-    buttons.download_button("HTML", data=lambda: plots.figure_bytes(fig, "html", provenance=prov),
-                            file_name=f"{name}.html", mime="text/html", key=f"{key}_html", on_click="ignore")
+        buttons.download_button(
+            fmt.upper(),
+            data=(lambda f=fmt: plots.figure_bytes(fig, f, preset=preset, provenance=prov)) if static else b"",
+            file_name=f"{name}.{fmt}",
+            mime={"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}[fmt],
+            key=f"{key}_{fmt}",
+            disabled=not static,
+            on_click="ignore",
+            help=None if static else plots.STATIC_HINT,
+        )
+    buttons.download_button(
+        "HTML",
+        data=lambda: plots.figure_bytes(fig, "html", provenance=prov),
+        file_name=f"{name}.html",
+        mime="text/html",
+        key=f"{key}_html",
+        on_click="ignore",
+    )
     if data is not None:
         fmt = "csv" if hasattr(data, "to_csv") else "json"
-        row.download_button(f"data ({fmt.upper()})", data=lambda: plots.figure_data_bytes(data, fmt, prov),
-                            file_name=f"{name}.{fmt}", key=f"{key}_data", on_click="ignore")
-    row.selectbox("Size", list(sizes), key=f"{key}_size", label_visibility="collapsed", width=200,
-                  help="Static exports at a paper's column or page width, with 9 pt text.")
+        row.download_button(
+            f"data ({fmt.upper()})",
+            data=lambda: plots.figure_data_bytes(data, fmt, prov),
+            file_name=f"{name}.{fmt}",
+            key=f"{key}_data",
+            on_click="ignore",
+        )
+    row.selectbox(
+        "Size",
+        list(sizes),
+        key=f"{key}_size",
+        label_visibility="collapsed",
+        width=200,
+        help="Static exports at a paper's column or page width, with 9 pt text.",
+    )
     if not static:
         row.caption("PNG/SVG/PDF need Chromium")
 
@@ -365,15 +410,30 @@ def export_table(df, name: str, key: str | None = None, caption: str | None = No
     key = key or name
     prov = _provenance()
     c1, c2, _ = st.columns([1, 1, 4])
-    c1.download_button("CSV", data=lambda: plots.table_bytes(df, "csv", provenance=prov), file_name=f"{name}.csv",
-                       mime="text/csv", key=f"{key}_csv", on_click="ignore")
-    c2.download_button("LaTeX", data=lambda: plots.table_bytes(df, "tex", caption, prov), file_name=f"{name}.tex",
-                       mime="text/x-tex", key=f"{key}_tex", on_click="ignore")
+    c1.download_button(
+        "CSV",
+        data=lambda: plots.table_bytes(df, "csv", provenance=prov),
+        file_name=f"{name}.csv",
+        mime="text/csv",
+        key=f"{key}_csv",
+        on_click="ignore",
+    )
+    c2.download_button(
+        "LaTeX",
+        data=lambda: plots.table_bytes(df, "tex", caption, prov),
+        file_name=f"{name}.tex",
+        mime="text/x-tex",
+        key=f"{key}_tex",
+        on_click="ignore",
+    )
 
 
 def plot(fig, name: str, data=None, key: str | None = None) -> None:
-    st.plotly_chart(fig, key=f"chart_{key or name}", config={"displaylogo": False,
-                    "toImageButtonOptions": {"format": "svg", "filename": name}})
+    st.plotly_chart(
+        fig,
+        key=f"chart_{key or name}",
+        config={"displaylogo": False, "toImageButtonOptions": {"format": "svg", "filename": name}},
+    )
     export_figure(fig, name, data, key)
 
 
@@ -385,15 +445,27 @@ def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
     from ctxmix import data
 
     lim = limits()
-    names = {"wiki": "English Wikipedia extract (gensim)", "pang_lee": "Pang & Lee movie-review sentences (gensim)",
-             "upload": "Upload a .txt (one sequence per line) or .jsonl file (field 'text')"}
-    choice = st.selectbox("Corpus", list(names), format_func=names.get, key=f"{key}_name",
-                          index=list(names).index(qp("corpus", "wiki")) if qp("corpus", "wiki") in names else 0)
+    names = {
+        "wiki": "English Wikipedia extract (gensim)",
+        "pang_lee": "Pang & Lee movie-review sentences (gensim)",
+        "upload": "Upload a .txt (one sequence per line) or .jsonl file (field 'text')",
+    }
+    choice = st.selectbox(
+        "Corpus",
+        list(names),
+        format_func=names.get,
+        key=f"{key}_name",
+        index=list(names).index(qp("corpus", "wiki")) if qp("corpus", "wiki") in names else 0,
+    )
     n = st.number_input("Sequences", 1, lim["max_sequences"], qp_int("n", 20, 1, lim["max_sequences"]), key=f"{key}_n")
     set_qp(corpus=choice, n=n)
     if choice == "upload":
-        up = st.file_uploader("Text file", type=["txt", "jsonl", "json"], key=f"{key}_file",
-                              max_upload_size=max(1, math.ceil(lim["max_upload_mb"])))  # the browser enforces it
+        up = st.file_uploader(
+            "Text file",
+            type=["txt", "jsonl", "json"],
+            key=f"{key}_file",
+            max_upload_size=max(1, math.ceil(lim["max_upload_mb"])),
+        )  # the browser enforces it
         if up is None:
             st.info("Upload a file to analyse it.")
             st.stop()

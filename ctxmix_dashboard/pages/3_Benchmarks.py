@@ -12,20 +12,23 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 import yaml
-
 from ui import common
 
 common.page_setup()
 
 from ctxmix.benchmark import shipped, tables
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(os.environ.get("CTXMIX_BENCH_DIR") or ROOT / "results")
+# the configs ship inside ctxmix (a config's "configs/<name>.yaml" is relative to that package folder);
+# results go where the dashboard was started, or to CTXMIX_BENCH_DIR
+ROOT = shipped.PACKAGE_DIR
+RESULTS = Path(os.environ.get("CTXMIX_BENCH_DIR") or "results").resolve()
 
 st.title("Benchmarks")
-st.caption("Every method scored on a dataset by faithfulness and agreement metrics (`python -m ctxmix bench "
-           "--config configs/<name>.yaml`). Means ± std over examples; * marks the best of each column by the "
-           "metric's own direction (↑ higher is better, ↓ lower).")
+st.caption(
+    "Every method scored on a dataset by faithfulness and agreement metrics (`python -m ctxmix bench "
+    "--config configs/<name>.yaml`). Means ± std over examples; * marks the best of each column by the "
+    "metric's own direction (↑ higher is better, ↓ lower)."
+)
 
 
 def _background_run() -> None:
@@ -33,17 +36,32 @@ def _background_run() -> None:
     runner resumes where it stopped if it is killed."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = open(RESULTS / "embedded.log", "ab")
-    subprocess.Popen([sys.executable, "-m", "ctxmix", "bench", "--config", str(ROOT / "configs" / "embedded.yaml"),
-                      "--db", str(RESULTS / "embedded.sqlite")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                     start_new_session=True)
+    subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ctxmix",
+            "bench",
+            "--config",
+            str(ROOT / "configs" / "embedded.yaml"),
+            "--db",
+            str(RESULTS / "embedded.sqlite"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     st.session_state["bench_started"] = True
 
 
-with st.expander("Run the embedded benchmark (offline, a few minutes on 2 CPU cores)",
-                 expanded=not list(RESULTS.glob("*.sqlite"))):
-    st.write("minilm-sentiment on the Pang & Lee sentences and minilm on the template agreement set, every "
-             "method that applies, every metric that applies. It runs in the background; finished work is kept "
-             "if it is stopped, and a new start resumes it.")
+with st.expander(
+    "Run the embedded benchmark (offline, a few minutes on 2 CPU cores)", expanded=not list(RESULTS.glob("*.sqlite"))
+):
+    st.write(
+        "minilm-sentiment on the Pang & Lee sentences and minilm on the template agreement set, every "
+        "method that applies, every metric that applies. It runs in the background; finished work is kept "
+        "if it is stopped, and a new start resumes it."
+    )
     if common.hosted():
         st.info("Starting benchmarks is disabled in hosted mode; run them on the server with the command above.")
     else:
@@ -75,18 +93,24 @@ if not sources:
 
 with common.errors_as_messages():
     qp_src = common.qp("db")
-    src = st.selectbox("Results", sources, key="results_source",
-                       index=next((k for k, x in enumerate(sources) if x.endswith(f": {qp_src}")), 0),
-                       help="'computed here': a results store of this machine (results/); 'shipped': the results "
-                            "that come with ctxmix, computed by the runner from a config of this repository.")
+    src = st.selectbox(
+        "Results",
+        sources,
+        key="results_source",
+        index=next((k for k, x in enumerate(sources) if x.endswith(f": {qp_src}")), 0),
+        help="'computed here': a results store of this machine (results/); 'shipped': the results "
+        "that come with ctxmix, computed by the runner from a config of this repository.",
+    )
     pick = src.split(": ", 1)[1]
     if src.startswith("shipped"):
         agg, meta = shipped.load_shipped(pick)
         run, version = meta["name"], meta["ctxmix_version"]
         cfg = yaml.safe_load((ROOT / meta["config"]).read_text()) if (ROOT / meta["config"]).exists() else {}
-        st.info(f"Shipped results: computed by `{meta['command']}` with ctxmix {version} on {meta['date'][:10]} "
-                f"({meta.get('machine', '')}); config hash {meta['config_hash']}. Run the benchmark above to "
-                "recompute them on this machine.")
+        st.info(
+            f"Shipped results: computed by `{meta['command']}` with ctxmix {version} on {meta['date'][:10]} "
+            f"({meta.get('machine', '')}); config hash {meta['config_hash']}. Run the benchmark above to "
+            "recompute them on this machine."
+        )
         for why in shipped.stale_reasons(pick, ROOT):
             st.warning(f"These shipped results may be stale: {why}.")
     else:
@@ -111,8 +135,9 @@ with common.errors_as_messages():
     datasets = sorted(agg[agg.model == model].dataset.unique())
     dataset = c2.selectbox("Dataset", datasets)
     common.set_qp(db=pick)
-    common.set_provenance(results=src, run=run, results_ctxmix_version=version,
-                          config_name=cfg.get("name"), model=model, dataset=dataset)
+    common.set_provenance(
+        results=src, run=run, results_ctxmix_version=version, config_name=cfg.get("name"), model=model, dataset=dataset
+    )
     common.reproduce(f"python -m ctxmix bench --config configs/{cfg.get('name', run)}.yaml --report")
 
     table = tables.method_table(agg, model, dataset)
@@ -137,7 +162,9 @@ with common.errors_as_messages():
             st.dataframe(comp, width="stretch")
             common.export_table(comp, f"{run}_paper_vs_ctxmix")
 
-    per_layer = sorted(m for m in agg[(agg.model == model) & (agg.dataset == dataset) & (agg.layer >= 0)].metric.unique())
+    per_layer = sorted(
+        m for m in agg[(agg.model == model) & (agg.dataset == dataset) & (agg.layer >= 0)].metric.unique()
+    )
     if per_layer:
         st.subheader("Per-layer metrics")
         metric = st.selectbox("Metric", per_layer)
@@ -162,14 +189,21 @@ for path in sorted((ROOT / "configs").glob("*.yaml")):
         papers[path.stem] = c
 if papers:
     with common.errors_as_messages():
-        name = st.selectbox("Paper config", list(papers), key="paper_config",
-                            format_func=lambda k: f"{k}: {papers[k]['paper'].get('source') or papers[k]['paper'].get('title', '')}")
+        name = st.selectbox(
+            "Paper config",
+            list(papers),
+            key="paper_config",
+            format_func=lambda k: f"{k}: {papers[k]['paper'].get('source') or papers[k]['paper'].get('title', '')}",
+        )
         pv = shipped.paper_table(papers[name])
-        st.caption(f"Quoted from {papers[name]['paper'].get('source') or papers[name]['paper'].get('title', name)}. "
-                   f"Recompute them with `python -m ctxmix bench --config configs/{name}.yaml` (most need the "
-                   "papers' checkpoints and datasets from the Hugging Face hub).")
+        st.caption(
+            f"Quoted from {papers[name]['paper'].get('source') or papers[name]['paper'].get('title', name)}. "
+            f"Recompute them with `python -m ctxmix bench --config configs/{name}.yaml` (most need the "
+            "papers' checkpoints and datasets from the Hugging Face hub)."
+        )
         st.dataframe(pv, width="stretch")
-        common.export_table(pv.reset_index(), f"{name}_published", caption=f"Published numbers of {name}",
-                            key=f"paper_{name}")
+        common.export_table(
+            pv.reset_index(), f"{name}_published", caption=f"Published numbers of {name}", key=f"paper_{name}"
+        )
         with st.expander("Every published value with its std"):
             st.dataframe(shipped.paper_values(papers[name]), width="stretch", hide_index=True)

@@ -19,7 +19,7 @@ log = logging.getLogger("ctxmix.login")
 class LoginThrottle:
     def __init__(self, base: float = 1.0, ceiling: float = 30.0, max_clients: int = 10_000, clock=time.monotonic):
         self.base, self.ceiling, self.max_clients, self.clock = base, ceiling, max_clients, clock
-        self._state: "OrderedDict[str, tuple[int, float]]" = OrderedDict()  # client -> (failures, blocked until)
+        self._state: OrderedDict[str, tuple[int, float]] = OrderedDict()  # client -> (failures, blocked until)
         self._lock = threading.Lock()
 
     def wait(self, client: str) -> float:

@@ -5,11 +5,11 @@ per-head maps. Layout only; every number comes from the Explanation."""
 from __future__ import annotations
 
 import streamlit as st
+from ui import common
 
+from ctxmix.analyses.pairs import cross_segment_mixing
 from ctxmix.export import plots
 from ctxmix.methods.registry import MIXING_METHODS
-from ctxmix.analyses.pairs import cross_segment_mixing
-from ui import common
 
 
 def show_explanation(ex, layers: int) -> None:
@@ -27,8 +27,10 @@ def show_explanation(ex, layers: int) -> None:
     what = f" Gradient and perturbation methods explain output {ex.target}" if ex.target is not None else ""
     if what and ex.foil is not None:
         what += f" minus output {ex.foil} (logit difference)"
-    st.caption(f"Mixing methods: row of token {ex.position} ({plots.display_tokens([tgt])[0]}) of the last "
-               f"aggregated map. Rows are scaled by their largest |value|.{what + '.' if what else ''}")
+    st.caption(
+        f"Mixing methods: row of token {ex.position} ({plots.display_tokens([tgt])[0]}) of the last "
+        f"aggregated map. Rows are scaled by their largest |value|.{what + '.' if what else ''}"
+    )
     common.plot(plots.saliency_figure(ex.tokens, ex.saliency), "saliency", data={"tokens": ex.tokens, **ex.saliency})
 
     if len(ex.saliency) > 1:
@@ -42,39 +44,62 @@ def show_explanation(ex, layers: int) -> None:
     if map_methods:
         st.subheader("Token-to-token maps")
         c1, c2 = st.columns([1, 2])
-        mm = c1.selectbox("Method", map_methods, index=map_methods.index(common.qp("map", map_methods[0]))
-                          if common.qp("map") in map_methods else 0, key="map_method")
+        mm = c1.selectbox(
+            "Method",
+            map_methods,
+            index=map_methods.index(common.qp("map", map_methods[0])) if common.qp("map") in map_methods else 0,
+            key="map_method",
+        )
         layer = c2.slider("Layer", 1, L, common.qp_int("layer", L, 1, L), key="layer")
         common.set_qp(map=mm, layer=layer)
         if mm in MIXING_METHODS:
             st.caption(MIXING_METHODS[mm].doc)
             if MIXING_METHODS[mm].caveat and ex.provenance.get("model_causal"):
                 st.warning(MIXING_METHODS[mm].caveat)
-        same = st.checkbox("Same colour scale for every layer", value=common.qp("scale", "layers") == "layers",
-                           key="same_scale", help="Off: each map uses its own range.")
+        same = st.checkbox(
+            "Same colour scale for every layer",
+            value=common.qp("scale", "layers") == "layers",
+            key="same_scale",
+            help="Off: each map uses its own range.",
+        )
         common.set_qp(scale="layers" if same else "own")
         zl = plots.color_range(ex.layer_maps[mm]) if same else None
         zg = plots.color_range(ex.global_maps[mm]) if same else None
         a, b = st.columns(2)
         with a:
-            common.plot(plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}", zmax=zl),
-                        f"{mm}_layer{layer}", data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]})
+            common.plot(
+                plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}", zmax=zl),
+                f"{mm}_layer{layer}",
+                data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]},
+            )
         with b:
-            common.plot(plots.map_heatmap(ex.tokens, ex.global_maps[mm][layer - 1],
-                                          f"{mm}: aggregated up to layer {layer}", zmax=zg),
-                        f"{mm}_global{layer}", data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]})
+            common.plot(
+                plots.map_heatmap(
+                    ex.tokens, ex.global_maps[mm][layer - 1], f"{mm}: aggregated up to layer {layer}", zmax=zg
+                ),
+                f"{mm}_global{layer}",
+                data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]},
+            )
         if mm in ex.head_maps:
             H = ex.head_maps[mm].shape[1]
-            st.caption(f"Per head ({MIXING_METHODS[mm].per_head}). Every layer (rows) and head (columns), on one "
-                       "colour scale; pick a head below to open it.")
-            common.plot(plots.head_grid(ex.tokens, ex.head_maps[mm], f"{mm}: every head"), f"{mm}_heads",
-                        data={"tokens": ex.tokens, "head_maps": ex.head_maps[mm]})
+            st.caption(
+                f"Per head ({MIXING_METHODS[mm].per_head}). Every layer (rows) and head (columns), on one "
+                "colour scale; pick a head below to open it."
+            )
+            common.plot(
+                plots.head_grid(ex.tokens, ex.head_maps[mm], f"{mm}: every head"),
+                f"{mm}_heads",
+                data={"tokens": ex.tokens, "head_maps": ex.head_maps[mm]},
+            )
             head = st.selectbox("Head", list(range(1, H + 1)), index=common.qp_int("head", 1, 1, H) - 1, key="head")
             common.set_qp(head=head)
             hm = ex.head_maps[mm][layer - 1, head - 1]
             zh = plots.color_range(ex.head_maps[mm]) if same else None
-            common.plot(plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}", zmax=zh),
-                        f"{mm}_layer{layer}_head{head}", data={"tokens": ex.tokens, "map": hm})
+            common.plot(
+                plots.map_heatmap(ex.tokens, hm, f"{mm}: layer {layer}, head {head}", zmax=zh),
+                f"{mm}_layer{layer}_head{head}",
+                data={"tokens": ex.tokens, "map": hm},
+            )
 
     if ex.options.get("decoder_text") is not None:  # an encoder-decoder's source and target
         show_source_contribution(ex)
@@ -84,15 +109,25 @@ def show_explanation(ex, layers: int) -> None:
 
 def show_pair_mixing(ex) -> None:
     st.subheader("Sentence pair: how much each text takes from the other")
-    st.caption("Each map's rows normalised to sum to one over tokens; A→B is the share of text B's tokens' "
-               "context that comes from text A, B→A the reverse. Special tokens belong to neither text: their "
-               "share is the column 'special'. Per layer (each layer's own map) and aggregated up to the layer.")
+    st.caption(
+        "Each map's rows normalised to sum to one over tokens; A→B is the share of text B's tokens' "
+        "context that comes from text A, B→A the reverse. Special tokens belong to neither text: their "
+        "share is the column 'special'. Per layer (each layer's own map) and aggregated up to the layer."
+    )
     df = cross_segment_mixing(ex)
     common.plot(plots.cross_mixing_figure(df), "pair_mixing", data=df)
-    view = st.radio("Table", ["aggregated", "layer"], horizontal=True, key="pair_table",
-                    format_func=lambda v: {"aggregated": "aggregated maps", "layer": "each layer's map"}[v])
-    table = df[df["map"] == view].pivot_table(index=["method", "layer"], columns="direction",
-                                              values=["other", "special"]).round(3)
+    view = st.radio(
+        "Table",
+        ["aggregated", "layer"],
+        horizontal=True,
+        key="pair_table",
+        format_func=lambda v: {"aggregated": "aggregated maps", "layer": "each layer's map"}[v],
+    )
+    table = (
+        df[df["map"] == view]
+        .pivot_table(index=["method", "layer"], columns="direction", values=["other", "special"])
+        .round(3)
+    )
     table.columns = [f"{d} {what}" for what, d in table.columns]
     st.dataframe(table, width="stretch")
     common.export_table(table.reset_index(), "pair_mixing", caption="Share of each text's context from the other text")
@@ -105,11 +140,15 @@ def show_source_contribution(ex) -> None:
     st.subheader("Source and target contributions (ALTI+, Ferrando et al. 2022)")
     S = ex.segments.count(0)
     share = source_contribution(ex)
-    st.caption("How much of each target token's representation comes from the source sentence (the rest comes "
-               "from the target prefix the decoder has read), after each decoder layer, rolled out through the "
-               "encoder. The maps above are square over [source; target]: source rows are the encoder's ALTI "
-               "rollout, target rows ALTI+.")
+    st.caption(
+        "How much of each target token's representation comes from the source sentence (the rest comes "
+        "from the target prefix the decoder has read), after each decoder layer, rolled out through the "
+        "encoder. The maps above are square over [source; target]: source rows are the encoder's ALTI "
+        "rollout, target rows ALTI+."
+    )
     tokens = ex.tokens[S:]
-    common.plot(plots.source_contribution_figure(tokens, share), "source_contribution",
-                data={"tokens": tokens, **{f"layer {l + 1}": row for l, row in enumerate(share)}})
-
+    common.plot(
+        plots.source_contribution_figure(tokens, share),
+        "source_contribution",
+        data={"tokens": tokens, **{f"layer {l + 1}": row for l, row in enumerate(share)}},
+    )

@@ -2,19 +2,23 @@
 CLI's `explain --out x.npz`) and see every view of the Explain page, without loading any model."""
 
 import streamlit as st
+from ui import common, views
 
 import ctxmix
-from ctxmix.service.limits import load_limits
 from ctxmix.export.saved import load_explanation
-from ui import common, views
+from ctxmix.service.limits import load_limits
 
 common.page_setup()
 
 st.title("Saved explanation")
 st.caption("Open a file someone computed (on a GPU, on another machine): no model is loaded here.")
 lim = common.limits()
-up = st.file_uploader("Saved explanation (.npz)", type=["npz"], key="saved_file",
-                      max_upload_size=max(1, int(lim["max_archive_mb"] + 0.999)))
+up = st.file_uploader(
+    "Saved explanation (.npz)",
+    type=["npz"],
+    key="saved_file",
+    max_upload_size=max(1, int(lim["max_archive_mb"] + 0.999)),
+)
 if up is None:
     st.info("Upload a saved explanation to see it.")
     st.stop()
@@ -24,10 +28,20 @@ with common.errors_as_messages():
     pv = ex.provenance
     st.markdown(f"**{ex.model_name or 'unknown model'}** · {len(ex.tokens)} tokens · methods: {', '.join(ex.methods)}")
     if pv:
-        st.caption(f"Made by ctxmix {pv.get('ctxmix_version', '?')} on {pv.get('date', '?')}; weights "
-                   f"{str(pv.get('weights_sha256', '?'))[:12]}…; options {ex.options}. This ctxmix: {ctxmix.__version__}.")
-    common.set_provenance(**{**pv, "options": ex.options, "tokens": len(ex.tokens), "methods": ex.methods,
-                             "from_saved_file": up.name, "shown_with_ctxmix": ctxmix.__version__})
+        st.caption(
+            f"Made by ctxmix {pv.get('ctxmix_version', '?')} on {pv.get('date', '?')}; weights "
+            f"{str(pv.get('weights_sha256', '?'))[:12]}…; options {ex.options}. This ctxmix: {ctxmix.__version__}."
+        )
+    common.set_provenance(
+        **{
+            **pv,
+            "options": ex.options,
+            "tokens": len(ex.tokens),
+            "methods": ex.methods,
+            "from_saved_file": up.name,
+            "shown_with_ctxmix": ctxmix.__version__,
+        }
+    )
     for w in ex.warnings:
         st.warning(w)
     layers = next((v.shape[0] for v in ex.layer_maps.values()), 1)
