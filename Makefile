@@ -29,9 +29,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# the documentation site; --strict: a broken reference or a missing page fails
+# the documentation site: the generated pages (methods from the registry, analyses with figures
+# the code makes), then the build; --strict: a broken reference or a missing page fails
 docs: install
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	$(PY) docs/gen_pages.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi

@@ -1,4 +1,6 @@
 """ctxmix's performance targets, measured in one run, printed as one table.
+(Over 500 lines: one function per target, each with its baseline; helpers live in perf_common.py,
+the comparisons with other tools in perf_compare.py.)
 
     python bench/perf.py                          # every target; about 8 minutes on a 2-core CPU
     python bench/perf.py --device cuda --out $OUT/perf.csv   # on a GPU (adds the 16 GB card and embedded rows)

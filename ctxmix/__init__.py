@@ -19,8 +19,9 @@ plotly nor streamlit, until a name is used.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ctxmix.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -75,13 +76,13 @@ _SUBMODULES = {
 __all__ = sorted(_API) + ["__version__"]
 
 
+_lazy = lazy_getattr(__name__, _API, _SUBMODULES)
+
+
 def __getattr__(name: str):
-    if name in _API:
-        value = getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{_SUBMODULES[name]}")
-    else:
+    if name not in _API and name not in _SUBMODULES:
         raise AttributeError(f"module 'ctxmix' has no attribute {name!r}")
+    value = _lazy(name)
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value
 

@@ -218,45 +218,13 @@ def test_folder_load_and_cli(tmp_path, bart_folder):
     loaded = ctxmix.load_model(str(bart_folder), device="cpu")
     assert loaded.kind == "seq2seq"
     out = tmp_path / "ex.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ctxmix",
-            "explain",
-            SRC,
-            "--model",
-            str(bart_folder),
-            "--method",
-            "alti",
-            "--decoder-text",
-            TGT,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    explain = [sys.executable, "-m", "ctxmix", "explain", SRC, "--model", str(bart_folder)]
+    explain += ["--method", "alti", "--decoder-text", TGT]
+    run = subprocess.run([*explain, "--out", str(out)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     d = json.loads(out.read_text())
     assert d["segments"].count(1) == len(encode_target(loaded, TGT)[0])
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ctxmix",
-            "explain",
-            SRC,
-            "--model",
-            str(bart_folder),
-            "--method",
-            "alti",
-            "--decoder-text",
-            TGT,
-        ],
-        capture_output=True,
-        text=True,
-    )
+    run = subprocess.run(explain, capture_output=True, text=True)
     assert run.returncode == 0 and "source contribution" in run.stdout, run.stderr
     run = subprocess.run(
         [sys.executable, "-m", "ctxmix", "verify", "--model", str(bart_folder)], capture_output=True, text=True

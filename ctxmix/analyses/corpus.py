@@ -1,7 +1,7 @@
 """The FF paper's corpus analyses (Kobayashi et al. 2024, §5-6): contextualization change,
 FF-amplified token pairs, FF outlier dimensions against the next norm's gamma, and the norm
 of the FF output against the vector RES2 bypasses. Layers are numbered from 1 in the tables.
-(About 500 lines: the four analyses share one length-bucketed corpus pass, `corpus_report`.)
+(Over 500 lines: the four analyses share one length-bucketed corpus pass, `corpus_report`.)
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ Derived methods (computed here from ctxmix's maps, for the paper tables; not in
 is replaced by [UNK]; agreement data on language models).
 """
 
+from ctxmix.lazy import lazy_getattr
+
 _API = {
     "run_bench": "command",
     "cmd_bench": "command",
@@ -62,14 +64,4 @@ _API = {
 }
 
 
-def __getattr__(name: str):  # the runner's API and the submodules, loaded on first use
-    import importlib
-
-    if name in _API:
-        return getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = lazy_getattr(__name__, _API)  # the runner's API and the submodules, on first use

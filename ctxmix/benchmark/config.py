@@ -1,4 +1,8 @@
-"""Benchmark configs: the schema, validation before any work, and YAML loading."""
+"""Benchmark configs: the schema, validation before any work, and YAML loading.
+
+(Over 500 lines: every check of a config, with the message that names what is valid, is here,
+so a config is refused whole before any work starts.)
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Metrics that score a saliency vector or a context-mixing map, each an object with its metadata.
-(About 500 lines: one registry of every metric with its formula; a new metric is one entry here.)
+(Over 500 lines: one registry of every metric with its formula; a new metric is one entry here.)
 
 Every metric is a `Metric` (name, title, direction, range, description, family), in the
 style of ferret, so tables can mark the best value of each column by the metric's own

@@ -188,6 +188,28 @@ class ResultsStore:
                 )
             return 0
         rev, fp = res.get("model_revision", ""), res.get("fingerprint", "")
+
+        def unit(method: str, status: str, detail: str, target, seconds: float) -> None:  # one row of `units`
+            self.conn.execute(
+                "INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run_id,
+                    model.label,
+                    dataset,
+                    example_id,
+                    method,
+                    status,
+                    detail,
+                    model.name,
+                    rev,
+                    fp,
+                    __version__,
+                    target,
+                    seconds,
+                    now,
+                ),
+            )
+
         if res.get("status") == "skipped":
             with self.conn:
                 self.conn.execute(
@@ -195,25 +217,7 @@ class ResultsStore:
                     (run_id, model.label, dataset, example_id, res.get("reason", "")),
                 )
                 for m in wanted:
-                    self.conn.execute(
-                        "INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (
-                            run_id,
-                            model.label,
-                            dataset,
-                            example_id,
-                            m,
-                            "skipped",
-                            res.get("reason", ""),
-                            model.name,
-                            rev,
-                            fp,
-                            __version__,
-                            None,
-                            0.0,
-                            now,
-                        ),
-                    )
+                    unit(m, "skipped", res.get("reason", ""), None, 0.0)
             return len(wanted)
         with self.conn:  # reference saliencies first, so a later unit of this example can reuse them
             for r, vals in (res.get("references") or {}).items():
@@ -237,24 +241,12 @@ class ResultsStore:
         count = 0
         for m, r in res["methods"].items():
             with self.conn:
-                self.conn.execute(
-                    "INSERT OR REPLACE INTO units VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (
-                        run_id,
-                        model.label,
-                        dataset,
-                        example_id,
-                        m,
-                        r["status"],
-                        r.get("detail", res.get("target_note", "")),
-                        model.name,
-                        rev,
-                        fp,
-                        __version__,
-                        res.get("target"),
-                        per if r["status"] == "done" else 0.0,
-                        now,
-                    ),
+                unit(
+                    m,
+                    r["status"],
+                    r.get("detail", res.get("target_note", "")),
+                    res.get("target"),
+                    per if r["status"] == "done" else 0.0,
                 )
                 if r["status"] == "done":
                     self.conn.executemany(

@@ -4,13 +4,6 @@ model loading (`models`, `sentiment`), encoder-decoders' decoders (`seq2seq`), p
 memory budgets.
 """
 
+from ctxmix.lazy import lazy_getattr
 
-def __getattr__(name: str):  # submodules load on first use (`ctxmix.engine.models` after `import ctxmix`)
-    import importlib
-
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = lazy_getattr(__name__)  # submodules load on first use

@@ -1,4 +1,5 @@
 """One declarative description per architecture family, and the weights it points to.
+(Over 500 lines: one entry per family, the norms and the weights reader; the table is the point.)
 
 Every decomposition in ctxmix runs on plain tensors taken from the model through these
 maps of module names (the ALTI repo's idea), so adding a family is adding one entry here;

@@ -1,4 +1,5 @@
 """Plotly figures shared by the dashboard, the command line and notebooks, and their export.
+(Over 500 lines: every figure shares one style and one export path, PNG/SVG/PDF with provenance.)
 
 Style: white background, Okabe-Ito colours (colour-blind safe), sequential "Blues" for
 non-negative maps and diverging "RdBu" centred on zero for signed ones, token labels on the

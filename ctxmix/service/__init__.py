@@ -2,13 +2,6 @@
 hosted limits and login (`limits`) and the `serve` launcher.
 """
 
+from ctxmix.lazy import lazy_getattr
 
-def __getattr__(name: str):  # submodules load on first use (`ctxmix.service.cache` after `import ctxmix`)
-    import importlib
-
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = lazy_getattr(__name__)  # submodules load on first use

@@ -1,0 +1,189 @@
+"""Write the generated pages of the documentation site (run by `make docs` before `mkdocs build`).
+
+- docs/methods/<name>.md: one page per method, from the method registry (what `ctxmix methods`
+  prints): its formula and choices, its paper, how it is aggregated, its caveats;
+- docs/families.md: the families table (what `ctxmix models` prints);
+- docs/analyses/*.md: one page per analysis, each with a figure the code makes on the embedded
+  MiniLM and a few Wikipedia sentences (SVG through kaleido when Chromium is there, else HTML).
+
+Offline: the model and the texts ship in PyPI packages.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS.parent))
+
+import ctxmix  # noqa: E402
+from ctxmix.engine.arch import families_table  # noqa: E402
+from ctxmix.export import plots  # noqa: E402
+from ctxmix.methods.registry import MIXING_METHODS, SALIENCY_METHODS  # noqa: E402
+
+
+def method_pages() -> list[str]:
+    out = DOCS / "methods"
+    out.mkdir(exist_ok=True)
+    names = []
+    for name, info in {**MIXING_METHODS, **SALIENCY_METHODS}.items():
+        if info.group == "scope":
+            continue
+        lines = [
+            f"# {info.title} (`{name}`)",
+            "",
+            f"**Paper:** {info.paper}  ",
+            f"**Group:** {info.group}  ",
+            f"**Rows sum to one:** {'yes' if info.rows_sum_to_one else 'no'}",
+            "",
+            "## What ctxmix computes",
+            "",
+            info.doc,
+            "",
+        ]
+        if name in MIXING_METHODS:
+            agg = (
+                "0.5·M + 0.5·I per layer, then the product of the layers"
+                if info.rollout_identity
+                else ("each layer's rows normalised, then " if info.rollout_normalise else "")
+                + "the product of the layers' maps (R^l = M^l R^{l-1})"
+            )
+            lines += ["## Aggregation", "", agg + ".", ""]
+        if info.per_head:
+            lines += ["## Per head", "", f"`explain(..., per_head=True)`: {info.per_head}.", ""]
+        if info.caveat:
+            lines += ["## Caveat", "", info.caveat, ""]
+        lines += [
+            "## Use",
+            "",
+            "```python",
+            f'ex = ctxmix.explain(model, text, ["{name}"])',
+            "```",
+            "",
+        ]
+        (out / f"{name}.md").write_text("\n".join(lines))
+        names.append(name)
+    scopes = [n for n, i in MIXING_METHODS.items() if i.group == "scope"]
+    info = MIXING_METHODS[scopes[0]]
+    (out / "scopes.md").write_text(
+        "\n".join(
+            [
+                "# Scopes of the FF paper",
+                "",
+                f"**Paper:** {info.paper}",
+                "",
+                info.doc,
+                "",
+                "Scope names by layer shape (`ctxmix.methods.registry.scope_names`):",
+                "",
+                *[
+                    f"- **{shape}**: {', '.join(ctxmix.methods.registry.scope_names(shape))}"
+                    for shape in ("post", "pre", "parallel", "sandwich")
+                ],
+                "",
+                "```python",
+                "maps = ctxmix.scope_maps(model, text)  # {scope: (L, n, n)}",
+                "```",
+                "",
+            ]
+        )
+    )
+    import ctxmix.methods.alti_plus as ap
+
+    (out / "alti_plus.md").write_text(
+        "# ALTI+ for encoder-decoders (`alti` with `decoder_text`)\n\n"
+        '```python\nex = ctxmix.explain(model, source, ["alti"], decoder_text=target)\n'
+        "ctxmix.source_contribution(ex)  # (decoder layers, T)\n```\n\n"
+        "```text\n" + (ap.__doc__ or "").strip() + "\n```\n"
+    )
+    return names
+
+
+def families_page() -> None:
+    rows = families_table()
+    lines = [
+        "# Model families",
+        "",
+        "Every family is one entry of `ctxmix.engine.arch.FAMILIES`, proven exact by the reconstruction "
+        "tests on a tiny random model of its real Hugging Face class.",
+        "",
+        "| family | model types | norms | norm | FF | attention | scopes | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(
+                str(r[k]).replace("|", "/")
+                for k in ("family", "model types", "norms", "norm", "FF", "attention", "scopes", "note")
+            )
+            + " |"
+        )
+    (DOCS / "families.md").write_text("\n".join(lines) + "\n")
+
+
+def _figure(fig, stem: str) -> str:
+    """Markdown that shows the figure: an SVG image, or a link to an HTML file without Chromium."""
+    img = DOCS / "analyses" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    if plots.static_export_available():
+        (img / f"{stem}.svg").write_bytes(plots.figure_bytes(fig, "svg"))
+        return f"![{stem}](img/{stem}.svg)"
+    (img / f"{stem}.html").write_bytes(plots.figure_bytes(fig, "html"))
+    return f"[The figure (interactive HTML)](img/{stem}.html)"
+
+
+def analysis_pages() -> None:
+    m = ctxmix.load_model("minilm", device="cpu")
+    texts = ctxmix.data.corpus("wiki", limit=8)
+    report = ctxmix.corpus_report(m, texts, change=True, amp=False, norms=True, outliers=True, progress=False)
+    change = report["change"]
+    comps = [c for c in ctxmix.analyses.corpus.comparisons(m) if not c.startswith("dyn:")]
+    pages = {
+        "contextualization_change": (
+            "Contextualization change",
+            "How much each component changes the token-to-token map, per layer: 1 - Spearman rho between "
+            "the maps of two scopes (Kobayashi et al. 2024, §5). Computed here on 8 Wikipedia sentences.",
+            "ctxmix.contextualization_change(model, texts)",
+            plots.change_bars(change, comps),
+        ),
+        "ff_outliers": (
+            "FF outlier dimensions against the next norm's gamma",
+            "Per dimension, the mean |FF output| against the gamma of the norm that next reads it "
+            "(Kobayashi et al. 2024, §6); layer 1 shown.",
+            "ctxmix.ff_outliers(model, texts)",
+            plots.outlier_figure(report["outliers"][report["outliers"].layer == 1], title="Layer 1"),
+        ),
+        "ff_residual_norms": (
+            "FF output against the vector RES2 bypasses",
+            "The norm of the FF output against the norm of the vector the residual carries around it.",
+            "ctxmix.ff_residual_norms(model, texts)",
+            plots.res2_figure(report["residual_norms"]),
+        ),
+    }
+    nli = ctxmix.explain(m, ("A man is eating .", "Someone eats food ."), ["alti", "globenc"])
+    pages["cross_segment_mixing"] = (
+        "Sentence pairs: cross-segment mixing",
+        "For a sentence pair, the share of each text's context that comes from the other text, per layer.",
+        'ex = ctxmix.explain(model, ("A man is eating .", "Someone eats food ."), ["alti"])\n'
+        "ctxmix.cross_segment_mixing(ex)",
+        plots.cross_mixing_figure(ctxmix.cross_segment_mixing(nli)),
+    )
+    out = DOCS / "analyses"
+    for stem, (title, what, code, fig) in pages.items():
+        (out / f"{stem}.md").write_text(
+            f"# {title}\n\n{what}\n\n```python\n{code}\n```\n\n{_figure(fig, stem)}\n\n"
+            "*Figure made by `docs/gen_pages.py` with the code above on the embedded MiniLM.*\n"
+        )
+
+
+if __name__ == "__main__":
+    method_pages()
+    families_page()
+    if "--no-figures" not in sys.argv:
+        analysis_pages()
+    print(f"wrote the generated pages under {DOCS}")
