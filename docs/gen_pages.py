@@ -165,6 +165,26 @@ def analysis_pages() -> None:
             plots.res2_figure(report["residual_norms"]),
         ),
     }
+    from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
+
+    before, after = ff_amp_scopes(m)
+    text = "The keys to the cabinet are on the table ."
+    sc = ctxmix.scope_maps(m, text)
+    tokens = m.tokens(m.encode(text)[0])
+    layer = 5
+    pages["ff_amp"] = (
+        "FF amplification",
+        "Which token pairs the FF block amplifies: the column-normalised map after the FF minus the one "
+        f"before it ({after} - {before}; Kobayashi et al. 2024, §5). `ctxmix.ff_amp` ranks the pairs over a "
+        f"corpus; the figure shows layer {layer} of one sentence.",
+        "ctxmix.ff_amp(model, texts, top_k=20)  # the most amplified token pairs, per layer",
+        plots.map_heatmap(
+            tokens,
+            ff_amp_matrix(sc[before][layer - 1], sc[after][layer - 1], "column"),
+            f"FF-amp, layer {layer}",
+            colorbar="amplification",
+        ),
+    )
     nli = ctxmix.explain(m, ("A man is eating .", "Someone eats food ."), ["alti", "globenc"])
     pages["cross_segment_mixing"] = (
         "Sentence pairs: cross-segment mixing",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ctxmix
-from ctxmix.engine.layer import norm_family_pieces, scope_pieces
+from ctxmix.engine.layer import layer_forward, norm_family_pieces, scope_pieces  # noqa: F401
 from ctxmix.engine.trace import trace_ids
 from ctxmix.methods.registry import scope_names
 
@@ -33,27 +33,14 @@ def _check(tr, res2="exact", factorised=True):
         pieces = scope_pieces(lw, st, rows, res2=res2, next_ln=True, factorised=factorised)
         expect = {  # the real vector each scope must sum to
             "post": {"Atb": st.z, "AtbFf": st.ff, "AtbFfRes": st.r2, "AtbFfResLn": st.y},
-            "pre": {
-                "Atb": st.r1,
-                "AtbLn": st.z,
-                "AtbLnFf": st.ff,
-                "AtbLnFfRes": st.y,
-                "AtbLnFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None,
-            },
-            "sandwich": {
-                "Atb": st.r1,
-                "AtbLn": st.z,
-                "AtbLnFf": st.ff,
-                "AtbLnFfLn": lw.post_ff_norm(st.ff) if lw.post_ff_norm is not None else None,
-                "AtbLnFfLnRes": st.y,
-                "AtbLnFfLnResLn": lw.next_norm(st.y) if lw.next_norm is not None else None,
-            },
-            "parallel": {
-                "Atb": st.attn,
-                "AtbFf": st.attn + st.ff,
-                "AtbFfRes": st.y,
-                "AtbFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None,
-            },
+            "pre": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff, "AtbLnFfRes": st.y,
+                    "AtbLnFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
+            "sandwich": {"Atb": st.r1, "AtbLn": st.z, "AtbLnFf": st.ff,
+                         "AtbLnFfLn": lw.post_ff_norm(st.ff) if lw.post_ff_norm is not None else None,
+                         "AtbLnFfLnRes": st.y,
+                         "AtbLnFfLnResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
+            "parallel": {"Atb": st.attn, "AtbFf": st.attn + st.ff, "AtbFfRes": st.y,
+                         "AtbFfResLn": lw.next_norm(st.y) if lw.next_norm is not None else None},
         }[lw.position]
         assert set(scope_names(lw.position)) <= set(pieces)
         errs = {}
