@@ -1,6 +1,7 @@
-"""ctxmix dashboard entry (`streamlit run app.py`) and its landing page, Explain: one example's
-prediction, saliency per method, per-layer and aggregated maps, rank correlations between
-methods, and the FF paper's scope maps of one layer. Other pages live in pages/."""
+"""ctxmix dashboard entry (`ctxmix serve`, or `streamlit run ctxmix_dashboard/app.py`) and its
+landing page, Explain: one example's prediction, saliency per method, per-layer and aggregated
+maps, rank correlations between methods, and the FF paper's scope maps of one layer. Other pages
+live in pages/."""
 
 import os
 import sys

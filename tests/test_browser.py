@@ -1,4 +1,4 @@
-"""Start `streamlit run app.py` on localhost and open every page in headless Chromium: each
+"""Start `streamlit run ctxmix_dashboard/app.py` on localhost and open every page in headless Chromium: each
 renders its plots and shows no exception. `.ci/run` installs Debian's chromium and chromium-driver."""
 
 import os
