@@ -53,8 +53,9 @@ from ctxmix.engine.layer import _diag_add, alti_layer, head_vectors, mix
 from ctxmix.engine.models import Model
 from ctxmix.engine.seq2seq import DecoderState, decoder_weights, encode_target, trace_seq2seq
 from ctxmix.errors import BadInput
-
-METHODS = ("alti",)  # what explain(..., decoder_text=) computes: ALTI+
+from ctxmix.methods.explanation import Explanation, provenance, top_tokens
+from ctxmix.methods.mixing import _chunks, norm_layer_maps, rollout
+from ctxmix.methods.registry import MIXING_METHODS
 
 
 def alti_plus_pieces(sw: LayerWeights, cw: LayerWeights, st: DecoderState, rows: torch.Tensor) -> dict:
@@ -82,8 +83,6 @@ def alti_plus_pieces(sw: LayerWeights, cw: LayerWeights, st: DecoderState, rows:
 def alti_plus_layer(sw: LayerWeights, cw: LayerWeights, st: DecoderState) -> torch.Tensor:
     """C^l = [C^l_enc | diag(c^l_res) C^l_self], (B, T, S + T): each target row's contributions from
     the encoder outputs and from the layer's target inputs; rows sum to one."""
-    from ctxmix.methods.mixing import _chunks
-
     B, T, d = st.x.shape
     S = st.e.shape[1]
     acc = torch.promote_types(st.x.dtype, torch.float32)
@@ -104,11 +103,6 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
     tokens are [source; decoder inputs] with segments 0 / 1, layer maps M^l and global maps R^l over
     them (one per decoder layer), and the saliency of row `position` (the last decoder input by
     default, the one that predicts the target's last token)."""
-    from ctxmix.methods.explanation import Explanation
-    from ctxmix.methods.explanation import provenance as _provenance
-    from ctxmix.methods.mixing import norm_layer_maps, rollout
-    from ctxmix.methods.registry import MIXING_METHODS
-
     methods = [methods] if isinstance(methods, str) else list(methods)
     if methods != ["alti"]:
         raise BadInput(
@@ -151,21 +145,13 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
         warnings=list(tr.encoder.notes),
         segments=[0] * S + [1] * T,
         options={"decoder_text": decoder_text, "n_source": S, "method_variant": "ALTI+"},
-        provenance=_provenance(model),
+        provenance=provenance(model),
     )
     if pos >= S:
         t = pos - S
-        p = torch.softmax(tr.logits[t].double(), -1)
-        top = torch.topk(p, min(5, p.numel()))
-        toks = model.tokens(top.indices.tolist())
         ex.target = int(target_ids[t])
-        ex.prediction = {
-            "label": toks[0],
-            "index": int(top.indices[0]),
-            "what": f"next token after position {pos}",
-            "probabilities": {k: float(v) for k, v in zip(toks, top.values)},
-            "target_probability": float(p[ex.target]),
-        }
+        ex.prediction = top_tokens(model, tr.logits[t], f"next token after position {pos}")
+        ex.prediction["target_probability"] = float(torch.softmax(tr.logits[t].double(), -1)[ex.target])
     return ex
 
 

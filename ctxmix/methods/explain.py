@@ -8,7 +8,7 @@ import torch
 from ctxmix.engine.models import Encoded, Model, non_word_ids, types_from_segments
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 from ctxmix.errors import BadInput, checked_arguments
-from ctxmix.methods.explanation import Explanation, provenance
+from ctxmix.methods.explanation import Explanation, provenance, top_tokens
 from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
 from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, check_methods
 
@@ -34,16 +34,8 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
         k = int(probs.argmax())
         return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, probs)))}
     if logits.ndim == 2:
-        p = torch.softmax(logits[position], -1)
-        top = torch.topk(p, min(top_k, p.numel()))
-        toks = model.tokens(top.indices.tolist())
         what = "next token after" if model.spec.causal else "token at"
-        return {
-            "label": toks[0],
-            "index": int(top.indices[0]),
-            "what": f"{what} position {position}",
-            "probabilities": {t: float(v) for t, v in zip(toks, top.values)},
-        }
+        return top_tokens(model, logits[position], f"{what} position {position}", top_k)
     return None
 
 
@@ -93,19 +85,15 @@ def explain(
     Without it, an encoder-decoder's mixing methods explain its encoder alone.
     """
     if decoder_text is not None or model.spec.encoder_decoder:
-        ex = _encoder_decoder_call(
-            model,
-            text,
-            methods,
-            decoder_text,
-            position,
-            input_ids,
-            token_type_ids,
-            segments,
-            per_head,
-            foil,
-            saliency_options,
-        )
+        unused = {
+            "input_ids": input_ids,
+            "token_type_ids": token_type_ids,
+            "segments": segments,
+            "foil": foil,
+            "per_head": per_head or None,
+            **saliency_options,
+        }
+        ex = _encoder_decoder_call(model, text, methods, decoder_text, position, unused)
         if ex is not None:
             return ex
     methods = check_methods(methods, model.spec.position)
@@ -120,21 +108,10 @@ def explain(
     )[0]
 
 
-def _encoder_decoder_call(
-    model: Model,
-    text,
-    methods,
-    decoder_text,
-    position,
-    input_ids,
-    token_type_ids,
-    segments,
-    per_head,
-    foil,
-    saliency_options,
-) -> Explanation | None:
-    """explain's encoder-decoder cases: ALTI+ with decoder_text; None when the encoder alone is
-    explained (mixing methods only: the gradient and perturbation methods need the decoder's output)."""
+def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, unused: dict) -> Explanation | None:
+    """explain's encoder-decoder cases: ALTI+ with decoder_text (`unused`: explain's other options,
+    which must not be given then); None when the encoder alone is explained (mixing methods only:
+    the gradient and perturbation methods need the decoder's output)."""
     if not model.spec.encoder_decoder:
         raise BadInput(
             f"decoder_text applies to encoder-decoder models (BART, Marian, mBART, M2M-100); "
@@ -145,20 +122,7 @@ def _encoder_decoder_call(
         return None
     from ctxmix.methods.alti_plus import explain_seq2seq
 
-    given = (
-        [
-            k
-            for k, v in (
-                ("input_ids", input_ids),
-                ("token_type_ids", token_type_ids),
-                ("segments", segments),
-                ("foil", foil),
-            )
-            if v is not None
-        ]
-        + (["per_head"] if per_head else [])
-        + list(saliency_options)
-    )
+    given = [k for k, v in unused.items() if v is not None]
     if given:
         raise BadInput(
             f"with decoder_text, explain takes a source text, methods and position only (got {', '.join(given)})"

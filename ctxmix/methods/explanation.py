@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
@@ -141,4 +142,18 @@ def provenance(model: Model) -> dict:
         "model_dtype": str(model.dtype).replace("torch.", ""),
         "model_info": {k: v for k, v in model.info.items() if k != "weights"},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def top_tokens(model: Model, logits: torch.Tensor, what: str, top_k: int = 5) -> dict:
+    """An `Explanation.prediction` for one row of language-model logits (vocab,): the top tokens
+    and their probabilities (softmax in float64); `what` says which position predicts them."""
+    p = torch.softmax(logits.double(), -1)
+    top = torch.topk(p, min(top_k, p.numel()))
+    toks = model.tokens(top.indices.tolist())
+    return {
+        "label": toks[0],
+        "index": int(top.indices[0]),
+        "what": what,
+        "probabilities": {t: float(v) for t, v in zip(toks, top.values)},
     }

@@ -24,8 +24,7 @@ import pandas as pd
 
 from ctxmix.engine.models import Model, cache_dir
 from ctxmix.methods.explain import explain
-from ctxmix.methods.explanation import Explanation
-from ctxmix.methods.explanation import provenance as _provenance
+from ctxmix.methods.explanation import Explanation, provenance
 
 _MEM: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (value, bytes)
 _MEM_BYTES = 0
@@ -279,7 +278,7 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
         reconstruction_error=meta["reconstruction_error"],
         warnings=list(meta["warnings"]),
         options=dict(options),
-        provenance=_provenance(model),
+        provenance=provenance(model),
     )
     for m in methods:
         _, arrays = found[m]
