@@ -20,6 +20,9 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 COPY pyproject.toml README.md ./
 COPY ctxmix ctxmix
 COPY ctxmix_dashboard ctxmix_dashboard
+# the dashboard's top-level files, which the wheel carries as ctxmix_dashboard/toplevel/
+COPY app.py ./
+COPY pages pages
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --create-home ctxmix && mkdir -p /data && chown ctxmix /data
 

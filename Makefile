@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint docs bench clean
+.PHONY: install run test test-fast test-precision-isas lint docs bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,14 @@ run: install
 # pytest exits 5 when it collects nothing: not a failure of the code under test
 test: install lint docs
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	$(MAKE) test-precision-isas
+
+# the precision tests again on the CPU kernels torch would pick on other machines: ATen's portable and
+# AVX2 kernels (read at import), and oneDNN capped at AVX2 (it only changes bf16 GEMMs where torch sends
+# them to oneDNN: CPUs with AVX-512; elsewhere the run repeats the native one)
+ISAS := ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+test-precision-isas: install
+	set -e; for isa in $(ISAS); do echo "precision tests with $$isa"; env $$isa $(PY) -m pytest -q -p no:cacheprovider tests/test_precision.py; done
 
 # ruff (lint and format) on the whole tree; mypy on the engine and the methods
 lint: install

@@ -16,7 +16,7 @@ def _isolated_results(tmp_path, monkeypatch):
 
 
 def _run(path: str, **params) -> AppTest:
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=600)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
     if path != "app.py":
         at.switch_page(path)
     for k, v in params.items():
@@ -52,7 +52,7 @@ def test_explain_page_from_a_shared_link():
 
 
 def test_explain_page_bad_model_is_a_message():
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.query_params["model"] = "./no/such/folder"
     at.run()
     assert not at.exception
@@ -96,14 +96,14 @@ def test_benchmarks_page_without_results(tmp_path, monkeypatch):
 def test_hosted_mode_asks_for_a_password(monkeypatch):
     monkeypatch.setenv("CTXMIX_HOSTED", "1")
     monkeypatch.setenv("CTXMIX_PASSWORD", "s3cret")
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
     assert not at.exception
     assert not at.get("plotly_chart")
-    import ui.throttle
+    import ctxmix_dashboard.ui.throttle as throttle
 
     now = [1000.0]
-    monkeypatch.setattr(ui.throttle.THROTTLE, "clock", lambda: now[0])
-    ui.throttle.THROTTLE.succeeded("local")
+    monkeypatch.setattr(throttle.THROTTLE, "clock", lambda: now[0])
+    throttle.THROTTLE.succeeded("local")
     at.text_input[0].input("wrong")
     at.button[0].click()
     at.run()
@@ -161,7 +161,7 @@ def test_bad_url_parameters_on_a_corpus_page(params):
 
 
 def test_login_delays_grow_per_client_up_to_a_ceiling():
-    from ui.throttle import LoginThrottle
+    from ctxmix_dashboard.ui.throttle import LoginThrottle
 
     now = [0.0]
     t = LoginThrottle(base=1.0, ceiling=8.0, clock=lambda: now[0])
@@ -174,7 +174,7 @@ def test_login_delays_grow_per_client_up_to_a_ceiling():
 
 
 def test_hosted_error_messages_hide_server_paths(monkeypatch):
-    from ui import common
+    from ctxmix_dashboard.ui import common
 
     monkeypatch.setenv("CTXMIX_HOSTED", "1")
     assert common.public_message("cannot read /srv/ctxmix/cache/x.npz now") == "cannot read (path) now"
@@ -184,12 +184,11 @@ def test_hosted_error_messages_hide_server_paths(monkeypatch):
 
 def test_a_full_server_answers_busy(monkeypatch):
     """When the server already runs its cap of corpus jobs, a new one gets a polite notice."""
-    import ui.common
-
+    import ctxmix_dashboard.ui.common as ui_common
     from ctxmix.service.limits import LOCAL
 
-    monkeypatch.setattr(ui.common, "_JOBS", [LOCAL.max_concurrent_jobs])
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
+    monkeypatch.setattr(ui_common, "_JOBS", [LOCAL.max_concurrent_jobs])
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
     at.query_params["corpus"] = "pang_lee"
     at.query_params["n"] = "2"
@@ -214,7 +213,7 @@ def test_hostile_uploads_are_messages(case, tmp_path):
     """Uploads on a corpus page: each bad file gets one message that names the upload, never a
     traceback or the server's temporary path."""
     name, data = UPLOADS[case]
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.switch_page("pages/2_LN_gamma_vs_FF_outliers.py")
     at.query_params["corpus"] = "upload"
     at.query_params["n"] = "3"
@@ -236,7 +235,7 @@ def test_saved_explanation_page_shows_a_file_without_a_model(tmp_path):
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, "The keys to the cabinet are on the table .", ["attention", "alti", "norm"], per_head=True)
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.switch_page("pages/4_Saved_explanation.py")
     at.run()
     assert any("Upload a saved explanation" in i.value for i in at.info)
@@ -265,7 +264,7 @@ def test_saved_pair_shows_its_cross_text_mixing():
 
     m = ctxmix.load_model("minilm", device="cpu")
     ex = ctxmix.explain(m, ("A man eats .", "Someone is eating food ."), ["alti"])
-    at = AppTest.from_file(str(ROOT / "ctxmix_dashboard" / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.switch_page("pages/4_Saved_explanation.py")
     at.run()
     at.file_uploader[0].set_value(("pair.npz", explanation_bytes(ex), "application/octet-stream"))

@@ -1,4 +1,4 @@
-"""Start `streamlit run ctxmix_dashboard/app.py` on localhost and open every page in headless Chromium: each
+"""Start `streamlit run app.py` on localhost and open every page in headless Chromium: each
 renders its plots and shows no exception. `.ci/run` installs Debian's chromium and chromium-driver."""
 
 import os
@@ -36,13 +36,16 @@ def server(tmp_path_factory):
 
     ctxmix.load_model("minilm-sentiment")  # built once into $CTXMIX_CACHE here, so the server only loads it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CTXMIX_RESULTS": str(tmp_path_factory.mktemp("results"))}
+    # the server's output goes to a file: a pipe nobody reads fills up (64 KB) and blocks the server's
+    # next log line, with the logging lock held, so every later page would hang
+    log = open(tmp_path_factory.mktemp("server") / "streamlit.log", "w+b")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "streamlit",
             "run",
-            "ctxmix_dashboard/app.py",
+            "app.py",
             "--server.port",
             str(port),
             "--server.headless",
@@ -50,7 +53,7 @@ def server(tmp_path_factory):
         ],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -62,7 +65,8 @@ def server(tmp_path_factory):
             time.sleep(0.5)
     else:
         proc.kill()
-        pytest.fail("streamlit did not start:\n" + proc.stdout.read().decode()[-3000:])
+        log.seek(0)
+        pytest.fail("streamlit did not start:\n" + log.read().decode()[-3000:])
     yield url
     proc.terminate()
     try:
@@ -70,6 +74,9 @@ def server(tmp_path_factory):
     except subprocess.TimeoutExpired:  # busy computing: no need to wait for it
         proc.kill()
         proc.wait(10)
+    log.seek(0)
+    print(log.read().decode(errors="replace")[-5000:])  # shown with a failing test
+    log.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 long modules that say why, and a wheel that carries the command, the dashboard and its data."""
 
 import ast
+import os
 import subprocess
 import sys
 import zipfile
@@ -86,8 +87,25 @@ def test_no_streamlit_in_ctxmix():
         assert "streamlit" not in {n.split(".")[0] for n in _imports(p)} and "import streamlit" not in p.read_text(), m
 
 
-@pytest.mark.slow
-def test_wheel_carries_the_command_the_dashboard_and_the_data(tmp_path):
+def test_the_dashboard_is_the_top_level_and_the_package_list_is_whole():
+    """The card's shape: app.py and pages/ at the top (what `streamlit run app.py` starts). pyproject maps
+    the top level's *.py modules into the wheel, so app.py must stay the only one; and its package list,
+    written out because of that mapping, must hold every package under ctxmix/ and ctxmix_dashboard/."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    assert (ROOT / "app.py").is_file() and (ROOT / "pages" / "3_Benchmarks.py").is_file()
+    assert [p.name for p in ROOT.glob("*.py")] == ["app.py"]
+    assert not (ROOT / "ctxmix_dashboard" / "app.py").exists() and not (ROOT / "ctxmix_dashboard" / "pages").exists()
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(ROOT), include=["ctxmix", "ctxmix.*", "ctxmix_dashboard", "ctxmix_dashboard.*"]))
+    assert set(cfg["packages"]) == found | set(cfg["package-dir"]), set(cfg["packages"]) ^ (
+        found | set(cfg["package-dir"])
+    )
+
+
+def _wheel(tmp_path: Path) -> Path:
     r = subprocess.run(
         [
             sys.executable,
@@ -106,16 +124,73 @@ def test_wheel_carries_the_command_the_dashboard_and_the_data(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("ctxmix-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    return wheel
+
+
+@pytest.mark.slow
+def test_wheel_carries_the_command_the_dashboard_and_the_data(tmp_path):
+    wheel = _wheel(tmp_path)
+    z = zipfile.ZipFile(wheel)
+    names = set(z.namelist())
     for must in (
         "ctxmix/__init__.py",
         "ctxmix/engine/layer.py",
         "ctxmix/benchmark/configs/embedded.yaml",
         "ctxmix/benchmark/shipped/embedded.aggregates.csv",
-        "ctxmix_dashboard/app.py",
-        "ctxmix_dashboard/pages/3_Benchmarks.py",
+        "ctxmix_dashboard/toplevel/app.py",
+        "ctxmix_dashboard/toplevel/pages/3_Benchmarks.py",
         "ctxmix_dashboard/ui/common.py",
     ):
         assert must in names, must
+    # the very files of the top level, and nothing else of it (no second copy of any page)
+    top = sorted(n for n in names if n.startswith("ctxmix_dashboard/toplevel/"))
+    assert top == ["ctxmix_dashboard/toplevel/app.py"] + [
+        f"ctxmix_dashboard/toplevel/pages/{p.name}" for p in sorted((ROOT / "pages").glob("*.py"))
+    ], top
+    assert z.read("ctxmix_dashboard/toplevel/app.py") == (ROOT / "app.py").read_bytes()
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "ctxmix = ctxmix.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "ctxmix = ctxmix.cli:main" in z.read(entry).decode()
+
+
+@pytest.mark.slow
+def test_installed_wheel_serves_the_same_pages_from_another_folder(tmp_path):
+    """`pip install .` then `ctxmix serve` anywhere: the launcher starts the wheel's own app.py, and
+    that copy renders the Explain page and every other page (Streamlit's AppTest, in a subprocess
+    whose imports come from the installed files, not from this checkout)."""
+    wheel = _wheel(tmp_path / "dist")
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    env.pop("CTXMIX_PASSWORD", None)
+    env.pop("CTXMIX_HOSTED", None)
+    script = """
+import sys
+import ctxmix, ctxmix_dashboard
+from ctxmix.service.serve import serve_plan
+app = serve_plan()["command"][4]
+assert app == str(ctxmix_dashboard.APP), app
+print(ctxmix.__file__, app)
+from streamlit.testing.v1 import AppTest
+at = AppTest.from_file(app, default_timeout=600)
+at.query_params["method"] = ["norm"]
+at.run()
+assert not at.exception, at.exception
+assert at.get("plotly_chart"), "no figure on the Explain page"
+for page in ("pages/3_Benchmarks.py", "pages/4_Saved_explanation.py"):
+    at.switch_page(page).run()
+    assert not at.exception, (page, at.exception)
+print("ok")
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
+    where, app = r.stdout.split()[:2]
+    assert where.startswith(str(site)) and app == str(site / "ctxmix_dashboard" / "toplevel" / "app.py"), r.stdout

@@ -254,7 +254,7 @@ def test_explain_page_with_a_target_text(bart_folder, tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path / "results"))
     monkeypatch.chdir(root)
-    at = AppTest.from_file(str(root / "ctxmix_dashboard" / "app.py"), default_timeout=300)
+    at = AppTest.from_file(str(root / "app.py"), default_timeout=300)
     at.query_params["model"] = str(bart_folder)
     at.query_params["text"] = SRC
     at.query_params["method"] = ["alti", "globenc"]

@@ -94,6 +94,9 @@ def test_repository_config_is_safe_for_a_plain_streamlit_run():
     assert cfg["server"]["maxUploadSize"] <= 20 and cfg["server"]["enableXsrfProtection"] is True
     assert cfg["client"]["showErrorDetails"] == "none"
     assert "-m ctxmix serve" in (ROOT / "Makefile").read_text()
+    # app.py is at the checkout's top: a file watcher would watch .venv and the caches recursively
+    assert cfg["server"]["fileWatcherType"] == "none"
+    assert "--server.fileWatcherType=none" in serve_plan()["command"]
 
 
 def _bound_addresses(port: int) -> set[str]:

@@ -197,8 +197,9 @@ def _dataset_spec(d, errors: list[str]) -> DatasetSpec | None:
     if isinstance(d, str):
         d = {"id": d, "source": d}
     if not isinstance(d, dict):
-        errors.append(f"a dataset must be a name or a mapping, got {d!r}")
+        errors.append(f"a dataset must be a name or a mapping, got {_short(d)}")
         return None
+    _text(d.get("id"), "a dataset's id", errors)
     d = dict(d)
     source = d.pop("source", None) or d.get("id")
     ident = str(d.pop("id", None) or source)
@@ -273,13 +274,150 @@ def _check_hub_datasets(specs: list[DatasetSpec], errors: list[str]) -> None:
         )
 
 
-def validate_config(raw: dict, *, limit: int | None = None, check_models: bool = True, source: str = "") -> Plan:
-    """Check a whole config and return the Plan; raise BadInput listing every problem found."""
-    from ctxmix.benchmark.metrics import get_metric, metric_names
+CONFIG_MAX_STRING = 4096  # any one string: hub ids and paths are far shorter; longer is a mistake or an attack
 
+
+CONFIG_MAX_DESCRIPTION = 2000  # description: a paragraph of prose, stored with every run
+
+
+CONFIG_MAX_NAME_BYTES = 128  # name: it names results/<name>.sqlite and results/<name>/ (file names stop at 255 bytes)
+
+
+CONFIG_MAX_ITEMS = 1000  # items of one list or mapping; the largest shipped one (attcat's paper.values) has 48
+
+
+CONFIG_MAX_VALUES = 50_000  # values in a whole config (shipped: at most ~730); bounds the walk to milliseconds
+
+
+CONFIG_MAX_DEPTH = 20  # nesting; shipped configs nest 4 deep
+
+
+_MAX_REPORTED = 5  # size problems listed before the walk gives up
+
+
+_STRING_BOUNDS = {"description": CONFIG_MAX_DESCRIPTION}  # tighter bounds than CONFIG_MAX_STRING, by path
+
+
+_TIGHTEST_STRING_BOUND = min(CONFIG_MAX_STRING, *_STRING_BOUNDS.values())
+
+
+def _child_path(path: str, key) -> str:
+    """`path` then `key`, as in paper.values[3].row; key None is `path` itself."""
+    if key is None:
+        return path
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    text = str(key) if isinstance(key, str) else repr(key)
+    text = text if len(text) <= 40 else text[:40] + "..."
+    return f"{path}.{text}" if path else text
+
+
+def _size_problems(raw) -> list[str]:
+    """What makes `raw` too big to check, store or print: over-long strings, over-full lists or mappings,
+    too many values in all, too deep, or a list or mapping inside itself.
+
+    Iterative, and it stops after CONFIG_MAX_VALUES values or _MAX_REPORTED problems: a Python structure
+    that shares one list many times (what an alias bomb builds) or contains itself costs milliseconds,
+    where json.dumps or a message quoting it would walk gigabytes or never end. A value's path is
+    formatted only for a list, a mapping or a problem, not for every string."""
+    problems: list[str] = []
+    # value, its parent's path, its key there (a dict key itself: key None, path ending " (a key)"), depth, ids above
+    stack: list[tuple[object, str, object, int, tuple[int, ...]]] = [(raw, "", None, 1, ())]
+    seen = 0
+    while stack and len(problems) < _MAX_REPORTED:
+        value, parent, key, depth, above = stack.pop()
+        seen += 1
+        if seen > CONFIG_MAX_VALUES:
+            problems.append(
+                f"the config holds more than {CONFIG_MAX_VALUES} values (lists or mappings repeated by reference?)"
+            )
+            break
+        if isinstance(value, (str, bytes)):
+            if len(value) <= _TIGHTEST_STRING_BOUND:
+                continue
+            path = _child_path(parent, key)
+            bound = _STRING_BOUNDS.get(path, CONFIG_MAX_STRING)
+            if len(value) > bound:
+                problems.append(f"{path or 'the config'} is {len(value)} characters long; at most {bound}")
+            continue
+        if not isinstance(value, (dict, list, tuple, set, frozenset)):
+            continue
+        path = _child_path(parent, key)
+        where = path or "the config"
+        if id(value) in above:
+            problems.append(f"{where} contains itself")
+        elif depth > CONFIG_MAX_DEPTH:
+            problems.append(f"{where} is nested more than {CONFIG_MAX_DEPTH} levels deep")
+        elif len(value) > CONFIG_MAX_ITEMS:
+            problems.append(
+                f"{where} has {len(value)} items; a config list or mapping may have at most {CONFIG_MAX_ITEMS}"
+            )
+        else:
+            below = (*above, id(value))
+            if isinstance(value, dict):
+                for k, v in reversed(list(value.items())):
+                    stack.append((v, path, k, depth + 1, below))
+                    stack.append((k, f"{_child_path(path, k)} (a key)", None, depth + 1, below))
+            else:
+                stack.extend((v, path, i, depth + 1, below) for i, v in reversed(list(enumerate(value))))
+    return problems
+
+
+def _text(value, what: str, errors: list[str]) -> None:
+    """Free text (a name, a label, an id, a source), where given, must be a string: str() of a list or
+    mapping would quietly turn it into a name nobody wrote."""
+    if value is not None and not isinstance(value, str):
+        errors.append(f"{what} must be text, got {type(value).__name__} {_short(value)}")
+
+
+def _short(value) -> str:
+    """repr of a value, cut short for a message (the value is known to be small: _size_problems passed)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _check_description(value, errors: list[str]) -> None:
+    """A description is prose (its length is bounded by _size_problems); a list or mapping is a mistake."""
+    if value is not None and not isinstance(value, str):
+        errors.append(f"description must be text (a string), got {type(value).__name__} {_short(value)}")
+
+
+def _check_paper(paper, errors: list[str]) -> dict:
+    """The paper's numbers, compared with the run's in the report: a mapping with a source (text) and a list of
+    value mappings whose mean and std are numbers, so that the report after a run cannot fail on them."""
+    if not paper:
+        return {}
+    if not isinstance(paper, dict) or not isinstance(paper.get("values", []), list):
+        errors.append("paper must be a mapping with a list of values")
+        return {}
+    _text(paper.get("source"), "paper.source", errors)
+    for i, v in enumerate(paper.get("values") or []):
+        if not isinstance(v, dict):
+            errors.append(f"paper.values[{i}] must be a mapping (model, dataset, method, metric, mean, ...)")
+            continue
+        for k in ("mean", "std"):
+            if v.get(k) is not None and (isinstance(v[k], bool) or not isinstance(v[k], (int, float))):
+                errors.append(f"paper.values[{i}].{k} must be a number, got {_short(v[k])}")
+    return paper
+
+
+def _invalid(errors: list[str], source: str) -> BadInput:
+    where = f" {source}" if source else ""
+    return BadInput(f"invalid benchmark config{where}:\n  - " + "\n  - ".join(errors))
+
+
+def validate_config(raw: dict, *, limit: int | None = None, check_models: bool = True, source: str = "") -> Plan:
+    """Check a whole config and return the Plan; raise BadInput listing every problem found.
+
+    Sizes are checked first, on any dict (YAML or not): a config too big to walk is refused with its size
+    problems alone, since the other checks quote and walk its values."""
     if not isinstance(raw, dict):
         raise BadInput("a benchmark config must be a YAML mapping")
-    errors: list[str] = []
+    errors: list[str] = _size_problems(raw)
+    if errors:
+        raise _invalid(errors, source)
+    from ctxmix.benchmark.metrics import get_metric, metric_names
+
     known = {
         "name",
         "description",
@@ -306,13 +444,19 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         "deletion_stop_one_short",
         "raw_attention_keep_self",
     }
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(map(str, set(raw) - known))
     if unknown:
         errors.append(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip() or not all(c.isalnum() or c in "-_." for c in name):
         errors.append("the config needs a name (letters, digits, - _ .): it names the run and its results")
         name = "unnamed"
+    elif len(name.encode("utf-8")) > CONFIG_MAX_NAME_BYTES:
+        errors.append(
+            f"the config name is {len(name.encode('utf-8'))} bytes long; at most {CONFIG_MAX_NAME_BYTES} "
+            "(it names the results file and folder)"
+        )
+    _check_description(raw.get("description"), errors)
     kind = raw.get("kind", "methods")
     if kind not in CONFIG_KINDS:
         errors.append(f"unknown kind {kind!r}; valid kinds: {', '.join(CONFIG_KINDS)}")
@@ -322,8 +466,10 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         if isinstance(m, str):
             m = {"name": m}
         if not isinstance(m, dict) or not m.get("name"):
-            errors.append(f"a model must be a name or a mapping with a name, got {m!r}")
+            errors.append(f"a model must be a name or a mapping with a name, got {_short(m)}")
             continue
+        _text(m["name"], "a model's name", errors)
+        _text(m.get("label"), f"model {_short(m['name'])}: label", errors)
         spec = ModelSpec(
             label=str(m.get("label") or m["name"]),
             name=str(m["name"]),
@@ -356,7 +502,10 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
     else:
         for r in _as_list(raw.get("runs"), "runs", errors):
             if not isinstance(r, dict) or set(r) != {"model", "dataset"}:
-                errors.append(f"each run must be a mapping with model and dataset, got {r!r}")
+                errors.append(f"each run must be a mapping with model and dataset, got {_short(r)}")
+                continue
+            if not isinstance(r["model"], str) or not isinstance(r["dataset"], str):
+                errors.append(f"a run names its model and dataset by label and id (text), got {_short(r)}")
                 continue
             if r["model"] not in labels:
                 errors.append(
@@ -465,14 +614,10 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         errors.append("example_batch must be a whole number from 1 to 1024 (examples per engine batch)")
     if not isinstance(options["mask_rate"], (int, float)) or not 0 <= options["mask_rate"] < 1:
         errors.append("mask_rate must be a number in [0, 1)")
-    paper = raw.get("paper") or {}
-    if not isinstance(paper, dict) or not isinstance(paper.get("values", []), list):
-        errors.append("paper must be a mapping with a list of values")
-        paper = {}
+    paper = _check_paper(raw.get("paper"), errors)
     _check_hub_datasets(datasets, errors)
     if errors:
-        where = f" {source}" if source else ""
-        raise BadInput(f"invalid benchmark config{where}:\n  - " + "\n  - ".join(errors))
+        raise _invalid(errors, source)
     return Plan(
         name=name,
         kind=kind,
@@ -493,33 +638,40 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
 CONFIG_MAX_BYTES = 1 << 20  # a benchmark config is a page of YAML
 
 
-CONFIG_MAX_ALIASES = 100  # YAML aliases expand by reference; nested ones blow up whatever walks the tree
-
-
-CONFIG_MAX_DEPTH = 20
-
-
 def _yaml_limits(text: str, where: str) -> None:
-    """Refuse YAML that would be expensive to walk: many aliases (an alias bomb) or deep nesting."""
+    """Refuse YAML anchors and aliases, and nesting deeper than CONFIG_MAX_DEPTH, from the parser's events,
+    before anything is built.
+
+    An alias repeats a value by reference: nine of them nested nine deep make 9**9 strings of a 1 kB file,
+    which validation, json.dumps and the results store would each walk. No shipped config uses one, and a
+    config is short enough to write out in full."""
     import yaml
 
-    aliases, depth, deepest = 0, 0, 0
+    depth = 0
     for ev in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(ev, yaml.AliasEvent):
-            aliases += 1
-        elif isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+        anchor = getattr(ev, "anchor", None)  # AliasEvent: the name it refers to; a node's start: its own
+        if isinstance(ev, yaml.AliasEvent) or anchor:
+            mark = f"*{anchor}" if isinstance(ev, yaml.AliasEvent) else f"&{anchor}"
+            mark = mark if len(mark) <= 40 else mark[:40] + "..."
+            line = ev.start_mark.line + 1 if ev.start_mark else "?"
+            raise BadInput(
+                f"{where}, line {line}: YAML anchors and aliases are not accepted in a benchmark config, found "
+                f"{mark} (they repeat values by reference, which can blow a small file up to gigabytes); "
+                "write the value out in full"
+            )
+        if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
-            deepest = max(deepest, depth)
+            if depth > CONFIG_MAX_DEPTH:
+                raise BadInput(
+                    f"{where}, line {ev.start_mark.line + 1}: nested more than {CONFIG_MAX_DEPTH} levels deep"
+                )
         elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
-        if aliases > CONFIG_MAX_ALIASES:
-            raise BadInput(f"{where}: more than {CONFIG_MAX_ALIASES} YAML aliases; write the config out in full")
-        if deepest > CONFIG_MAX_DEPTH:
-            raise BadInput(f"{where}: nested more than {CONFIG_MAX_DEPTH} levels deep")
 
 
 def load_config(path: str | os.PathLike, *, limit: int | None = None, check_models: bool = True) -> Plan:
-    """Read and validate a YAML config: size, aliases and depth checked before it is built."""
+    """Read and validate a YAML config: size, anchors and depth checked before it is built; then
+    `validate_config`, the checks every config gets (`bench --check` and a run both come here)."""
     import yaml
 
     p = Path(path)
@@ -531,10 +683,15 @@ def load_config(path: str | os.PathLike, *, limit: int | None = None, check_mode
         raise BadInput(f"{p}: {p.stat().st_size} bytes; a config may have at most {CONFIG_MAX_BYTES}")
     try:
         text = p.read_text(encoding="utf-8")
-        _yaml_limits(text, str(p))
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise BadInput(f"{p}: not valid YAML: {e}") from None
     except UnicodeDecodeError:
         raise BadInput(f"{p}: not UTF-8 text") from None
+    try:
+        _yaml_limits(text, str(p))
+        raw = yaml.safe_load(text)
+    except BadInput:
+        raise
+    except yaml.YAMLError as e:
+        raise BadInput(f"{p}: not valid YAML: {e}") from None
+    except ValueError as e:  # parsed, but Python cannot build it: a 5,000-digit integer, a 13th month
+        raise BadInput(f"{p}: a value YAML cannot build: {str(e).split(';')[0]}") from None
     return validate_config(raw, limit=limit, check_models=check_models, source=str(p))

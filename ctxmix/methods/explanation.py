@@ -4,6 +4,10 @@ A saved explanation is one compressed .npz: arrays as `layer/<method>`, `global/
 `saliency/<method>`, `head/<method>`; everything else (tokens, methods, prediction, options,
 provenance) as one JSON string entry, `meta`, so the file opens with
 `numpy.load(..., allow_pickle=False)` and can run no code. `ctxmix.export.saved` reopens it.
+
+In a notebook: `show` draws the dashboard's figures, `_repr_html_` is a summary with the saliency
+as heat rows (both in `ctxmix.export.notebook`, imported on use so `import ctxmix` needs no plotly),
+and `to_frame` gives every array as one long table.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,9 +23,29 @@ import torch
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
+if TYPE_CHECKING:
+    import pandas as pd
+    import plotly.graph_objects as go
+
 FORMAT = "ctxmix-explanation"
 VERSION = 1  # layout version
 KINDS = ("layer", "global", "saliency", "head")
+
+# How each array field becomes rows of `Explanation.to_frame`: (attribute, kind, the names of the
+# array's axes after the method key). A field a later version adds needs one line here; fields not
+# there yet are skipped (getattr), so the prediction methods' fields are listed already.
+FRAME_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("layer_maps", "layer_map", ("layer", "i", "j")),
+    ("global_maps", "global_map", ("layer", "i", "j")),
+    ("head_maps", "head_map", ("layer", "head", "i", "j")),
+    ("saliency", "saliency", ("j",)),
+    ("logit_contributions", "logit_contribution", ("class", "j")),
+    ("layer_saliency", "layer_saliency", ("layer", "j")),
+    ("head_saliency", "head_saliency", ("layer", "head", "j")),
+)
+FRAME_COLUMNS = ("kind", "method", "layer", "head", "class", "i", "j", "value")
+FRAME_AXES = ("layer", "head", "class", "i", "j")
+ONE_BASED = ("layer", "head")  # as the dashboard numbers them; token and class indices stay 0-based
 
 
 @dataclass
@@ -92,6 +117,100 @@ class Explanation:
             "layer_maps": {m: v.tolist() for m, v in self.layer_maps.items()},
             "global_maps": {m: v.tolist() for m, v in self.global_maps.items()},
         }
+
+    def __repr__(self) -> str:
+        # the dataclass's own repr prints every array in full: pages for one sentence
+        L = next((a.shape[0] for a in (*self.layer_maps.values(), *self.global_maps.values())), None)
+        head = " ".join(self.tokens[:8]) + (" …" if len(self.tokens) > 8 else "")
+        pred = f", prediction={self.prediction.get('label')!r}" if self.prediction else ""
+        return (
+            f"Explanation(model={self.model_name!r}, {len(self.tokens)} tokens {head!r}, methods={self.methods}"
+            + (f", layers={L}" if L else "")
+            + pred
+            + f", position={self.position}, target={self.target}, foil={self.foil})"
+        )
+
+    def _repr_html_(self) -> str:
+        """The notebook's view: model, tokens, methods, prediction, target / foil / position, and each
+        method's saliency as a row of tokens coloured by value (scaled by the row's max |value|; blue
+        positive, red negative; hover for the exact value). Tokens are HTML-escaped; at most 512 shown."""
+        from ctxmix.export.notebook import summary_html
+
+        return summary_html(self)
+
+    def show(
+        self, method: str | None = None, kind: str = "saliency", layer: int | None = None, head: int | None = None, **kw
+    ) -> go.Figure:
+        """The plotly figure the dashboard shows for one view of this explanation.
+
+        kind:
+          "saliency": every method's saliency, a row each (only `method`'s when given);
+          "maps": `method`'s map of `layer` beside its map aggregated up to `layer`;
+          "layer" / "global": one of those two (n, n) maps, on the colour scale of all its layers;
+          "heads": every layer and head of `head_maps[method]` (explain(..., per_head=True)), or with
+            `head=` that head's (n, n) map at `layer`;
+          "scopes": the FF paper's scope maps (Atb, AtbFf, ...; explain them as methods) of `layer`;
+          "pair": A→B and B→A mixing of a sentence pair per layer (`cross_segment_mixing`);
+          "source": ALTI+ source contribution of each target token per decoder layer (an
+            encoder-decoder explained with decoder_text).
+        method: None picks the first method that has what the kind needs (for "saliency", "scopes"
+        and "pair": all of them). layer, head: 1-based, as the dashboard numbers them; layer
+        defaults to the last, head to 1. kw: passed to the figure builder in `ctxmix.export.plots`
+        (e.g. title=, zmax=, normalise=).
+        Raises BadInput, naming the valid choices, for an unknown kind or method, a layer or head out
+        of range, or a kind this explanation has no data for.
+        """
+        from ctxmix.export.notebook import show
+
+        return show(self, method, kind, layer, head, **kw)
+
+    def to_frame(self) -> pd.DataFrame:
+        """Every array as one tidy long table, a row per cell, columns exactly
+        `kind, method, layer, head, class, i, j, value`.
+
+        kind: "layer_map" and "global_map" (layer, i, j), "head_map" (layer, head, i, j), "saliency"
+        (j); and once the prediction methods fill them "logit_contribution" (class, j),
+        "layer_saliency" (layer, j), "head_saliency" (layer, head, j). A column that does not apply
+        to a kind is empty (<NA>; pandas' nullable Int64). layer and head are 1-based, as the
+        dashboard shows them: array index + 1; i (output token), j (input token) and class are
+        0-based array indices, so `ex.tokens[j]` names token j and the layer_map row (layer=l, i, j)
+        is `layer_maps[method][l - 1, i, j]`. kind and method are categoricals. Rows go field by
+        field, method by method, cells in array (C) order.
+        """
+        import pandas as pd
+
+        kinds, methods, values = [], [], []
+        axes: dict[str, list[np.ndarray]] = {a: [] for a in FRAME_AXES}
+        masks: dict[str, list[np.ndarray]] = {a: [] for a in FRAME_AXES}
+        counts = []
+        for attr, kind, names in FRAME_FIELDS:
+            for m, a in (getattr(self, attr, None) or {}).items():
+                a = np.asarray(a, dtype=np.float64)
+                if a.ndim != len(names):
+                    raise BadInput(f"{attr}[{m!r}] has shape {a.shape}; expected axes {names}")
+                size = a.size
+                idx = dict(zip(names, np.unravel_index(np.arange(size), a.shape)))  # C order, as a.ravel()
+                for ax in FRAME_AXES:
+                    got = idx.get(ax)
+                    axes[ax].append(np.zeros(size, np.int64) if got is None else got + (ax in ONE_BASED))
+                    masks[ax].append(np.full(size, got is None))
+                kinds.append(kind)
+                methods.append(m)
+                values.append(a.ravel())
+                counts.append(size)
+        cat = {c: list(dict.fromkeys(v)) for c, v in (("kind", kinds), ("method", methods))}
+        kind_codes = np.repeat([cat["kind"].index(k) for k in kinds], counts).astype(np.int64)
+        method_codes = np.repeat([cat["method"].index(m) for m in methods], counts).astype(np.int64)
+        cols = {
+            "kind": pd.Categorical.from_codes(kind_codes, categories=cat["kind"]),
+            "method": pd.Categorical.from_codes(method_codes, categories=cat["method"]),
+        }
+        for ax in FRAME_AXES:
+            v = np.concatenate(axes[ax]) if axes[ax] else np.zeros(0, np.int64)
+            mask = np.concatenate(masks[ax]) if masks[ax] else np.zeros(0, bool)
+            cols[ax] = pd.arrays.IntegerArray(v, mask)
+        cols["value"] = np.concatenate(values) if values else np.zeros(0)
+        return pd.DataFrame(cols, columns=list(FRAME_COLUMNS), copy=False)  # the columns are fresh arrays already
 
 
 def _arrays(ex: Explanation, half: bool) -> dict:

@@ -47,6 +47,7 @@ def serve_plan(
         "server.headless": "true",
         "server.maxUploadSize": str(lim.server_upload_mb),
         "server.enableXsrfProtection": "true",
+        "server.fileWatcherType": "none",  # as .streamlit/config.toml: a checkout's app.py would watch it all
         "client.showErrorDetails": "none" if hosted else "type",
         "browser.gatherUsageStats": "false",
         # what .streamlit/config.toml says, so an installed ctxmix started from any folder looks the same

@@ -81,7 +81,7 @@ def require_login() -> bool:
         return False
     if st.session_state.get("authenticated"):
         return True
-    from ui.throttle import THROTTLE
+    from ctxmix_dashboard.ui.throttle import THROTTLE
 
     st.title("ctxmix")
     client = client_address()

@@ -5,11 +5,11 @@ per-head maps. Layout only; every number comes from the Explanation."""
 from __future__ import annotations
 
 import streamlit as st
-from ui import common
 
 from ctxmix.analyses.pairs import cross_segment_mixing
 from ctxmix.export import plots
 from ctxmix.methods.registry import MIXING_METHODS
+from ctxmix_dashboard.ui import common
 
 
 def show_explanation(ex, layers: int) -> None:

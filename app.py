@@ -1,16 +1,16 @@
-"""ctxmix dashboard entry (`ctxmix serve`, or `streamlit run ctxmix_dashboard/app.py`) and its
-landing page, Explain: one example's prediction, saliency per method, per-layer and aggregated
-maps, rank correlations between methods, and the FF paper's scope maps of one layer. Other pages
-live in pages/."""
+"""ctxmix dashboard entry (`streamlit run app.py` from a checkout; `ctxmix serve` and `make run`
+start this same file) and its landing page, Explain: one example's prediction, saliency per method,
+per-layer and aggregated maps, rank correlations between methods, and the FF paper's scope maps of
+one layer. The other pages live in pages/, the layout they share in ctxmix_dashboard/ui/."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `ui`, the pages' shared layout
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout: ctxmix beside it
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.isdir(os.path.join(_HERE, "ctxmix_dashboard")):  # a checkout: its ctxmix, even beside an installed one
+    sys.path.insert(0, _HERE)
 
 import streamlit as st  # noqa: E402
-from ui import common, views  # noqa: E402
 
 import ctxmix  # noqa: E402
 from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
@@ -18,6 +18,7 @@ from ctxmix.export import plots
 from ctxmix.export.saved import explanation_bytes
 from ctxmix.methods.registry import MIXING_METHODS, scope_names
 from ctxmix.service.cache import cached_explain
+from ctxmix_dashboard.ui import common, views  # noqa: E402
 
 common.page_setup()
 

@@ -2,11 +2,11 @@
 CLI's `explain --out x.npz`) and see every view of the Explain page, without loading any model."""
 
 import streamlit as st
-from ui import common, views
 
 import ctxmix
 from ctxmix.export.saved import load_explanation
 from ctxmix.service.limits import load_limits
+from ctxmix_dashboard.ui import common, views
 
 common.page_setup()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 import yaml
-from ui import common
+
+from ctxmix_dashboard.ui import common
 
 common.page_setup()
 

@@ -2,12 +2,12 @@
 for each component, the dynamics against the pre-FF map, RES2 norms, FF-amplified pairs."""
 
 import streamlit as st
-from ui import common
 
 from ctxmix.analyses.corpus import comparisons, corpus_report
 from ctxmix.engine.models import weights_sha256
 from ctxmix.export import plots
 from ctxmix.service.cache import cached_frames, model_fingerprint
+from ctxmix_dashboard.ui import common
 
 common.page_setup()
 

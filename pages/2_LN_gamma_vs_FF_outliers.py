@@ -1,11 +1,11 @@
 """LN gamma vs FF outlier dimensions (Kobayashi et al. 2024, §6.2, Fig. 8)."""
 
 import streamlit as st
-from ui import common
 
 import ctxmix
 from ctxmix.export import plots
 from ctxmix.service.cache import cached_frames, model_fingerprint
+from ctxmix_dashboard.ui import common
 
 common.page_setup()
 

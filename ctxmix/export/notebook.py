@@ -1,0 +1,246 @@
+"""An explanation in a notebook: `Explanation.show` (the dashboard's figures, picked by a kind) and
+`Explanation._repr_html_` (a compact summary with each method's saliency as a heat row).
+
+Imported lazily by `ctxmix.methods.explanation`, so `import ctxmix` stays free of plotly. Every
+figure comes from `ctxmix.export.plots`, built as the dashboard's views build it
+(`ctxmix_dashboard/ui/views.py`): a notebook and the dashboard show the same thing.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+from ctxmix.methods.registry import MIXING_METHODS, POST_LN_SCOPES, PRE_LN_SCOPES, SANDWICH_SCOPES
+
+KINDS = {  # kind: what it draws, and what the explanation needs for it
+    "saliency": ("every method's saliency (or one method's), a row each", "a method with a saliency"),
+    "maps": ("a method's map of one layer beside its map aggregated up to that layer", "a mixing method's maps"),
+    "layer": ("a method's map of one layer", "a mixing method's maps"),
+    "global": ("a method's map aggregated up to one layer", "a mixing method's maps"),
+    "heads": ("every head of every layer, or with head= one head's map", "explain(..., per_head=True)"),
+    "scopes": ("the FF paper's scope maps of one layer", "scope methods (Atb, AtbFf, ...) among the methods"),
+    "pair": ("a sentence pair's A→B and B→A mixing per layer", "a pair: explain(model, (text_a, text_b), ...)"),
+    "source": ("ALTI+ source contribution per decoder layer", "an encoder-decoder explained with decoder_text="),
+}
+LAYERED = ("maps", "layer", "global", "heads", "scopes")  # the kinds that take layer=
+HTML_MAX_TOKENS = 512  # a longer heat row is unreadable and makes the notebook heavy
+
+
+def _is_scope(m: str) -> bool:
+    info = MIXING_METHODS.get(m)
+    return info is not None and info.group == "scope"
+
+
+def _has(ex, kind: str, m: str) -> bool:
+    """Whether method `m` of `ex` holds what `kind` draws."""
+    return {
+        "saliency": m in ex.saliency,
+        "maps": m in ex.layer_maps and m in ex.global_maps,
+        "layer": m in ex.layer_maps,
+        "global": m in ex.global_maps,
+        "heads": m in ex.head_maps,
+        "scopes": m in ex.layer_maps and _is_scope(m),
+        "pair": m in ex.layer_maps and m in ex.global_maps,  # cross_segment_mixing reads both
+        "source": m in ex.global_maps,
+    }[kind]
+
+
+def _kind_applies(ex, kind: str) -> bool:
+    # an encoder-decoder's segments are source / target, not a pair: the dashboard shows source there
+    seq2seq = ex.options.get("decoder_text") is not None
+    if kind == "pair":
+        return not seq2seq and bool(ex.segments) and {0, 1} <= set(ex.segments)
+    if kind == "source":
+        return seq2seq and bool(ex.segments) and 1 in ex.segments
+    return True
+
+
+def _methods(ex) -> list[str]:
+    keys = [*ex.methods, *ex.layer_maps, *ex.global_maps, *ex.saliency, *ex.head_maps]
+    return list(dict.fromkeys(keys))
+
+
+def available_kinds(ex) -> list[str]:
+    """The kinds `show` can draw for this explanation."""
+    return [k for k in KINDS if _kind_applies(ex, k) and any(_has(ex, k, m) for m in _methods(ex))]
+
+
+def _no_data(ex, kind: str) -> BadInput:
+    can = ", ".join(available_kinds(ex)) or "none"
+    return BadInput(f"kind={kind!r} needs {KINDS[kind][1]}; this explanation can show kind= {can}")
+
+
+def _index(value, name: str, top: int, default: int) -> int:
+    """A 1-based layer or head number, checked against 1..top."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BadInput(f"{name} must be an integer from 1 to {top} (1-based), not {value!r}")
+    if not 1 <= value <= top:
+        raise BadInput(f"{name}={value} is out of range: this explanation has {name}s 1 to {top} (1-based)")
+    return int(value)
+
+
+def _call(builder, data: dict, kw: dict, defaults: dict | None = None):
+    """builder(**data, **defaults, **kw): `data` is what the kind draws, `defaults` the dashboard's
+    options (title, zmax) that `kw` may override; keywords the builder does not take are reported."""
+    allowed = [p for p in inspect.signature(builder).parameters if p not in data]
+    unknown = [k for k in kw if k not in allowed]
+    if unknown:
+        raise BadInput(
+            f"{builder.__name__} takes no {', '.join(map(repr, unknown))}; "
+            f"extra keywords it takes: {', '.join(allowed) or 'none'}"
+        )
+    return builder(**data, **{**(defaults or {}), **kw})
+
+
+def _scope_order(names: list[str]) -> list[str]:
+    # the order of the layer shape the scopes belong to (Atb first, the widest last), as the dashboard shows them
+    for order in (POST_LN_SCOPES, PRE_LN_SCOPES, SANDWICH_SCOPES):
+        if set(names) <= set(order):
+            return [s for s in order if s in names]
+    return names
+
+
+def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head=None, **kw):
+    """See `Explanation.show`."""
+    if kind not in KINDS:
+        raise BadInput(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    names = _methods(ex)
+    if method is not None and method not in names:
+        raise BadInput(f"method {method!r} is not in this explanation; it has {', '.join(names) or 'none'}")
+    if not _kind_applies(ex, kind):
+        raise _no_data(ex, kind)
+    fit = [m for m in names if _has(ex, kind, m)]
+    if not fit:
+        raise _no_data(ex, kind)
+    if method is not None and method not in fit:
+        raise BadInput(f"kind={kind!r}: method {method!r} has no data for it; methods that do: {', '.join(fit)}")
+    if layer is not None and kind not in LAYERED:
+        raise BadInput(f"layer= applies to kind= {', '.join(LAYERED)}, not {kind!r}")
+    if head is not None and kind != "heads":
+        raise BadInput("head= applies to kind='heads' only")
+    if kind == "heads" and layer is not None and head is None:
+        raise BadInput("kind='heads' shows every layer and head; give head= (and layer=) to open one head's map")
+
+    from ctxmix.export import plots
+
+    m = method if method is not None else fit[0]
+    toks = ex.tokens
+    if kind == "saliency":
+        sal = {m: ex.saliency[m]} if method is not None else dict(ex.saliency)  # the dashboard's order
+        return _call(plots.saliency_figure, {"tokens": toks, "saliency": sal}, kw)
+    if kind == "pair":
+        from ctxmix.analyses.pairs import cross_segment_mixing
+
+        df = cross_segment_mixing(ex, [m] if method is not None else fit)
+        return _call(plots.cross_mixing_figure, {"df": df}, kw)
+    if kind == "source":
+        # by the lazy public name: ctxmix.methods.alti_plus imports ctxmix.methods.explanation, which calls
+        # this module, so naming alti_plus here would close an import cycle (tests/test_layout.py)
+        from ctxmix import source_contribution
+
+        S = ex.segments.count(0)  # the source comes first: [source; target]
+        return _call(plots.source_contribution_figure, {"tokens": toks[S:], "share": source_contribution(ex, m)}, kw)
+
+    if kind == "scopes":
+        scopes = [method] if method is not None else _scope_order(fit)
+        L = ex.layer_maps[scopes[0]].shape[0]
+        l = _index(layer, "layer", L, L)
+        maps = {s: ex.layer_maps[s][l - 1] for s in scopes}
+        return _call(plots.maps_grid, {"tokens": toks, "maps": maps}, kw, {"title": f"Scopes of layer {l}"})
+    if kind == "heads":
+        A = ex.head_maps[m]
+        L, H = A.shape[:2]
+        if head is None:
+            return _call(plots.head_grid, {"tokens": toks, "head_maps": A}, kw, {"title": f"{m}: every head"})
+        l, h = _index(layer, "layer", L, L), _index(head, "head", H, 1)
+        opts = {"title": f"{m}: layer {l}, head {h}", "zmax": plots.color_range(A)}
+        return _call(plots.map_heatmap, {"tokens": toks, "M": A[l - 1, h - 1]}, kw, opts)
+
+    L = (ex.layer_maps[m] if kind != "global" else ex.global_maps[m]).shape[0]
+    l = _index(layer, "layer", L, L)
+    if kind == "maps":
+        maps = {
+            f"{m}: layer {l}": ex.layer_maps[m][l - 1],
+            f"{m}: aggregated up to layer {l}": ex.global_maps[m][l - 1],
+        }
+        return _call(plots.maps_grid, {"tokens": toks, "maps": maps}, kw)
+    # one map, on the colour scale of all the method's layers (the dashboard's default)
+    if kind == "layer":
+        maps_all, title = ex.layer_maps[m], f"{m}: layer {l}"
+    else:
+        maps_all, title = ex.global_maps[m], f"{m}: aggregated up to layer {l}"
+    opts = {"title": title, "zmax": plots.color_range(maps_all)}
+    return _call(plots.map_heatmap, {"tokens": toks, "M": maps_all[l - 1]}, kw, opts)
+
+
+# ---------------------------------------------------------------- HTML summary
+
+
+def _cell_style(s: float) -> str:
+    """Background for a value scaled to [-1, 1]: white at 0, blue for positive, red for negative
+    (RdBu's ends, as the figures use)."""
+    if not np.isfinite(s):
+        return "background:#ddd"
+    end = (33, 102, 172) if s >= 0 else (178, 24, 43)
+    a = min(1.0, abs(s))
+    r, g, b = (round(255 + (e - 255) * a) for e in end)
+    return f"background:rgb({r},{g},{b});color:{'#fff' if a > 0.6 else '#222'}"
+
+
+def _heat_rows(ex, limit: int) -> str:
+    from ctxmix.export.plots import display_tokens
+
+    labels = [html.escape(t, quote=True) for t in display_tokens(ex.tokens[:limit])]
+    td = "padding:1px 3px;border:1px solid #eee;white-space:pre"
+    rows = []
+    for m, v in ex.saliency.items():
+        v = np.asarray(v, dtype=float)[:limit]
+        scale = np.nanmax(np.abs(v)) if np.isfinite(v).any() else 0.0
+        scaled = v / scale if scale > 0 else np.zeros_like(v)
+        cells = "".join(
+            f'<td style="{td};{_cell_style(s)}" title="{html.escape(m)} · {t}: {x:.6g}">{t}</td>'
+            for t, x, s in zip(labels, v, scaled)
+        )
+        rows.append(
+            f'<tr><th style="text-align:right;padding-right:6px;white-space:nowrap">{html.escape(m)}</th>{cells}</tr>'
+        )
+    return "".join(rows)
+
+
+def summary_html(ex, max_tokens: int = HTML_MAX_TOKENS) -> str:
+    """A compact HTML summary: model, tokens, methods, prediction, target / foil / position, and
+    each method's saliency as a row of tokens coloured by value / the row's max |value| (blue
+    positive, red negative, white 0; hover gives the exact value). Every text is HTML-escaped."""
+    e = html.escape
+    n = len(ex.tokens)
+    L = next((a.shape[0] for a in (*ex.layer_maps.values(), *ex.global_maps.values())), None)
+    lines = [
+        f"<b>ctxmix Explanation</b> · model <code>{e(ex.model_name or '?')}</code> · {n} tokens"
+        + (f" · {L} layers" if L else ""),
+        "methods: " + (", ".join(f"<code>{e(m)}</code>" for m in ex.methods) or "none"),
+    ]
+    p = ex.prediction
+    if p:
+        label = str(p.get("label", "?"))
+        prob = (p.get("probabilities") or {}).get(label)
+        what = f" ({e(p['what'])})" if p.get("what") else ""
+        tp = p.get("target_probability")  # ALTI+: the teacher-forced target's probability
+        line = f"prediction: <b>{e(label)}</b>" + (f" {prob:.1%}" if prob is not None else "") + what
+        lines.append(line + (f" · target probability {tp:.1%}" if tp is not None else ""))
+    where = [f"position {ex.position}" + (f" ({e(ex.tokens[ex.position])})" if 0 <= ex.position < n else "")]
+    where += [f"{k} {v}" for k, v in (("target", ex.target), ("foil", ex.foil)) if v is not None]
+    lines.append(" · ".join(where))
+    if ex.warnings:
+        lines.append("warnings: " + "; ".join(e(str(w)) for w in ex.warnings))
+    body = "<br>".join(lines)
+    if ex.saliency:
+        note = f"<br><i>first {max_tokens} of {n} tokens shown</i>" if n > max_tokens else ""
+        table = '<table style="border-collapse:collapse;font-family:monospace;font-size:12px;margin-top:4px">'
+        body += f'<div style="overflow-x:auto">{table}{_heat_rows(ex, max_tokens)}</table></div>{note}'
+    return f'<div class="ctxmix-explanation" style="font-size:13px">{body}</div>'
