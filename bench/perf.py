@@ -8,7 +8,7 @@ the comparisons with other tools in perf_compare.py.)
     python bench/perf.py --out perf.csv           # also write the table as CSV
     python bench/perf.py --inseq-venv /tmp/inseq-venv   # also compare with inseq 0.7.1 (see below)
     python bench/perf.py --only vz flops          # a subset: vz flops batch explain corpus memory budget ig
-                                                  # inseq precision embedded
+                                                  # inseq precision embedded flow
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
@@ -82,9 +82,9 @@ from perf_compare import (  # noqa: E402
 )
 
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
-SECTIONS = ["vz", "flops", "batch", "explain", "corpus", "memory", "budget", "ig", "inseq", "precision", "embedded"]
+SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow".split()
 CPU_SKIPS = {"budget", "embedded"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
-CORPUS_TODAY_CPU = 0.218  # seq/s of the sequence-at-a-time engine with scipy ranks (README, before batching)
+CORPUS_TODAY_CPU = 0.218  # seq/s, sequence-at-a-time engine with scipy ranks (docs/performance.md, before batching)
 
 
 # ----------------------------------------------------------------------------- targets
@@ -268,6 +268,60 @@ def wiki_chunks(model, k: int, max_tokens: int = 128) -> list[str]:
         ] * k
     out = [t for t in pool if len(model.encode(t)[0]) <= max_tokens]
     return out[:k]
+
+
+def wiki_ids(model, n: int) -> list[int]:
+    """n token ids of real prose: [CLS], the first n-2 word pieces of consecutive wiki chunks, [SEP]."""
+    tok = model.tokenizer
+    pieces: list[int] = []
+    for text in wiki_chunks(model, 200, max_tokens=model.max_length):
+        pieces += tok(text, add_special_tokens=False)["input_ids"]
+        if len(pieces) >= n - 2:
+            break
+    return [tok.cls_token_id] + pieces[: n - 2] + [tok.sep_token_id]
+
+
+def bench_flow(a, dev) -> list[dict]:
+    """Attention flow (ctxmix.methods.flow): one row (the CLS row, all 6 layers, L·n max-flows) on
+    MiniLM's real attention to Wikipedia prose of n tokens, its growth exponent in n, and the
+    estimate (`flow_cost_seconds`, fitted on random attention) that pages and the runner refuse by.
+    The max-flows run on one CPU core whatever the device (only the trace uses `dev`)."""
+    import ctxmix
+    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.flow import FLOW_ROW_MAX_TOKENS, attention_flow, flow_cost_seconds
+
+    m = ctxmix.load_model("minilm", device=str(dev))
+    L = m.n_layers
+    attention_flow(np.full((1, 1, 2, 2), 0.5), rows=[0])  # warm-up: imports
+    rows, prev = [], None
+    for n in sorted(a.flow_sizes):
+        ids = wiki_ids(m, n)
+        att = np.stack([s.alpha.float().cpu().numpy() for s in trace_ids(m, ids).states])  # (L, H, n, n)
+        log(f"attention flow n={len(ids)}: one row ({L} layers, {L * len(ids)} max-flows)")
+        t, _ = timed(lambda: attention_flow(att, rows=[0]), "cpu", a.repeat)  # noqa: B023 - called at once
+        growth = (
+            "-" if prev is None else f"growth exponent {np.log(t / prev[1]) / np.log(n / prev[0]):.2f} from n={prev[0]}"
+        )
+        rows.append(
+            row(
+                f"attention flow, MiniLM ({L} layers), wiki text of n={len(ids)} tokens: one row (CLS, all layers)",
+                f"{t:.3f} s per row",
+                f"{growth}; estimate {flow_cost_seconds(n, L):.3f} s (random attention fit)",
+                None if prev is None else t / prev[1],
+                "report",
+            )
+        )
+        prev = (n, t)
+    rows.append(
+        row(
+            f"attention flow: most tokens for one row within a minute ({L} layers, FLOW_ROW_MAX_TOKENS)",
+            f"{FLOW_ROW_MAX_TOKENS} tokens",
+            f"estimate at n={FLOW_ROW_MAX_TOKENS}: {flow_cost_seconds(FLOW_ROW_MAX_TOKENS, L):.0f} s",
+            None,
+            "report",
+        )
+    )
+    return rows
 
 
 def bench_corpus(a, dev) -> list[dict]:
@@ -601,6 +655,7 @@ def main() -> None:
     ap.add_argument("--ig-n", type=int, default=32, help="tokens for the integrated-gradients comparison")
     ap.add_argument("--inseq-n", type=int, default=61, help="tokens for the inseq comparison")
     ap.add_argument("--inseq-layers", type=int, default=12)
+    ap.add_argument("--flow-sizes", type=int, nargs="+", default=[16, 32, 64, 128], help="tokens for attention flow")
     ap.add_argument("--gemm", type=int, default=0, help="matmul size for the reference rate (2048 CPU, 8192 CUDA)")
     ap.add_argument(
         "--repeat",
@@ -657,6 +712,7 @@ def main() -> None:
         ),
         ("precision", lambda: bench_precision(a, dev)),
         ("embedded", lambda: bench_embedded(a, dev)),
+        ("flow", lambda: bench_flow(a, dev)),
     ]
     for name, fn in steps:
         if name == "flops" and not ({"flops", "explain"} & set(sections)):

@@ -39,6 +39,7 @@ _API = {
     "trace": "engine.trace",
     "MIXING_METHODS": "methods.registry",
     "SALIENCY_METHODS": "methods.registry",
+    "PREDICTION_METHODS": "methods.registry",
     "METHODS": "methods.registry",
     "rollout": "methods.mixing",
     "Explanation": "methods.explanation",
@@ -112,5 +113,5 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
     from .methods.explanation import Explanation  # noqa: F401
     from .methods.mixing import rollout  # noqa: F401
-    from .methods.registry import METHODS, MIXING_METHODS, SALIENCY_METHODS  # noqa: F401
+    from .methods.registry import METHODS, MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS  # noqa: F401
     from .verify import verify  # noqa: F401

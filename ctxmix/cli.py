@@ -146,7 +146,7 @@ def cmd_methods(args) -> None:
 
 
 def cmd_models(args) -> None:
-    from ctxmix import MIXING_METHODS, SALIENCY_METHODS
+    from ctxmix import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS
     from ctxmix.engine.arch import families_table, supported_families
     from ctxmix.engine.models import EMBEDDED
 
@@ -155,7 +155,8 @@ def cmd_models(args) -> None:
     print("\nany Hugging Face id or local folder of these families:", supported_families())
     print(
         f"\nEvery family: the mixing methods ({', '.join(m for m, i in MIXING_METHODS.items() if i.group != 'scope')}) "
-        f"and its scopes; with a head (classifier or language model) also {', '.join(SALIENCY_METHODS)}."
+        f"and its scopes; with a head (classifier or language model) also {', '.join(SALIENCY_METHODS)}; "
+        f"causal language models (pre-LN, parallel and sandwich layers) also {', '.join(PREDICTION_METHODS)}."
     )
     for r in families_table():
         print(

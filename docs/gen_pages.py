@@ -21,16 +21,17 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent))
 
 import ctxmix  # noqa: E402
+import ctxmix.methods.prediction  # noqa: E402,F401
 from ctxmix.engine.arch import families_table  # noqa: E402
 from ctxmix.export import plots  # noqa: E402
-from ctxmix.methods.registry import MIXING_METHODS, SALIENCY_METHODS  # noqa: E402
+from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS  # noqa: E402
 
 
 def method_pages() -> list[str]:
     out = DOCS / "methods"
     out.mkdir(exist_ok=True)
     names = []
-    for name, info in {**MIXING_METHODS, **SALIENCY_METHODS}.items():
+    for name, info in {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}.items():
         if info.group == "scope":
             continue
         lines = [
@@ -55,16 +56,25 @@ def method_pages() -> list[str]:
             lines += ["## Aggregation", "", agg + ".", ""]
         if info.per_head:
             lines += ["## Per head", "", f"`explain(..., per_head=True)`: {info.per_head}.", ""]
+        if name in PREDICTION_METHODS:
+            lines += [
+                "## Formulas and choices",
+                "",
+                "From `ctxmix.methods.prediction` (the options the paper and its code leave open are named there):",
+                "",
+                "```text",
+                (sys.modules["ctxmix.methods.prediction"].__doc__ or "").strip(),
+                "```",
+                "",
+            ]
         if info.caveat:
             lines += ["## Caveat", "", info.caveat, ""]
-        lines += [
-            "## Use",
-            "",
-            "```python",
-            f'ex = ctxmix.explain(model, text, ["{name}"])',
-            "```",
-            "",
-        ]
+        use = (
+            f'ex = ctxmix.explain(model, text, ["{name}"], foil=" have")  # a causal LM; target: the predicted token'
+            if name in PREDICTION_METHODS
+            else f'ex = ctxmix.explain(model, text, ["{name}"])'
+        )
+        lines += ["## Use", "", "```python", use, "```", ""]
         (out / f"{name}.md").write_text("\n".join(lines))
         names.append(name)
     scopes = [n for n, i in MIXING_METHODS.items() if i.group == "scope"]

@@ -50,13 +50,17 @@ def model_revision(model) -> tuple[str, str]:
 def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[str], dict[str, str]]:
     """(methods that apply to `model`, {method: why not} for the others). "all" expands to every
     ctxmix method of the model's kind and LN position plus `random`."""
-    from ctxmix.methods.registry import MIXING_METHODS, SALIENCY_METHODS, scope_names
+    from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS, scope_names
 
     scopes = set(scope_names(model.spec.position))
+    # the logit methods: causal LMs whose residual stream is not normalised between layers
+    logit_ok = model.kind == "causal_lm" and model.spec.position != "post"
     if "all" in methods:
         expanded = [m for m, info in MIXING_METHODS.items() if info.group != "scope" or m in scopes]
         if model.kind != "encoder":
             expanded += list(SALIENCY_METHODS)
+        if logit_ok:
+            expanded += list(PREDICTION_METHODS)
         expanded += ["random"]
         methods = list(dict.fromkeys([m for m in methods if m != "all"] + expanded))
     ok, na = [], {}
@@ -64,6 +68,8 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
         info = MIXING_METHODS.get(m)
         if info is not None and info.group == "scope" and m not in scopes:
             na[m] = f"not a scope of a {model.spec.position}-LN model (its scopes: {', '.join(sorted(scopes))})"
+        elif m in PREDICTION_METHODS and not logit_ok:
+            na[m] = "needs a causal language model with pre-LN, parallel or sandwich layers"
         elif (m in SALIENCY_METHODS or m == "blank_out_foil") and model.kind == "encoder":
             na[m] = "needs a model with a head (classifier or language model)"
         elif m == "blank_out_foil" and (not has_foil or model.kind == "classifier"):

@@ -2,7 +2,9 @@
 
 Arrays go in as `layer/<method>`, `global/<method>`, `saliency/<method>`; everything else
 (tokens, methods, prediction, options, provenance) as one JSON string entry, `meta`, so the
-file opens with `numpy.load(..., allow_pickle=False)` and can run no code. Layout version 1.
+file opens with `numpy.load(..., allow_pickle=False)` and can run no code. Layout version 2 (the
+prediction methods' `logit/`, `layer_saliency/`, `head_saliency/` arrays and `logit_terms`); version 1
+files read as before.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ctxmix.errors import BadInput
-from ctxmix.methods.explanation import FORMAT, KINDS, VERSION, Explanation
+from ctxmix.methods.explanation import FORMAT, KIND_FIELDS, KINDS, VERSION, Explanation
 
 
 def explanation_bytes(ex: Explanation, half: bool = False) -> bytes:
@@ -70,6 +72,7 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
         options=dict(meta.get("options") or {}),
         provenance=dict(meta.get("provenance") or {}),
         segments=meta.get("segments"),
+        logit_terms=_logit_terms(meta.get("logit_terms") or {}, label),
     )
     n = len(ex.tokens)
     segs = ex.segments
@@ -77,17 +80,31 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
         not isinstance(segs, list) or len(segs) != n or any(isinstance(v, bool) or v not in (-1, 0, 1) for v in segs)
     ):
         raise BadInput(f"{label} has segments that do not fit its {n} tokens")
+    kinds = KINDS if meta["version"] >= 2 else KINDS[:4]
     for key, a in arrays.items():
         kind, _, m = key.partition("/")
-        if kind not in KINDS or not m:
+        if kind not in kinds or not m:
             raise BadInput(f"{label}: unexpected entry {key!r}")
         a = a.astype(np.float64)
-        ndim = {"saliency": 1, "head": 4}.get(kind, 3)
-        if (
-            a.ndim != ndim
-            or (kind == "saliency" and a.shape != (n,))
-            or (kind != "saliency" and a.shape[-2:] != (n, n))
-        ):
+        # the trailing axes each kind must have: maps end in (n, n), every other array in (n,)
+        ndim = {"saliency": 1, "head": 4, "logit": 2, "layer_saliency": 2, "head_saliency": 3}.get(kind, 3)
+        tail = (n, n) if kind in ("layer", "global", "head") else (n,)
+        if a.ndim != ndim or a.shape[-len(tail) :] != tail:
             raise BadInput(f"{label}: {key} has shape {a.shape}, which does not fit {n} tokens")
-        {"layer": ex.layer_maps, "global": ex.global_maps, "saliency": ex.saliency, "head": ex.head_maps}[kind][m] = a
+        getattr(ex, KIND_FIELDS[kind])[m] = a
     return ex
+
+
+def _logit_terms(terms, label: str) -> dict:
+    """The prediction methods' unattributed terms: {method: {name: number or list of numbers}}."""
+    ok = isinstance(terms, dict) and all(
+        isinstance(v, dict)
+        and all(
+            isinstance(x, (int, float)) or (isinstance(x, list) and all(isinstance(y, (int, float)) for y in x))
+            for x in v.values()
+        )
+        for v in terms.values()
+    )
+    if not ok:
+        raise BadInput(f"{label} has logit_terms that are not numbers per method and term")
+    return terms

@@ -10,7 +10,7 @@ from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_id
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
 from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
-from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, check_methods
+from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, PREDICTION_METHODS, check_methods
 
 
 def default_position(model: Model, input_ids: list[int]) -> int:
@@ -54,6 +54,8 @@ def explain(
     per_head: bool = False,
     foil=None,
     decoder_text: str | None = None,
+    embedding: str = "token",
+    flow_rows: str = "position",
     **saliency_options,
 ) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
@@ -83,6 +85,16 @@ def explain(
     `ctxmix.methods.alti_plus`), maps square over [source; decoder inputs] with segments 0 / 1, one per decoder
     layer; `ctxmix.source_contribution(ex)` is each target token's total source contribution.
     Without it, an encoder-decoder's mixing methods explain its encoder alone.
+
+    The prediction methods (`ctxmix.methods.registry.PREDICTION_METHODS`: `logit`, `alti_logit` on causal
+    language models) explain the target token's logit at `position` (minus the foil's), signed:
+    `saliency[m]` (n,), `layer_saliency[m]` (L, n), `head_saliency[m]` (L, H, n) with per_head,
+    `logit_contributions[m]` (the target's row, and the foil's), `logit_terms[m]` (what no token gets).
+    embedding: "token" (the official code: the predicted position's own embedding is its token's part)
+    or "term" (kept in logit_terms). See `ctxmix.methods.prediction`.
+    `attention_flow` (Abnar & Zuidema 2020) fills `global_maps` (no rollout) and the saliency with the
+    explained position's row; flow_rows="all" computes every row (the cost grows as about n^3 per row;
+    `ctxmix.methods.flow`), else the other rows are NaN.
     """
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
@@ -104,7 +116,17 @@ def explain(
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(
-        model, TraceBatch.of(tr), [methods], [target], [position], res2, precision, saliency_options, per_head
+        model,
+        TraceBatch.of(tr),
+        [methods],
+        [target],
+        [position],
+        res2,
+        precision,
+        saliency_options,
+        per_head,
+        embedding=embedding,
+        flow_rows=flow_rows,
     )[0]
 
 
@@ -244,6 +266,8 @@ def explain_batch(
     foils: list | None = None,
     token_type_ids: list | None = None,
     segments: list | None = None,
+    embedding: str = "token",
+    flow_rows: str = "position",
     **saliency_options,
 ) -> list[Explanation]:
     """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
@@ -288,7 +312,20 @@ def explain_batch(
     foils = [None] * len(texts) if foils is None else list(foils)
     if len(targets) != len(texts) or len(positions) != len(texts) or len(foils) != len(texts):
         raise BadInput("targets, positions and foils need one entry per text")
-    return _explanations(model, tb, per, targets, positions, res2, precision, saliency_options, bool(per_head), foils)
+    return _explanations(
+        model,
+        tb,
+        per,
+        targets,
+        positions,
+        res2,
+        precision,
+        saliency_options,
+        bool(per_head),
+        foils,
+        embedding,
+        flow_rows,
+    )
 
 
 def _explanations(
@@ -302,14 +339,25 @@ def _explanations(
     saliency_options: dict,
     per_head: bool = False,
     foils: list | None = None,
+    embedding: str = "token",
+    flow_rows: str = "position",
 ) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
     from ctxmix.engine.precision import resolve_precision
+    from ctxmix.methods.prediction import check_prediction_call
 
     precision = resolve_precision(model, precision)
     union = list(dict.fromkeys(m for ms in per for m in ms))
-    maps = mixing_maps_batch(tb, union, res2, precision) if union else {}
+    predicting = [m for m in union if m in PREDICTION_METHODS]
+    if predicting:
+        check_prediction_call(model, predicting, embedding, flow_rows, max(tb.lengths))
+    # ALTI-Logit reads the ALTI layer maps, attention flow the head-mean attention: computed with the
+    # others, reported only when asked for
+    needed = list(union)
+    needed += ["alti"] if "alti_logit" in union and "alti" not in union else []
+    needed += ["attention"] if "attention_flow" in union and "attention" not in union else []
+    maps = mixing_maps_batch(tb, needed, res2, precision) if needed else {}
     heads = head_maps_batch(tb, union) if per_head else {}
     errs = tb.errors.tolist()
     out = []
@@ -349,9 +397,25 @@ def _explanations(
                 f"per_head: none of {', '.join(methods)} has a per-head form "
                 f"(those that do: {', '.join(PER_HEAD_METHODS)})"
             )
-        sal = [m for m in methods if m not in MIXING_METHODS]
-        if saliency_options.get("foil") is not None and not sal:
-            ex.warnings.append("the foil applies to the gradient and perturbation methods only; none was asked for")
+        sal = [m for m in methods if m not in MIXING_METHODS and m not in PREDICTION_METHODS]
+        pred = [m for m in methods if m in PREDICTION_METHODS]
+        if saliency_options.get("foil") is not None and not sal and not [m for m in pred if m != "attention_flow"]:
+            ex.warnings.append(
+                "the foil applies to the gradient, perturbation and prediction methods only; none was asked for"
+            )
+        if "attention_flow" in pred:
+            from ctxmix.methods.flow import attention_flow
+
+            A = maps["attention"][b, :, :n, :n].double().cpu().numpy()
+            G = attention_flow(A, rows=None if flow_rows == "all" else [pos])
+            ex.global_maps["attention_flow"], ex.saliency["attention_flow"] = G, G[-1][pos].copy()
+            ex.options["flow_rows"] = flow_rows
+        logit = [m for m in pred if m != "attention_flow"]
+        if logit:
+            from ctxmix.methods.prediction import prediction_fields
+
+            alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
+            prediction_fields(ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti)
         if sal:
             from ctxmix.methods.saliency import resolve_foil, saliency_scores
 

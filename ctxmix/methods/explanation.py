@@ -28,8 +28,18 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
 
 FORMAT = "ctxmix-explanation"
-VERSION = 1  # layout version
-KINDS = ("layer", "global", "saliency", "head")
+VERSION = 2  # layout version: 2 adds the prediction methods' arrays and logit_terms (version 1 still reads)
+KINDS = ("layer", "global", "saliency", "head", "logit", "layer_saliency", "head_saliency")
+# entry kind in the file -> Explanation attribute
+KIND_FIELDS = {
+    "layer": "layer_maps",
+    "global": "global_maps",
+    "saliency": "saliency",
+    "head": "head_maps",
+    "logit": "logit_contributions",
+    "layer_saliency": "layer_saliency",
+    "head_saliency": "head_saliency",
+}
 
 # How each array field becomes rows of `Explanation.to_frame`: (attribute, kind, the names of the
 # array's axes after the method key). A field a later version adds needs one line here; fields not
@@ -73,6 +83,11 @@ class Explanation:
     segments: list[int] | None = None  # per token: 0 = text A, 1 = text B (of a pair), -1 = special token
     options: dict = field(default_factory=dict)  # res2, precision and the saliency options used
     provenance: dict = field(default_factory=dict)  # ctxmix version, model, dtype, date
+    # the prediction methods (`ctxmix.methods.registry.PREDICTION_METHODS`): signed contributions to a logit
+    logit_contributions: dict[str, np.ndarray] = field(default_factory=dict)  # (C, n) classes; LMs: target (, foil)
+    layer_saliency: dict[str, np.ndarray] = field(default_factory=dict)  # (L, n) per layer and source token
+    head_saliency: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n), with per_head=True
+    logit_terms: dict[str, dict] = field(default_factory=dict)  # what no token gets (lists: per layer)
 
     def save(self, path, half: bool = False) -> Path:
         """Write everything to one compressed .npz (metadata as a JSON string entry, so it opens
@@ -116,6 +131,10 @@ class Explanation:
             "saliency": {m: v.tolist() for m, v in self.saliency.items()},
             "layer_maps": {m: v.tolist() for m, v in self.layer_maps.items()},
             "global_maps": {m: v.tolist() for m, v in self.global_maps.items()},
+            "logit_contributions": {m: v.tolist() for m, v in self.logit_contributions.items()},
+            "layer_saliency": {m: v.tolist() for m, v in self.layer_saliency.items()},
+            "head_saliency": {m: v.tolist() for m, v in self.head_saliency.items()},
+            "logit_terms": self.logit_terms,
         }
 
     def __repr__(self) -> str:
@@ -230,18 +249,15 @@ def _arrays(ex: Explanation, half: bool) -> dict:
         "warnings": ex.warnings,
         "options": ex.options,
         "provenance": ex.provenance,
+        "logit_terms": ex.logit_terms,
         "maps_dtype": "float16" if half else "float64",
     }
     arrays = {"meta": np.array(json.dumps(meta, default=str))}
-    for kind, maps in (
-        ("layer", ex.layer_maps),
-        ("global", ex.global_maps),
-        ("saliency", ex.saliency),
-        ("head", ex.head_maps),
-    ):
-        for m, a in maps.items():
+    for kind, attr in KIND_FIELDS.items():
+        for m, a in getattr(ex, attr).items():
             a = np.asarray(a, dtype=np.float64)
-            arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and kind != "saliency" else a
+            maps = kind in ("layer", "global", "head")  # half=True rounds the maps only: signed scores stay exact
+            arrays[f"{kind}/{m}"] = a.astype(np.float16) if half and maps else a
     return arrays
 
 

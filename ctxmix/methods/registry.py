@@ -15,7 +15,7 @@ class MethodInfo:
     """What a method is, which paper it comes from, and how it is aggregated."""
 
     name: str
-    group: str  # "attention", "norm", "value_zeroing", "scope", "saliency"
+    group: str  # "attention", "norm", "value_zeroing", "scope", "saliency", "prediction"
     title: str
     paper: str
     rollout_identity: bool = False
@@ -141,14 +141,12 @@ def scope_names(position: str) -> tuple[str, ...]:
 
 def check_methods(methods, position: str | None = None) -> list[str]:
     """Validate method names; unknown ones get a message listing the valid names."""
-    from ctxmix.methods.registry import SALIENCY_METHODS
-
     if isinstance(methods, str):
         methods = [methods]
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise BadInput("choose at least one method")
-    valid = list(MIXING_METHODS) + list(SALIENCY_METHODS)
+    valid = list(MIXING_METHODS) + list(SALIENCY_METHODS) + list(PREDICTION_METHODS)
     bad = [m for m in methods if m not in valid]
     if bad:
         raise BadInput(f"unknown method(s) {', '.join(map(repr, bad))}; valid methods: {', '.join(valid)}")
@@ -221,4 +219,53 @@ SALIENCY_METHODS: dict[str, MethodInfo] = {
 }
 
 
-METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS}  # every method, by name
+# How the mixing builds a prediction: signed contributions to a logit (or a logit difference), with
+# their own dispatch in `explain` (never rolled out like the mixing maps, never a map row as saliency)
+PREDICTION_METHODS: dict[str, MethodInfo] = {
+    m.name: m
+    for m in [
+        MethodInfo(
+            "logit",
+            "prediction",
+            "Logit",
+            "Ferrando et al. 2023",
+            doc="Causal LMs: the target's logit (or target - foil) at the explained position split over layers "
+            "and source positions: sum_h alpha^h_tj <W_O^h(W_V^h LN1(x_j) + b_V^h), r>, r the unembedding row "
+            "through the final norm with its real scale frozen (exact). layer_saliency (L, n), per head "
+            "(L, H, n); saliency = the layers' sum plus the predicted position's own embedding (the official "
+            "code; embedding='term' keeps it apart); logit_terms: b_O and MLP per layer, final-norm beta, "
+            "unembedding bias. Layer-l position j is read as input token j (token identity preserved).",
+            caveat="Causal LMs only (pre-LN, parallel and sandwich layers); MLP updates are not attributed to "
+            "tokens (logit_terms).",
+        ),
+        MethodInfo(
+            "alti_logit",
+            "prediction",
+            "ALTI-Logit",
+            "Ferrando et al. 2023",
+            doc="Causal LMs: Logit's layer-l row traced back to the input tokens through the ALTI rollout of "
+            "layers 1..l-1 (R^0 = I): layer_saliency[l] = D^l R^{l-1}; the same total as Logit (rows of R sum "
+            "to one). Sign kept (rank by signed score, as the paper's MRR does).",
+            caveat="Causal LMs only (pre-LN, parallel and sandwich layers); MLP updates are not attributed to "
+            "tokens (logit_terms).",
+        ),
+        MethodInfo(
+            "attention_flow",
+            "flow",
+            "Attention flow",
+            "Abnar & Zuidema 2020",
+            rows_sum_to_one=True,
+            doc="Max-flow through the layered attention graph (capacities 0.5*A + 0.5*I of the head-mean "
+            "attention): one max-flow per output node and input token (scipy's Dinic on capacities scaled "
+            "by 2^30; not one flow to a super-sink), rows normalised over input tokens, as the official code. "
+            "global_maps (L, n, n) are already aggregated (no rollout); by default only the explained "
+            "position's row is computed (flow_rows='all' for every row; the others are NaN), as the cost "
+            "grows as about n^3 per row (ctxmix.methods.flow).",
+            caveat="Rows saturate in deep models (flat, tied scores); refused where one row would take over a "
+            "minute (about 460 tokens for 6 layers, 300 for 12).",
+        ),
+    ]
+}
+
+
+METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}  # every method
