@@ -10,7 +10,11 @@ tolerance for the model's dtype:
   itself (`value_zeroing_loop`: the official algorithm, one zeroed value vector at a time);
 - the FF's closed-form zero-baseline Integrated Gradients against numeric IG (Gauss-Legendre,
   Jacobian-vector products of the FF);
-- the rows that a method promises sum to one (attention, rollout, ALTI, value zeroing) do.
+- the rows that a method promises sum to one (attention, rollout, ALTI, value zeroing) do;
+- DecompX: every token's parts summed over tokens against the model's own hidden state after each
+  layer, and, where its head has a rule, the parts of each logit against the model's logits;
+- on a causal language model, `logit` and `alti_logit`: the tokens' parts plus the unattributed terms
+  against the model's own logit difference (predicted token minus the runner-up) at the last position.
 """
 
 from __future__ import annotations
@@ -237,9 +241,63 @@ def verify(
                     "",
                 )
             )
+    if not model.spec.encoder_decoder:
+        rows += _decompx_checks(model, tr, tol)
+    if model.kind == "causal_lm" and model.spec.position != "post":
+        rows += _logit_checks(model, text, tr, tol)
     if model.spec.encoder_decoder:
         rows += _decoder_checks(model, text, text if decoder_text is None else decoder_text, tol)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _decompx_checks(model: Model, tr, tol: dict) -> list[dict]:
+    """DecompX's parts against the model's own states (each layer but the last, whose output the model
+    hands back through its final norm) and logits (predicted and runner-up rows of an LM)."""
+    from ctxmix.methods.decompx import DecompXOptions, decompx_layer, head_kind
+
+    try:
+        has_rule = head_kind(model) != "none"
+    except BadInput:
+        has_rule = False
+    o = DecompXOptions(head=has_rule)
+    V, err = None, 0.0
+    with torch.no_grad():
+        for l, (lw, st) in enumerate(zip(model.layers, tr.states)):
+            V = decompx_layer(lw, st, V, o)
+            real = tr.hidden[l + 1] if l + 1 < model.n_layers else st.y
+            err = max(err, float((V.sum(1) - real).abs().max() / real.abs().max().clamp(min=1e-30)))
+    out = [_check("decompx: token parts summed = the model's state after each layer", err, tol["state"], "")]
+    if has_rule:
+        from ctxmix.methods.decompx import decompx
+
+        t = tr.n - 1 if model.kind == "causal_lm" else 0
+        tokens = torch.topk(tr.logits[t], 2).indices.tolist() if model.kind == "causal_lm" else None
+        r = decompx(model, tr, t, tokens, o)
+        gap = float(np.abs(r.parts.sum(1) - r.logits).max() / max(float(np.abs(r.logits).max()), 1.0))
+        out.append(_check("decompx: token parts summed = the model's logits", gap, tol["state"], head_kind(model)))
+    return out
+
+
+def _logit_checks(model: Model, text: str, tr, tol: dict) -> list[dict]:
+    """Completeness of the logit methods against the model's own logits (predicted minus runner-up)."""
+    from ctxmix.methods.explain import explain
+    from ctxmix.methods.prediction import unattributed
+
+    top2 = torch.topk(tr.logits[-1], 2).indices.tolist()
+    ex = explain(model, text, ["logit", "alti_logit"], target=top2[0], foil=top2[1])
+    want = ex.prediction["explained"]["value"]
+    out = []
+    for m in ("logit", "alti_logit"):
+        got = float(ex.saliency[m].sum()) + unattributed(ex.logit_terms[m])
+        out.append(
+            _check(
+                f"{m}: tokens + unattributed terms = the model's logit difference",
+                abs(got - want) / max(abs(want), 1.0),
+                tol["state"],
+                f"{ex.prediction['explained']['what']}: {want:.6g}",
+            )
+        )
+    return out
 
 
 def _decoder_checks(model: Model, text: str, decoder_text: str, tol: dict) -> list[dict]:

@@ -21,10 +21,19 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent))
 
 import ctxmix  # noqa: E402
+import ctxmix.methods.decompx  # noqa: E402,F401
+import ctxmix.methods.flow  # noqa: E402,F401
 import ctxmix.methods.prediction  # noqa: E402,F401
 from ctxmix.engine.arch import families_table  # noqa: E402
 from ctxmix.export import plots  # noqa: E402
 from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS  # noqa: E402
+
+PREDICTION_MODULES = {
+    "logit": "ctxmix.methods.prediction",
+    "alti_logit": "ctxmix.methods.prediction",
+    "decompx": "ctxmix.methods.decompx",
+    "attention_flow": "ctxmix.methods.flow",
+}
 
 
 def method_pages() -> list[str]:
@@ -60,10 +69,10 @@ def method_pages() -> list[str]:
             lines += [
                 "## Formulas and choices",
                 "",
-                "From `ctxmix.methods.prediction` (the options the paper and its code leave open are named there):",
+                f"From `{PREDICTION_MODULES[name]}` (the options the paper and its code leave open are named there):",
                 "",
                 "```text",
-                (sys.modules["ctxmix.methods.prediction"].__doc__ or "").strip(),
+                (sys.modules[PREDICTION_MODULES[name]].__doc__ or "").strip(),
                 "```",
                 "",
             ]
@@ -71,7 +80,7 @@ def method_pages() -> list[str]:
             lines += ["## Caveat", "", info.caveat, ""]
         use = (
             f'ex = ctxmix.explain(model, text, ["{name}"], foil=" have")  # a causal LM; target: the predicted token'
-            if name in PREDICTION_METHODS
+            if name in ("logit", "alti_logit")
             else f'ex = ctxmix.explain(model, text, ["{name}"])'
         )
         lines += ["## Use", "", "```python", use, "```", ""]

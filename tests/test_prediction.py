@@ -61,7 +61,7 @@ def test_tokens_and_terms_sum_to_the_logit(decoder, foil):
     tr = ctxmix.engine.trace.trace(decoder, TEXT)
     t = ex.position
     logits = tr.logits[t].double()
-    from ctxmix.methods.prediction import softcap
+    from ctxmix.methods.readout import softcap
 
     cap = softcap(decoder)
     if cap:
@@ -113,7 +113,7 @@ def test_each_layers_parts_are_its_real_attention_update(decoder):
     t = tr.n - 1
     target = int(tr.logits[t].argmax())
     parts = logit_parts(decoder, tr, t, [target])
-    from ctxmix.methods.prediction import readout
+    from ctxmix.methods.readout import readout
 
     r, _ = readout(decoder, tr.states[-1].y[t], decoder.hf.get_output_embeddings().weight[[target]].double())
     for l in range(decoder.n_layers):

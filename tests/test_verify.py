@@ -16,6 +16,8 @@ def test_verify_passes_on_every_family(tiny):
     assert list(df.columns) == ["check", "error", "tolerance", "passed", "detail"]
     assert len(df) >= 9 and df["passed"].all(), df[~df["passed"]].to_string()
     assert any(df["check"].str.startswith("value zeroing")) and any(df["check"].str.startswith("FF closed-form"))
+    causal = tiny.kind == "causal_lm" and tiny.spec.position != "post"
+    assert df["check"].str.startswith("alti_logit: tokens").any() == causal
 
 
 def test_the_loop_is_the_official_algorithm_on_bert(tokenizer):
@@ -47,6 +49,10 @@ def test_verify_fails_on_altered_weights(tokenizer):
     df = verify(_altered(tokenizer)).set_index("check")
     assert not df.loc["layers recomputed from the weights = the model's hidden states", "passed"]
     assert not df.loc["value zeroing = the per-token loop on the model", "passed"]
+    assert not df.loc["logit: tokens + unattributed terms = the model's logit difference", "passed"]
+    assert not df.loc["decompx: token parts summed = the model's state after each layer", "passed"]
+    assert not df.loc["decompx: token parts summed = the model's logits", "passed"]
+    assert not df.loc["alti_logit: tokens + unattributed terms = the model's logit difference", "passed"]
 
 
 def test_cli_verify_exit_codes(tokenizer, monkeypatch, capsys):

@@ -56,6 +56,7 @@ def explain(
     decoder_text: str | None = None,
     embedding: str = "token",
     flow_rows: str = "position",
+    decompx: dict | None = None,
     **saliency_options,
 ) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
@@ -95,6 +96,8 @@ def explain(
     `attention_flow` (Abnar & Zuidema 2020) fills `global_maps` (no rollout) and the saliency with the
     explained position's row; flow_rows="all" computes every row (the cost grows as about n^3 per row;
     `ctxmix.methods.flow`), else the other rows are NaN.
+    decompx: DecompX's options {"bias": "absdot" | "none", "ff": "zero_origin" | "tangent", "head": bool}
+    (`ctxmix.methods.decompx`).
     """
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
@@ -127,6 +130,7 @@ def explain(
         per_head,
         embedding=embedding,
         flow_rows=flow_rows,
+        decompx=decompx,
     )[0]
 
 
@@ -268,6 +272,7 @@ def explain_batch(
     segments: list | None = None,
     embedding: str = "token",
     flow_rows: str = "position",
+    decompx: dict | None = None,
     **saliency_options,
 ) -> list[Explanation]:
     """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
@@ -341,6 +346,7 @@ def _explanations(
     foils: list | None = None,
     embedding: str = "token",
     flow_rows: str = "position",
+    decompx: dict | None = None,
 ) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
@@ -351,7 +357,7 @@ def _explanations(
     union = list(dict.fromkeys(m for ms in per for m in ms))
     predicting = [m for m in union if m in PREDICTION_METHODS]
     if predicting:
-        check_prediction_call(model, predicting, embedding, flow_rows, max(tb.lengths))
+        check_prediction_call(model, predicting, embedding, flow_rows, max(tb.lengths), decompx)
     # ALTI-Logit reads the ALTI layer maps, attention flow the head-mean attention: computed with the
     # others, reported only when asked for
     needed = list(union)
@@ -410,7 +416,11 @@ def _explanations(
             G = attention_flow(A, rows=None if flow_rows == "all" else [pos])
             ex.global_maps["attention_flow"], ex.saliency["attention_flow"] = G, G[-1][pos].copy()
             ex.options["flow_rows"] = flow_rows
-        logit = [m for m in pred if m != "attention_flow"]
+        if "decompx" in pred:
+            from ctxmix.methods.decompx import decompx_fields
+
+            decompx_fields(ex, model, tr, targets[b], saliency_options.get("foil"), decompx)
+        logit = [m for m in pred if m in ("logit", "alti_logit")]
         if logit:
             from ctxmix.methods.prediction import prediction_fields
 

@@ -46,6 +46,7 @@ from ctxmix.engine.layer import head_values
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
+from ctxmix.methods.readout import norm_adjoint, readout, softcap, unembedding
 
 LOGIT_METHODS = ("logit", "alti_logit")
 
@@ -62,44 +63,6 @@ def check_logit_model(model: Model, method: str) -> None:
             f"{method} needs a pre-LN, parallel or sandwich decoder; {model.name} normalises the residual "
             "stream after every layer (post-LN), so its logit has no exact sum over layers"
         )
-
-
-def unembedding(model: Model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unembedding U (V, d) and its bias (V,) or None, in the engine's dtype."""
-    head = model.hf.get_output_embeddings()
-    if head is None:
-        raise BadInput(f"{model.name} has no unembedding (output embeddings) to explain")
-    W = head.weight.detach().to(model.work_dtype)
-    b = getattr(head, "bias", None)
-    return W, None if b is None else b.detach().to(model.work_dtype)
-
-
-def softcap(model: Model) -> float | None:
-    """Gemma 2's final logit soft-capping c (logits = c tanh(z / c)), or None."""
-    c = getattr(model.config, "final_logit_softcapping", None)
-    return float(c) if c else None
-
-
-def norm_adjoint(norm, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """r with <piece through `norm` at scale s, u> = <piece, r> for every piece: the norm's linear part
-    is diag(gamma) C / s (C centres for LayerNorm), so r = C (gamma * u) / s. u (..., d), s (1,)."""
-    if norm is None or norm.kind == "identity":
-        return u.clone()
-    g = u * norm.gamma
-    if norm.kind == "layernorm":
-        g = g - g.mean(-1, keepdim=True)
-    return g / s
-
-
-def readout(model: Model, x_last: torch.Tensor, U_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Readout vectors r (K, d) and the final norm's beta terms <beta_f, u> (K,) for unembedding rows
-    U_rows (K, d), the final norm's scale frozen at its value on x_last (d,), the real pre-norm state."""
-    norm = model.layers[-1].next_norm
-    zeros = torch.zeros(len(U_rows), dtype=U_rows.dtype, device=U_rows.device)
-    if norm is None:  # no final norm: the state is read as it is
-        return U_rows.clone(), zeros
-    beta = U_rows @ norm.beta if norm.beta is not None else zeros
-    return norm_adjoint(norm, U_rows, norm.scale(x_last)), beta
 
 
 @dataclass
@@ -259,7 +222,12 @@ def unattributed(terms: dict) -> float:
 
 
 def check_prediction_call(
-    model: Model, methods: list[str], embedding: str = "token", flow_rows: str = "position", n: int = 0
+    model: Model,
+    methods: list[str],
+    embedding: str = "token",
+    flow_rows: str = "position",
+    n: int = 0,
+    decompx: dict | None = None,
 ) -> None:
     """Before any work: every requested prediction method applies to this model, its options are valid,
     and attention flow on n tokens stays within its time limit (`ctxmix.methods.flow.check_flow_cost`)."""
@@ -270,6 +238,18 @@ def check_prediction_call(
         raise BadInput(f"embedding must be 'token' (added to the predicted position) or 'term', got {embedding!r}")
     if flow_rows not in ("position", "all"):
         raise BadInput(f"flow_rows must be 'position' (the explained row) or 'all', got {flow_rows!r}")
+    if decompx is not None and "decompx" not in methods:
+        raise BadInput("decompx= gives DecompX's options; add 'decompx' to the methods")
+    if "decompx" in methods:
+        from ctxmix.methods.decompx import DecompXOptions, head_kind
+
+        if not isinstance(decompx, (dict, type(None))) or set(decompx or {}) - {"bias", "ff", "head"}:
+            raise BadInput(f"decompx takes a dict with bias, ff and head, got {decompx!r}")
+        o = DecompXOptions(**(decompx or {})).check()
+        if model.spec.encoder_decoder:
+            raise BadInput("decompx explains encoders, classifiers and causal LMs, not encoder-decoders")
+        if o.head:
+            head_kind(model)  # refuses a head without a rule
     if "attention_flow" in methods:
         from ctxmix.methods.flow import FLOW_ROW_SECONDS, check_flow_cost
 

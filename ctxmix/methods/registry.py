@@ -250,6 +250,23 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
             "tokens (logit_terms).",
         ),
         MethodInfo(
+            "decompx",
+            "prediction",
+            "DecompX",
+            "Modarressi et al. 2023",
+            doc="Every input token's vector carried through every layer (biases spread by AbsDot, the FF by "
+            "f(u)/u, norms with the real scale) and through the head: logit_contributions (C, n) whose rows "
+            "sum to the logits; saliency = the target class's row (minus the foil's), signed. global_maps = "
+            "the norms of token k's part of hidden state i after each layer (not rolled out). Options "
+            "(explain(..., decompx={...})): bias 'absdot' (default) or 'none' (remainder in logit_terms); "
+            "ff 'zero_origin' (the paper's GeLU_ZO, default) or 'tangent' (GeLU_LA); head True or False "
+            "(then the saliency is the norm of the explained row's parts). Post-LN is the paper's; pre-LN, "
+            "RMSNorm, gated, parallel and sandwich layers follow the same rules (ctxmix.methods.decompx).",
+            caveat="Heads with a rule: BERT pooler + classifier, RoBERTa / XLM-R / CamemBERT / ELECTRA "
+            "classification heads, DistilBERT, a causal LM's unembedding; decompx_head=False elsewhere. "
+            "Memory n^2 d per layer.",
+        ),
+        MethodInfo(
             "attention_flow",
             "flow",
             "Attention flow",

@@ -1,0 +1,48 @@
+"""How a model reads its last hidden state into logits, for the prediction methods (`logit`,
+`alti_logit`, `decompx`): the unembedding, Gemma 2's soft-capping, and the final norm's adjoint with
+its scale frozen at the real value (so a logit is a dot product with one readout vector)."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxmix.engine.models import Model
+from ctxmix.errors import BadInput
+
+
+def unembedding(model: Model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unembedding U (V, d) and its bias (V,) or None, in the engine's dtype."""
+    head = model.hf.get_output_embeddings()
+    if head is None:
+        raise BadInput(f"{model.name} has no unembedding (output embeddings) to explain")
+    W = head.weight.detach().to(model.work_dtype)
+    b = getattr(head, "bias", None)
+    return W, None if b is None else b.detach().to(model.work_dtype)
+
+
+def softcap(model: Model) -> float | None:
+    """Gemma 2's final logit soft-capping c (logits = c tanh(z / c)), or None."""
+    c = getattr(model.config, "final_logit_softcapping", None)
+    return float(c) if c else None
+
+
+def norm_adjoint(norm, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """r with <piece through `norm` at scale s, u> = <piece, r> for every piece: the norm's linear part
+    is diag(gamma) C / s (C centres for LayerNorm), so r = C (gamma * u) / s. u (..., d), s (1,)."""
+    if norm is None or norm.kind == "identity":
+        return u.clone()
+    g = u * norm.gamma
+    if norm.kind == "layernorm":
+        g = g - g.mean(-1, keepdim=True)
+    return g / s
+
+
+def readout(model: Model, x_last: torch.Tensor, U_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Readout vectors r (K, d) and the final norm's beta terms <beta_f, u> (K,) for unembedding rows
+    U_rows (K, d), the final norm's scale frozen at its value on x_last (d,), the real pre-norm state."""
+    norm = model.layers[-1].next_norm
+    zeros = torch.zeros(len(U_rows), dtype=U_rows.dtype, device=U_rows.device)
+    if norm is None:  # no final norm: the state is read as it is
+        return U_rows.clone(), zeros
+    beta = U_rows @ norm.beta if norm.beta is not None else zeros
+    return norm_adjoint(norm, U_rows, norm.scale(x_last)), beta

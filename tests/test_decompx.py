@@ -1,0 +1,194 @@
+"""DecompX (Modarressi et al., ACL 2023): the parts sum to every layer's real hidden states and to the
+logits on every family with a head rule; the post-LN path equals an independent transcription of the
+official algorithm (the note's reference, on the Hugging Face modules' own weights); the options do
+what they say; batched, float32, saved files and refusals."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from conftest import FAMILIES, tiny_model
+
+import ctxmix
+from ctxmix.engine.trace import trace
+from ctxmix.errors import BadInput
+from ctxmix.methods.decompx import DecompXOptions, decompx
+
+TEXT = "the keys to the old cabinet are"
+HEADLESS = {"deberta", "modernbert", "roberta"}  # the tiny ones: DeBERTa's pooler, two masked-LM heads
+# Hugging Face computes RMSNorm (and OPT's, ModernBERT's norms) partly in float32 in a float64 model
+FLOAT32_INSIDE = {"llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "opt"}
+
+
+def _tol(family: str) -> float:
+    return 1e-6 if family in FLOAT32_INSIDE else 1e-8
+
+
+def _roberta_classifier(tokenizer):
+    torch.manual_seed(0)
+    cfg = T.RobertaConfig(
+        hidden_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=40,
+        max_position_embeddings=130,
+        pad_token_id=1,
+        vocab_size=30522,
+        initializer_range=0.2,
+    )
+    hf = T.RobertaForSequenceClassification._from_config(cfg, attn_implementation="eager").double().eval()
+    return ctxmix.model_from_hf(hf, tokenizer, name="tiny-roberta-cls")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parts_sum_to_every_state_and_to_the_logits(family, tokenizer):
+    m = tiny_model(family, tokenizer)
+    tr = trace(m, TEXT)
+    t = tr.n - 1 if m.kind == "causal_lm" else 0
+    tokens = [int(tr.logits[t].argmax()), 7] if m.kind == "causal_lm" else None
+    r = decompx(m, tr, t, tokens, DecompXOptions(head=family not in HEADLESS))
+    assert r.completeness.max() < _tol(family), r.completeness
+    assert r.norms.shape == (m.n_layers, tr.n, tr.n)
+    if family in HEADLESS:
+        assert r.parts is None
+        return
+    gap = np.abs(r.parts.sum(1) - r.logits).max() / max(1.0, np.abs(r.logits).max())
+    assert gap < _tol(family), (family, gap)
+    if m.spec.causal:  # nothing reaches a position from tokens after it
+        assert np.all(np.triu(r.norms[-1], 1) == 0)
+
+
+def test_roberta_classification_head(tokenizer):
+    m = _roberta_classifier(tokenizer)
+    ex = ctxmix.explain(m, TEXT, ["decompx"])
+    lg = trace(m, TEXT).logits.double().numpy()
+    np.testing.assert_allclose(ex.logit_contributions["decompx"].sum(1), lg, atol=1e-8)
+
+
+def _reference_bert(hf, ids) -> np.ndarray:
+    """The official algorithm for BertForSequenceClassification transcribed from the note (§1.3, 1.4,
+    2.1; its reference §1.9) on the Hugging Face modules' own weights: (n_k, C) parts of the logits."""
+    emb = hf.bert.embeddings(input_ids=ids)[0]
+    X, V = emb, None
+    N = X.shape[0]
+    out = hf.bert(input_ids=ids, output_attentions=True, output_hidden_states=True)
+
+    def spread(P, b):
+        bb = b.expand(P.shape[0], -1) if b.dim() == 1 else b
+        w = torch.einsum("ikd,id->ik", P, bb).abs()
+        w = w / (w.sum(-1, keepdim=True) + 1e-12)
+        return P + w[..., None] * bb[:, None, :]
+
+    def ln_pieces(P, pre, ln):
+        s = (pre.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()
+        return spread((P - P.mean(-1, keepdim=True)) / s[:, None, :] * ln.weight, ln.bias)
+
+    for l, layer in enumerate(hf.bert.encoder.layer):
+        A = out.attentions[l][0]
+        att_mod, H = layer.attention, hf.config.num_attention_heads
+        dh = X.shape[1] // H
+        Wv, bv = att_mod.self.value.weight.T, att_mod.self.value.bias
+        Wo, bo = att_mod.output.dense.weight.T, att_mod.output.dense.bias
+        if V is None:
+            vals = (X @ Wv + bv).view(N, H, dh)
+            att = torch.einsum("hik,khe,hed->ikd", A, vals, Wo.view(H, dh, -1))
+            R = att.clone()
+            R[range(N), range(N)] += X
+            b_att = bo
+        else:
+            att = torch.zeros_like(V)
+            for h in range(H):
+                vh = V @ Wv[:, h * dh : (h + 1) * dh]
+                att += torch.einsum("ij,jke->ike", A[h], vh) @ Wo[h * dh : (h + 1) * dh]
+            R = att + V
+            b_att = bv @ Wo + bo
+        attn_out = torch.einsum("hij,jhe->ihe", A, (X @ Wv + bv).view(N, H, dh)).reshape(N, -1) @ Wo + bo
+        pre1 = X + attn_out
+        Z = ln_pieces(spread(R, b_att), pre1, att_mod.output.LayerNorm)
+        z = att_mod.output.LayerNorm(pre1)
+        W1, b1 = layer.intermediate.dense.weight.T, layer.intermediate.dense.bias
+        W2, b2 = layer.output.dense.weight.T, layer.output.dense.bias
+        u = z @ W1 + b1
+        theta = layer.intermediate.intermediate_act_fn(u) / u
+        Fz = spread((spread(Z @ W1, b1) * theta[:, None, :]) @ W2, b2)
+        pre2 = z + layer.intermediate.intermediate_act_fn(u) @ W2 + b2
+        V = ln_pieces(Z + Fz, pre2, layer.output.LayerNorm)
+        X = layer.output.LayerNorm(pre2)
+    Wp, bp = hf.bert.pooler.dense.weight.T, hf.bert.pooler.dense.bias
+    v = X[0] @ Wp + bp
+    P = spread(V[0:1] @ Wp, bp)[0] * (torch.tanh(v) / v)
+    Wc, bc = hf.classifier.weight.T, hf.classifier.bias
+    return spread((P @ Wc)[None], bc)[0].detach().numpy()
+
+
+def test_post_ln_path_equals_the_official_algorithm(tokenizer):
+    """Two layers of BERT, by the note's transcription of the official code: the same (n, C) parts."""
+    m = tiny_model("bert", tokenizer)
+    ids = torch.tensor([m.encode_input(TEXT).ids])
+    with torch.no_grad():
+        ref = _reference_bert(m.hf, ids)
+    ex = ctxmix.explain(m, None, ["decompx"], input_ids=ids[0].tolist())
+    np.testing.assert_allclose(ex.logit_contributions["decompx"], ref.T, atol=1e-10)
+    target = int(np.argmax(ref.sum(0)))
+    assert ex.target == target
+    np.testing.assert_allclose(ex.saliency["decompx"], ref[:, target], atol=1e-10)
+
+
+def test_options(tokenizer):
+    m = tiny_model("bert", tokenizer)
+    lg = trace(m, TEXT).logits.double().numpy()
+    tan = ctxmix.explain(m, TEXT, ["decompx"], decompx={"ff": "tangent"})
+    np.testing.assert_allclose(tan.logit_contributions["decompx"].sum(1), lg, atol=1e-8)  # also complete
+    zo = ctxmix.explain(m, TEXT, ["decompx"])
+    assert np.abs(tan.saliency["decompx"] - zo.saliency["decompx"]).max() > 1e-6  # and different
+    nob = ctxmix.explain(m, TEXT, ["decompx"], foil=0 if zo.target == 1 else 1, decompx={"bias": "none"})
+    want = lg[nob.target] - lg[nob.foil]
+    assert abs(nob.saliency["decompx"].sum() + nob.logit_terms["decompx"]["bias"] - want) < 1e-10
+    assert abs(nob.logit_terms["decompx"]["bias"]) > 1e-6  # the biases are really left out
+    headless = ctxmix.explain(m, TEXT, ["decompx"], decompx={"head": False})
+    assert "decompx" not in headless.logit_contributions
+    np.testing.assert_allclose(headless.saliency["decompx"], headless.global_maps["decompx"][-1][0])
+    # the maps are the propagated norms, never rolled out again
+    np.testing.assert_allclose(zo.global_maps["decompx"], headless.global_maps["decompx"])
+    assert "decompx" not in zo.layer_maps
+    with pytest.raises(BadInput, match="tangent"):
+        ctxmix.explain(tiny_model("llama", tokenizer), TEXT, ["decompx"], decompx={"ff": "tangent"})
+    with pytest.raises(BadInput, match="bias must be"):
+        ctxmix.explain(m, TEXT, ["decompx"], decompx={"bias": "norm"})
+    with pytest.raises(BadInput, match="no rule for the head"):
+        ctxmix.explain(tiny_model("deberta", tokenizer), TEXT, ["decompx"])
+    assert (
+        "decompx"
+        in ctxmix.explain(tiny_model("deberta", tokenizer), TEXT, ["decompx"], decompx={"head": False}).saliency
+    )
+
+
+def test_lm_target_and_foil(tokenizer):
+    m = tiny_model("gpt2", tokenizer)
+    ex = ctxmix.explain(m, TEXT, ["decompx", "logit"], foil=1000)
+    tr = trace(m, TEXT)
+    lg = tr.logits[-1].double()
+    want = float(lg[ex.target] - lg[1000])
+    assert ex.logit_contributions["decompx"].shape == (2, tr.n)
+    assert abs(ex.saliency["decompx"].sum() - want) < 1e-9
+    assert abs(ex.prediction["explained"]["value"] - want) < 1e-9
+
+
+def test_float32_batched_and_saved(tokenizer, tmp_path):
+    m64 = tiny_model("qwen2", tokenizer)
+    m32 = ctxmix.model_from_hf(copy.deepcopy(m64.hf).float(), tokenizer, name="tiny-qwen2-float32")
+    a = ctxmix.explain(m64, TEXT, ["decompx"], target=5)
+    b = ctxmix.explain(m32, TEXT, ["decompx"], target=5)
+    assert np.abs(a.saliency["decompx"] - b.saliency["decompx"]).max() < 1e-4 * np.abs(a.saliency["decompx"]).max()
+    m = tiny_model("bert", tokenizer)
+    texts = [TEXT, "a dog", "the cat that the dogs chase sleeps"]
+    batch = ctxmix.explain_batch(m, texts, ["decompx"])
+    for text, ex in zip(texts, batch):
+        one = ctxmix.explain(m, text, ["decompx"])
+        np.testing.assert_allclose(ex.logit_contributions["decompx"], one.logit_contributions["decompx"], atol=1e-10)
+        np.testing.assert_allclose(ex.global_maps["decompx"], one.global_maps["decompx"], atol=1e-10)
+    back = ctxmix.load_explanation(batch[0].save(tmp_path / "dx.npz"))
+    np.testing.assert_array_equal(back.logit_contributions["decompx"], batch[0].logit_contributions["decompx"])
+    np.testing.assert_array_equal(back.global_maps["decompx"], batch[0].global_maps["decompx"])
