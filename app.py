@@ -16,7 +16,7 @@ import ctxmix  # noqa: E402
 from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
 from ctxmix.export import plots
 from ctxmix.export.saved import explanation_bytes
-from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.methods.registry import MIXING_METHODS, applicable_prediction_methods, scope_names
 from ctxmix.service.cache import cached_explain
 from ctxmix_dashboard.ui import common, views  # noqa: E402
 
@@ -29,7 +29,8 @@ model = common.load_or_stop(name)
 seq2seq = model.kind == "seq2seq"
 mixing = [m for m, i in MIXING_METHODS.items() if i.group != "scope"]
 saliency_methods = list(ctxmix.SALIENCY_METHODS) if model.kind not in ("encoder", "seq2seq") else []
-available = mixing + saliency_methods
+prediction_methods = applicable_prediction_methods(model)
+available = mixing + saliency_methods + prediction_methods
 default = ["attention_rollout", "globenc", "alti", "value_zeroing"] + (["grad_x_input"] if saliency_methods else [])
 chosen_qp = [m for m in common.qp_list("method", default) if m in available] or default
 
@@ -73,7 +74,8 @@ else:
         key="methods",
         format_func=lambda m: f"{m} ({ctxmix.METHODS[m].paper})",
         help="Context-mixing methods give per-layer maps; their saliency is the target row of the "
-        "aggregated map. Gradient methods need a model with a head.",
+        "aggregated map. Gradient methods need a model with a head. The prediction methods (decompx, "
+        "logit, alti_logit) give signed contributions to a logit: a Prediction section shows them.",
     )
 if seq2seq and not target_text.strip():
     st.caption(
@@ -113,7 +115,7 @@ with common.errors_as_messages():
     )
     if position >= 0:
         opts["position"] = int(position)
-    if any(m in ctxmix.SALIENCY_METHODS for m in methods):
+    if any(m in ctxmix.SALIENCY_METHODS or m in ("logit", "alti_logit", "decompx") for m in methods):
         if model.kind == "classifier":
             labels = [str(model.config.id2label[i]) for i in range(len(model.config.id2label))]
             t = c2.selectbox(

@@ -351,3 +351,32 @@ def test_second_text_box_makes_a_pair():
     cmd = next(c.value for c in at.code if "ctxmix explain" in c.value)
     args = build_parser().parse_args(shlex.split(cmd)[3:])
     assert args.text == "A man eats ." and args.pair == "Someone is eating food ."
+
+
+def test_prediction_section_decompx_on_the_classifier():
+    at = _run(
+        "app.py", model="minilm-sentiment", method=["decompx", "alti"], text="a moving and wonderfully acted film ."
+    )
+    subs = [s.value for s in at.subheader]
+    assert "How the context builds the prediction" in subs
+    assert any("Explained: logit(" in c.value for c in at.caption)
+    # the signed per-class bars (two classes) are one of the figures, the parts table sums to the logit
+    assert _charts(at) >= 4
+    table = at.dataframe[-1].value
+    assert "input tokens (sum)" in set(table["part"])
+
+
+@pytest.mark.slow
+def test_prediction_section_alti_logit_with_a_foil_on_smollm2():
+    at = _run(
+        "app.py",
+        model="smollm2",
+        method=["alti_logit", "logit"],
+        text="The keys to the cabinet",
+        target=" are",
+        foil=" is",
+    )
+    assert "How the context builds the prediction" in [s.value for s in at.subheader]
+    explained = next(c.value for c in at.caption if c.value.startswith("Explained:"))
+    assert "logit(" in explained and " - logit(" in explained
+    assert _charts(at) >= 3

@@ -132,7 +132,7 @@ SCENES = {
         6,
     ),
     "contrastive": (
-        "model=minilm-sentiment&method=grad_x_input&method=integrated_gradients&method=alti"
+        "model=minilm-sentiment&method=grad_x_input&method=alti"
         "&target=positive&foil=negative&text=a+moving+and+wonderfully+acted+film+that+never+drags+.",
         "minus output 0",
         4,

@@ -194,3 +194,30 @@ print("ok")
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
     where, app = r.stdout.split()[:2]
     assert where.startswith(str(site)) and app == str(site / "ctxmix_dashboard" / "toplevel" / "app.py"), r.stdout
+    # and `ctxmix serve` itself, started there, answers on localhost
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+b")  # noqa: SIM115 - a file, not a pipe nobody reads
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ctxmix", "serve", "--port", str(port)], cwd=elsewhere, env=env, stdout=log, stderr=log
+    )
+    try:
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as page:
+                    assert page.status == 200 and b"<html" in page.read().lower()
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            log.seek(0)
+            pytest.fail("ctxmix serve did not answer:\n" + log.read().decode(errors="replace")[-2000:])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

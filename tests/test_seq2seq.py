@@ -2,8 +2,6 @@
 tiny random models of BART, Marian (post-LN), M2M-100 and mBART (pre-LN)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -213,23 +211,23 @@ def test_verify_passes_and_catches_a_changed_decoder(tokenizer):
 
 
 @pytest.mark.slow
-def test_folder_load_and_cli(tmp_path, bart_folder):
-    """A saved BART folder loads through load_model (AutoModelForSeq2SeqLM) and the CLI explains it."""
+def test_folder_load_and_cli(tmp_path, bart_folder, capsys):
+    """A saved BART folder loads through load_model (AutoModelForSeq2SeqLM) and the CLI explains and
+    verifies it (in this process: `python -m ctxmix` itself is run by tests/test_models_cli.py)."""
+    import ctxmix.cli
+
     loaded = ctxmix.load_model(str(bart_folder), device="cpu")
     assert loaded.kind == "seq2seq"
     out = tmp_path / "ex.json"
-    explain = [sys.executable, "-m", "ctxmix", "explain", SRC, "--model", str(bart_folder)]
-    explain += ["--method", "alti", "--decoder-text", TGT]
-    run = subprocess.run([*explain, "--out", str(out)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    explain = ["explain", SRC, "--model", str(bart_folder), "--method", "alti", "--decoder-text", TGT]
+    assert ctxmix.cli.main([*explain, "--out", str(out)]) in (0, None)
     d = json.loads(out.read_text())
     assert d["segments"].count(1) == len(encode_target(loaded, TGT)[0])
-    run = subprocess.run(explain, capture_output=True, text=True)
-    assert run.returncode == 0 and "source contribution" in run.stdout, run.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "ctxmix", "verify", "--model", str(bart_folder)], capture_output=True, text=True
-    )
-    assert run.returncode == 0 and "ALTI+" in run.stdout, run.stdout + run.stderr
+    capsys.readouterr()
+    assert ctxmix.cli.main(explain) in (0, None)
+    assert "source contribution" in capsys.readouterr().out
+    assert ctxmix.cli.main(["verify", "--model", str(bart_folder)]) in (0, None)
+    assert "ALTI+" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

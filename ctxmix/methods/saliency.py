@@ -52,10 +52,17 @@ def resolve_target(model: Model, tr: Trace, target, position: int) -> int:
     if target is None:
         return int(logits[position].argmax())
     if isinstance(target, str):
+        unk = getattr(model.tokenizer, "unk_token_id", None)
         ids = model.tokenizer.convert_tokens_to_ids([target])
-        if not ids or ids[0] is None or ids[0] == getattr(model.tokenizer, "unk_token_id", None):
-            raise BadInput(f"target token {target!r} is not one token of the vocabulary")
-        return int(ids[0])
+        if ids and ids[0] is not None and ids[0] != unk:
+            return int(ids[0])
+        # as typed, e.g. " have": what the tokenizer makes of the text, when that is one token
+        ids = model.tokenizer(target, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1 and ids[0] != unk:
+            return int(ids[0])
+        raise BadInput(
+            f"target token {target!r} is not one token of the vocabulary (as a token, nor as text: {len(ids)} tokens)"
+        )
     return int(target)
 
 

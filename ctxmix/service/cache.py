@@ -193,12 +193,20 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
         "warnings": ex.warnings,
         "segments": ex.segments,
     }
+    if m in ex.logit_terms:
+        meta["logit_terms"] = ex.logit_terms[m]
     arrays = {"saliency": ex.saliency[m]}
-    if m in ex.layer_maps:
-        arrays["layer"] = ex.layer_maps[m]
-        arrays["global"] = ex.global_maps[m]
-    if m in ex.head_maps:
-        arrays["head"] = ex.head_maps[m]
+    # every array kind an Explanation holds for a method (a prediction method may have global maps only)
+    for name, field in (
+        ("layer", "layer_maps"),
+        ("global", "global_maps"),
+        ("head", "head_maps"),
+        ("logit", "logit_contributions"),
+        ("layer_saliency", "layer_saliency"),
+        ("head_saliency", "head_saliency"),
+    ):
+        if m in getattr(ex, field):
+            arrays[name] = getattr(ex, field)[m]
     return meta, arrays
 
 
@@ -265,11 +273,13 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
     meta = found[methods[0]][0]
     # the target and foil come from an entry that explained one (a mixing method's entry has none)
     tmeta = next((found[m][0] for m in methods if found[m][0].get("target") is not None), meta)
+    # a prediction method's entry also says which logit it explained
+    pmeta = next((found[m][0] for m in methods if (found[m][0].get("prediction") or {}).get("explained")), meta)
     out = Explanation(
         tokens=list(meta["tokens"]),
         input_ids=list(meta["input_ids"]),
         methods=methods,
-        prediction=meta["prediction"],
+        prediction=pmeta["prediction"],
         position=meta["position"],
         target=tmeta["target"],
         foil=tmeta.get("foil"),
@@ -281,13 +291,20 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
         provenance=provenance(model),
     )
     for m in methods:
-        _, arrays = found[m]
+        m_meta, arrays = found[m]
         out.saliency[m] = np.asarray(arrays["saliency"])
-        if "layer" in arrays:
-            out.layer_maps[m] = np.asarray(arrays["layer"])
-            out.global_maps[m] = np.asarray(arrays["global"])
-        if "head" in arrays:
-            out.head_maps[m] = np.asarray(arrays["head"])
+        for name, field in (
+            ("layer", "layer_maps"),
+            ("global", "global_maps"),
+            ("head", "head_maps"),
+            ("logit", "logit_contributions"),
+            ("layer_saliency", "layer_saliency"),
+            ("head_saliency", "head_saliency"),
+        ):
+            if name in arrays:
+                getattr(out, field)[m] = np.asarray(arrays[name])
+        if "logit_terms" in m_meta:
+            out.logit_terms[m] = m_meta["logit_terms"]
     return out
 
 

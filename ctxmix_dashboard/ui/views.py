@@ -8,7 +8,7 @@ import streamlit as st
 
 from ctxmix.analyses.pairs import cross_segment_mixing
 from ctxmix.export import plots
-from ctxmix.methods.registry import MIXING_METHODS
+from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS
 from ctxmix_dashboard.ui import common
 
 
@@ -101,6 +101,9 @@ def show_explanation(ex, layers: int) -> None:
                 data={"tokens": ex.tokens, "map": hm},
             )
 
+    predicted = [m for m in ex.methods if m in ex.logit_contributions or m in ex.layer_saliency]
+    if predicted:
+        show_prediction(ex, predicted)
     if ex.options.get("decoder_text") is not None:  # an encoder-decoder's source and target
         show_source_contribution(ex)
     elif ex.segments and {0, 1} <= set(ex.segments) and map_methods:
@@ -152,3 +155,55 @@ def show_source_contribution(ex) -> None:
         "source_contribution",
         data={"tokens": tokens, **{f"layer {l + 1}": row for l, row in enumerate(share)}},
     )
+
+
+def show_prediction(ex, methods: list[str]) -> None:
+    """The prediction methods: DecompX's signed parts per class (or per explained token), and Logit /
+    ALTI-Logit's layers x tokens table with the parts no token gets beside it (the ALTI-Logit paper's
+    Table 1), with the totals and terms as a table."""
+    st.subheader("How the context builds the prediction")
+    explained = (ex.prediction or {}).get("explained")
+    if explained:
+        st.caption(f"Explained: {explained['what']} = {explained['value']:.4g} (the model's own value).")
+    for m in methods:
+        info = PREDICTION_METHODS[m]
+        st.markdown(f"**{info.title}** ({info.paper})")
+        st.caption(info.doc)
+        if m in ex.logit_contributions:
+            rows = ex.logit_contributions[m]
+            if len(rows) == len((ex.prediction or {}).get("probabilities") or {}) and m == "decompx":
+                labels = [str(k) for k in ex.prediction["probabilities"]]
+            else:
+                labels = [f"logit of {t}" for t in _explained_tokens(ex, len(rows))]
+            common.plot(
+                plots.logit_contributions_figure(ex.tokens, rows, labels, f"{m}: signed parts of each logit"),
+                f"{m}_logit_parts",
+                data={"tokens": ex.tokens, "rows": labels, "parts": rows},
+            )
+        if m in ex.layer_saliency:
+            terms = ex.logit_terms.get(m, {})
+            common.plot(
+                plots.layer_saliency_figure(ex.tokens, ex.layer_saliency[m], terms, f"{m}: per layer and token"),
+                f"{m}_layers",
+                data={"tokens": ex.tokens, "layer_saliency": ex.layer_saliency[m], **terms},
+            )
+        terms = ex.logit_terms.get(m) or {}
+        if terms or m in ex.saliency:
+            import pandas as pd
+
+            table = pd.DataFrame(
+                [{"part": "input tokens (sum)", "value": float(ex.saliency[m].sum())}]
+                + [{"part": k, "value": float(sum(v) if isinstance(v, list) else v)} for k, v in terms.items()]
+            )
+            st.dataframe(table.style.format({"value": "{:.4g}"}), hide_index=True)
+            common.export_table(table, f"{m}_parts", caption=f"{info.title}: what the explained logit is made of")
+
+
+def _explained_tokens(ex, k: int) -> list[str]:
+    """Display names of the target (and foil) token a language model's rows explain."""
+    ids = [ex.target] + ([ex.foil] if ex.foil is not None else [])
+    names = [str(i) for i in ids]
+    what = ((ex.prediction or {}).get("explained") or {}).get("what", "")
+    if what.startswith("logit("):  # "logit(a) - logit(b) at position t"
+        names = [p.split(")")[0] for p in what.split("logit(")[1:]]
+    return (names + [""] * k)[:k]
