@@ -314,6 +314,21 @@ def tiny_model(family: str, tokenizer, dtype=torch.float64):
     return ctxmix.model_from_hf(hf, tokenizer, name=f"tiny-{family}")
 
 
+def tiny_variant(family: str, tokenizer, cls=None, name: str | None = None, **config_changes):
+    """A tiny model of `family`'s config with some fields changed (e.g. a post-LN OPT) or another head
+    class on it (e.g. a RoBERTa classifier), in float64 with the random norms of the others."""
+    import copy
+
+    torch.manual_seed(0)
+    base_cls, cfg = _tiny_configs()[family]
+    cfg = copy.deepcopy(cfg)
+    for k, v in config_changes.items():
+        setattr(cfg, k, v)
+    hf = (cls or base_cls)._from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    randomise_norms(hf)
+    return ctxmix.model_from_hf(hf, tokenizer, name=name or f"tiny-{family}-variant")
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def tiny(request, tokenizer):
     return tiny_model(request.param, tokenizer)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, tiny_model, tiny_variant
 
 import ctxmix
 from ctxmix.engine.trace import trace
@@ -24,22 +24,6 @@ FLOAT32_INSIDE = {"llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma
 
 def _tol(family: str) -> float:
     return 1e-6 if family in FLOAT32_INSIDE else 1e-8
-
-
-def _roberta_classifier(tokenizer):
-    torch.manual_seed(0)
-    cfg = T.RobertaConfig(
-        hidden_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=40,
-        max_position_embeddings=130,
-        pad_token_id=1,
-        vocab_size=30522,
-        initializer_range=0.2,
-    )
-    hf = T.RobertaForSequenceClassification._from_config(cfg, attn_implementation="eager").double().eval()
-    return ctxmix.model_from_hf(hf, tokenizer, name="tiny-roberta-cls")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -61,7 +45,7 @@ def test_parts_sum_to_every_state_and_to_the_logits(family, tokenizer):
 
 
 def test_roberta_classification_head(tokenizer):
-    m = _roberta_classifier(tokenizer)
+    m = tiny_variant("roberta", tokenizer, cls=T.RobertaForSequenceClassification, name="tiny-roberta-cls")
     ex = ctxmix.explain(m, TEXT, ["decompx"])
     lg = trace(m, TEXT).logits.double().numpy()
     np.testing.assert_allclose(ex.logit_contributions["decompx"].sum(1), lg, atol=1e-8)

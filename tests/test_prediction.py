@@ -6,8 +6,7 @@ back through the ALTI layer maps, and the results survive batching, float32 and 
 import numpy as np
 import pytest
 import torch
-import transformers as T
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, tiny_model, tiny_variant
 
 import ctxmix
 from ctxmix.errors import BadInput
@@ -202,19 +201,7 @@ def test_clear_refusals(tokenizer, minilm):
         ctxmix.explain(minilm, TEXT, ["logit"])
     with pytest.raises(BadInput, match="causal language model"):
         ctxmix.explain(tiny_model("roberta", tokenizer), TEXT, ["alti_logit"])
-    torch.manual_seed(0)
-    cfg = T.OPTConfig(
-        hidden_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=40,
-        word_embed_proj_dim=24,
-        max_position_embeddings=128,
-        do_layer_norm_before=False,
-        vocab_size=30522,
-        pad_token_id=0,
-    )
-    post = ctxmix.model_from_hf(T.OPTForCausalLM._from_config(cfg, attn_implementation="eager").eval(), tokenizer)
+    post = tiny_variant("opt", tokenizer, do_layer_norm_before=False, name="tiny-opt-post-ln")
     with pytest.raises(BadInput, match="post-LN"):
         ctxmix.explain(post, TEXT, ["logit"])
     with pytest.raises(BadInput, match="embedding must be"):

@@ -24,7 +24,7 @@ import pandas as pd
 
 from ctxmix.engine.models import Model, cache_dir
 from ctxmix.methods.explain import explain
-from ctxmix.methods.explanation import Explanation, provenance
+from ctxmix.methods.explanation import KIND_FIELDS, Explanation, provenance
 
 _MEM: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (value, bytes)
 _MEM_BYTES = 0
@@ -197,15 +197,8 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
         meta["logit_terms"] = ex.logit_terms[m]
     arrays = {"saliency": ex.saliency[m]}
     # every array kind an Explanation holds for a method (a prediction method may have global maps only)
-    for name, field in (
-        ("layer", "layer_maps"),
-        ("global", "global_maps"),
-        ("head", "head_maps"),
-        ("logit", "logit_contributions"),
-        ("layer_saliency", "layer_saliency"),
-        ("head_saliency", "head_saliency"),
-    ):
-        if m in getattr(ex, field):
+    for name, field in KIND_FIELDS.items():
+        if name != "saliency" and m in getattr(ex, field):
             arrays[name] = getattr(ex, field)[m]
     return meta, arrays
 
@@ -293,15 +286,8 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
     for m in methods:
         m_meta, arrays = found[m]
         out.saliency[m] = np.asarray(arrays["saliency"])
-        for name, field in (
-            ("layer", "layer_maps"),
-            ("global", "global_maps"),
-            ("head", "head_maps"),
-            ("logit", "logit_contributions"),
-            ("layer_saliency", "layer_saliency"),
-            ("head_saliency", "head_saliency"),
-        ):
-            if name in arrays:
+        for name, field in KIND_FIELDS.items():
+            if name != "saliency" and name in arrays:
                 getattr(out, field)[m] = np.asarray(arrays[name])
         if "logit_terms" in m_meta:
             out.logit_terms[m] = m_meta["logit_terms"]
