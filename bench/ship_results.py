@@ -68,12 +68,12 @@ def main() -> None:
     )
     meta = {
         "name": plan.name,
-        "config": str(config.resolve().relative_to(ROOT)),
+        "config": f"configs/{config.name}",  # relative to ctxmix/benchmark (shipped.PACKAGE_DIR), as configs/ links
         "ctxmix_version": __version__,
         "config_hash": plan.config_hash(),
         "config_sha256": config_sha256(config),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": f"python -m ctxmix bench --config {config.resolve().relative_to(ROOT)}",
+        "command": f"python -m ctxmix bench --config configs/{config.name}",
         "check": f"the per-example scores of --limit {CHECK_LIMIT}",
         "units": units,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -339,3 +339,18 @@ def test_raw_attention_keeps_or_zeroes_the_explained_token():
     zero, _ = _derived("raw_attention", ex, 0, 3, 0)
     keep, _ = _derived("raw_attention", ex, 0, 3, 0, keep_self=True)
     assert zero[0] == 0 and keep[0] == pytest.approx(1 / 3) and zero[1] == keep[1]
+
+
+def test_cue_rr_ranks_signed_scores_as_the_alti_logit_code():
+    """Hand-checked: dense ranks ascending -2 < 0.1 < 0.3 < 0.5 (= 1..4), rank = n - dense + 1 with n = 5,
+    so the negative cue ranks 5th (a signed method that argues against the cue is not rewarded), and the
+    tied top scores rank 2nd (the code's quirk: dense ranks with n, kept for parity)."""
+    from ctxmix.benchmark.metrics import METRICS, cue_alignment, cue_rr
+
+    s = [0.1, -2.0, 0.5, 0.5, 0.3]
+    assert cue_rr(s, [1]) == pytest.approx(1 / 5)
+    assert cue_rr(s, [2]) == pytest.approx(1 / 2)
+    assert cue_rr(s, [1, 4]) == pytest.approx(1 / 3)  # the best-ranked cue counts
+    assert cue_rr([3.0, 1.0, 2.0], [0]) == 1.0
+    assert cue_alignment(s, [4], ["cue_mrr"]) == {"cue_mrr": pytest.approx(1 / 3)}
+    assert METRICS["cue_mrr"].higher_is_better is True and METRICS["cue_mrr"].family == "cue"

@@ -672,3 +672,33 @@ def test_fidelity_options_are_checked_and_only_a_change_is_hashed():
     assert plan.datasets[0].options["abs_saliency"] is True
     with pytest.raises(BadInput, match="abs_saliency must be true or false"):
         runner.validate_config({**base, "datasets": [{"id": "pl", "source": "pang_lee", "abs_saliency": 1}]})
+
+
+@pytest.mark.slow
+def test_embedded_lm_config_ranks_the_prediction_methods_by_cue_mrr(tmp_path):
+    """configs/embedded-lm.yaml on smollm2 (contrastive: target minus foil), --limit 2: the prediction
+    methods are scored by the signed-score MRR, and the shipped check scores are recomputed."""
+    from ctxmix.benchmark import shipped
+
+    db = tmp_path / "lm.sqlite"
+    plan = runner.load_config(ROOT / "configs/embedded-lm.yaml", limit=shipped.CHECK_LIMIT)
+    assert plan.options["contrastive"] is True
+    runner.run_bench(ROOT / "configs/embedded-lm.yaml", db=db, limit=shipped.CHECK_LIMIT, quiet=True)
+    t = tables.method_table(tables.load_aggregates(db, "embedded-lm"), "smollm2", "sva", plan.metrics)
+    assert {"logit", "alti_logit", "decompx", "alti", "random"} <= set(t.index) and "cue_mrr" in t.attrs["metrics"]
+    got = tables.load_scores(db, "embedded-lm").set_index(
+        ["model", "dataset", "example_id", "method", "metric", "layer"]
+    )
+    want = shipped.load_check("embedded-lm").set_index(got.index.names)
+    assert set(got.index) == set(want.index), "methods or metrics changed: run python bench/ship_results.py"
+    joined = want.join(got["value"], rsuffix="_now")
+    np.testing.assert_allclose(joined["value_now"], joined["value"], rtol=1e-4, atol=1e-6, equal_nan=True)
+
+
+def test_contrastive_is_a_checked_switch_hashed_only_when_on():
+    base = {"name": "a", "models": ["minilm"], "datasets": ["agreement"]}
+    h0 = runner.validate_config(base).config_hash()
+    assert runner.validate_config({**base, "contrastive": False}).config_hash() == h0
+    assert runner.validate_config({**base, "contrastive": True}).config_hash() != h0
+    with pytest.raises(BadInput, match="contrastive must be true or false"):
+        runner.validate_config({**base, "contrastive": "yes"})

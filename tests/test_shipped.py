@@ -48,3 +48,17 @@ def test_paper_tables_quote_every_published_value():
         assert t.notna().sum().sum() == len(
             {(v.get("row", v["method"]), v.get("model"), v.get("dataset"), v["metric"], v.get("layer")) for v in values}
         ), path.name
+
+
+def test_shipped_embedded_lm_results_rank_the_prediction_methods():
+    agg, meta = shipped.load_shipped("embedded-lm")
+    assert meta["config"] == "configs/embedded-lm.yaml"
+    assert meta["config_sha256"] == shipped.config_sha256(ROOT / meta["config"]), (
+        "configs/embedded-lm.yaml changed: run python bench/ship_results.py --config configs/embedded-lm.yaml"
+    )
+    plan = runner.load_config(ROOT / "configs/embedded-lm.yaml", check_models=False)
+    assert meta["config_hash"] == plan.config_hash() and shipped.stale_reasons("embedded-lm", ROOT) == []
+    assert meta["units"] == {"done": meta["units"]["done"]} and meta["units"]["done"] > 0
+    t = tables.method_table(agg, "smollm2", "sva", plan.metrics)
+    assert {"logit", "alti_logit", "decompx", "random"} <= set(t.index) and t["n"].max() >= 50
+    assert "cue_mrr" in t.attrs["metrics"]

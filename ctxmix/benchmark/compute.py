@@ -233,6 +233,9 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
                 token_type_ids=[preps[k].get("types") for k in members],
                 segments=[preps[k].get("segments") for k in members],
                 methods_per_text=[preps[k]["explain_methods"] for k in members],
+                foils=[preps[k].get("foil") for k in members]
+                if tasks[0].get("options", {}).get("contrastive")
+                else None,
                 **opts,
             )
         exos = dict(zip(members, got))

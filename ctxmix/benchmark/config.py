@@ -116,7 +116,7 @@ class Plan:
         opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads", "example_batch")}
         if opts.get("token_type_ids", True) is True:  # the default keeps the hashes of configs made before it
             opts.pop("token_type_ids", None)
-        for k in ("deletion_stop_one_short", "raw_attention_keep_self"):  # the same: only a change is hashed
+        for k in ("deletion_stop_one_short", "raw_attention_keep_self", "contrastive"):  # only a change is hashed
             if opts.get(k) is False:
                 opts.pop(k)
         keep = {
@@ -443,6 +443,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         "token_type_ids",
         "deletion_stop_one_short",
         "raw_attention_keep_self",
+        "contrastive",
     }
     unknown = sorted(map(str, set(raw) - known))
     if unknown:
@@ -593,8 +594,11 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         "token_type_ids": raw.get("token_type_ids", True),
         "deletion_stop_one_short": raw.get("deletion_stop_one_short", False),
         "raw_attention_keep_self": raw.get("raw_attention_keep_self", False),
+        # agreement data on a language model: every method explains target minus foil (the ALTI-Logit
+        # paper's setting); off, only the deletion metrics' probabilities use the foil
+        "contrastive": raw.get("contrastive", False),
     }
-    for k in ("deletion_stop_one_short", "raw_attention_keep_self"):
+    for k in ("deletion_stop_one_short", "raw_attention_keep_self", "contrastive"):
         if not isinstance(options[k], bool):
             errors.append(f"{k} must be true or false")
     if not isinstance(options["token_type_ids"], bool):

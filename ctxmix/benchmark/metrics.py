@@ -41,7 +41,9 @@ Families
   zeroing §5, App. A.2): ``cue_dot`` = S . xi with S = |v| / sum |v| (the score mass on
   cue tokens), ``cue_ap`` = average precision of the ranking by S against the binary cue
   vector xi (ties grouped, as sklearn does), ``cue_probes`` = probes needed: the number of
-  non-cue tokens scored strictly above the best cue token (lower is better). Computed per
+  non-cue tokens scored strictly above the best cue token (lower is better), ``cue_mrr`` = the
+  reciprocal rank of the best cue token by the *signed* score (ALTI-Logit §4.2; its mean over
+  examples is the paper's MRR; the other three rank |v|). Computed per
   layer on the explained row of a mixing method's *layer* map (no rollout), and once on the
   final saliency vector (layer = -1, "global"). Every position is included, the explained
   one and special tokens too (the official value-zeroing matrix includes them).
@@ -184,6 +186,18 @@ _FIXED = [
         False,
         (0.0, math.inf),
         "Value zeroing App. A.2: non-cue tokens ranked strictly above the best cue token.",
+        "cue",
+        per_layer=True,
+        needs_cues=True,
+    ),
+    Metric(
+        "cue_mrr",
+        "Cue reciprocal rank (signed scores)",
+        True,
+        (0.0, 1.0),
+        "ALTI-Logit §4.2 (Ferrando et al. 2023): 1 / the best rank of a cue token, the tokens ranked by the "
+        "signed score (negative evidence ranks low), as the official code: dense ranks, rank = n - dense + 1; "
+        "the mean over examples is the MRR.",
         "cue",
         per_layer=True,
         needs_cues=True,
@@ -351,7 +365,16 @@ def cue_probes(scores, cues: Iterable[int]) -> float:
     return float(np.sum(S[~xi] > S[xi].max()))
 
 
-_CUE_FUNCS: dict[str, Callable] = {"cue_dot": cue_dot, "cue_ap": cue_ap, "cue_probes": cue_probes}
+def cue_rr(scores, cues: Iterable[int]) -> float:
+    """Reciprocal rank of the best-ranked cue token by the *signed* scores, as the ALTI-Logit code:
+    rank_desc = n - rankdata(scores, "dense") + 1 (so with tied scores the top rank can exceed 1)."""
+    s = np.asarray(scores, dtype=np.float64)
+    xi = _cue_vector(len(s), cues)
+    rank_desc = len(s) - stats.rankdata(s, method="dense") + 1
+    return float(1.0 / rank_desc[xi].min())
+
+
+_CUE_FUNCS: dict[str, Callable] = {"cue_dot": cue_dot, "cue_ap": cue_ap, "cue_probes": cue_probes, "cue_mrr": cue_rr}
 
 
 def cue_alignment(scores, cues: Iterable[int], metrics: Iterable[str] = CUE_METRICS) -> dict[str, float]:
@@ -637,6 +660,7 @@ __all__ = [
     "cue_dot",
     "cue_ap",
     "cue_probes",
+    "cue_rr",
     "average_precision",
     "cue_alignment",
     "cue_alignment_layers",
