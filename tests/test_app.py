@@ -380,3 +380,11 @@ def test_prediction_section_alti_logit_with_a_foil_on_smollm2():
     explained = next(c.value for c in at.caption if c.value.startswith("Explained:"))
     assert "logit(" in explained and " - logit(" in explained
     assert _charts(at) >= 3
+
+
+def test_maps_view_shows_a_method_with_global_maps_only():
+    """decompx's maps are aggregated by the method: the maps view shows them alone, without a layer map."""
+    at = _run("app.py", model="minilm", method=["decompx", "attention_flow"], map="decompx", layer="3")
+    titles = [c.proto.spec for c in at.get("plotly_chart")]
+    assert any("decompx: after layer 3" in t for t in titles)
+    assert not any("decompx: layer 3" in t for t in titles)

@@ -39,7 +39,9 @@ def show_explanation(ex, layers: int) -> None:
         st.dataframe(corr.style.format("{:.2f}").background_gradient(cmap="RdBu", vmin=-1, vmax=1), width="stretch")
         common.export_table(corr, "rank_correlations", caption="Spearman rho between saliencies on one example")
 
-    map_methods = [m for m in ex.methods if m in ex.layer_maps]
+    # methods with maps: the mixing methods (per layer and aggregated), and decompx and attention
+    # flow, whose maps are aggregated by the method itself (global maps only)
+    map_methods = [m for m in ex.methods if m in ex.layer_maps or m in ex.global_maps]
     L = layers
     if map_methods:
         st.subheader("Token-to-token maps")
@@ -56,6 +58,8 @@ def show_explanation(ex, layers: int) -> None:
             st.caption(MIXING_METHODS[mm].doc)
             if MIXING_METHODS[mm].caveat and ex.provenance.get("model_causal"):
                 st.warning(MIXING_METHODS[mm].caveat)
+        elif mm in PREDICTION_METHODS:
+            st.caption(PREDICTION_METHODS[mm].doc + (" Rows not computed are blank." if mm == "attention_flow" else ""))
         same = st.checkbox(
             "Same colour scale for every layer",
             value=common.qp("scale", "layers") == "layers",
@@ -63,23 +67,27 @@ def show_explanation(ex, layers: int) -> None:
             help="Off: each map uses its own range.",
         )
         common.set_qp(scale="layers" if same else "own")
-        zl = plots.color_range(ex.layer_maps[mm]) if same else None
         zg = plots.color_range(ex.global_maps[mm]) if same else None
-        a, b = st.columns(2)
-        with a:
-            common.plot(
-                plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}", zmax=zl),
-                f"{mm}_layer{layer}",
-                data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]},
-            )
-        with b:
-            common.plot(
-                plots.map_heatmap(
-                    ex.tokens, ex.global_maps[mm][layer - 1], f"{mm}: aggregated up to layer {layer}", zmax=zg
-                ),
-                f"{mm}_global{layer}",
-                data={"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]},
-            )
+        glob = plots.map_heatmap(
+            ex.tokens,
+            ex.global_maps[mm][layer - 1],
+            f"{mm}: " + ("aggregated up to" if mm in ex.layer_maps else "after") + f" layer {layer}",
+            zmax=zg,
+        )
+        glob_data = {"tokens": ex.tokens, "map": ex.global_maps[mm][layer - 1]}
+        if mm in ex.layer_maps:
+            zl = plots.color_range(ex.layer_maps[mm]) if same else None
+            a, b = st.columns(2)
+            with a:
+                common.plot(
+                    plots.map_heatmap(ex.tokens, ex.layer_maps[mm][layer - 1], f"{mm}: layer {layer}", zmax=zl),
+                    f"{mm}_layer{layer}",
+                    data={"tokens": ex.tokens, "map": ex.layer_maps[mm][layer - 1]},
+                )
+            with b:
+                common.plot(glob, f"{mm}_global{layer}", data=glob_data)
+        else:
+            common.plot(glob, f"{mm}_global{layer}", data=glob_data)
         if mm in ex.head_maps:
             H = ex.head_maps[mm].shape[1]
             st.caption(
