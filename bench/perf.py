@@ -8,7 +8,7 @@ the comparisons with other tools in perf_compare.py.)
     python bench/perf.py --out perf.csv           # also write the table as CSV
     python bench/perf.py --inseq-venv /tmp/inseq-venv   # also compare with inseq 0.7.1 (see below)
     python bench/perf.py --only vz flops          # a subset: vz flops batch explain corpus memory budget ig
-                                                  # inseq precision embedded flow
+                                                  # inseq precision embedded flow predict
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
@@ -71,6 +71,7 @@ from perf_common import (  # noqa: E402
     sync,
     table_text,
     timed,
+    tokenizer,
     value_zeroing_loop,
     widths,
 )
@@ -82,7 +83,7 @@ from perf_compare import (  # noqa: E402
 )
 
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
-SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow".split()
+SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict".split()
 CPU_SKIPS = {"budget", "embedded"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
 CORPUS_TODAY_CPU = 0.218  # seq/s, sequence-at-a-time engine with scipy ranks (docs/performance.md, before batching)
 
@@ -279,6 +280,66 @@ def wiki_ids(model, n: int) -> list[int]:
         if len(pieces) >= n - 2:
             break
     return [tok.cls_token_id] + pieces[: n - 2] + [tok.sep_token_id]
+
+
+def decompx_flops(L: int, n: int, d: int, dff: int) -> int:
+    """DecompX's products per example: per layer the pieces through W_V and W_O (2 n^2 d^2 each),
+    the attention mix (2 n^3 d) and the FF's two products (2 n^2 d d' each)."""
+    return L * (4 * n * n * d * d + 2 * n**3 * d + 4 * n * n * d * dff)
+
+
+def bench_predict(a, dev) -> list[dict]:
+    """The prediction methods: DecompX's FLOP rate at n tokens on a BERT-base-sized classifier against
+    the sustained matmul rate (the scope maps' target: the same n^2 d d' products), and ALTI-Logit's and
+    Logit's time per n on a GPT-2-sized random causal LM (weighted sums and L1 distances, not GEMMs)."""
+    import transformers as T
+
+    import ctxmix
+
+    n = a.n
+    m = bert_base(dev, head=True)
+    L, d, dff = widths(m)
+    ctxmix.explain(m, None, ["decompx"], input_ids=ids_for(8))  # warm-up
+    size = a.gemm or (8192 if torch.device(dev).type == "cuda" else 2048)
+    rates = [matmul_rates(dev, size)]
+    log(f"decompx n={n}")
+    t, ex = timed(lambda: ctxmix.explain(m, None, ["decompx"], input_ids=ids_for(n)), dev)
+    rates.append(matmul_rates(dev, size))
+    rate = max(r[0] for r in rates)
+    fl = decompx_flops(L, n, d, dff)
+    rows = [
+        row(
+            f"decompx n={n} (BERT-base-sized classifier): achieved FLOP rate "
+            "(4 n^2 d^2 + 2 n^3 d + 4 n^2 d d' per layer) / sustained matmul rate",
+            f"{fl / t / 1e9:.1f} GFLOP/s ({t:.2f} s)",
+            f"{rate / 1e9:.1f} GFLOP/s sustained",
+            fl / t / rate,
+            ">= 0.60",
+            fl / t / rate >= 0.6,
+        )
+    ]
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_positions=1024)
+    hf = T.GPT2LMHeadModel(cfg).eval()
+    hf.set_attn_implementation("eager")
+    lm = ctxmix.model_from_hf(hf.to(dev), tokenizer(), name="gpt2-sized random")
+    prev = None
+    for k in a.predict_sizes:
+        ids = [i % 30000 + 1000 for i in ids_for(k)]
+        log(f"alti_logit and logit n={k}")
+        tk, _ = timed(lambda: ctxmix.explain(lm, None, ["alti_logit", "logit"], input_ids=ids, foil=1000), dev)  # noqa: B023
+        growth = "-" if prev is None else f"growth exponent {np.log(tk / prev[1]) / np.log(k / prev[0]):.2f}"
+        rows.append(
+            row(
+                f"alti_logit + logit n={k} (GPT-2-sized random LM, 12 layers, with a foil): time",
+                f"{tk:.2f} s",
+                growth,
+                None,
+                "report",
+            )
+        )
+        prev = (k, tk)
+    return rows
 
 
 def bench_flow(a, dev) -> list[dict]:
@@ -652,6 +713,7 @@ def main() -> None:
         default=0,
         help="layers of the model for n >= 512 memory (default: 12 on CUDA, 2 on CPU to fit 10 minutes)",
     )
+    ap.add_argument("--predict-sizes", type=int, nargs="+", default=[64, 128, 256], help="tokens for ALTI-Logit")
     ap.add_argument("--ig-n", type=int, default=32, help="tokens for the integrated-gradients comparison")
     ap.add_argument("--inseq-n", type=int, default=61, help="tokens for the inseq comparison")
     ap.add_argument("--inseq-layers", type=int, default=12)
@@ -713,6 +775,7 @@ def main() -> None:
         ("precision", lambda: bench_precision(a, dev)),
         ("embedded", lambda: bench_embedded(a, dev)),
         ("flow", lambda: bench_flow(a, dev)),
+        ("predict", lambda: bench_predict(a, dev)),
     ]
     for name, fn in steps:
         if name == "flops" and not ({"flops", "explain"} & set(sections)):
