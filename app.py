@@ -16,7 +16,8 @@ import ctxmix  # noqa: E402
 from ctxmix.analyses.corpus import ff_amp_matrix, ff_amp_scopes
 from ctxmix.export import plots
 from ctxmix.export.saved import explanation_bytes
-from ctxmix.methods.registry import MIXING_METHODS, applicable_prediction_methods, scope_names
+from ctxmix.methods.prediction import applicable_prediction_methods
+from ctxmix.methods.registry import MIXING_METHODS, scope_names
 from ctxmix.service.cache import cached_explain
 from ctxmix_dashboard.ui import common, views  # noqa: E402
 

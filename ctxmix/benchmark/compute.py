@@ -50,6 +50,7 @@ def model_revision(model) -> tuple[str, str]:
 def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[str], dict[str, str]]:
     """(methods that apply to `model`, {method: why not} for the others). "all" expands to every
     ctxmix method of the model's kind and LN position plus `random`."""
+    from ctxmix.methods.prediction import applicable_prediction_methods
     from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS, scope_names
 
     scopes = set(scope_names(model.spec.position))
@@ -59,8 +60,11 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
         expanded = [m for m, info in MIXING_METHODS.items() if info.group != "scope" or m in scopes]
         if model.kind != "encoder":
             expanded += list(SALIENCY_METHODS)
+        # decompx where its head has a rule (or a model without a head: the norms of its parts),
+        # attention flow everywhere, the logit methods on causal LMs
+        expanded += [m for m in ("decompx", "attention_flow") if m in applicable_prediction_methods(model)]
         if logit_ok:
-            expanded += list(PREDICTION_METHODS)
+            expanded += ["logit", "alti_logit"]
         expanded += ["random"]
         methods = list(dict.fromkeys([m for m in methods if m != "all"] + expanded))
     ok, na = [], {}
@@ -68,8 +72,10 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
         info = MIXING_METHODS.get(m)
         if info is not None and info.group == "scope" and m not in scopes:
             na[m] = f"not a scope of a {model.spec.position}-LN model (its scopes: {', '.join(sorted(scopes))})"
-        elif m in PREDICTION_METHODS and not logit_ok:
+        elif m in ("logit", "alti_logit") and not logit_ok:
             na[m] = "needs a causal language model with pre-LN, parallel or sandwich layers"
+        elif m in PREDICTION_METHODS and m not in applicable_prediction_methods(model):
+            na[m] = "does not apply to an encoder-decoder"
         elif (m in SALIENCY_METHODS or m == "blank_out_foil") and model.kind == "encoder":
             na[m] = "needs a model with a head (classifier or language model)"
         elif m == "blank_out_foil" and (not has_foil or model.kind == "classifier"):

@@ -297,3 +297,21 @@ def prediction_fields(
     what = f"logit({toks[0]})" + (f" - logit({toks[1]})" if f is not None else "") + f" at position {t}"
     ex.prediction = {**(ex.prediction or {}), "explained": {"what": what, "value": le.explained}}
     ex.options["embedding"] = embedding
+
+
+def applicable_prediction_methods(model) -> list[str]:
+    """The prediction methods that apply to `model` (what a page offers): DecompX on encoders (without
+    a head), classifiers and causal LMs; Logit and ALTI-Logit on causal LMs that are not post-LN;
+    attention flow on every model but encoder-decoders."""
+    if model.spec.encoder_decoder:
+        return []
+    from ctxmix.methods.decompx import head_kind
+
+    try:
+        head_kind(model)
+        out = ["decompx"]
+    except Exception:  # noqa: BLE001 - a head without a rule: decompx only with head=False, not offered
+        out = []
+    if model.kind == "causal_lm" and model.spec.position != "post":
+        out += ["logit", "alti_logit"]
+    return out + ["attention_flow"]

@@ -286,15 +286,3 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
 
 
 METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}  # every method
-
-
-def applicable_prediction_methods(model) -> list[str]:
-    """The prediction methods that apply to `model` (what a page offers): DecompX on encoders (without
-    a head), classifiers and causal LMs; Logit and ALTI-Logit on causal LMs that are not post-LN;
-    attention flow on every model but encoder-decoders."""
-    if model.spec.encoder_decoder:
-        return []
-    out = ["decompx"]
-    if model.kind == "causal_lm" and model.spec.position != "post":
-        out += ["logit", "alti_logit"]
-    return out + ["attention_flow"]
