@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ctxmix.engine.layer import gated_ig_weights, head_values, ig_ratio
+from ctxmix.engine.layer import gated_ig_weights, head_values, ig_ratio, value_bias_rows
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
@@ -138,13 +138,6 @@ def _attention(lw, alpha: torch.Tensor, N: torch.Tensor) -> torch.Tensor:
     return mixed.reshape(n, K, -1) @ lw.Wo
 
 
-def _value_bias_rows(lw, alpha: torch.Tensor) -> torch.Tensor:
-    """sum_h (sum_j alpha^h_ij) b_V^h W_O^h per row (n, d) (the sums kept: float32 softmaxes)."""
-    per_head = (lw.bv.view(lw.n_kv_heads, lw.head_dim)).repeat_interleave(lw.n_heads // lw.n_kv_heads, 0)
-    per_head = torch.einsum("he,hed->hd", per_head, lw.Wo.view(lw.n_heads, lw.head_dim, -1))
-    return torch.einsum("hi,hd->id", alpha.sum(-1), per_head)
-
-
 def decompx_layer(lw, st, V: torch.Tensor | None, o: DecompXOptions) -> torch.Tensor:
     """One layer: input pieces V (n_i, n_k, d) (None: the first layer, x_{i<=k} = delta_ik x_i) ->
     output pieces (n, n, d), summing over k to the layer's real output."""
@@ -160,7 +153,7 @@ def decompx_layer(lw, st, V: torch.Tensor | None, o: DecompXOptions) -> torch.Te
         b_att = lw.bo.expand(n, d)
     else:
         a = _attention(lw, alpha, src)
-        b_att = _value_bias_rows(lw, alpha) + lw.bo
+        b_att = value_bias_rows(lw, None, alpha) + lw.bo  # the sums of alpha kept (float32 softmaxes)
     if lw.position == "sandwich":  # h = x + LNa(a): the bias spread on the attention pieces, then LNa
         h = X + norm_pieces(lw.post_attn_norm, spread(a, b_att, o.bias), st.attn, o.bias)
     else:
