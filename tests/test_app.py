@@ -91,6 +91,11 @@ def test_benchmarks_page_without_results(tmp_path, monkeypatch):
     at.run()
     quoted = next(d.value for d in at.dataframe if "sst2" in getattr(d.value, "columns", []))
     assert quoted.at["N", "sst2"] == 0.44  # GlobEnc Table 1, as printed
+    at.selectbox(key="paper_config").set_value("decompx-table1")
+    at.run()
+    quoted = next(d.value for d in at.dataframe if "sst2 · aopc_mask" in getattr(d.value, "columns", []))
+    assert quoted.at["DecompX", "sst2 · aopc_mask"] == 0.627 and quoted.at["ALTI", "mnli · accuracy_mask"] == 0.4589
+    assert not at.exception
 
 
 def test_hosted_mode_asks_for_a_password(monkeypatch):

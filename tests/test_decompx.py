@@ -176,3 +176,27 @@ def test_float32_batched_and_saved(tokenizer, tmp_path):
     back = ctxmix.load_explanation(batch[0].save(tmp_path / "dx.npz"))
     np.testing.assert_array_equal(back.logit_contributions["decompx"], batch[0].logit_contributions["decompx"])
     np.testing.assert_array_equal(back.global_maps["decompx"], batch[0].global_maps["decompx"])
+
+
+def test_ff_chunks_change_nothing_and_long_inputs_are_refused(tokenizer, monkeypatch):
+    """The FF's row chunks (from the budget module, or given) only bound memory: one row per chunk equals
+    the whole sequence in one chunk to rounding; and an input whose (n, n, d) pieces exceed the budget
+    is refused before any work with the longest length that fits."""
+    from ctxmix.engine import budget
+    from ctxmix.methods import decompx as dx
+
+    m = tiny_model("llama", tokenizer)
+    text = "the keys to the old cabinet are on the table"
+    ids = m.encode_input(text).ids
+    tr = trace(m, text)
+    one = decompx(m, tr, len(ids) - 1, [5, 6], DecompXOptions(chunk=1))
+    whole = decompx(m, tr, len(ids) - 1, [5, 6], DecompXOptions(chunk=len(ids)))
+    auto = decompx(m, tr, len(ids) - 1, [5, 6], DecompXOptions())
+    for r in (one, auto):
+        np.testing.assert_allclose(r.norms, whole.norms, rtol=0, atol=1e-12 * np.abs(whole.norms).max())
+        np.testing.assert_allclose(r.parts, whole.parts, rtol=0, atol=1e-12 * np.abs(whole.parts).max())
+    d = m.layers[0].Wo.shape[1]
+    assert dx.pieces_bytes(m, 100) == dx.PIECE_COPIES * 100 * 100 * d * 8
+    monkeypatch.setattr(budget, "memory_budget", lambda device: dx.pieces_bytes(m, 40))
+    with pytest.raises(BadInput, match="inputs up to about 40 tokens"):
+        ctxmix.explain(m, "word " * 60, ["decompx"])

@@ -354,3 +354,82 @@ def test_cue_rr_ranks_signed_scores_as_the_alti_logit_code():
     assert cue_rr([3.0, 1.0, 2.0], [0]) == 1.0
     assert cue_alignment(s, [4], ["cue_mrr"]) == {"cue_mrr": pytest.approx(1 / 3)}
     assert METRICS["cue_mrr"].higher_is_better is True and METRICS["cue_mrr"].family == "cue"
+
+
+def test_decompx_mask_counts_are_exact_floors():
+    """floor(K m) for K = 0.1..0.9 in integer arithmetic: 0.3 * 10 in floats is 3.0000000000000004,
+    0.7 * 10 is 7.000000000000001; both must give 3 and 7, and K m < 1 gives 0 (kept in the mean)."""
+    from ctxmix.benchmark.metrics import decompx_mask_counts
+
+    assert decompx_mask_counts(10) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert decompx_mask_counts(4) == [0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert decompx_mask_counts(1) == [0] * 9
+
+
+def test_masked_aopc_and_accuracy_by_hand():
+    """DecompX's protocol on a 4-token toy: the top floor(K m) tokens become [MASK] in place (length
+    and [CLS]/[SEP] kept), AOPC is the plain signed mean of the 9 drops, accuracy the mean of
+    argmax == gold over the 9 masked inputs; the least-important variants mask from the bottom."""
+    MASK = 103
+    w = {11: 2.0, 12: 1.0, 13: 0.5, 14: -0.5}  # class-1 logit: sum over the tokens left
+
+    def predict(seqs, positions, with_class=False):
+        z = np.array([sum(w.get(t, 0.0) for t in s) for s in seqs])
+        p = 1 / (1 + np.exp(-z))
+        return (p, (z > 0).astype(int)) if with_class else p
+
+    ids = [101, 11, 12, 13, 14, 102]
+    sal = {"m": np.array([9.0, 4.0, 3.0, 2.0, 1.0, 9.0])}  # ranks 11 > 12 > 13 > 14; specials protected
+    out, p0 = deletion_metrics(
+        predict,
+        ids,
+        sal,
+        ["aopc_mask", "accuracy_mask", "aopc_mask_least", "accuracy_mask_least"],
+        protected={0, 5},
+        mask_id=MASK,
+        gold=1,
+    )
+    sg = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    # m = 4: counts 0,0,1,1,2,2,2,3,3 -> logits left (most first): 3,3,1,1,0,0,0,-.5,-.5
+    most = [3.0, 3.0, 1.0, 1.0, 0.0, 0.0, 0.0, -0.5, -0.5]
+    least = [3.0, 3.0, 3.5, 3.5, 3.0, 3.0, 3.0, 2.0, 2.0]  # 14 first, then 13, then 12
+    assert p0 == pytest.approx(sg(3.0))
+    assert out["m"]["aopc_mask"] == pytest.approx(np.mean([sg(3.0) - sg(z) for z in most]))
+    assert out["m"]["accuracy_mask"] == pytest.approx(4 / 9)  # z > 0 at the first four ratios only
+    assert out["m"]["aopc_mask_least"] == pytest.approx(np.mean([sg(3.0) - sg(z) for z in least]))
+    assert out["m"]["accuracy_mask_least"] == 1.0
+    # without a mask token or a gold label the metrics say NaN rather than a number
+    nomask, _ = deletion_metrics(predict, ids, sal, ["aopc_mask", "accuracy_mask"], protected={0, 5}, gold=1)
+    assert math.isnan(nomask["m"]["aopc_mask"]) and math.isnan(nomask["m"]["accuracy_mask"])
+    nogold, _ = deletion_metrics(predict, ids, sal, ["accuracy_mask", "aopc_mask"], protected={0, 5}, mask_id=MASK)
+    assert math.isnan(nogold["m"]["accuracy_mask"]) and not math.isnan(nogold["m"]["aopc_mask"])
+
+
+def test_masked_inputs_keep_their_length_on_a_real_model(tokenizer):
+    """The [MASK] metrics overwrite ids in place on a real classifier: every input the model sees has
+    the original length and its [CLS]/[SEP], and TargetProbability's classes are the logits' argmax."""
+    m = tiny_model("bert", tokenizer)
+    ids = tokenizer("the movie was good and long")["input_ids"]
+    seen = []
+    inner = TargetProbability(m, 1)
+
+    def predict(seqs, positions, with_class=False):
+        seen.extend(seqs)
+        return inner(seqs, positions, with_class=with_class)
+
+    sal = {"m": np.arange(len(ids), dtype=float)}
+    out, _ = deletion_metrics(
+        predict,
+        ids,
+        sal,
+        ["aopc_mask", "accuracy_mask"],
+        protected=protected_positions(m, ids, None),
+        mask_id=tokenizer.mask_token_id,
+        gold=0,
+    )
+    assert all(len(s) == len(ids) and s[0] == ids[0] and s[-1] == ids[-1] for s in seen)
+    assert any(tokenizer.mask_token_id in s for s in seen)
+    p, cls = inner([ids], [None], with_class=True)
+    with torch.no_grad():
+        logits = m.hf(input_ids=torch.tensor([ids])).logits[0]
+    assert cls[0] == int(logits.argmax()) and 0.0 <= out["m"]["accuracy_mask"] <= 1.0

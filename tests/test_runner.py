@@ -143,6 +143,7 @@ def test_shipped_configs_are_valid(monkeypatch, tmp_path):
     assert {p.stem for p in paths} >= {
         "embedded",
         "globenc-table1",
+        "decompx-table1",
         "alti-table2",
         "attcat-table1",
         "value-zeroing-table3",
@@ -702,3 +703,34 @@ def test_contrastive_is_a_checked_switch_hashed_only_when_on():
     assert runner.validate_config({**base, "contrastive": True}).config_hash() != h0
     with pytest.raises(BadInput, match="contrastive must be true or false"):
         runner.validate_config({**base, "contrastive": "yes"})
+
+
+def test_decompx_masking_protocol_runs_on_a_classifier(tmp_path, tiny_dir):
+    """DecompX Table 1's metrics through the runner: the gold label reaches the accuracy metrics, which
+    land in [0, 1] (accuracy_mask: 9 ratios, so a multiple of 1/9 per example), the AOPCs are finite, and
+    the report compares them with a paper row."""
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["a fine film and a good cast .", "dull , long and badly acted ."], "label": [1, 0]}).to_csv(
+        data, index=False
+    )
+    p = cfg(
+        tmp_path,
+        tiny_dir["bert"],
+        datasets=[{"id": "mine", "source": "file", "path": str(data)}],
+        methods=["decompx", "random"],
+        metrics=["aopc_mask", "accuracy_mask", "aopc_mask_least", "accuracy_mask_least"],
+        paper={"source": "t", "values": [{"method": "decompx", "metric": "aopc_mask", "mean": 0.627}]},
+    )
+    db = tmp_path / "r.sqlite"
+    runner.run_bench(p, db=db, quiet=True)
+    rows = q(db, "SELECT method, metric, value FROM scores")
+    assert {(m, k) for m, k, _ in rows} == {
+        (m, k)
+        for m in ("decompx", "random")
+        for k in ("aopc_mask", "accuracy_mask", "aopc_mask_least", "accuracy_mask_least")
+    }
+    for m, k, v in rows:
+        assert np.isfinite(v), (m, k)
+        if k.startswith("accuracy"):
+            assert 0.0 <= v <= 1.0 and abs(v * 9 - round(v * 9)) < 1e-9
+    assert "0.627" in tables.report(db, runner.load_config(p))

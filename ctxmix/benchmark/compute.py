@@ -151,6 +151,14 @@ def _resolve_target(
     return int(_logits(model, ids, types)[position].argmax()), "predicted"
 
 
+def _gold_label(model, ex: dict, target: int | None, target_note: str) -> int | None:
+    """The class (or token) the accuracy metrics compare against: a classifier's gold label, a
+    language model's data-given target; None where the data gives none."""
+    if model.kind == "classifier":
+        return None if ex.get("label") is None else int(ex["label"])
+    return target if target_note == "gold" else None
+
+
 def _example_seed(seed: int, *parts) -> int:
     return int(hashlib.sha256(json.dumps([seed, *parts]).encode()).hexdigest()[:12], 16)
 
@@ -367,6 +375,8 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
             token_type_ids=p.get("types"),
             abs_saliency=task["options"].get("abs_saliency", False),
             stop_one_short=task["options"].get("deletion_stop_one_short", False),
+            mask_id=model.tokenizer.mask_token_id,
+            gold=_gold_label(model, ex, target, p["target_note"]),
         )
         for m, vals in dm.items():
             scores[m] += [(k, -1, v) for k, v in vals.items()]

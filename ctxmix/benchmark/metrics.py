@@ -68,6 +68,9 @@ from ctxmix.errors import BadInput
 
 DEYOUNG_BINS = (0.01, 0.05, 0.10, 0.20, 0.50)
 ATTCAT_LEVELS = 9
+MASK_RATIOS_TENTHS = tuple(range(1, 10))  # DecompX's K = 10 %, ..., 90 % (K = 0 is the unmasked input)
+MASK_METRICS = ("aopc_mask", "accuracy_mask", "aopc_mask_least", "accuracy_mask_least")
+ACCURACY_METRICS = ("accuracy_mask", "accuracy_mask_least")
 PROB_FLOOR = 1e-12  # probabilities are clipped here before a log (LOdds)
 
 
@@ -157,6 +160,45 @@ _FIXED = [
         False,
         (-math.inf, math.inf),
         "As lodds, with the top-k ids deleted instead of replaced.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "aopc_mask",
+        "AOPC, [MASK] (DecompX)",
+        True,
+        (-1.0, 1.0),
+        "DecompX §4.4-4.5 (Modarressi et al. 2023): the most important floor(K m) of the m non-special "
+        "tokens replaced by [MASK], K = 10 %, ..., 90 %; plain mean over the 9 ratios of p(x) - p(x masked) "
+        "(signed). NaN where the tokenizer has no mask token.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "accuracy_mask",
+        "Accuracy, [MASK] (DecompX)",
+        False,
+        (0.0, 1.0),
+        "DecompX §4.5: whether the inputs masked as in aopc_mask are still classified as the gold label, "
+        "mean over the 9 ratios (the mean over examples is the paper's accuracy). NaN without a gold label.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "aopc_mask_least",
+        "AOPC, least important [MASK]ed (DecompX)",
+        False,
+        (-1.0, 1.0),
+        "DecompX Table A.2: as aopc_mask with the least important floor(K m) tokens masked.",
+        "deletion",
+        needs_head=True,
+    ),
+    Metric(
+        "accuracy_mask_least",
+        "Accuracy, least important [MASK]ed (DecompX)",
+        True,
+        (0.0, 1.0),
+        "DecompX Table A.2: as accuracy_mask with the least important floor(K m) tokens masked.",
         "deletion",
         needs_head=True,
     ),
@@ -421,6 +463,12 @@ def attcat_ks(n: int, m: int, levels: int = ATTCAT_LEVELS) -> list[int]:
     return [min(k, m) for k in ks if k > 0]
 
 
+def decompx_mask_counts(m: int) -> list[int]:
+    """Tokens masked per DecompX ratio: floor(K m) for K = 0.1..0.9, in exact integer arithmetic
+    (floor(j m / 10)); zeros stay (the paper's mean runs over all 9 ratios, K m < 1 included)."""
+    return [j * m // 10 for j in MASK_RATIOS_TENTHS]
+
+
 def perturb(
     ids: Sequence[int],
     positions: Iterable[int],
@@ -490,12 +538,16 @@ class TargetProbability:
         seqs: Sequence[Sequence[int]],
         positions: Sequence[int | None] | None = None,
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
-    ) -> np.ndarray:
-        """token_type_ids: one row (or None) per sequence, for sentence pairs on BERT-like models."""
+        with_class: bool = False,
+    ):
+        """token_type_ids: one row (or None) per sequence, for sentence pairs on BERT-like models.
+        with_class: also return each sequence's argmax class (token, for a language model), for the
+        accuracy metrics: (probabilities, classes)."""
         n = len(seqs)
         positions = list(positions) if positions is not None else [None] * n
         types = list(token_type_ids) if token_type_ids is not None else [None] * n
         out = np.full(n, np.nan)
+        classes = np.full(n, -1, dtype=np.int64)
         order = sorted(range(n), key=lambda i: len(seqs[i]))
         start = 0
         while start < n:
@@ -507,15 +559,17 @@ class TargetProbability:
             ):
                 stop += 1
             idx = order[start:stop]
-            out[idx] = self._batch(
+            out[idx], classes[idx] = self._batch(
                 [list(seqs[i]) or [self.pad] for i in idx],
                 [positions[i] for i in idx],
                 [types[i] if seqs[i] else None for i in idx],
             )
             start = stop
-        return out
+        return (out, classes) if with_class else out
 
-    def _batch(self, seqs: list[list[int]], positions: list[int | None], types: list | None = None) -> np.ndarray:
+    def _batch(
+        self, seqs: list[list[int]], positions: list[int | None], types: list | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         m = self.model
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
@@ -531,9 +585,10 @@ class TargetProbability:
                 len(s) - 1 if p is None or m.kind == "causal_lm" and p >= len(s) else p for s, p in zip(seqs, positions)
             ]
             logits = logits[torch.arange(len(seqs)), torch.tensor(rows)]
+        classes = logits.argmax(-1).cpu().numpy()
         if self.foil is not None:
-            return torch.sigmoid(logits[:, self.target] - logits[:, self.foil]).cpu().numpy()
-        return torch.softmax(logits, -1)[:, self.target].cpu().numpy()
+            return torch.sigmoid(logits[:, self.target] - logits[:, self.foil]).cpu().numpy(), classes
+        return torch.softmax(logits, -1)[:, self.target].cpu().numpy(), classes
 
 
 def _plan(metric: str, ranked: list[int], n: int, m: int, stop_one_short: bool = False) -> tuple[str, list[list[int]]]:
@@ -543,6 +598,10 @@ def _plan(metric: str, ranked: list[int], n: int, m: int, stop_one_short: bool =
         return "delete", [ranked[:k] for k in deyoung_ks(m)]
     if metric == "sufficiency":
         return "delete", [ranked[k:] for k in deyoung_ks(m)]
+    if metric in ("aopc_mask", "accuracy_mask"):
+        return "mask", [ranked[:k] for k in decompx_mask_counts(m)]
+    if metric in ("aopc_mask_least", "accuracy_mask_least"):
+        return "mask", [ranked[len(ranked) - k :] for k in decompx_mask_counts(m)]
     mode = "pad" if metric in ("aopc_pad", "lodds") else "delete"
     ks = attcat_ks(n, m)
     if stop_one_short:
@@ -557,6 +616,8 @@ def _reduce(metric: str, p0: float, ps: np.ndarray) -> float:
         return float(np.mean(p0 - ps))
     if metric in ("aopc", "aopc_pad"):
         return float(np.mean(np.abs(p0 - ps)))
+    if metric in ("aopc_mask", "aopc_mask_least"):
+        return float(np.mean(p0 - ps))
     if metric in ("lodds", "lodds_delete"):
         return float(np.mean(np.log(np.clip(ps, PROB_FLOOR, None) / max(p0, PROB_FLOOR))))
     raise BadInput(f"{metric!r} is not a deletion metric; those are {', '.join(DELETION_METRICS)}")
@@ -574,15 +635,22 @@ def deletion_metrics(
     token_type_ids: Sequence[int] | None = None,
     abs_saliency: bool = False,
     stop_one_short: bool = False,
+    mask_id: int | None = None,
+    gold: int | None = None,
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Deletion metrics of several methods on one example, every perturbed input predicted in
-    one batched call. `predict(seqs, positions[, token_type_ids]) -> probabilities` (a `TargetProbability`).
-    token_type_ids: a sentence pair's, deleted along with their tokens. abs_saliency: rank by |score|
-    (the AttCAT QQP notebook); stop_one_short: see `_plan`.
+    one batched call. `predict(seqs, positions[, token_type_ids][, with_class=True]) -> probabilities
+    [, classes]` (a `TargetProbability`). token_type_ids: a sentence pair's, deleted along with their
+    tokens. abs_saliency: rank by |score| (the AttCAT QQP notebook); stop_one_short: see `_plan`.
+    mask_id: the tokenizer's mask token (the [MASK] metrics are NaN without one); gold: the example's
+    label (the accuracy metrics are NaN without one).
 
     Returns ({method: {metric: value}}, p0). No deletable token -> NaN.
     """
     metrics = [m for m in metrics if m in DELETION_METRICS]
+    unavailable = {m for m in metrics if m in MASK_METRICS and mask_id is None}
+    unavailable |= {m for m in metrics if m in ACCURACY_METRICS and gold is None}
+    metrics = [m for m in metrics if m not in unavailable]
     ids = list(ids)
     n = len(ids)
     deletable = [i for i in range(n) if i not in protected]
@@ -612,16 +680,27 @@ def deletion_metrics(
         ranked = ranked_positions(np.abs(s) if abs_saliency else s, deletable)
         for metric in metrics:
             mode, removals = _plan(metric, ranked, n, len(deletable), stop_one_short)
-            slots[(meth, metric)] = [slot(*perturb(ids, rem, mode, pad_id, position, types)) for rem in removals]
-    if p0 is not None and len(seqs) == 1:
+            if not deletable:
+                removals = []
+            fill = mask_id if mode == "mask" else pad_id
+            mode = "pad" if mode == "mask" else mode  # [MASK] overwrites in place, as the pad id does
+            slots[(meth, metric)] = [slot(*perturb(ids, rem, mode, fill, position, types)) for rem in removals]
+    want_class = any(m in ACCURACY_METRICS for m in metrics)
+    classes = None
+    if p0 is not None and len(seqs) == 1 and not want_class:
         probs = np.array([p0])
     else:
-        probs = predict(seqs, poss) if types is None else predict(seqs, poss, typs)
+        args = (seqs, poss) if types is None else (seqs, poss, typs)
+        got = predict(*args, with_class=True) if want_class else predict(*args)
+        probs, classes = got if want_class else (got, None)
     if p0 is None:
         p0 = float(probs[orig])
-    out: dict[str, dict[str, float]] = {meth: {} for meth in saliency}
+    out: dict[str, dict[str, float]] = {meth: {m: float("nan") for m in sorted(unavailable)} for meth in saliency}
     for (meth, metric), sl in slots.items():
-        out[meth][metric] = _reduce(metric, p0, probs[sl])
+        if metric in ACCURACY_METRICS:
+            out[meth][metric] = float(np.mean(classes[sl] == gold)) if sl else float("nan")
+        else:
+            out[meth][metric] = _reduce(metric, p0, probs[sl])
     return out, float(p0)
 
 

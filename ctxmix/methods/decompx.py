@@ -40,8 +40,9 @@ refused. With `head=False` (the paper's "w/o classifier head") the saliency is t
 explained position's parts after the last layer.
 
 `global_maps["decompx"][l, i, k]` = ||x^{l+1}_{i<=k}||, already aggregated (never rolled out again).
-Cost: the FF's n^2 d d' products per layer, as the scope maps; memory: one (n, n, d) tensor per layer
-and the FF in row chunks.
+Cost: the FF's n^2 d d' products per layer, as the scope maps; memory: PIECE_COPIES (n, n, d) tensors
+(refused before any work above the budget module's memory budget) and the FF in row chunks sized by
+the budget module's chunk (as the scope maps').
 """
 
 from __future__ import annotations
@@ -60,6 +61,41 @@ from ctxmix.methods.readout import softcap, unembedding
 BIASES = ("absdot", "none")
 FF_RULES = ("zero_origin", "tangent")
 EPS = 1e-12  # the code's guard in AbsDot's denominator
+PIECE_COPIES = 5  # (n, n, d) tensors alive at once in a layer: input, values read, attention, h, output
+FF_COPIES = 3  # (c, n, d') temporaries of one FF chunk: zeta, eta and the spread's weights
+
+
+def pieces_bytes(model: Model, n: int) -> int:
+    """Memory DecompX holds on n tokens besides one FF chunk: PIECE_COPIES (n, n, d) tensors."""
+    d = model.layers[0].Wo.shape[1]
+    return PIECE_COPIES * n * n * d * (torch.finfo(model.work_dtype).bits // 8)
+
+
+def check_pieces_fit(model: Model, n: int) -> None:
+    """Refuse, before any work, an input whose token pieces exceed the device's memory budget
+    (`ctxmix.engine.budget.memory_budget`), naming the longest input that fits."""
+    from ctxmix.engine.budget import memory_budget
+
+    budget = memory_budget(model.device)
+    need = pieces_bytes(model, n)
+    if need > budget:
+        fits = int((budget / max(1, pieces_bytes(model, 1))) ** 0.5)
+        raise BadInput(
+            f"decompx on {n} tokens holds {need / 2**30:.1f} GiB of token pieces ({PIECE_COPIES} x n x n x d), "
+            f"more than this device's memory budget of {budget / 2**30:.1f} GiB; inputs up to about {fits} "
+            "tokens fit (a GPU's budget is larger)"
+        )
+
+
+def ff_chunk_rows(lw, n: int, device, chunk: int | None) -> int:
+    """FF rows per chunk: FF_COPIES (c, n, d') temporaries within the budget module's chunk size."""
+    if chunk:
+        return int(chunk)
+    from ctxmix.engine.budget import chunk_elements
+    from ctxmix.methods.mixing import CHUNK_ELEMENTS  # the scope maps' chunk, the same products
+
+    width = lw.Wu.shape[1] if lw.gated else lw.W1.shape[1]
+    return max(1, chunk_elements(device, CHUNK_ELEMENTS) // max(1, FF_COPIES * n * width))
 
 
 def spread(V: torch.Tensor, b: torch.Tensor | None, rule: str = "absdot") -> torch.Tensor:
@@ -88,7 +124,7 @@ class DecompXOptions:
     bias: str = "absdot"
     ff: str = "zero_origin"
     head: bool = True
-    chunk: int = 32  # FF rows per chunk: memory c * n * d' per product
+    chunk: int | None = None  # FF rows per chunk (None: from the budget module's chunk size)
 
     def check(self) -> DecompXOptions:
         if self.bias not in BIASES:
@@ -158,9 +194,11 @@ def decompx_layer(lw, st, V: torch.Tensor | None, o: DecompXOptions) -> torch.Te
         h = X + norm_pieces(lw.post_attn_norm, spread(a, b_att, o.bias), st.attn, o.bias)
     else:
         h = spread(a + X, b_att, o.bias)  # the code's prior term: attention plus residual
+    del a, src  # only h and the output stay alive through the FF
     out = torch.empty_like(h)
-    for r0 in range(0, n, o.chunk):
-        r = slice(r0, min(n, r0 + o.chunk))
+    step = ff_chunk_rows(lw, n, st.x.device, o.chunk)
+    for r0 in range(0, n, step):
+        r = slice(r0, min(n, r0 + step))
         up = None if st.u_up is None else st.u_up[r]
         if lw.position == "post":
             Z = norm_pieces(lw.ln1, h[r], st.r1[r], o.bias)

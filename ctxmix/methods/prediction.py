@@ -241,7 +241,7 @@ def check_prediction_call(
     if decompx is not None and "decompx" not in methods:
         raise BadInput("decompx= gives DecompX's options; add 'decompx' to the methods")
     if "decompx" in methods:
-        from ctxmix.methods.decompx import DecompXOptions, head_kind
+        from ctxmix.methods.decompx import DecompXOptions, check_pieces_fit, head_kind
 
         if not isinstance(decompx, (dict, type(None))) or set(decompx or {}) - {"bias", "ff", "head"}:
             raise BadInput(f"decompx takes a dict with bias, ff and head, got {decompx!r}")
@@ -250,6 +250,7 @@ def check_prediction_call(
             raise BadInput("decompx explains encoders, classifiers and causal LMs, not encoder-decoders")
         if o.head:
             head_kind(model)  # refuses a head without a rule
+        check_pieces_fit(model, n)
     if "attention_flow" in methods:
         from ctxmix.methods.flow import FLOW_ROW_SECONDS, check_flow_cost
 
