@@ -47,6 +47,8 @@ _API = {
     "explain_batch": "methods.explain",
     "scope_maps": "methods.explain",
     "source_contribution": "methods.alti_plus",
+    "routes": "methods.routes",
+    "Routes": "methods.routes",
     "load_explanation": "export.saved",
     "cross_segment_mixing": "analyses.pairs",
     "contextualization_change": "analyses.corpus",
