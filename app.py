@@ -93,8 +93,13 @@ if not methods:
     st.info("Choose at least one method.")
     st.stop()
 
+gen, gen_t, gen_contrast = None, None, False  # a language model's continuation and the token explained
+if model.kind == "causal_lm":
+    with common.errors_as_messages():
+        gen, gen_t, gen_contrast = views.generation_controls(model, model.encode_input(source).ids)
+
 with common.errors_as_messages():
-    ids = model.encode_input(source).ids
+    ids = model.encode_input(source).ids if gen_t is None else gen.input_ids[: gen_t + 1]
     if target_text.strip():
         from ctxmix.engine.seq2seq import encode_target
 
@@ -105,18 +110,27 @@ with common.errors_as_messages():
         st.stop()
     opts = {}
     c1, c2, c3, c4 = st.columns(4)
-    position = c1.number_input(
-        "Explained position",
-        -1,
-        len(ids) - 1,
-        common.qp_int("position", -1, -1, len(ids) - 1),
-        key="position",
-        help="The output token whose row gives a mixing method's saliency and "
-        "which a language model predicts from; -1: the model's default.",
+    if gen_t is not None:  # a generated token: its row t - 1, the token as target, the runner-up as foil
+        step = gen.steps[gen_t - gen.prompt_length]
+        opts.update(input_ids=ids, position=gen_t - 1, target=step["id"])
+        if gen_contrast:
+            opts["foil"] = step["runner_up"]
+    position = (
+        -1
+        if gen_t is not None
+        else c1.number_input(
+            "Explained position",
+            -1,
+            len(ids) - 1,
+            common.qp_int("position", -1, -1, len(ids) - 1),
+            key="position",
+            help="The output token whose row gives a mixing method's saliency and "
+            "which a language model predicts from; -1: the model's default.",
+        )
     )
     if position >= 0:
         opts["position"] = int(position)
-    if any(m in ctxmix.SALIENCY_METHODS or m in ("logit", "alti_logit", "decompx") for m in methods):
+    if gen_t is None and any(m in ctxmix.SALIENCY_METHODS or m in ("logit", "alti_logit", "decompx") for m in methods):
         if model.kind == "classifier":
             labels = [str(model.config.id2label[i]) for i in range(len(model.config.id2label))]
             t = c2.selectbox(
@@ -168,7 +182,7 @@ with common.errors_as_messages():
     if heads:
         opts["per_head"] = True
     with st.spinner("Computing (cached per model, text and method)…"):
-        ex = cached_explain(model, source, methods, **opts)
+        ex = cached_explain(model, None if gen_t is not None else source, methods, **opts)
 
     for w in ex.warnings:
         st.warning(w)
@@ -180,13 +194,28 @@ with common.errors_as_messages():
         **({"text_pair": pair} if pair.strip() else {}),
         **({"decoder_text": target_text} if target_text.strip() else {}),
         methods=methods,
-        options={k: v for k, v in opts.items()},
+        options={k: v for k, v in opts.items() if k != "input_ids"},
+        **(
+            {
+                "generation": {
+                    "sampled": common.qp("gen_sample") == "1",
+                    "seed": int(common.qp("gen_seed", 0)),
+                    "continuation_ids": gen.new_ids,
+                    "continuation": gen.text,
+                    "explained_token": gen_t,
+                }
+            }
+            if gen_t is not None
+            else {}
+        ),
         target=ex.target,
         foil=ex.foil,
         position=ex.position,
     )
     L = next((len(v) for v in ex.layer_maps.values()), model.n_layers)  # an encoder-decoder: its decoder's
     views.show_explanation(ex, L)
+    if model.kind == "causal_lm":
+        views.show_routes(model, name, ex.input_ids, ex.position)
     st.download_button(
         "Download this explanation (.npz)",
         data=lambda: explanation_bytes(ex),
@@ -250,6 +279,11 @@ with common.errors_as_messages():
         if key in opts:
             cmd += [flag, str(opts[key])]
     cmd += ["--per-head"] if opts.get("per_head") else []
+    if gen_t is not None:  # the same continuation (greedy, or sampled with its seed) and the same token
+        cmd = ["python", "-m", "ctxmix", "generate", text, "--model", name, "--max-new-tokens", str(len(gen.new_ids))]
+        cmd += ["--sample", "--seed", str(common.qp("gen_seed", 0))] if common.qp("gen_sample") == "1" else []
+        cmd += ["--explain-token", str(gen_t), "--method", *methods]
+        cmd += ["--runner-up-foil"] if gen_contrast else []
     common.reproduce(" ".join(shlex.quote(c) for c in cmd + ["--out", "explanation.npz"]))
     st.caption(
         f"Recomputation check: the layers rebuilt from the weights match the model's hidden states to "

@@ -36,6 +36,8 @@ _API = {
     "load_model": "engine.models",
     "model_from_hf": "engine.models",
     "Trace": "engine.trace",
+    "generate": "engine.generate",
+    "Generation": "engine.generate",
     "trace": "engine.trace",
     "MIXING_METHODS": "methods.registry",
     "SALIENCY_METHODS": "methods.registry",

@@ -80,6 +80,60 @@ def cmd_explain(args) -> None:
             print(f"{k:>22}: " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens, v)))
 
 
+def cmd_generate(args) -> None:
+    """Continue a prompt; with --explain-token, explain one generated token (position t - 1)."""
+    import ctxmix
+
+    m = _load(args)
+    g = ctxmix.generate(m, args.prompt, max_new_tokens=args.max_new_tokens, greedy=not args.sample, seed=args.seed)
+    if args.explain_token is None:
+        if args.out:
+            p = Path(args.out)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(g.to_dict(), indent=1))
+            print(f"wrote {p}")
+            return
+        print("continuation:", repr(g.text))
+        for s in g.steps:
+            print(
+                f"  {s['position']:>4} {s['token']!r:>16} p={s['probability']:.3f}  runner-up {s['runner_up_token']!r}"
+            )
+        return
+    t = g.generated_positions[-1] if args.explain_token == -1 else args.explain_token
+    kw = g.explain_kwargs(t, foil="runner_up" if args.runner_up_foil else None)
+    ex = ctxmix.explain(m, None, args.method, **kw)
+    if args.out:
+        p = ex.save(args.out) if str(args.out).endswith(".npz") else Path(args.out)
+        if not str(args.out).endswith(".npz"):
+            p.write_text(json.dumps(ex.to_dict(), indent=1))
+        print(f"wrote {p}")
+    else:
+        print("continuation:", repr(g.text))
+        print(f"explained: token {t} {g.tokens[t]!r} at position {t - 1}")
+        for k, v in ex.saliency.items():
+            print(f"{k:>22}: " + " ".join(f"{tok}={s:.3g}" for tok, s in zip(ex.tokens, v)))
+
+
+def cmd_routes(args) -> None:
+    """Information flow routes to one position's top residual state, as JSON, HTML, PNG, SVG or PDF."""
+    import ctxmix
+    from ctxmix.export.plots import save_figure
+
+    m = _load(args)
+    r = ctxmix.routes(m, args.text, position=args.position, threshold=args.threshold, mode=args.mode, p=args.p)
+    if not args.out:
+        print(r)
+        print(r.graph_edges().to_string(index=False, float_format="{:.3f}".format))
+        return
+    p = Path(args.out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.suffix == ".json":
+        p.write_text(r.to_json(indent=1))
+    else:
+        save_figure(r.figure(), str(p))
+    print(f"wrote {p}")
+
+
 def cmd_scopes(args) -> None:
     import ctxmix
 
@@ -250,6 +304,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="output .json, or .npz (a saved explanation: ctxmix.load_explanation reopens it)")
     s.add_argument("--half", action="store_true", help="with --out .npz: maps in float16, for viewing (half the size)")
     s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("generate", help="continue a prompt (causal LMs); --explain-token explains one new token")
+    s.add_argument("prompt")
+    model_args(s)
+    s.add_argument("--max-new-tokens", type=int, default=20)
+    s.add_argument("--sample", action="store_true", help="sample (seeded) instead of greedy decoding")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--explain-token",
+        type=int,
+        default=None,
+        metavar="T",
+        help="explain the generated token at position T (-1: the last): the row at T - 1 predicts it",
+    )
+    s.add_argument("--method", nargs="+", default=["alti_logit"], choices=sorted(METHODS), metavar="METHOD")
+    s.add_argument("--runner-up-foil", action="store_true", help="explain the token minus the runner-up")
+    s.add_argument("--out", help="output .json (the continuation, or the explanation) or .npz (a saved explanation)")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("routes", help="information flow routes to one position's top residual state")
+    s.add_argument("text")
+    model_args(s)
+    s.add_argument("--position", type=int, default=None, help="the explained position (default: the last token)")
+    s.add_argument("--threshold", type=float, default=0.04, help="tau (the LM Transparency Tool's default 0.04)")
+    s.add_argument("--mode", choices=["subedge_renorm", "summed_edge"], default="subedge_renorm")
+    s.add_argument("--p", type=float, default=1, help="the distance's norm (1: L1, the default)")
+    s.add_argument("--out", help="output .json (the graph) or .html/.png/.svg/.pdf (the figure)")
+    s.set_defaults(func=cmd_routes)
 
     s = sub.add_parser("scopes", help="the FF paper's per-layer scope maps of one text")
     s.add_argument("text")

@@ -393,3 +393,32 @@ def test_maps_view_shows_a_method_with_global_maps_only():
     titles = [c.proto.spec for c in at.get("plotly_chart")]
     assert any("decompx: after layer 3" in t for t in titles)
     assert not any("decompx: layer 3" in t for t in titles)
+
+
+@pytest.mark.slow
+def test_generate_click_a_token_and_see_its_routes_on_smollm2():
+    """A language model's page: Generate, the continuation as tokens, the last one explained at its row
+    t - 1 with the runner-up as foil, its routes graph with a node's incoming parts; the link (cont, tok)
+    reopens another generated token, and a link made for another prompt is not applied."""
+    at = _run("app.py", model="smollm2", method=["alti_logit", "alti"], text="The keys to the cabinet")
+    at.button(key="generate").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    cont = at.query_params["cont"]
+    cont = cont[0] if isinstance(cont, list) else cont
+    new = [int(x) for x in cont.split(",")]
+    assert len(new) == 10
+    tok = int(at.query_params["tok"][0] if isinstance(at.query_params["tok"], list) else at.query_params["tok"])
+    assert any(c.value.startswith(f"Explaining generated token {tok}") for c in at.caption)
+    assert "Information flow routes (Ferrando & Voita 2024)" in [s.value for s in at.subheader]
+    assert "How the context builds the prediction" in [s.value for s in at.subheader]
+    assert any(c.value.startswith("Explained: logit(") and " - logit(" in c.value for c in at.caption)
+    detail = at.dataframe[-1].value
+    assert {"node", "source", "kind", "head", "importance", "weight"} <= set(detail.columns)
+    assert at.selectbox(key="routes_node").value.startswith("I29_")
+    # the link reopens the same continuation with another token chosen
+    params = {k: at.query_params[k] for k in ("cont", "gen_for")}
+    first = tok - len(new) + 1
+    again = _run("app.py", model="smollm2", method=["alti"], text="The keys to the cabinet", tok=str(first), **params)
+    assert any(c.value.startswith(f"Explaining generated token {first}") for c in again.caption)
+    other = _run("app.py", model="smollm2", method=["alti"], text="Another prompt", tok=str(first), **params)
+    assert not any(c.value.startswith("Explaining generated token") for c in other.caption)

@@ -137,7 +137,35 @@ SCENES = {
         "minus output 0",
         4,
     ),
+    "prediction": (
+        "model=minilm-sentiment&method=decompx&method=alti&text=a+moving+and+wonderfully+acted+film+.",
+        "How the context builds the prediction",
+        5,
+    ),
+    "routes": (None, "Information flow routes", 6),  # smollm2 with a generated continuation: `_routes_query`
 }
+
+
+def _routes_query() -> str:
+    """The link of smollm2's page after Generate: the greedy continuation of a prompt, its last token chosen."""
+    import urllib.parse
+
+    import ctxmix
+    from ctxmix.engine.generate import prompt_key
+
+    m = ctxmix.load_model("smollm2")
+    prompt = "The keys to the cabinet"
+    g = ctxmix.generate(m, prompt, max_new_tokens=6)
+    q = {
+        "model": "smollm2",
+        "method": "alti_logit",
+        "text": prompt,
+        "cont": ",".join(map(str, g.new_ids)),
+        "gen_for": prompt_key(g.prompt_ids),
+        "tok": str(g.generated_positions[-1]),
+    }
+    return urllib.parse.urlencode(q)
+
 
 LAYOUT_CHECK = r"""
 const problems = [];
@@ -189,12 +217,13 @@ return problems;
 
 @pytest.mark.parametrize("scene", list(SCENES))
 def test_explain_scene_screenshot(server, browser, scene, tmp_path):
-    """The Explain page with a sentence pair, the head grid and a contrastive target, in a real
-    browser: it renders, shows its section, and no label overlaps or is clipped."""
+    """The Explain page with a sentence pair, the head grid, a contrastive target, DecompX's prediction
+    section and a language model's generated token with its routes, in a real browser: it renders, shows
+    its section, and no label overlaps or is clipped."""
     from selenium.webdriver.common.by import By
 
     query, must_show, want = SCENES[scene]
-    browser.get(f"{server}/?{query}")
+    browser.get(f"{server}/?{query or _routes_query()}")
     deadline = time.time() + 480
     plots, body = 0, ""
     while time.time() < deadline:

@@ -215,3 +215,141 @@ def _explained_tokens(ex, k: int) -> list[str]:
     if what.startswith("logit("):  # "logit(a) - logit(b) at position t"
         names = [p.split(")")[0] for p in what.split("logit(")[1:]]
     return (names + [""] * k)[:k]
+
+
+# ---------------------------------------------------------------- generation and routes (language models)
+
+
+def _parse_ids(text: str | None) -> list[int]:
+    """Token ids from a link's comma-separated list ([] for anything else)."""
+    try:
+        return [int(x) for x in str(text or "").split(",") if x.strip()]
+    except ValueError:
+        st.warning("The link's continuation `cont` is not a list of token ids; it is ignored.")
+        return []
+
+
+def generation_controls(model, prompt_ids: list[int]):
+    """A language model's Generate box: the continuation as clickable tokens. Returns (Generation or
+    None, the chosen generated position t or None, whether to contrast with the runner-up). The
+    continuation's ids and the chosen token live in the link (`cont`, `tok`)."""
+    import ctxmix
+    from ctxmix.engine.generate import MAX_NEW_TOKENS, continuation, prompt_key
+
+    lim = common.limits()
+    for_prompt = prompt_key(prompt_ids)
+    with st.container(border=True):
+        st.markdown("**Generate** a continuation, then click a generated token to explain it")
+        c1, c2, c3, c4 = st.columns([1, 1, 1, 1], vertical_alignment="bottom")
+        room = max(1, min(MAX_NEW_TOKENS, 64, lim["max_tokens"] - len(prompt_ids)))
+        n_new = c1.number_input("New tokens", 1, room, min(10, room), key="gen_n")
+        sampled = c2.toggle("Sample", value=common.qp("gen_sample", "0") == "1", key="gen_sample")
+        seed = c3.number_input(
+            "Seed", 0, 2**31 - 1, common.qp_int("gen_seed", 0, 0, 2**31 - 1), key="gen_seed", disabled=not sampled
+        )
+        go_ = c4.button("Generate", key="generate", type="primary")
+        common.set_qp(gen_sample=int(sampled), gen_seed=int(seed))
+        if go_:
+            bar = st.progress(0.0, text="Generating…")
+            g = ctxmix.generate(
+                model,
+                input_ids=prompt_ids,
+                max_new_tokens=int(n_new),
+                greedy=not sampled,
+                seed=int(seed),
+                progress=lambda k, n: bar.progress(k / n, text=f"Generating… {k}/{n} tokens"),
+            )
+            bar.empty()
+            common.set_qp(cont=",".join(map(str, g.new_ids)), tok=g.generated_positions[-1], gen_for=for_prompt)
+        new_ids = _parse_ids(common.qp("cont"))
+        if not new_ids or common.qp("gen_for") != for_prompt:  # none yet, or made for another prompt
+            return None, None, False
+        if len(prompt_ids) + len(new_ids) > lim["max_tokens"]:
+            st.warning(f"The continuation would pass the {lim['max_tokens']}-token limit here; generate again.")
+            return None, None, False
+        g = continuation(model, prompt_ids, new_ids)
+        positions = g.generated_positions
+        chosen = common.qp_int("tok", positions[-1], positions[0], positions[-1])
+        step = {s["position"]: s for s in g.steps}
+        t = st.pills(
+            "Continuation (click a token to explain it)",
+            positions,
+            selection_mode="single",
+            default=chosen,
+            format_func=lambda t: plots.display_tokens([step[t]["token"]])[0],
+            key="gen_token",
+        )
+        if t is None:
+            st.caption("No token chosen: the page explains the prompt.")
+            return g, None, False
+        common.set_qp(tok=int(t))
+        s = step[t]
+        contrast = st.toggle(
+            f"Contrast with the runner-up {plots.display_tokens([s['runner_up_token']])[0]!r} "
+            f"(p = {s['runner_up_probability']:.1%})",
+            value=common.qp("gen_foil", "1") == "1",
+            key="gen_foil",
+            help="The prediction methods and gradients then explain logit(token) − logit(runner-up).",
+        )
+        common.set_qp(gen_foil=int(contrast))
+        st.caption(
+            f"Explaining generated token {t} {plots.display_tokens([s['token']])[0]!r} (p = {s['probability']:.1%}): "
+            f"the row at position {t - 1} predicts it, so the maps and methods explain position {t - 1}."
+        )
+        return g, int(t), contrast
+
+
+@st.cache_resource(max_entries=32, show_spinner=False)
+def _routes(_model, model_name: str, ids: tuple, position: int, threshold: float):
+    from ctxmix.methods.routes import routes
+
+    return routes(_model, input_ids=list(ids), position=position, threshold=threshold)
+
+
+def show_routes(model, model_name: str, ids: list[int], position: int) -> None:
+    """The Routes view: the information flow routes to the residual state at `position`, a threshold
+    slider, a node's incoming parts by head and FFN, and the graph's exports (figure and JSON)."""
+    st.subheader("Information flow routes (Ferrando & Voita 2024)")
+    if not st.toggle("Show the routes", value=common.qp("routes", "1") == "1", key="routes_on"):
+        common.set_qp(routes="0")
+        return
+    tau = st.slider(
+        "Threshold τ",
+        0.01,
+        0.10,
+        float(common.qp("tau", 0.04)) if str(common.qp("tau", "0.04")).replace(".", "", 1).isdigit() else 0.04,
+        0.01,
+        key="tau",
+        help="Edges whose importance is at most τ are dropped (per head, then renormalised: the paper's rule). "
+        "The tool's default is 0.04; the paper uses 0.01-0.04.",
+    )
+    common.set_qp(routes="1", tau=f"{tau:.2f}")
+    with st.spinner("Extracting the routes…"):
+        r = _routes(model, model_name, tuple(ids), int(position), round(float(tau), 4))
+    st.caption(
+        f"The routes explain the top residual state at position {position} "
+        f"({plots.display_tokens([r.tokens[position]])[0]}), not one token's logit: every edge whose importance "
+        f"(ALTI's L1 proximity, normalised per node) is above τ = {tau:.2f}, followed down from that state. "
+        f"{len(r.nodes)} nodes, {len(r.graph_edges())} edges. Green: attention and residual; purple: FFN."
+    )
+    common.plot(r.figure(), f"routes_pos{position}", data=r.to_dict())
+    st.download_button(
+        "Graph (JSON)",
+        data=lambda: r.to_json(indent=1).encode(),
+        file_name=f"routes_pos{position}.json",
+        mime="application/json",
+        key="routes_json",
+        on_click="ignore",
+    )
+    nodes = [s for s in r.nodes["node"] if s[0] in "AI"]
+    if nodes:
+        node = st.selectbox(
+            "Node: its incoming edges by head and FFN",
+            nodes,
+            index=nodes.index(r.start) if r.start in nodes else 0,
+            key="routes_node",
+            help="A<l>_t: the residual after layer l's attention at token t; I<l>_t: after its FFN.",
+        )
+        d = r.node_detail(node)
+        st.dataframe(d.style.format({"importance": "{:.4f}", "weight": "{:.4f}"}), hide_index=True, width="stretch")
+        common.export_table(d, f"routes_{node}", caption=f"Parts into {node} (importance before τ, kept weight)")
