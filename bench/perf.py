@@ -8,7 +8,8 @@ the comparisons with other tools in perf_compare.py.)
     python bench/perf.py --out perf.csv           # also write the table as CSV
     python bench/perf.py --inseq-venv /tmp/inseq-venv   # also compare with inseq 0.7.1 (see below)
     python bench/perf.py --only vz flops          # a subset: vz flops batch explain corpus memory budget ig
-                                                  # inseq precision embedded flow predict
+                                                  # inseq precision embedded flow predict long
+    python bench/perf.py --only long              # long inputs on smollm2 (CUDA: a random 1.1B Llama to 8,192)
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
@@ -83,8 +84,8 @@ from perf_compare import (  # noqa: E402
 )
 
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
-SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict".split()
-CPU_SKIPS = {"budget", "embedded"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
+SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict long".split()
+CPU_SKIPS = {"budget", "embedded", "long"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
 CORPUS_TODAY_CPU = 0.218  # seq/s, sequence-at-a-time engine with scipy ranks (docs/performance.md, before batching)
 
 
@@ -624,8 +625,153 @@ def memory_child(n: int, layers: int, device: str) -> dict:
     }
 
 
-def run_child(args: list[str]) -> dict:
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True)
+LONG_WORKLOADS = {  # name -> the methods explain runs (routes: ctxmix.routes at the last position)
+    "routes": None,
+    "alti": ["alti"],
+    "norm family": ["norm", "norm_res", "norm_res_ln", "globenc"],
+    "value zeroing": ["value_zeroing"],
+}
+LONG_VZ_MAX = 1024  # value zeroing's ~n^2 L forward passes: measured up to here, extrapolated beyond
+LONG_ROW_SECONDS = 600  # a row longer than this is stopped and reported as such
+
+
+def long_model(device: str):
+    """smollm2 on a CPU; on CUDA a randomly initialised 1B-size Llama built from its config (no real
+    weights travel to a GPU machine), eager attention."""
+    import ctxmix
+
+    if torch.device(device).type != "cuda":
+        return ctxmix.load_model("smollm2", device=device)
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+    )  # TinyLlama-1.1B's shape
+    hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").to(device).eval()
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    return ctxmix.model_from_hf(hf, tok, name="random 1.1B Llama (TinyLlama shape)")
+
+
+def long_child(n: int, workload: str, device: str) -> dict:
+    """One long-input measurement in this fresh process: seconds and peak memory over the loaded model."""
+    import gc
+
+    import ctxmix
+
+    m = long_model(device)
+    cuda = m.device.type == "cuda"
+    vocab = min(len(m.tokenizer), int(m.config.vocab_size))
+    ids = [(7919 * i + 11) % (vocab - 200) + 100 for i in range(n)]  # ordinary ids, deterministic
+    methods = LONG_WORKLOADS[workload]
+    run = (
+        (lambda: ctxmix.routes(m, input_ids=ids))
+        if methods is None
+        else (lambda: ctxmix.explain(m, None, methods, input_ids=ids))
+    )
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        reset_peak_rss()
+        base = rss_mb()
+    t0 = time.perf_counter()
+    run()
+    sync(device)
+    sec = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
+    L = m.n_layers
+    return {
+        "n": n,
+        "seconds": sec,
+        "extra_MB": peak - base,
+        "model": m.name,
+        "layers": L,
+        "maps_MB": L * n * n * 8 / 2**20,
+    }
+
+
+def bench_long(a, dev) -> list[dict]:
+    """Long inputs on a causal LM (smollm2 on a CPU, a random 1.1B Llama on CUDA): routes, ALTI, the norm
+    family and value zeroing (to LONG_VZ_MAX tokens, extrapolated beyond) at each n, each in a fresh
+    process: time, peak memory over the loaded model against the L n^2 float64 map one method returns, and
+    the growth exponent of both from the previous n. A row over LONG_ROW_SECONDS is stopped."""
+    cuda = torch.device(dev).type == "cuda"
+    sizes = sorted(a.long_sizes or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048]))
+    rows = []
+    for workload in a.long_workloads:
+        prev = None
+        for n in sizes:
+            if workload == "value zeroing" and n > LONG_VZ_MAX:
+                if prev is not None and prev.get("exp"):
+                    est = prev["seconds"] * (n / prev["n"]) ** prev["exp"]
+                    rows.append(
+                        row(
+                            f"long input, {workload}, n={n}",
+                            f"~{est:.0f} s (extrapolated)",
+                            f"exponent {prev['exp']:.2f} from the measured sizes",
+                            None,
+                            "report",
+                        )
+                    )
+                continue
+            log(f"long input: {workload} n={n} (fresh process)")
+            try:
+                r = run_child(["--long-child", json.dumps([n, workload, str(dev)])], timeout=LONG_ROW_SECONDS)
+            except subprocess.TimeoutExpired:
+                rows.append(
+                    row(
+                        f"long input, {workload}, n={n}",
+                        f"over {LONG_ROW_SECONDS} s (stopped)",
+                        "-",
+                        None,
+                        "< 600 s",
+                        False,
+                    )
+                )
+                break
+            except RuntimeError as e:
+                rows.append(
+                    row(f"long input, {workload}, n={n}", "failed", str(e).splitlines()[-1][:80], None, "-", False)
+                )
+                break
+            exp_t = exp_m = None
+            if prev is not None:
+                exp_t = float(np.log(r["seconds"] / prev["seconds"]) / np.log(n / prev["n"]))
+                if r["extra_MB"] > 0 and prev["extra_MB"] > 0:
+                    exp_m = float(np.log(r["extra_MB"] / prev["extra_MB"]) / np.log(n / prev["n"]))
+            grow = (
+                "-"
+                if exp_t is None
+                else f"exponents: time {exp_t:.2f}" + ("" if exp_m is None else f", memory {exp_m:.2f}")
+            )
+            rows.append(
+                row(
+                    f"long input, {workload}, {r['model']} ({r['layers']} layers), n={n}: time; peak memory over model",
+                    f"{r['seconds']:.1f} s; +{r['extra_MB'] / 1024:.2f} GB",
+                    f"{grow}; one L n^2 float64 map {r['maps_MB'] / 1024:.2f} GB",
+                    None,
+                    "< 600 s",
+                    r["seconds"] < LONG_ROW_SECONDS,
+                )
+            )
+            prev = {**r, "exp": exp_t}
+    return rows
+
+
+def run_child(args: list[str], timeout: float | None = None) -> dict:
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True, timeout=timeout
+    )
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -727,6 +873,15 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=0, help="sequences of the batched FLOP-rate rows (32 CUDA, 4 CPU)")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    ap.add_argument("--long-child", help=argparse.SUPPRESS)
+    ap.add_argument("--long-sizes", type=int, nargs="+", help="tokens for --only long (CPU 256..2048, CUDA 1024..8192)")
+    ap.add_argument(
+        "--long-workloads",
+        nargs="+",
+        default=list(LONG_WORKLOADS),
+        choices=list(LONG_WORKLOADS),
+        help="what --only long measures",
+    )
     ap.add_argument("--budget-child", help=argparse.SUPPRESS)
     if "--quick" in sys.argv[1:]:  # smaller defaults; sizes given explicitly still win
         ap.set_defaults(vz_n=32, n=64, corpus_texts=4, ig_n=16, mem_sizes=[64, 128, 512], inseq_layers=2, repeat=1)
@@ -738,6 +893,10 @@ def main() -> None:
     if a.memory_child:
         n, layers, device = json.loads(a.memory_child)
         print(json.dumps(memory_child(n, layers, device)))
+        return
+    if a.long_child:
+        n, workload, device = json.loads(a.long_child)
+        print(json.dumps(long_child(n, workload, device)))
         return
     if a.budget_child:
         frac, n, k, device = json.loads(a.budget_child)
@@ -776,6 +935,7 @@ def main() -> None:
         ("embedded", lambda: bench_embedded(a, dev)),
         ("flow", lambda: bench_flow(a, dev)),
         ("predict", lambda: bench_predict(a, dev)),
+        ("long", lambda: bench_long(a, dev)),
     ]
     for name, fn in steps:
         if name == "flops" and not ({"flops", "explain"} & set(sections)):

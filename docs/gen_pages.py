@@ -119,6 +119,19 @@ def method_pages() -> list[str]:
         "ctxmix.source_contribution(ex)  # (decoder layers, T)\n```\n\n"
         "```text\n" + (ap.__doc__ or "").strip() + "\n```\n"
     )
+    import ctxmix.methods.routes as rt
+
+    (out / "routes.md").write_text(
+        "# Information flow routes (`ctxmix.routes`)\n\n"
+        "```python\nr = ctxmix.routes(model, text, position=None, threshold=0.04)  # Routes\n"
+        "r.edges, r.nodes  # DataFrames; r.node_detail('A3_7'), r.head_importance()\n"
+        "r.figure(); r.to_networkx(); r.to_json()\n```\n\n"
+        "```text\n" + (rt.__doc__ or "").strip() + "\n```\n\n"
+        "On a generated continuation (`ctxmix.generate`), the routes of generated token t start at position t - 1, "
+        "the row that predicted it:\n\n"
+        "```python\ng = ctxmix.generate(model, prompt, max_new_tokens=10)\n"
+        "t = g.generated_positions[-1]\nr = ctxmix.routes(model, input_ids=g.input_ids[: t + 1], position=t - 1)\n```\n"
+    )
     return names
 
 

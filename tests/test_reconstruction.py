@@ -145,3 +145,28 @@ def test_reconstruction_error_covers_the_decompositions_computed(tokenizer, monk
     monkeypatch.setattr(M, "scope_pieces", broken)
     assert ctxmix.explain(m, None, ["AtbFf"], input_ids=IDS).reconstruction_error == pytest.approx(1e-3, rel=1e-6)
     assert ctxmix.explain(m, None, ["alti"], input_ids=IDS).reconstruction_error < TOL  # no scope asked: none checked
+
+
+def test_norm_family_row_maps_equal_the_pieces_norms(tiny):
+    """The maps' fast path (head vectors once per layer, norms of decomposed pieces as weighted sums of
+    squares, a causal model's later columns skipped) equals the norms of `norm_family_pieces`, and ALTI's
+    rows from its pieces, on every family in float64; any row chunking gives the same maps."""
+    from ctxmix.engine.layer import alti_layer, head_vectors, norm_family_row_maps
+
+    tr = trace_ids(tiny, IDS)
+    names = ["norm", "norm_res", "norm_res_ln", "globenc", "alti"]
+    n = tr.n
+    for lw, st in zip(tr.model.layers, tr.states):
+        b = st.as_batch()
+        rows = torch.arange(n)
+        P = norm_family_pieces(lw, b, rows)
+        y = b.z if lw.position == "post" else b.r1
+        want = {m: (alti_layer(P["alti_T"], y) if m == "alti" else P[m].norm(dim=-1))[0] for m in names}
+        f = head_vectors(lw, b.x if lw.position == "post" else b.x1, with_bias=True)
+        for chunk in (rows, rows[:5], rows[5:]):
+            J = int(chunk[-1]) + 1 if tiny.spec.causal else n
+            got = norm_family_row_maps(lw, b, chunk, names, f, J)
+            for m in names:
+                w = want[m][chunk]
+                assert float(w[:, J:].abs().sum()) == 0.0, m  # what is skipped is zero
+                torch.testing.assert_close(got[m][0], w[:, :J], rtol=0, atol=TOL * float(w.abs().max()), msg=m)

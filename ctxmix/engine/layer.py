@@ -588,6 +588,68 @@ def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> 
     return out
 
 
+def piece_norms(norm, V: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """||norm.decompose_pieces(V, s)||_2 over d without the decomposed tensor: pieces V (B, c, J, d),
+    scale s (B, c, 1) -> (B, c, J). gamma enters as a weighted sum of squares (one GEMM); LayerNorm
+    centres each piece first (no cancellation-prone moment formula)."""
+    if norm.kind == "identity":
+        return V.norm(dim=-1)
+    if norm.kind == "layernorm":
+        V = V - V.mean(-1, keepdim=True)
+    ss = torch.matmul(V * V, (norm.gamma * norm.gamma).to(V.dtype))
+    return ss.clamp(min=0).sqrt() / s
+
+
+def norm_family_row_maps(
+    lw: LayerWeights, st: LayerState, rows: torch.Tensor, names: list[str], f: torch.Tensor, J: int
+) -> dict[str, torch.Tensor]:
+    """Rows `rows` of the maps `names` (GlobEnc's N family and "alti") over the first J columns,
+    (B, c, J) each: the norms of `norm_family_pieces` (and ALTI's normalised contributions) without
+    building the pieces no map needs. f (B, H, n, d): the layer's head vectors with b_V (computed once
+    per layer, not per chunk); J: the columns that can be non-zero (a causal model's rows < J attend
+    to nothing later, so the columns past J stay zero, in every map and in ALTI's normalisation)."""
+    need = set(names)
+    out: dict[str, torch.Tensor] = {}
+    N = mix(st.alpha[:, :, rows, :J], f[:, :, :J])  # (B, c, J, d)
+    if lw.position == "sandwich":  # N: what the attention block adds to the stream, LNa included
+        N = lw.post_attn_norm.decompose_pieces(N, lw.post_attn_norm.scale(st.attn[:, rows]))
+    if "norm" in need:
+        out["norm"] = N.norm(dim=-1)
+    NR = N  # the residual enters only at j == i: added in place, N is not needed any more
+    NR[:, torch.arange(len(rows), device=N.device), rows] += st.x[:, rows]
+    if "norm_res" in need:
+        out["norm_res"] = NR.norm(dim=-1)
+    if lw.position == "post":
+        s1 = lw.ln1.scale(st.r1[:, rows])
+        if "alti" in need or "globenc" in need:
+            T = lw.ln1.decompose_pieces(NR, s1)
+            if "norm_res_ln" in need:
+                out["norm_res_ln"] = T.norm(dim=-1)
+            if "globenc" in need:
+                out["globenc"] = piece_norms(lw.ln2, T, lw.ln2.scale(st.r2[:, rows]))
+            if "alti" in need:
+                out["alti"] = alti_layer(T, st.z[:, rows])
+        elif "norm_res_ln" in need:
+            out["norm_res_ln"] = piece_norms(lw.ln1, NR, s1)
+        return out
+    if lw.position == "sandwich":
+        res_ln, res_s = lw.ln2, st.r1
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+    elif lw.position == "parallel":  # no norm reads x + attn: N_ResLN takes the next norm with its std
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln1
+        res_ln, res_s = nxt, st.r1
+    else:
+        res_ln, res_s = lw.ln2, st.r1
+        nxt = lw.next_norm if lw.next_norm is not None else lw.ln2
+    if "norm_res_ln" in need:
+        out["norm_res_ln"] = piece_norms(res_ln, NR, res_ln.scale(res_s[:, rows]))
+    if "globenc" in need:
+        out["globenc"] = piece_norms(nxt, NR, nxt.scale(st.y[:, rows]))
+    if "alti" in need:
+        out["alti"] = alti_layer(NR, st.r1[:, rows])
+    return out
+
+
 def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """ALTI (Ferrando et al. 2022, Eq. 9-10): C_ij = max(0, |y_i|_1 - |y_i - T_ij|_1),
     normalised over j. T (..., c, n, d), y (..., c, d) the real block output. Exact L1 (no eps).

@@ -13,8 +13,8 @@ import torch
 
 from ctxmix.engine.budget import chunk_elements
 from ctxmix.engine.layer import (
-    alti_layer,
-    norm_family_pieces,
+    head_vectors,
+    norm_family_row_maps,
     scope_pieces,
     value_zeroing_columns,
     value_zeroing_prepare,
@@ -204,18 +204,17 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
     dev = tb.states[0].x.device
     acc = torch.promote_types(tb.states[0].x.dtype, torch.float32)
     maps = {m: torch.zeros(B, L, n, n, dtype=acc, device=dev) for m in names}
+    causal = model.spec.causal
     for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
         d = st_all.x.shape[-1]
         for part in _sub_batches(B, n, d, 6, dev):
             st = st_all.sub_batch(part)
-            y_alti = st.z if lw.position == "post" else st.r1
+            f = head_vectors(lw, st.x if lw.position == "post" else st.x1, with_bias=True)  # once per layer
             for rows in _chunks(n, d, copies=6, batch=st.x.shape[0], device=dev):
                 rows_d = rows.to(dev)
-                P = norm_family_pieces(lw, st, rows_d)
-                for m in names:
-                    maps[m][part, l, rows_d] = (
-                        alti_layer(P["alti_T"], y_alti[:, rows_d]) if m == "alti" else P[m].norm(dim=-1)
-                    )
+                J = int(rows[-1]) + 1 if causal else n  # later columns are zero in a causal model's rows
+                for m, v in norm_family_row_maps(lw, st, rows_d, names, f, J).items():
+                    maps[m][part, l, rows_d, :J] = v.to(acc)
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
