@@ -128,6 +128,21 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     return int(torch.multinomial(p.cpu(), 1, generator=gen))
 
 
+def _step(model: Model, probs: torch.Tensor, t: int, tok: int) -> dict:
+    """The record of generated token `tok` at position t, from the next-token probabilities (vocab,)."""
+    top2 = torch.topk(probs, 2).indices.tolist()
+    runner = top2[1] if top2[0] == tok else top2[0]
+    return {
+        "position": t,
+        "id": int(tok),
+        "token": model.tokens([tok])[0],
+        "probability": float(probs[tok]),
+        "runner_up": int(runner),
+        "runner_up_token": model.tokens([runner])[0],
+        "runner_up_probability": float(probs[runner]),
+    }
+
+
 @torch.no_grad()
 def generate(
     model: Model,
@@ -168,21 +183,8 @@ def generate(
         out = hf(input_ids=x, past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits = out.logits[0, -1].double()
-        probs = torch.softmax(logits, -1)
         tok = int(logits.argmax()) if greedy else _sample(logits, temperature, top_k, top_p, gen)
-        top2 = torch.topk(probs, 2).indices.tolist()
-        runner = top2[1] if top2[0] == tok else top2[0]
-        steps.append(
-            {
-                "position": len(ids),
-                "id": tok,
-                "token": model.tokens([tok])[0],
-                "probability": float(probs[tok]),
-                "runner_up": int(runner),
-                "runner_up_token": model.tokens([runner])[0],
-                "runner_up_probability": float(probs[runner]),
-            }
-        )
+        steps.append(_step(model, torch.softmax(logits, -1), len(ids), tok))
         ids.append(tok)
         if progress is not None:
             progress(k + 1, max_new_tokens)
@@ -226,22 +228,7 @@ def continuation(model: Model, prompt_ids: list[int], new_ids: list[int]) -> Gen
     if P < 1:
         raise BadInput("the prompt is empty")
     probs = torch.softmax(model.hf(input_ids=torch.tensor([ids], device=model.device)).logits[0].double(), -1)
-    steps = []
-    for t in range(P, len(ids)):
-        p = probs[t - 1]
-        top2 = torch.topk(p, 2).indices.tolist()
-        runner = top2[1] if top2[0] == ids[t] else top2[0]
-        steps.append(
-            {
-                "position": t,
-                "id": ids[t],
-                "token": model.tokens([ids[t]])[0],
-                "probability": float(p[ids[t]]),
-                "runner_up": int(runner),
-                "runner_up_token": model.tokens([runner])[0],
-                "runner_up_probability": float(p[runner]),
-            }
-        )
+    steps = [_step(model, probs[t - 1], t, ids[t]) for t in range(P, len(ids))]
     return Generation(
         model_name=model.name,
         prompt_ids=list(ids[:P]),
