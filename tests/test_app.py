@@ -418,7 +418,10 @@ def test_generate_click_a_token_and_see_its_routes_on_smollm2():
     # the link reopens the same continuation with another token chosen
     params = {k: at.query_params[k] for k in ("cont", "gen_for")}
     first = tok - len(new) + 1
-    again = _run("app.py", model="smollm2", method=["alti"], text="The keys to the cabinet", tok=str(first), **params)
+    again = _run(
+        "app.py", model="smollm2", method=["alti"], text="The keys to the cabinet", tok=str(first), tau="0.5", **params
+    )
     assert any(c.value.startswith(f"Explaining generated token {first}") for c in again.caption)
+    assert again.slider(key="tau").value == pytest.approx(0.10)  # a link's tau outside the slider is clamped
     other = _run("app.py", model="smollm2", method=["alti"], text="Another prompt", tok=str(first), **params)
     assert not any(c.value.startswith("Explaining generated token") for c in other.caption)

@@ -320,3 +320,32 @@ def test_value_bias_options_and_refusals(tokenizer):
             ctxmix.routes(m, TEXT, **kw)
     with pytest.raises(BadInput, match="not on these routes"):
         a.node_detail("A0_999")
+
+
+def test_summed_edge_mode_and_paper_clip(tokenizer):
+    """summed_edge: a head is activated only by a sub-edge above tau, the residual is kept only with its
+    self edge, and every kept summed edge's weight is above tau; eps = 0 (the paper's clip) gives no NaN;
+    the FFN bypass keeps its own kind in the graph."""
+    m = tiny_model("gpt2", tokenizer)
+    r = ctxmix.routes(m, TEXT, threshold=0.1, mode="summed_edge")
+    assert (r.graph_edges()["weight"] > 0.1).all()
+    hi = r.head_importance()
+    att = r.incoming[r.incoming["kind"] == "attention"]
+    layer = att["node"].map(lambda s: int(s[1:].split("_")[0]))
+    above = {(int(l), int(h)) for l, h, v in zip(layer, att["head"], att["importance"]) if v > 0.1}
+    assert {(int(l), int(h)) for l, h, a in zip(hi["layer"], hi["head"], hi["activated"]) if a} == above
+    res = r.incoming[r.incoming["kind"] == "residual"]
+    for node, w in zip(res["node"], res["weight"]):
+        if w > 0:  # a kept residual sits on a kept self edge
+            t = node.split("_")[1]
+            assert ((r.edges["target"] == node) & r.edges["source"].str.endswith("_" + t)).any()
+    paper = ctxmix.routes(m, TEXT, eps=0.0, threshold=0.0)
+    assert np.isfinite(paper.incoming[["importance", "weight"]].to_numpy(dtype=float)).all()
+    kinds = set(r.graph_edges()["kind"])
+    assert kinds <= {"attention", "residual", "ffn"}
+    bypass = r.graph_edges()[
+        r.graph_edges()["source"].str.startswith("A") & r.graph_edges()["target"].str.startswith("I")
+    ]
+    assert set(bypass["kind"]) <= {"residual"} and len(bypass)
+    with pytest.raises(BadInput, match="finite"):
+        ctxmix.routes(m, TEXT, p=float("inf"))

@@ -116,9 +116,10 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     """One token from softmax(logits / temperature), restricted to the top_k and to the smallest set whose
     probability reaches top_p (nucleus), drawn with the seeded generator."""
     z = logits.double() / temperature
-    if top_k is not None and top_k < z.numel():
-        kth = torch.topk(z, top_k).values[-1]
-        z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
+    if top_k is not None and top_k < z.numel():  # exactly top_k tokens stay, ties broken by torch.topk
+        keep = torch.full_like(z, -torch.inf)
+        idx = torch.topk(z, top_k).indices
+        z = keep.scatter(0, idx, z[idx])
     p = torch.softmax(z, -1)
     if top_p < 1:
         sp, si = torch.sort(p, descending=True)
@@ -126,6 +127,20 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
         p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
         p = p / p.sum()
     return int(torch.multinomial(p.cpu(), 1, generator=gen))
+
+
+def _eos_ids(model: Model) -> set[int]:
+    """Every end-of-sequence id: the tokenizer's and the generation config's (Llama 3 lists several)."""
+    ids: set[int] = set()
+    for v in (
+        getattr(model.tokenizer, "eos_token_id", None),
+        getattr(getattr(model.hf, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids |= {int(x) for x in v if isinstance(x, int)}
+    return ids
 
 
 def _step(model: Model, probs: torch.Tensor, t: int, tok: int) -> dict:
@@ -159,7 +174,7 @@ def generate(
     progress=None,
 ) -> Generation:
     """Continue `prompt` (or `input_ids`) on a causal language model: greedy by default, else sampled
-    (temperature, top_k, top_p) from a generator seeded with `seed`, so a run repeats. Stops after
+    (temperature, top_k, top_p) from a generator seeded with `seed` (None counts as 0), so a run repeats. Stops after
     `max_new_tokens` or at the end-of-sequence token (stop_at_eos). progress(done, total) is called
     after each token. Returns a `Generation`."""
     from ctxmix.methods.explain import encode_one
@@ -173,7 +188,7 @@ def generate(
     if limit and len(ids) + max_new_tokens > limit:
         raise BadInput(f"{len(ids)} prompt tokens + {max_new_tokens} new ones exceed {model.name}'s {limit} positions")
     gen = torch.Generator().manual_seed(0 if seed is None else int(seed))
-    eos = getattr(model.tokenizer, "eos_token_id", None)
+    eos = _eos_ids(model)
     hf = model.hf
     x = torch.tensor([ids], device=model.device)
     past = None
@@ -188,7 +203,7 @@ def generate(
         ids.append(tok)
         if progress is not None:
             progress(k + 1, max_new_tokens)
-        if stop_at_eos and eos is not None and tok == eos:
+        if stop_at_eos and tok in eos:
             stopped = "eos"
             break
         x = torch.tensor([[tok]], device=model.device)

@@ -278,7 +278,11 @@ def logit_contributions_figure(tokens: list[str], rows: np.ndarray, labels: list
     return _layout(fig, title, height=140 + 170 * len(rows))
 
 
-ROUTE_COLOURS = {"attention": ("#9eba66", "#556b2f"), "ffn": ("#da70d6", "#800080")}  # the tool's ramps
+ROUTE_COLOURS = {  # the tool's ramps; the residual bypass around an FFN drawn as the residual stream
+    "attention": ("#9eba66", "#556b2f"),
+    "residual": ("#9eba66", "#556b2f"),
+    "ffn": ("#da70d6", "#800080"),
+}
 ROUTE_BINS = (0.0, 0.1, 0.2, 0.35, 0.5)  # edge weights drawn alike within a bin (width and opacity)
 
 

@@ -190,6 +190,8 @@ def attention_importance(
         if P.parallel:
             ffn = proximity(P.ffn[idx], y, p, eps)
             z = z + ffn
+        z = torch.where(z > 0, z, torch.ones_like(z))  # eps = 0 and every part farther than the whole
+        if P.parallel:
             ffns.append(ffn / z)
         full = torch.zeros((len(ts), n, H), dtype=sub.dtype, device=sub.device)
         full[:, :J] = sub / z.view(-1, 1, 1)
@@ -207,7 +209,9 @@ def ffn_importance(P: _LayerParts, targets: list[int], p: float, eps: float) -> 
     y = P.whole_i[idx]
     f = proximity(P.ffn[idx], y, p, eps)
     r = proximity(P.ffn_res[idx], y, p, eps)
-    return f / (f + r), r / (f + r)
+    z = f + r
+    z = torch.where(z > 0, z, torch.ones_like(z))  # eps = 0: a node no part is close to gets zeros
+    return f / z, r / z
 
 
 # ---------------------------------------------------------------- the routes
@@ -219,7 +223,8 @@ class Routes:
 
     nodes: node (X0_t, A<l>_t, M<l>_t, I<l>_t), type, layer, position, token: every node on a route.
     edges: source, target, weight, kind ("attention" one head's sub-edge, "residual", "ffn"), layer,
-    head (attention only): the kept parts after thresholding (and renormalisation in subedge_renorm).
+    head (attention only): the kept parts after thresholding and renormalisation (subedge_renorm), or
+    the parts of each summed edge kept above the threshold (summed_edge).
     incoming: node, source, kind, head, importance (before any threshold), weight (kept): every part
     into each node the routes computed, from the sources the routes keep (the tool's side panels).
     """
@@ -244,9 +249,11 @@ class Routes:
         return node_name("I", self.n_layers - 1, self.position)
 
     def graph_edges(self) -> pd.DataFrame:
-        """One row per (source, target): heads summed, the residual merged into the self edge (as the
-        tool draws them); kind "attention" (incl. residual) or "ffn"."""
-        e = self.edges.assign(kind=self.edges["kind"].replace({"residual": "attention"}))
+        """One row per (source, target): heads summed, the residual into an attention node merged into
+        its self edge (as the tool draws them); kind "attention", "residual" (the bypass around an FFN)
+        or "ffn"."""
+        into_attention = (self.edges["kind"] == "residual") & ~self.edges["source"].str.startswith("A")
+        e = self.edges.assign(kind=self.edges["kind"].where(~into_attention, "attention"))
         if e.empty:
             return e.drop(columns=["head"])
         g = e.groupby(["source", "target", "kind", "layer"], as_index=False, sort=False)["weight"].sum()
@@ -262,11 +269,13 @@ class Routes:
         return d.sort_values("importance", ascending=False).reset_index(drop=True)
 
     def head_importance(self) -> pd.DataFrame:
-        """Per (layer, head): the summed importance of its sub-edges into the routes' attention nodes
-        (before the threshold), and whether it is activated (a kept sub-edge, IFR footnote 4)."""
+        """Per (layer, head) with a sub-edge from a kept source into the routes' attention nodes: the
+        summed importance of those sub-edges (before the threshold), and whether the head is activated
+        (IFR footnote 4: a kept sub-edge; in summed_edge mode, a sub-edge above the threshold)."""
         d = self.incoming[self.incoming["kind"] == "attention"]
         layer = d["node"].map(lambda s: parse_node(s)[1])
-        g = d.assign(layer=layer, kept=d["weight"] > 0).groupby(["layer", "head"], as_index=False)
+        kept = d["weight"] > 0 if self.mode == "subedge_renorm" else d["importance"] > self.threshold
+        g = d.assign(layer=layer, kept=kept).groupby(["layer", "head"], as_index=False)
         return g.agg(importance=("importance", "sum"), activated=("kept", "any"))
 
     def to_networkx(self):
@@ -334,8 +343,8 @@ def check_routes_call(threshold, mode: str, p, eps, value_bias: str) -> None:
         raise BadInput(f"threshold must be a number in [0, 1) (the tool's default 0.04), got {threshold!r}")
     if mode not in MODES:
         raise BadInput(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (p >= 1 or math.isinf(p)):
-        raise BadInput(f"p (the distance's norm) must be a number >= 1 (1: L1, the default; 2: L2), got {p!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (1 <= p < math.inf):
+        raise BadInput(f"p (the distance's norm) must be a finite number >= 1 (1: L1, the default; 2: L2), got {p!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1e-2:
         raise BadInput(f"eps (the proximity's clip) must be in [0, 0.01) (tool: 1e-5, paper: 0), got {eps!r}")
     if value_bias not in VALUE_BIAS:
@@ -407,10 +416,12 @@ def _attention_node(
         keep_src = (w > 0).nonzero().flatten().tolist()
         keep_ffn = k_ffn is not None and k_ffn > 0
     else:
-        k_sub, kept_r, k_ffn = sub, res, ffn
+        # the kept unit is the summed edge: its heads and (on the self edge) the residual are its parts
+        k_sub, k_ffn = sub, ffn
         w = sub.sum(-1)
         w[t] += res
         keep_src = (w > tau).nonzero().flatten().tolist()
+        kept_r = res if t in keep_src else 0.0
         keep_ffn = ffn is not None and ffn > tau
     ks = k_sub.detach().cpu().numpy()
     rs = raw_sub.detach().cpu().numpy()

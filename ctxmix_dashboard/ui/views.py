@@ -260,6 +260,7 @@ def generation_controls(model, prompt_ids: list[int]):
                 progress=lambda k, n: bar.progress(k / n, text=f"Generating… {k}/{n} tokens"),
             )
             bar.empty()
+            st.session_state.pop("gen_token", None)  # a new continuation: its last token, not the old pick
             common.set_qp(cont=",".join(map(str, g.new_ids)), tok=g.generated_positions[-1], gen_for=for_prompt)
         new_ids = _parse_ids(common.qp("cont"))
         if not new_ids or common.qp("gen_for") != for_prompt:  # none yet, or made for another prompt
@@ -313,11 +314,15 @@ def show_routes(model, model_name: str, ids: list[int], position: int) -> None:
     if not st.toggle("Show the routes", value=common.qp("routes", "1") == "1", key="routes_on"):
         common.set_qp(routes="0")
         return
+    try:
+        tau0 = min(0.10, max(0.01, round(float(common.qp("tau", 0.04)), 2)))
+    except (ValueError, OverflowError):  # a link's tau that is not a number
+        tau0 = 0.04
     tau = st.slider(
         "Threshold τ",
         0.01,
         0.10,
-        float(common.qp("tau", 0.04)) if str(common.qp("tau", "0.04")).replace(".", "", 1).isdigit() else 0.04,
+        tau0,
         0.01,
         key="tau",
         help="Edges whose importance is at most τ are dropped (per head, then renormalised: the paper's rule). "
