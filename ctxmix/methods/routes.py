@@ -1,4 +1,6 @@
 """Information flow routes (Ferrando & Voita, EMNLP 2024): the subgraph of a Transformer's computation
+(Over 500 lines: the rules of every architecture, the top-down extraction and the Routes result with
+its exports read as one unit; the docstring below is the specification the tests check.)
 that carries the information reaching one position's top residual state, extracted top-down.
 
 Nodes, as the LM Transparency Tool names them (layers 0-based): ``X0_t`` the embedding of token t,
