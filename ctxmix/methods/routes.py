@@ -1,7 +1,7 @@
 """Information flow routes (Ferrando & Voita, EMNLP 2024): the subgraph of a Transformer's computation
+that carries the information reaching one position's top residual state, extracted top-down.
 (Over 500 lines: the rules of every architecture, the top-down extraction and the Routes result with
 its exports read as one unit; the docstring below is the specification the tests check.)
-that carries the information reaching one position's top residual state, extracted top-down.
 
 Nodes, as the LM Transparency Tool names them (layers 0-based): ``X0_t`` the embedding of token t,
 ``A{l}_t`` the residual state after layer l's attention, ``M{l}_t`` layer l's FFN, ``I{l}_t`` the state
