@@ -137,17 +137,13 @@ with common.errors_as_messages():
                 "Target class",
                 ["predicted"] + labels,
                 key="target",
-                index=(["predicted"] + labels).index(common.qp("target", "predicted"))
-                if common.qp("target", "predicted") in ["predicted"] + labels
-                else 0,
+                index=common.qp_index("target", ["predicted"] + labels),
             )
             f = c3.selectbox(
                 "Foil class (contrast)",
                 ["none"] + labels,
                 key="foil",
-                index=(["none"] + labels).index(common.qp("foil", "none"))
-                if common.qp("foil", "none") in ["none"] + labels
-                else 0,
+                index=common.qp_index("foil", ["none"] + labels),
             )
         else:
             t = (

@@ -544,7 +544,9 @@ def _parallel_scopes(
 
 @_unbatched
 def norm_family_pieces(lw: LayerWeights, st: LayerState, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Pieces (B, c, n, d) of GlobEnc's N, N_Res, N_ResLN, N_Enc and ALTI's T_i(x_j).
+    """Pieces (B, c, n, d) of GlobEnc's N, N_Res, N_ResLN, N_Enc and ALTI's T_i(x_j): the definition,
+    which the reconstruction tests check; the maps come from `norm_family_row_maps` (their norms
+    without building every piece, tested equal to these).
 
     As in the GlobEnc and ALTI code, the value bias is spread over tokens through alpha
     (f^h includes b_V), and b_O and the norms' beta are attributed to no token.

@@ -184,6 +184,12 @@ def qp_text(name: str, default: str, max_chars: int = 20_000) -> str:
     return v
 
 
+def qp_index(name: str, options: list) -> int:
+    """The index of the link's (or this session's) `name` among a select box's options; 0 otherwise."""
+    v = qp(name)
+    return options.index(v) if v in options else 0
+
+
 def qp_list(name: str, default: list[str]) -> list[str]:
     v = st.query_params.get_all(name)
     return v or default
@@ -455,7 +461,7 @@ def corpus_picker(key: str = "corpus") -> tuple[list[str], str]:
         list(names),
         format_func=names.get,
         key=f"{key}_name",
-        index=list(names).index(qp("corpus", "wiki")) if qp("corpus", "wiki") in names else 0,
+        index=qp_index("corpus", list(names)),
     )
     n = st.number_input("Sequences", 1, lim["max_sequences"], qp_int("n", 20, 1, lim["max_sequences"]), key=f"{key}_n")
     set_qp(corpus=choice, n=n)

@@ -49,7 +49,7 @@ def show_explanation(ex, layers: int) -> None:
         mm = c1.selectbox(
             "Method",
             map_methods,
-            index=map_methods.index(common.qp("map", map_methods[0])) if common.qp("map") in map_methods else 0,
+            index=common.qp_index("map", map_methods),
             key="map_method",
         )
         layer = c2.slider("Layer", 1, L, common.qp_int("layer", L, 1, L), key="layer")
@@ -234,7 +234,7 @@ def generation_controls(model, prompt_ids: list[int]):
     None, the chosen generated position t or None, whether to contrast with the runner-up). The
     continuation's ids and the chosen token live in the link (`cont`, `tok`)."""
     import ctxmix
-    from ctxmix.engine.generate import MAX_NEW_TOKENS, continuation, prompt_key
+    from ctxmix.engine.generate import MAX_NEW_TOKENS, prompt_key
 
     lim = common.limits()
     for_prompt = prompt_key(prompt_ids)
@@ -268,7 +268,7 @@ def generation_controls(model, prompt_ids: list[int]):
         if len(prompt_ids) + len(new_ids) > lim["max_tokens"]:
             st.warning(f"The continuation would pass the {lim['max_tokens']}-token limit here; generate again.")
             return None, None, False
-        g = continuation(model, prompt_ids, new_ids)
+        g = _continuation(model, model.name, tuple(prompt_ids), tuple(new_ids))
         positions = g.generated_positions
         chosen = common.qp_int("tok", positions[-1], positions[0], positions[-1])
         step = {s["position"]: s for s in g.steps}
@@ -298,6 +298,14 @@ def generation_controls(model, prompt_ids: list[int]):
             f"the row at position {t - 1} predicts it, so the maps and methods explain position {t - 1}."
         )
         return g, int(t), contrast
+
+
+@st.cache_resource(max_entries=32, show_spinner=False)
+def _continuation(_model, model_name: str, prompt_ids: tuple, new_ids: tuple):
+    """The Generation of a link's continuation: one forward pass per (model, ids), not one per rerun."""
+    from ctxmix.engine.generate import continuation
+
+    return continuation(_model, list(prompt_ids), list(new_ids))
 
 
 @st.cache_resource(max_entries=32, show_spinner=False)
