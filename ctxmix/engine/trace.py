@@ -2,19 +2,33 @@
 
 The model's own eager forward gives the layer inputs and the attention probabilities
 (transformers 5 collects them per call through a context variable, so two threads can trace
-one shared model at once); ctxmix registers no hook and changes nothing in the model.
-Every other intermediate is recomputed from the weights (`ctxmix.engine.layer.layer_forward`), and
-`Trace.reconstruction_error` says how far that recomputation is from the model's own states.
+one shared model at once). Every other intermediate is recomputed from the weights
+(`ctxmix.engine.layer.layer_forward`), and `Trace.reconstruction_error` says how far that
+recomputation is from the model's own states.
+
+A long input's trace is *streamed* (`ctxmix.engine.streaming`): its layers are rebuilt when a
+method reads them instead of held, with the same numbers; each layer's reconstruction error is
+measured when it is first rebuilt.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
 from ctxmix.engine.layer import LayerState, layer_forward
 from ctxmix.engine.models import Model
+from ctxmix.engine.streaming import (
+    CALLS,
+    ReplayedStates,
+    can_stream,
+    install_call_hooks,
+    map_states,
+    replayed_alpha,
+    streams,
+)
 
 
 @dataclass
@@ -35,6 +49,11 @@ class Trace:
     @property
     def n(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the states are rebuilt on demand (a long input; see the module docstring)."""
+        return isinstance(self.states, ReplayedStates)
 
     def type_ids_kwargs(self, batch: int | None = None) -> dict:
         """The token_type_ids keyword of every forward pass on this sequence (or {})."""
@@ -64,7 +83,12 @@ class TraceBatch:
 
     @property
     def n(self) -> int:
-        return self.states[0].x.shape[1]
+        return max(self.lengths)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the states are rebuilt on demand (a long input: maps then go to the host layer by layer)."""
+        return isinstance(self.states, ReplayedStates)
 
     @property
     def lengths(self) -> list[int]:
@@ -82,8 +106,8 @@ class TraceBatch:
         """Sequence b as a one-sequence Trace (views into the batch, cropped to its tokens)."""
         n = len(self.input_ids[b])
         lg = None if self.logits is None else (self.logits[b] if self.logits.dim() == 2 else self.logits[b, :n])
-        states = [st.select(b, n) for st in self.states]
-        hidden = [st.x for st in states] + [states[-1].y]
+        states = map_states(self.states, lambda st: st.select(b, n))
+        hidden = states.hidden if isinstance(states, ReplayedStates) else [st.x for st in states] + [states[-1].y]
         return Trace(
             model=self.model,
             input_ids=list(self.input_ids[b]),
@@ -91,24 +115,33 @@ class TraceBatch:
             hidden=hidden,
             states=states,
             logits=lg,
-            reconstruction_error=float(self.errors[b]) if error is None else error,
+            reconstruction_error=self.sequence_errors()[b] if error is None else error,
             notes=list(self.notes[b]) if self.notes else [],
             token_type_ids=(self.token_type_ids or [None] * self.B)[b],
             segments=(self.segments or [None] * self.B)[b],
         )
+
+    def sequence_errors(self) -> list[float]:
+        """Each sequence's reconstruction error; a streamed trace's covers every layer (those no
+        method has read yet are rebuilt now)."""
+        errs = self.errors.tolist()
+        if isinstance(self.states, ReplayedStates):
+            errs[0] = max(errs[0], self.states.reconstruction_error())
+        return errs
 
     @classmethod
     def of(cls, tr: Trace | TraceBatch) -> TraceBatch:
         """A Trace as a batch of one (views), or a TraceBatch as it is."""
         if isinstance(tr, TraceBatch):
             return tr
-        err = torch.tensor([tr.reconstruction_error], dtype=torch.float64)
+        # a streamed trace's error is its states' (measured as they are built, see `sequence_errors`)
+        err = torch.tensor([0.0 if tr.streamed else tr.reconstruction_error], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
         dev = tr.states[0].x.device
         return cls(
             model=tr.model,
             input_ids=[list(tr.input_ids)],
-            states=[st.as_batch() for st in tr.states],
+            states=map_states(tr.states, LayerState.as_batch),
             logits=lg,
             errors=err,
             notes=[list(tr.notes)],
@@ -143,11 +176,13 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
     return states, err
 
 
-def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict):
+def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict, attentions: bool = True):
     # an encoder-decoder's Model describes its encoder (`ctxmix.engine.seq2seq` traces the decoder)
     net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
-    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, **types)
-    if out.attentions is None or any(a is None for a in out.attentions):
+    if not attentions and "use_cache" in inspect.signature(net.forward).parameters:
+        types = {**types, "use_cache": False}  # a replayed attention call must not append to a KV cache
+    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=attentions, **types)
+    if attentions and (out.attentions is None or any(a is None for a in out.attentions)):
         raise RuntimeError(
             "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
         )
@@ -166,11 +201,20 @@ def trace_ids(
     notes: list[str] | None = None,
     token_type_ids: list[int] | None = None,
     segments: list[int] | None = None,
+    streamed: bool | None = None,
 ) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights.
-    token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given."""
+    token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given.
+    streamed: rebuild the layers on demand instead of holding them (None: when `streams` says so)."""
     ids = torch.tensor([input_ids], device=model.device)
     _check_rows(input_ids, token_type_ids, segments)
+    if streamed is None:
+        streamed = streams(model, len(input_ids))
+    if streamed and can_stream(model):
+        tr = _streamed_trace(model, ids, model.type_ids_kwargs([token_type_ids]))
+        if tr is not None:
+            tr.notes, tr.token_type_ids, tr.segments = list(notes or []), token_type_ids, segments
+            return tr
     out = _forward(model, ids, torch.ones_like(ids), model.type_ids_kwargs([token_type_ids]))
     logits = getattr(out, "logits", None)
     hs = [_activations(model, h[0]) for h in out.hidden_states]
@@ -186,6 +230,51 @@ def trace_ids(
         notes=list(notes or []),
         token_type_ids=token_type_ids,
         segments=segments,
+    )
+
+
+# ---------------------------------------------------------------- streamed traces (`ctxmix.engine.streaming`)
+
+
+class StreamedTrace(Trace):
+    """A Trace whose states are `ReplayedStates`: its reconstruction error is theirs (every layer,
+    rebuilt now if no method has read it), joined with any error given at construction."""
+
+    @property
+    def reconstruction_error(self) -> float:
+        assert isinstance(self.states, ReplayedStates)
+        return max(self._given_error, self.states.reconstruction_error())
+
+    @reconstruction_error.setter
+    def reconstruction_error(self, value: float) -> None:
+        self._given_error = float(value)
+
+
+def _streamed_trace(model: Model, ids: torch.Tensor, types: dict) -> Trace | None:
+    """One sequence's trace whose states are rebuilt on demand. None when the model's attention
+    modules cannot be replayed."""
+    install_call_hooks(model)
+    calls: list = [None] * model.n_layers
+    token = CALLS.set(calls)
+    try:
+        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False)
+    finally:
+        CALLS.reset(token)
+    if any(c is None for c in calls) or replayed_alpha(model, calls[-1]) is None:
+        return None
+    hs = [_activations(model, h[0]) for h in out.hidden_states]
+    states = ReplayedStates(model, hs[:-1], calls, targets=hs)
+    states.hidden = hs[:-1] + [states[-1].y]  # the raw last output, as a stored trace's
+    logits = getattr(out, "logits", None)
+    ids_ = ids[0].tolist()
+    return StreamedTrace(
+        model=model,
+        input_ids=ids_,
+        tokens=model.tokens(ids_),
+        hidden=states.hidden,
+        states=states,  # type: ignore[arg-type]
+        logits=None if logits is None else logits[0],
+        reconstruction_error=0.0,
     )
 
 

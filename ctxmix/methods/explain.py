@@ -365,7 +365,7 @@ def _explanations(
     needed += ["attention"] if "attention_flow" in union and "attention" not in union else []
     maps = mixing_maps_batch(tb, needed, res2, precision) if needed else {}
     heads = head_maps_batch(tb, union) if per_head else {}
-    errs = tb.errors.tolist()
+    errs = tb.sequence_errors()
     out = []
     shared = saliency_options
     for b, methods in enumerate(per):

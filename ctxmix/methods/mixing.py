@@ -37,14 +37,17 @@ def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = 
     M = np.asarray(maps, dtype=np.float64)
     if M.ndim != 3 or M.shape[1] != M.shape[2]:
         raise ValueError(f"rollout needs maps of shape (L, n, n), got {M.shape}")
-    if row_normalise:
-        M = M / np.clip(M.sum(-1, keepdims=True), np.finfo(np.float64).tiny, None)
-    if add_identity:
-        M = 0.5 * M + 0.5 * np.eye(M.shape[1])
+
+    def layer(l: int) -> np.ndarray:  # one layer prepared at a time: a long input's maps are not copied whole
+        m = M[l]
+        if row_normalise:
+            m = m / np.clip(m.sum(-1, keepdims=True), np.finfo(np.float64).tiny, None)
+        return 0.5 * m + 0.5 * np.eye(len(m)) if add_identity else m
+
     out = np.empty_like(M)
-    out[0] = M[0]
+    out[0] = layer(0)
     for l in range(1, len(M)):
-        out[l] = M[l] @ out[l - 1]
+        out[l] = layer(l) @ out[l - 1]
     return out
 
 
@@ -77,12 +80,28 @@ def _ff_width(lw) -> int:
 
 
 def _crop(maps: torch.Tensor, tb: TraceBatch) -> torch.Tensor:
-    """Zero the padded rows and columns of batched maps (B, L, n, n) (padded rows hold values of
+    """Zero the padded rows and columns of batched maps (B, ..., n, n) (padded rows hold values of
     no real token; padded columns are exactly zero already)."""
     if tb.B == 1:
         return maps
-    m = tb.mask
-    return maps * (m[:, None, :, None] & m[:, None, None, :])
+    m = tb.mask.to(maps.device)
+    keep = m[:, :, None] & m[:, None, :]
+    return maps * keep.view(tb.B, *[1] * (maps.dim() - 3), tb.n, tb.n)
+
+
+def map_buffer(tb: TraceBatch, dtype: torch.dtype, *middle: int) -> torch.Tensor:
+    """Zeros (B, L, *middle, n, n) for per-layer maps: on the device in `dtype`, or, for a streamed
+    trace (a long input), on the host in float64, filled layer by layer, so that the maps returned
+    are the only L n^2 arrays held (no device copy, no float32 copy)."""
+    shape = (tb.B, tb.model.n_layers, *middle, tb.n, tb.n)
+    if tb.streamed:
+        return torch.zeros(shape, dtype=torch.float64)
+    return torch.zeros(shape, dtype=dtype, device=tb.states[0].x.device)
+
+
+def _span(rows: torch.Tensor) -> slice:
+    """A chunk of consecutive indices as a slice (writes into a host buffer from any device)."""
+    return slice(int(rows[0]), int(rows[-1]) + 1)
 
 
 def _numpy(maps: torch.Tensor) -> np.ndarray:
@@ -119,9 +138,9 @@ def scope_maps_batch(
         names.append("AtbFfResLn")
     if next_ln and model.spec.position == "sandwich":
         names.append("AtbLnFfLnResLn")
-    B, n, L = tb.B, tb.n, model.n_layers
+    B, n = tb.B, tb.n
     dev = tb.states[0].x.device
-    maps = {s: torch.zeros(B, L, n, n, dtype=tb.states[0].x.dtype, device=dev) for s in names}
+    maps = {s: map_buffer(tb, tb.states[0].x.dtype) for s in names}
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             keep = None if keep_dims is None else keep_dims[l]
@@ -146,7 +165,7 @@ def scope_maps_batch(
                     real_rows = tb.mask[part][:, rows_d]
                     for s, (F, b) in pieces.items():
                         if s in maps:
-                            maps[s][part, l, rows_d] = _norms(F, keep)
+                            maps[s][part, l, _span(rows)] = _norms(F, keep).to(maps[s])
                         if real.get(s) is not None:
                             err = (F.sum(2) + b - real[s]).abs().amax(-1).double()
                             err = torch.where(real_rows, err, 0).amax(-1)
@@ -200,10 +219,9 @@ def scope_layer_maps(
 def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]:
     """GlobEnc's N family and ALTI per layer, {name: (B, L, n, n)} on the device, padding zeroed."""
     model = tb.model
-    B, n, L = tb.B, tb.n, model.n_layers
+    B, n = tb.B, tb.n
     dev = tb.states[0].x.device
-    acc = torch.promote_types(tb.states[0].x.dtype, torch.float32)
-    maps = {m: torch.zeros(B, L, n, n, dtype=acc, device=dev) for m in names}
+    maps = {m: map_buffer(tb, torch.promote_types(tb.states[0].x.dtype, torch.float32)) for m in names}
     causal = model.spec.causal
     for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
         d = st_all.x.shape[-1]
@@ -214,7 +232,7 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
                 rows_d = rows.to(dev)
                 J = int(rows[-1]) + 1 if causal else n  # later columns are zero in a causal model's rows
                 for m, v in norm_family_row_maps(lw, st, rows_d, names, f, J).items():
-                    maps[m][part, l, rows_d, :J] = v.to(acc)
+                    maps[m][part, l, _span(rows), :J] = v.to(maps[m])
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
@@ -229,9 +247,9 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
     call per chunk of zeroed tokens for the whole batch; `factorised=False` applies the FF input
     projection to every perturbed vector."""
     model = tb.model
-    B, n, L = tb.B, tb.n, model.n_layers
+    B, n = tb.B, tb.n
     dev = tb.states[0].x.device
-    out = torch.zeros(B, L, n, n, dtype=torch.float64, device=dev)
+    out = map_buffer(tb, torch.float64)
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
@@ -240,12 +258,12 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
                 # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
                 # cache, 5-20 % faster on CPU than chunks twice as large
                 for cols in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):
-                    cols_d = cols.to(dev)
-                    D = value_zeroing_columns(lw, st, cols_d, prep, factorised, precision)  # (B, c zeroed, n outputs)
-                    out[part, l, :, cols_d] = D.transpose(1, 2)
-    out = _crop(out, tb)
-    s = out.sum(-1, keepdim=True)
-    return out / torch.where(s > 0, s, torch.ones_like(s))
+                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision)  # (B, c zeroed, n)
+                    out[part, l, :, _span(cols)] = D.transpose(1, 2).to(out)
+            layer = _crop(out[:, l], tb)  # normalised one layer at a time: no second (B, L, n, n) copy
+            s = layer.sum(-1, keepdim=True)
+            out[:, l] = layer / torch.where(s > 0, s, torch.ones_like(s))
+    return out
 
 
 def value_zeroing_maps(tr: Trace, factorised: bool = True, precision: str = "float32") -> np.ndarray:
@@ -255,8 +273,12 @@ def value_zeroing_maps(tr: Trace, factorised: bool = True, precision: str = "flo
 
 @torch.no_grad()
 def attention_maps_batch(tb: TraceBatch) -> torch.Tensor:
-    """Head-mean attention probabilities (B, L, n, n) in float64 on the device, padding zeroed."""
-    return _crop(torch.stack([st.alpha.double().mean(1) for st in tb.states], 1), tb)
+    """Head-mean attention probabilities (B, L, n, n) in float64 (on the host for a streamed trace),
+    padding zeroed."""
+    out = map_buffer(tb, torch.float64)
+    for l, st in enumerate(tb.states):
+        out[:, l] = _crop(st.alpha.double().mean(1), tb).to(out)
+    return out
 
 
 def attention_maps(tr: Trace) -> np.ndarray:
@@ -269,27 +291,22 @@ def head_maps_batch(tb: TraceBatch, methods: list[str]) -> dict[str, torch.Tenso
     """Per-head maps {method: (B, L, H, n, n)} in float64 for the methods with a per-head form
     (PER_HEAD_METHODS; see each MethodInfo.per_head). Norm per head is alpha^h_ij ||f^h(x_j)||:
     alpha is a non-negative scalar, so the norm of head h's piece needs no n^2 x d tensor."""
-    from ctxmix.engine.layer import head_vectors
-
-    out = {}
-    if "attention" in methods:
-        out["attention"] = torch.stack([st.alpha.double() for st in tb.states], 1)
-    if "norm" in methods:
-        per = []
-        for lw, st in zip(tb.model.layers, tb.states):
+    want: list[str] = [m for m in ("attention", "norm") if m in methods]
+    H = tb.model.layers[0].n_heads
+    out = {m: map_buffer(tb, torch.float64, H) for m in want}
+    for l, (lw, st) in enumerate(zip(tb.model.layers, tb.states)):
+        if "attention" in out:
+            out["attention"][:, l] = _crop(st.alpha.double(), tb).to(out["attention"])
+        if "norm" in out:
             src = st.x if lw.position == "post" else st.x1
             f = head_vectors(lw, src, with_bias=True).double()  # (B, H, n, d)
             if lw.position == "sandwich":  # N is what the block adds: LNa's share of each head's vector
                 na = lw.post_attn_norm
                 f = (f - f.mean(-1, keepdim=True) if na.kind == "layernorm" else f) * na.gamma.double()
-                per.append(st.alpha.double() * f.norm(dim=-1)[:, :, None, :] / na.scale(st.attn).double()[:, None])
+                per = st.alpha.double() * f.norm(dim=-1)[:, :, None, :] / na.scale(st.attn).double()[:, None]
             else:
-                per.append(st.alpha.double() * f.norm(dim=-1)[:, :, None, :])
-        out["norm"] = torch.stack(per, 1)
-    if tb.B > 1:
-        m = tb.mask
-        keep = m[:, None, None, :, None] & m[:, None, None, None, :]
-        out = {k: v * keep for k, v in out.items()}
+                per = st.alpha.double() * f.norm(dim=-1)[:, :, None, :]
+            out["norm"][:, l] = _crop(per, tb).to(out["norm"])
     return out
 
 
@@ -303,7 +320,7 @@ def mixing_maps_batch(
     if {"attention", "attention_rollout"} & set(want):
         A = attention_maps_batch(tb)
         layer["attention"] = A
-        eye = torch.eye(tb.n, dtype=A.dtype, device=A.device) * tb.mask[:, None, :, None]
+        eye = torch.eye(tb.n, dtype=A.dtype, device=A.device) * tb.mask.to(A.device)[:, None, :, None]
         layer["attention_rollout"] = 0.5 * A + 0.5 * eye
     norm_names = [m for m in want if MIXING_METHODS[m].group == "norm"]
     if norm_names:
