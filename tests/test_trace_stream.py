@@ -122,3 +122,19 @@ def test_the_recording_hooks_are_inert_outside_a_streamed_trace(minilm):
         streaming.CALLS.reset(token)
     assert seen and calls == [None] * minilm.n_layers
     assert trace_ids(minilm, ids, streamed=False).reconstruction_error < 1e-4
+
+
+def test_tf32_switches_set_and_restore_what_a_rebuild_runs_under():
+    """A streamed trace rebuilds its layers under the TF32 switches its forward pass ran with (CUDA);
+    the switches are torch's process-wide flags, so they are checked here without a GPU."""
+    from ctxmix.engine.precision import tf32_now, tf32_switches
+
+    before = tf32_now()
+    with tf32_switches((True, False), "cuda"):
+        assert tf32_now() == (True, False)
+        with tf32_switches((False, True), "cuda"):  # nested inside engine_precision: the lock is re-entrant
+            assert tf32_now() == (False, True)
+        assert tf32_now() == (True, False)
+    assert tf32_now() == before
+    with tf32_switches((not before[0], not before[1]), "cpu"):  # nothing to set on a CPU
+        assert tf32_now() == before

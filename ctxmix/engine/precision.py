@@ -41,15 +41,27 @@ def engine_precision(precision: str, device):
     """Run the enclosed engine work in `precision`. On CUDA: under a process-wide lock, with
     torch's TF32 matmul switch on only for "tf32" and restored afterwards. On CPU: nothing to set."""
     check_precision(precision)
+    if torch.device(device).type != "cuda" and precision == "bf16":
+        warn_if_bf16_is_slow()
+    with tf32_switches((precision == "tf32",) * 2, device):
+        yield
+
+
+def tf32_now() -> tuple[bool, bool]:
+    """torch's TF32 switches (matmul, cuDNN) as they are set now."""
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@contextmanager
+def tf32_switches(flags: tuple[bool, bool], device):
+    """Run the enclosed work with torch's TF32 switches at `flags` on CUDA, under the process-wide
+    lock, restored afterwards (a streamed trace rebuilds its layers as its forward pass ran); nothing on CPU."""
     if torch.device(device).type != "cuda":
-        if precision == "bf16":
-            warn_if_bf16_is_slow()
         yield
         return
     with _CUDA_LOCK:
-        old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+        old = tf32_now()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
         try:
             yield
         finally:

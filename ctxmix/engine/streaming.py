@@ -24,6 +24,7 @@ from ctxmix.engine.arch import _get
 from ctxmix.engine.budget import memory_budget, sequence_bytes
 from ctxmix.engine.layer import LayerState, layer_forward
 from ctxmix.engine.models import Model
+from ctxmix.engine.precision import tf32_now, tf32_switches
 
 CALLS: ContextVar[list | None] = ContextVar("ctxmix_attention_calls", default=None)
 _HOOK_LOCK = threading.Lock()
@@ -48,10 +49,17 @@ def attention_modules(model: Model) -> list[torch.nn.Module]:
     return [_get(layer, parent) for layer in _get(model.hf.base_model, model.spec.layers)]
 
 
+def _no_cache(v):
+    """A KV cache is state a replayed call must neither read nor append to (`_forward` asks for none)."""
+    from transformers.cache_utils import Cache
+
+    return None if isinstance(v, Cache) else v
+
+
 def _record_call(l: int, module, args, kwargs) -> None:
     calls = CALLS.get()
     if calls is not None:
-        calls[l] = (module, args, dict(kwargs))
+        calls[l] = (module, tuple(_no_cache(a) for a in args), {k: _no_cache(v) for k, v in kwargs.items()})
 
 
 def install_call_hooks(model: Model) -> None:
@@ -71,10 +79,7 @@ def install_call_hooks(model: Model) -> None:
 def replayed_alpha(model: Model, call) -> torch.Tensor | None:
     """The attention probabilities (H, n, n) of one recorded attention call, computed again; None when
     the module does not return them (then the model cannot be streamed)."""
-    from transformers.cache_utils import Cache
-
     module, args, kwargs = call
-    kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
     if "output_attentions" in inspect.signature(module.forward).parameters:  # DeBERTa's returns None without it
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
         bound.arguments["output_attentions"] = True
@@ -104,6 +109,7 @@ class ReplayedStates(Sequence):
         self._base: ReplayedStates | None = base
         self._view: Callable[[LayerState], LayerState] | None = view
         self._last: tuple[int, LayerState] | None = None
+        self._tf32 = tf32_now()  # the switches the forward pass ran under, for the rebuilds (CUDA)
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -115,20 +121,22 @@ class ReplayedStates(Sequence):
         if self._base is not None:
             assert self._view is not None
             return self._view(self._base[l])
-        if self._last is None or self._last[0] != l:
-            self._last = None  # free the previous layer first
+        last = self._last  # read once: another thread reading this trace may replace it
+        if last is not None and last[0] == l:
+            return last[1]
+        self._last = None  # free the previous layer first
+        with torch.no_grad(), tf32_switches(self._tf32, self.model.device):  # as the forward pass ran
             alpha = replayed_alpha(self.model, self.calls[l])
             if alpha is None:
                 raise RuntimeError(f"layer {l}'s attention module returned no probabilities when called again")
-            with torch.no_grad():
-                st = layer_forward(self.model.layers[l], self.hidden[l], alpha)
-                if self._errors[l] is None and self._targets is not None:
-                    lw, mine = self.model.layers[l], st.y
-                    if l == len(self) - 1 and self.model.spec.final_norm is not None:
-                        mine = lw.next_norm(mine)  # as in `_rebuild`: the model's last state is after the final norm
-                    self._errors[l] = float((mine - self._targets[l + 1]).abs().max())
-            self._last = (l, st)
-        return self._last[1]
+            st = layer_forward(self.model.layers[l], self.hidden[l], alpha)
+        if self._errors[l] is None and self._targets is not None:
+            mine = st.y
+            if l == len(self) - 1 and self.model.spec.final_norm is not None:
+                mine = self.model.layers[l].next_norm(mine)  # as in `_rebuild`: the model's is after the final norm
+            self._errors[l] = float((mine - self._targets[l + 1]).abs().max())
+        self._last = (l, st)
+        return st
 
     def reconstruction_error(self) -> float:
         """The largest error of the rebuilt layers against the model's own states, over every layer."""

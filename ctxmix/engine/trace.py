@@ -134,8 +134,9 @@ class TraceBatch:
         """A Trace as a batch of one (views), or a TraceBatch as it is."""
         if isinstance(tr, TraceBatch):
             return tr
-        # a streamed trace's error is its states' (measured as they are built, see `sequence_errors`)
-        err = torch.tensor([0.0 if tr.streamed else tr.reconstruction_error], dtype=torch.float64)
+        # a streamed trace's own error is its states' (measured as they are built, see `sequence_errors`)
+        given = tr._given_error if isinstance(tr, StreamedTrace) else tr.reconstruction_error
+        err = torch.tensor([given], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
         dev = tr.states[0].x.device
         return cls(
