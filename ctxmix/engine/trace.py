@@ -138,7 +138,7 @@ class TraceBatch:
         given = tr._given_error if isinstance(tr, StreamedTrace) else tr.reconstruction_error
         err = torch.tensor([given], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
-        dev = tr.states[0].x.device
+        dev = tr.hidden[0].device  # not states[0]: that would rebuild a streamed trace's first layer
         return cls(
             model=tr.model,
             input_ids=[list(tr.input_ids)],
