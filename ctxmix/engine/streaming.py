@@ -80,8 +80,9 @@ def replayed_alpha(model: Model, call) -> torch.Tensor | None:
     """The attention probabilities (H, n, n) of one recorded attention call, computed again; None when
     the module does not return them (then the model cannot be streamed)."""
     module, args, kwargs = call
-    if "output_attentions" in inspect.signature(module.forward).parameters:  # DeBERTa's returns None without it
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    sig = inspect.signature(module.forward)
+    if "output_attentions" in sig.parameters:  # DeBERTa's returns None without it
+        bound = sig.bind(*args, **kwargs)
         bound.arguments["output_attentions"] = True
         args, kwargs = bound.args, bound.kwargs
     with torch.no_grad():
@@ -90,6 +91,10 @@ def replayed_alpha(model: Model, call) -> torch.Tensor | None:
     if not isinstance(alpha, torch.Tensor) or alpha.dim() != 4:
         return None
     return alpha[0].to(model.work_dtype)  # the dtype the decompositions run in, as a stored trace's
+
+
+class NotReplayable(RuntimeError):
+    """An attention module that returns no probabilities when called again (the trace is then stored)."""
 
 
 class ReplayedStates(Sequence):
@@ -128,7 +133,7 @@ class ReplayedStates(Sequence):
         with torch.no_grad(), tf32_switches(self._tf32, self.model.device):  # as the forward pass ran
             alpha = replayed_alpha(self.model, self.calls[l])
             if alpha is None:
-                raise RuntimeError(f"layer {l}'s attention module returned no probabilities when called again")
+                raise NotReplayable(f"layer {l}'s attention module returned no probabilities when called again")
             st = layer_forward(self.model.layers[l], self.hidden[l], alpha)
         if self._errors[l] is None and self._targets is not None:
             mine = st.y

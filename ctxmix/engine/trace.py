@@ -22,11 +22,11 @@ from ctxmix.engine.layer import LayerState, layer_forward
 from ctxmix.engine.models import Model
 from ctxmix.engine.streaming import (
     CALLS,
+    NotReplayable,
     ReplayedStates,
     can_stream,
     install_call_hooks,
     map_states,
-    replayed_alpha,
     streams,
 )
 
@@ -261,11 +261,15 @@ def _streamed_trace(model: Model, ids: torch.Tensor, types: dict) -> Trace | Non
         out = _forward(model, ids, torch.ones_like(ids), types, attentions=False)
     finally:
         CALLS.reset(token)
-    if any(c is None for c in calls) or replayed_alpha(model, calls[-1]) is None:
+    if any(c is None for c in calls):
         return None
     hs = [_activations(model, h[0]) for h in out.hidden_states]
     states = ReplayedStates(model, hs[:-1], calls, targets=hs)
-    states.hidden = hs[:-1] + [states[-1].y]  # the raw last output, as a stored trace's
+    try:
+        last = states[-1]  # the first rebuild also tells whether the attention modules can be replayed
+    except NotReplayable:
+        return None
+    states.hidden = hs[:-1] + [last.y]  # the raw last output, as a stored trace's
     logits = getattr(out, "logits", None)
     ids_ = ids[0].tolist()
     return StreamedTrace(
