@@ -93,21 +93,26 @@ if not methods:
     st.info("Choose at least one method.")
     st.stop()
 
+prompt_ids = None
+with common.errors_as_messages():
+    prompt_ids = model.encode_input(source).ids
+if prompt_ids is None:  # the text could not be tokenised: the message is shown
+    st.stop()
+# the caps before any model call: a text over the cap is refused here, before Generate is offered
+common.stop_over_cap(len(prompt_ids))
+
 gen, gen_t, gen_contrast = None, None, False  # a language model's continuation and the token explained
 if model.kind == "causal_lm":
     with common.errors_as_messages():
-        gen, gen_t, gen_contrast = views.generation_controls(model, model.encode_input(source).ids)
+        gen, gen_t, gen_contrast = views.generation_controls(model, prompt_ids)
 
 with common.errors_as_messages():
-    ids = model.encode_input(source).ids if gen_t is None else gen.input_ids[: gen_t + 1]
+    ids = prompt_ids if gen_t is None else gen.input_ids[: gen_t + 1]
     if target_text.strip():
         from ctxmix.engine.seq2seq import encode_target
 
         ids = ids + encode_target(model, target_text)[0]
-    lim = common.limits()
-    if len(ids) > lim["max_tokens"]:
-        st.error(f"The text has {len(ids)} tokens; the limit here is {lim['max_tokens']}.")
-        st.stop()
+    common.stop_over_cap(len(ids), "The text and its target" if target_text.strip() else "The text")
     opts = {}
     c1, c2, c3, c4 = st.columns(4)
     if gen_t is not None:  # a generated token: its row t - 1, the token as target, the runner-up as foil

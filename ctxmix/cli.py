@@ -120,7 +120,9 @@ def cmd_routes(args) -> None:
     from ctxmix.export.plots import save_figure
 
     m = _load(args)
-    r = ctxmix.routes(m, args.text, position=args.position, threshold=args.threshold, mode=args.mode, p=args.p)
+    r = ctxmix.routes(
+        m, args.text, position=args.position, threshold=args.threshold, mode=args.mode, p=args.p, dense=args.dense
+    )
     if not args.out:
         print(r)
         print(r.graph_edges().to_string(index=False, float_format="{:.3f}".format))
@@ -330,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threshold", type=float, default=0.04, help="tau (the LM Transparency Tool's default 0.04)")
     s.add_argument("--mode", choices=["subedge_renorm", "summed_edge"], default="subedge_renorm")
     s.add_argument("--p", type=float, default=1, help="the distance's norm (1: L1, the default)")
+    s.add_argument(
+        "--dense",
+        action="store_true",
+        help="allow a threshold below 0.01 on more than 256 tokens: nearly every edge is kept, "
+        "about layers x heads x n^2/2 rows (refused without this flag)",
+    )
     s.add_argument("--out", help="output .json (the graph) or .html/.png/.svg/.pdf (the figure)")
     s.set_defaults(func=cmd_routes)
 

@@ -425,3 +425,99 @@ def test_generate_click_a_token_and_see_its_routes_on_smollm2():
     assert again.slider(key="tau").value == pytest.approx(0.10)  # a link's tau outside the slider is clamped
     other = _run("app.py", model="smollm2", method=["alti"], text="Another prompt", tok=str(first), **params)
     assert not any(c.value.startswith("Explaining generated token") for c in other.caption)
+
+
+# ---------------------------------------------------------------- hosted caps before any model call
+
+PROMPT_440 = " ".join(["the keys to the cabinet"] * 87 + ["are on the"])  # 438 words + [CLS], [SEP]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama folder (window 512, the tokenizer's) for the hosted allow-list: no real text
+    behaviour is needed, only a language model the page offers Generate for."""
+    import torch
+    from conftest import tiny_variant
+
+    m = tiny_variant("llama", tokenizer, name="tiny-llama-long", max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("hosted") / "lm"
+    m.hf.config.architectures = [type(m.hf).__name__]
+    m.hf.to(torch.float32).save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+class _ForwardCalls:
+    """Every forward call of any torch module in this process while it is open (the page's model included)."""
+
+    def __enter__(self):
+        import torch
+
+        self.calls: list[str] = []
+        self._h = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda mod, args: self.calls.append(type(mod).__name__)
+        )
+        return self.calls
+
+    def __exit__(self, *exc):
+        self._h.remove()
+
+
+def _hosted(monkeypatch, model_dir: str, **params) -> AppTest:
+    """The Explain page in hosted mode (logged in) with a 128-token cap and the tiny model allow-listed."""
+    monkeypatch.setenv("CTXMIX_HOSTED", "1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.secrets["password"] = "s3cret"
+    at.secrets["max_tokens"] = 128
+    at.secrets["allowed_models"] = [model_dir]
+    at.session_state["authenticated"] = True
+    for k, v in {"model": model_dir, "routes": "0", "scopes": "0", "method": ["attention"], **params}.items():
+        at.query_params[k] = v
+    return at
+
+
+def test_hosted_over_cap_prompt_runs_no_model(monkeypatch, tiny_lm_dir):
+    """Hosted, 128-token cap: a 440-token prompt is refused with the limit named, Generate is not offered,
+    and no forward pass runs (before, Generate was offered, and ran, ahead of the cap check)."""
+    at = _hosted(monkeypatch, tiny_lm_dir, text=PROMPT_440)
+    with _ForwardCalls() as calls:
+        at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value for e in at.error] == [
+        "The text has 440 tokens; the limit here is 128 tokens per sequence (max_tokens, special tokens "
+        "included): shorten it by 312 tokens"
+    ]
+    assert "generate" not in [b.key for b in at.button]
+    assert calls == []
+
+
+def test_hosted_generate_click_on_an_over_cap_prompt_runs_no_model(monkeypatch, tiny_lm_dir):
+    """The user's path: a short prompt, then a 440-token one typed in and Generate clicked in the same
+    rerun: refused before any model call; Generate's new tokens count against the cap with the prompt."""
+    at = _hosted(monkeypatch, tiny_lm_dir, text="the keys to the cabinet")
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    assert at.number_input(key="gen_n").max == 64  # 7 prompt tokens: room for Generate's own most, 64
+    at.text_area(key="text").input(PROMPT_440)
+    at.button(key="generate").click()
+    with _ForwardCalls() as calls:
+        at.run()
+    assert any("The text has 440 tokens; the limit here is 128" in e.value for e in at.error)
+    assert "cont" not in at.query_params and calls == []
+    # 125 prompt tokens: 3 new ones fit, and generating them runs the model (the counter's control)
+    at.text_area(key="text").input(" ".join(["word"] * 123))
+    at.run()
+    assert at.number_input(key="gen_n").max == 3 and "count together" in at.number_input(key="gen_n").help
+    at.number_input(key="gen_n").set_value(3)
+    at.button(key="generate").click()
+    with _ForwardCalls() as calls:
+        at.run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    cont = at.query_params["cont"]
+    assert len((cont[0] if isinstance(cont, list) else cont).split(",")) == 3 and calls
+    # a prompt that fills the cap leaves no room: Generate is not offered
+    at.text_area(key="text").input(" ".join(["word"] * 126))
+    with _ForwardCalls() as calls:
+        at.run()
+    assert "generate" not in [b.key for b in at.button]
+    assert any("no room to generate" in i.value for i in at.info)

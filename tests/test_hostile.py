@@ -2,6 +2,7 @@
 case ends in a short message (BadInput / ModelLoadError, or exit code 2 with one `error:` line),
 never a traceback, a hang or a silent wrong number. Fast: tiny models, the CLI in-process."""
 
+import contextlib
 import io
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_variant
 
 import ctxmix
 from ctxmix.errors import BadInput, CtxmixError
@@ -214,6 +215,164 @@ def test_load_model_rejects(case):
 def test_cuda_without_a_device():
     with pytest.raises(BadInput, match="no CUDA device"):
         ctxmix.load_model("minilm", device="cuda")
+
+
+# ----------------------------------------------------------------------------- caps before any forward pass
+# Each refusal below must come before the model runs: a forward pre-hook on every module counts the calls,
+# and a control call beside each refusal shows that the counter sees the model when it does run.
+
+
+@contextlib.contextmanager
+def forward_calls(model=None):
+    """The forward calls made inside the block: every module of `model.hf` (or of any model when None)."""
+    mine = None if model is None else {id(m) for m in model.hf.modules()}
+    calls: list[str] = []
+
+    def hook(module, args):
+        if mine is None or id(module) in mine:
+            calls.append(type(module).__name__)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def lm(tokenizer):
+    """A tiny random Llama with a window of 128 positions."""
+    return tiny_model("llama", tokenizer, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def long_lm(tokenizer):
+    """A tiny random Llama whose window (512, the tokenizer's) holds inputs over routes' dense limit."""
+    return tiny_variant("llama", tokenizer, name="tiny-llama-long", max_position_embeddings=1024)
+
+
+def test_generate_over_the_window_is_refused_before_any_forward(lm):
+    assert lm.max_length == 128
+    prompt = [101] + [1996] * 119  # 120 tokens: 8 new ones fit the window
+    for kw, words in [
+        ({"max_new_tokens": 9}, "120 prompt tokens \\+ 9 new ones = 129 exceed tiny-llama's window of 128.*at most 8"),
+        ({"max_new_tokens": 10**6}, "from 1 to 127 .*window of 128"),
+        ({"max_new_tokens": 128}, "from 1 to 127 .*window of 128"),
+    ]:
+        with forward_calls(lm) as calls, pytest.raises(BadInput, match=words):
+            ctxmix.generate(lm, input_ids=prompt, **kw)
+        assert calls == [], kw
+    with pytest.raises(BadInput, match="shorten the prompt"):
+        ctxmix.generate(lm, input_ids=[101] * 128, max_new_tokens=1)
+    with forward_calls(lm) as calls:
+        assert len(ctxmix.generate(lm, input_ids=prompt, max_new_tokens=8).new_ids) == 8
+    assert calls  # the control: the counter sees generation
+
+
+def test_server_caps_for_one_request():
+    """The hosted caps the pages apply before any model call: prompt + new tokens <= max_tokens."""
+    from ctxmix.service.limits import HOSTED, LOCAL, check_generation, check_tokens, generation_room
+
+    assert HOSTED.max_tokens == 128
+    assert generation_room(120, HOSTED) == 8 and generation_room(128, HOSTED) == 0 and generation_room(440, HOSTED) == 0
+    assert generation_room(3, HOSTED) == 64 and generation_room(3, HOSTED, most=10) == 10
+    check_generation(120, 8, HOSTED)
+    with pytest.raises(BadInput, match="120 prompt tokens \\+ 9 new ones = 129; the limit here is 128 .*at most 8"):
+        check_generation(120, 9, HOSTED)
+    with pytest.raises(BadInput, match="prompt has 440 tokens; the limit here is 128 .*continuation together"):
+        check_generation(440, 1, HOSTED)
+    check_tokens(128, HOSTED)
+    with pytest.raises(BadInput, match="has 440 tokens; the limit here is 128 tokens per sequence \\(max_tokens"):
+        check_tokens(440, HOSTED)
+    check_tokens(440, LOCAL)
+
+
+def test_dense_routes_are_refused_before_any_forward(long_lm, monkeypatch):
+    import ctxmix.methods.routes as routes_mod
+
+    ids = [101] + [1996] * 299  # 300 tokens, over DENSE_MAX_TOKENS
+    assert routes_mod.DENSE_MAX_TOKENS == 256 and routes_mod.DENSE_THRESHOLD == 0.01
+    rows = 2 * 4 * 300 * 301 // 2  # layers x heads x causal token pairs
+    for tau in (0.0, 0.005):
+        with forward_calls(long_lm) as calls, pytest.raises(BadInput, match=f"{rows:,} rows.*dense=True"):
+            ctxmix.routes(long_lm, input_ids=ids, threshold=tau)
+        assert calls == [], tau
+    with pytest.raises(BadInput, match="dense must be True or False"):
+        ctxmix.routes(long_lm, input_ids=ids, threshold=0.0, dense="yes")
+    # the boundary, and dense=True passing the guard (the graph itself is not built here: too slow)
+    routes_mod.check_dense(long_lm, 256, 0.0, False)
+    routes_mod.check_dense(long_lm, 257, 0.01, False)
+    routes_mod.check_dense(long_lm, 5000, 0.0, True)
+    with pytest.raises(BadInput, match="on 257 tokens"):
+        routes_mod.check_dense(long_lm, 257, 0.0099, False)
+    monkeypatch.setattr(routes_mod, "routes_from_trace", lambda *a, **k: "built")
+    with forward_calls(long_lm) as calls:
+        assert ctxmix.routes(long_lm, input_ids=ids, threshold=0.0, dense=True) == "built"
+    assert calls  # the control: with dense=True the model is traced
+
+
+def test_cli_routes_dense_flag(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = " ".join(["word"] * 300)  # 302 tokens with [CLS] and [SEP] on minilm
+    with forward_calls() as calls:
+        code, err = _cli(["routes", text, "--threshold", "0"])
+    assert code == 2 and "--dense" in err and f"{6 * 12 * 302 * 302:,} rows" in err, err
+    assert calls == []
+    seen = {}
+
+    def fake(model, text, **kw):
+        seen.update(kw)
+        raise BadInput("stop here")
+
+    monkeypatch.setattr(ctxmix, "routes", fake)
+    code, err = _cli(["routes", text, "--threshold", "0", "--dense"])
+    assert code == 2 and "stop here" in err and seen["dense"] is True and seen["threshold"] == 0.0
+
+
+def test_explain_costs_are_refused_before_any_forward(bert, monkeypatch):
+    """Attention flow's time limit, DecompX's memory budget and the model's window: refused before the
+    trace (attention flow and DecompX were checked after it)."""
+    ids = [101] + [1996] * 198 + [102]  # 200 tokens: every row of attention flow on 2 layers is over its limit
+    with forward_calls(bert) as calls, pytest.raises(BadInput, match="attention flow on 200 tokens"):
+        ctxmix.explain(bert, None, ["attention_flow"], input_ids=ids, flow_rows="all")
+    assert calls == []
+    with forward_calls(bert) as calls, pytest.raises(BadInput, match="at most 512"):
+        ctxmix.explain(bert, None, ["alti"], input_ids=[101] * 600)
+    assert calls == []
+    import ctxmix.engine.budget as budget
+
+    monkeypatch.setattr(budget, "memory_budget", lambda device: 1)  # no byte to spare
+    with forward_calls(bert) as calls, pytest.raises(BadInput, match="(?s)decompx.*budget"):
+        ctxmix.explain(bert, "a b", ["decompx"])
+    assert calls == []
+    monkeypatch.undo()
+    with forward_calls(bert) as calls:
+        ctxmix.explain(bert, None, ["attention_flow"], input_ids=ids[:20])
+    assert calls  # the control
+
+
+def test_corpus_caps_before_any_forward(bert):
+    """The dashboard's corpus caps (corpus_report's max_total_tokens, max_tokens): a job over its token cap
+    is refused before the first batch; a sequence over the per-sequence cap is cut, so no forward pass sees
+    more tokens than the cap."""
+    with forward_calls(bert) as calls, pytest.raises(BadInput, match="the cap here is 10"):
+        ctxmix.corpus_report(bert, TEXTS, change=True, amp=True, max_total_tokens=10, progress=False)
+    assert calls == []
+    lengths: list[int] = []
+    handle = bert.hf.register_forward_pre_hook(
+        lambda mod, args, kwargs: lengths.append(
+            (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1]
+        ),
+        with_kwargs=True,
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cut's warning
+            ctxmix.corpus_report(bert, TEXTS, change=True, max_tokens=6, progress=False)
+    finally:
+        handle.remove()
+    assert lengths and max(lengths) == 6, lengths
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -94,12 +94,13 @@ class Generation:
 def _check(model: Model, max_new_tokens, temperature, top_k, top_p, seed, greedy) -> None:
     if model.kind != "causal_lm":
         raise BadInput(f"generate needs a causal language model; {model.name} is a {model.kind}")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or not 1 <= max_new_tokens <= MAX_NEW_TOKENS
-    ):
-        raise BadInput(f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
+    window = model.max_length
+    most = max(1, min(MAX_NEW_TOKENS, window - 1))  # a prompt has at least one token
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= most:
+        raise BadInput(
+            f"max_new_tokens must be a whole number from 1 to {most} (at most {MAX_NEW_TOKENS}, and the prompt "
+            f"and its continuation share {model.name}'s window of {window} positions), got {max_new_tokens!r}"
+        )
     if not isinstance(greedy, bool):
         raise BadInput(f"greedy must be True or False, got {greedy!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
@@ -185,8 +186,13 @@ def generate(
     e = encode_one(model, prompt if input_ids is None else input_ids, ids=input_ids is not None)
     ids = list(e.ids)
     limit = model.max_length
-    if limit and len(ids) + max_new_tokens > limit:
-        raise BadInput(f"{len(ids)} prompt tokens + {max_new_tokens} new ones exceed {model.name}'s {limit} positions")
+    if len(ids) + max_new_tokens > limit:  # before any forward pass
+        room = limit - len(ids)
+        raise BadInput(
+            f"{len(ids)} prompt tokens + {max_new_tokens} new ones = {len(ids) + max_new_tokens} exceed "
+            f"{model.name}'s window of {limit} positions (the prompt and its continuation together): "
+            + (f"ask for at most {room} new tokens, or shorten the prompt" if room >= 1 else "shorten the prompt")
+        )
     gen = torch.Generator().manual_seed(0 if seed is None else int(seed))
     eos = _eos_ids(model)
     hf = model.hf

@@ -115,7 +115,13 @@ def explain(
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
-    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
+    e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
+    predicting = [m for m in methods if m in PREDICTION_METHODS]
+    if predicting:  # attention flow's cost and DecompX's memory, refused before the forward pass
+        from ctxmix.methods.prediction import check_prediction_call
+
+        check_prediction_call(model, predicting, embedding, flow_rows, len(e.ids), decompx)
+    tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(

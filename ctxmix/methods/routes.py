@@ -353,6 +353,39 @@ def check_routes_call(threshold, mode: str, p, eps, value_bias: str) -> None:
         raise BadInput(f"value_bias must be one of {', '.join(VALUE_BIAS)}, got {value_bias!r}")
 
 
+# Below DENSE_THRESHOLD almost every edge survives and the graph is the dense one: every node of every
+# layer, each with H parts per source, held as Python rows (edges and incoming parts, one row each). On
+# smollm2 (30 layers x 9 heads) at threshold 0 that is 2.2 million rows per table at n = 128, built in
+# 18 s on a 2-core AMD EPYC (about 8.5 us a row), so about 8.9 million (75 s) at 256, 35 million
+# (several minutes, gigabytes) at 512 and 566 million at 2,048 (it would not finish). Over
+# DENSE_MAX_TOKENS tokens such a threshold needs dense=True.
+DENSE_THRESHOLD = 0.01
+DENSE_MAX_TOKENS = 256
+
+
+def dense_rows(model: Model, n: int) -> int:
+    """Rows of each of the routes' tables (edges, incoming parts) when every edge is kept: one per layer,
+    head, target and source, L * H * n(n+1)/2 under causal attention, L * H * n^2 otherwise."""
+    pairs = n * (n + 1) // 2 if model.spec.causal else n * n
+    return model.n_layers * model.layers[0].n_heads * pairs
+
+
+def check_dense(model: Model, n: int, threshold: float, dense) -> None:
+    """Refuse, before the forward pass, a threshold below DENSE_THRESHOLD on more than DENSE_MAX_TOKENS
+    tokens unless the caller asks for the dense graph (dense=True), with the rows it would build."""
+    if not isinstance(dense, bool):
+        raise BadInput(f"dense must be True or False, got {dense!r}")
+    if dense or threshold >= DENSE_THRESHOLD or n <= DENSE_MAX_TOKENS:
+        return
+    raise BadInput(
+        f"routes with threshold {threshold:g} on {n} tokens keep nearly every edge: up to about "
+        f"{dense_rows(model, n):,} rows in each table ({model.n_layers} layers x {model.layers[0].n_heads} heads x "
+        f"{'n(n+1)/2' if model.spec.causal else 'n^2'} token pairs), which can take hours and tens of GB; "
+        f"a threshold below {DENSE_THRESHOLD} is allowed up to {DENSE_MAX_TOKENS} tokens. Use threshold >= "
+        f"{DENSE_THRESHOLD} (the default 0.04), or pass dense=True (CLI: --dense) to build the dense graph anyway"
+    )
+
+
 def resolve_position(n: int, position, default: int) -> int:
     if position is None:
         return default
@@ -565,6 +598,7 @@ def routes(
     p: float = 1,
     eps: float = EPS,
     value_bias: str = "unattributed",
+    dense: bool = False,
 ) -> Routes:
     """Information flow routes (Ferrando & Voita 2024) to the top residual state at `position` (the
     last token by default on a decoder; [CLS] on an encoder; negative counts from the end).
@@ -575,6 +609,9 @@ def routes(
     (1, the default; 2 as some of the tool's tests); eps: the proximity's clip (the tool's 1e-5; 0 is the
     paper's); value_bias: "unattributed" (the tool) or "distribute" (ALTI's). See `ctxmix.methods.routes`
     for the graph and every architecture's rule. Decoders and encoders; not encoder-decoders.
+    dense: a threshold below 0.01 (`DENSE_THRESHOLD`) keeps nearly every edge, about L * H * n^2 / 2 rows
+    held in Python; on more than 256 tokens (`DENSE_MAX_TOKENS`) it is refused before the forward pass
+    unless dense=True asks for that graph explicitly.
     """
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.explain import default_position, encode_one
@@ -586,5 +623,6 @@ def routes(
         raise BadInput("give a text or input_ids (one of them)")
     e = encode_one(model, text if input_ids is None else input_ids, ids=input_ids is not None)
     pos = resolve_position(len(e.ids), position, default_position(model, e.ids))
+    check_dense(model, len(e.ids), threshold, dense)
     tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
     return routes_from_trace(model, tr, pos, threshold, mode, p, eps, value_bias)

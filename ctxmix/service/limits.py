@@ -4,7 +4,8 @@ Hosted mode is on when CTXMIX_HOSTED is set, when the secrets file says `hosted 
 when any password is configured (CTXMIX_PASSWORD or `password` in secrets): a password means
 the server is meant to be shared, so login, caps and the model allow-list all apply (fail
 closed). The secrets file is Streamlit's `.streamlit/secrets.toml` (the working directory's,
-then the user's); its `max_*` keys override the hosted caps.
+then the user's); its `max_*` keys override the hosted caps. `check_tokens`, `generation_room` and
+`check_generation` apply the caps to one request before any model call (the pages call them).
 """
 
 from __future__ import annotations
@@ -112,6 +113,46 @@ def load_limits(hosted: bool, secrets: Mapping | None = None) -> Limits:
                 )
             over[f.name] = kind(v)
     return replace(HOSTED, **over)
+
+
+# ---------------------------------------------------------------- caps on one request, before any model call
+# The pages call these before the model runs (tokenising is not a model call), so a request over a cap
+# costs the server nothing: no forward pass, no generation step.
+
+GENERATE_MAX_NEW = 64  # new tokens one click of the dashboard's Generate may ask for, whatever the cap
+
+
+def check_tokens(n: int, limits: Limits, what: str = "The text") -> None:
+    """Refuse a sequence of n tokens (special tokens included) over the per-sequence cap `max_tokens`."""
+    if n > limits.max_tokens:
+        raise BadInput(
+            f"{what} has {n} tokens; the limit here is {limits.max_tokens} tokens per sequence "
+            f"(max_tokens, special tokens included): shorten it by {n - limits.max_tokens} tokens"
+        )
+
+
+def generation_room(prompt_tokens: int, limits: Limits, most: int = GENERATE_MAX_NEW) -> int:
+    """How many new tokens a prompt of `prompt_tokens` may still get: the prompt and its continuation
+    count together against `max_tokens` (prompt + max_new_tokens <= max_tokens), and at most `most`.
+    0 when the prompt leaves no room."""
+    return max(0, min(int(most), limits.max_tokens - int(prompt_tokens)))
+
+
+def check_generation(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:
+    """Refuse a generation whose prompt plus new tokens would pass `max_tokens` (the continuation is
+    explained with its prompt, so both count), before any generation step."""
+    cap = limits.max_tokens
+    if prompt_tokens + max_new_tokens <= cap:
+        return
+    rule = f"the limit here is {cap} tokens per sequence (max_tokens), the prompt and its continuation together"
+    if prompt_tokens >= cap:
+        raise BadInput(
+            f"The prompt has {prompt_tokens} tokens; {rule}: shorten the prompt to at most {cap - 1} tokens to generate"
+        )
+    raise BadInput(
+        f"{prompt_tokens} prompt tokens + {max_new_tokens} new ones = {prompt_tokens + max_new_tokens}; {rule}: "
+        f"ask for at most {cap - prompt_tokens} new tokens, or shorten the prompt"
+    )
 
 
 def check_archive(data: bytes | Path, limits: Limits, name: str = "the file") -> None:

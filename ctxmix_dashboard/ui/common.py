@@ -18,7 +18,7 @@ from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlExcepti
 
 import ctxmix
 from ctxmix.export import plots
-from ctxmix.service.limits import hosted_mode, load_limits
+from ctxmix.service.limits import Limits, check_tokens, hosted_mode, load_limits
 from ctxmix.service.limits import password as ctxmix_password
 
 EMBEDDED_MODELS = ["minilm", "minilm-sentiment", "smollm2"]
@@ -48,9 +48,23 @@ def hosted() -> bool:
     return hosted_mode(os.environ, _secrets())
 
 
-def limits() -> dict:
+def server_limits() -> Limits:
     """The caps of this server (ctxmix.service.limits): generous locally, tight in hosted mode."""
-    return asdict(load_limits(hosted(), _secrets()))
+    return load_limits(hosted(), _secrets())
+
+
+def limits() -> dict:
+    """server_limits() as a dict."""
+    return asdict(server_limits())
+
+
+def stop_over_cap(n_tokens: int, what: str = "The text") -> None:
+    """Before any model call: a sequence over the per-sequence cap is an error message and the page stops."""
+    try:
+        check_tokens(n_tokens, server_limits(), what)
+    except ctxmix.CtxmixError as e:
+        st.error(str(e))
+        st.stop()
 
 
 def allowed_models() -> list[str]:

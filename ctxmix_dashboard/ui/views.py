@@ -235,14 +235,29 @@ def generation_controls(model, prompt_ids: list[int]):
     continuation's ids and the chosen token live in the link (`cont`, `tok`)."""
     import ctxmix
     from ctxmix.engine.generate import MAX_NEW_TOKENS, prompt_key
+    from ctxmix.service.limits import GENERATE_MAX_NEW, check_generation, generation_room
 
-    lim = common.limits()
+    lim = common.server_limits()
     for_prompt = prompt_key(prompt_ids)
     with st.container(border=True):
         st.markdown("**Generate** a continuation, then click a generated token to explain it")
+        room = generation_room(len(prompt_ids), lim, min(MAX_NEW_TOKENS, GENERATE_MAX_NEW))
+        if room < 1:  # no continuation fits: nothing is offered, nothing runs
+            st.info(
+                f"The prompt has {len(prompt_ids)} tokens; the limit here is {lim.max_tokens} tokens for the "
+                "prompt and its continuation together, so there is no room to generate. Shorten the prompt."
+            )
+            return None, None, False
         c1, c2, c3, c4 = st.columns([1, 1, 1, 1], vertical_alignment="bottom")
-        room = max(1, min(MAX_NEW_TOKENS, 64, lim["max_tokens"] - len(prompt_ids)))
-        n_new = c1.number_input("New tokens", 1, room, min(10, room), key="gen_n")
+        n_new = c1.number_input(
+            "New tokens",
+            1,
+            room,
+            min(10, room),
+            key="gen_n",
+            help=f"At most {room} here: the prompt's {len(prompt_ids)} tokens and the new ones count together "
+            f"against the limit of {lim.max_tokens} tokens.",
+        )
         sampled = c2.toggle("Sample", value=common.qp("gen_sample", "0") == "1", key="gen_sample")
         seed = c3.number_input(
             "Seed", 0, 2**31 - 1, common.qp_int("gen_seed", 0, 0, 2**31 - 1), key="gen_seed", disabled=not sampled
@@ -250,6 +265,7 @@ def generation_controls(model, prompt_ids: list[int]):
         go_ = c4.button("Generate", key="generate", type="primary")
         common.set_qp(gen_sample=int(sampled), gen_seed=int(seed))
         if go_:
+            check_generation(len(prompt_ids), int(n_new), lim)  # before any generation step
             bar = st.progress(0.0, text="Generating…")
             g = ctxmix.generate(
                 model,
@@ -265,8 +281,8 @@ def generation_controls(model, prompt_ids: list[int]):
         new_ids = _parse_ids(common.qp("cont"))
         if not new_ids or common.qp("gen_for") != for_prompt:  # none yet, or made for another prompt
             return None, None, False
-        if len(prompt_ids) + len(new_ids) > lim["max_tokens"]:
-            st.warning(f"The continuation would pass the {lim['max_tokens']}-token limit here; generate again.")
+        if len(prompt_ids) + len(new_ids) > lim.max_tokens:  # a link's continuation: checked before its forward pass
+            st.warning(f"The continuation would pass the {lim.max_tokens}-token limit here; generate again.")
             return None, None, False
         g = _continuation(model, model.name, tuple(prompt_ids), tuple(new_ids))
         positions = g.generated_positions
