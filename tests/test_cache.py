@@ -195,8 +195,9 @@ def test_every_option_is_saved(results, tokenizer, option):
     """Each option of explain (introspected, as in test_batched) round-trips: what explain records
     (decompx, embedding and flow_rows were dropped) is in the cached explanation, computed, from memory
     and from disk, also when another method of the same text and options was cached first."""
-    import ctxmix
     from test_batched import _option_cases
+
+    import ctxmix
 
     family, methods, kw, _, _ = _option_cases()[option]
     m = tiny_model(family, tokenizer)
