@@ -6,6 +6,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 from ctxmix.errors import BadInput
 from ctxmix.methods.flow import (
@@ -171,3 +172,45 @@ def test_error_bound_and_cost():
 def test_bad_input(bad, kwargs, match):
     with pytest.raises(BadInput, match=match):
         attention_flow(bad, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention flow on causal models (P-AF6): a caveat on the explanation, left out of the runner's "all"
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flow_on_a_causal_model_carries_the_papers_caveat(tokenizer, tmp_path, monkeypatch):
+    """The paper defines flow on encoders and warns of the bias towards early tokens on decoders: an
+    explanation of a causal model says so (also through the dashboard's cache, with another method of
+    the text cached first), an encoder's does not."""
+    import ctxmix
+    from ctxmix.methods.flow import CAUSAL_CAVEAT
+    from ctxmix.service import cache
+
+    gpt2, bert = tiny_model("gpt2", tokenizer), tiny_model("bert", tokenizer)
+    assert CAUSAL_CAVEAT in ctxmix.explain(gpt2, "the keys are here", ["attention_flow"]).warnings
+    assert CAUSAL_CAVEAT not in ctxmix.explain(bert, "the keys are here", ["attention_flow"]).warnings
+    got = ctxmix.explain_batch(
+        gpt2, ["the keys are here", "a dog"], ["attention_flow"], methods_per_text=[["attention_flow"], []]
+    )
+    assert CAUSAL_CAVEAT in got[0].warnings and CAUSAL_CAVEAT not in got[1].warnings
+    monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path))
+    cache.mem_clear()
+    try:
+        cache.cached_explain(gpt2, "the keys are here", ["attention"])
+        ex = cache.cached_explain(gpt2, "the keys are here", ["attention", "attention_flow"])
+        assert ex.warnings.count(CAUSAL_CAVEAT) == 1
+    finally:
+        cache.mem_clear()
+
+
+def test_the_runners_all_leaves_flow_out_on_causal_models(tokenizer):
+    """`methods: all` adds attention flow for encoders only; named, it runs on a causal model too."""
+    from ctxmix.benchmark.compute import applicable_methods
+
+    gpt2, bert = tiny_model("gpt2", tokenizer), tiny_model("bert", tokenizer)
+    assert "attention_flow" in applicable_methods(bert, ["all"], has_foil=False)[0]
+    assert "attention_flow" not in applicable_methods(gpt2, ["all"], has_foil=False)[0]
+    assert "decompx" in applicable_methods(gpt2, ["all"], has_foil=False)[0]  # the rest of "all" stays
+    assert "attention_flow" in applicable_methods(gpt2, ["all", "attention_flow"], has_foil=False)[0]
+    assert "attention_flow" in applicable_methods(gpt2, ["attention_flow"], has_foil=False)[0]

@@ -329,3 +329,243 @@ def test_a_corpus_job_stops_at_its_progress_callback(tokenizer):
     with pytest.raises(Stop):
         corpus_report(m, TEXTS * 4, progress=progress, batch_size=2)
     assert len(calls) == 2 and budget._ACTIVE == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# explain_batch's edges: per-text cost checks, and every option of explain on the batch path
+# ---------------------------------------------------------------------------------------------
+
+SHORT = "a small dog barked ."
+LONG = "the keys to the old wooden cabinet in the hall are on the kitchen table , said the woman . " * 3
+
+
+def _flow_limit_between(monkeypatch, m, short: int, long: int) -> None:
+    """Set attention flow's time limit so that `short` tokens pass and `long` do not (one row)."""
+    import ctxmix.methods.flow as F
+
+    mid = (short + long) // 2
+    monkeypatch.setattr(F, "FLOW_ROW_SECONDS", F.flow_cost_seconds(mid, m.n_layers))
+    assert F.flow_max_tokens(m.n_layers, F.FLOW_ROW_SECONDS) in range(short, long)
+
+
+def test_a_long_text_that_did_not_ask_for_flow_does_not_fail_the_batch(tokenizer, monkeypatch):
+    """Attention flow's cost check applies to the texts that ask for it, each at its own length: a long
+    text asking for ALTI beside a short one asking for flow (or only padding the batch) keeps its ALTI.
+    The old code checked every method of the union at the batch's longest text and refused it all."""
+    import ctxmix
+    from ctxmix.errors import BadInput
+
+    m = tiny_model("bert", tokenizer)
+    ns = [len(ctxmix.explain(m, t, ["attention"]).tokens) for t in (SHORT, LONG)]
+    _flow_limit_between(monkeypatch, m, *ns)
+    got = ctxmix.explain_batch(
+        m, [SHORT, LONG], ["attention_flow", "alti"], methods_per_text=[["attention_flow"], ["alti"]]
+    )
+    ref = ctxmix.explain(m, LONG, ["alti"])
+    np.testing.assert_allclose(got[1].saliency["alti"], ref.saliency["alti"], rtol=1e-9, atol=1e-10)
+    assert "attention_flow" in got[0].saliency
+    # a text that only pads the batch is not checked either
+    got = ctxmix.explain_batch(m, [SHORT, LONG], ["attention_flow"], methods_per_text=[["attention_flow"], []])
+    assert got[1].saliency == {} and "attention_flow" in got[0].saliency
+    # the long text asking for flow itself is refused, named, as explain refuses it
+    with pytest.raises(BadInput, match=rf"text 1 \({ns[1]} tokens\), attention_flow: attention flow on {ns[1]}"):
+        ctxmix.explain_batch(m, [SHORT, LONG], ["attention_flow"])
+    with pytest.raises(BadInput, match=f"attention flow on {ns[1]} tokens"):
+        ctxmix.explain(m, LONG, ["attention_flow"])
+
+
+def test_method_refusals_are_per_text_and_method(tokenizer, monkeypatch):
+    """`method_refusals`: the methods one text's length rules out, and nothing for the others; a bad
+    option is no length's fault and raises."""
+    from ctxmix.errors import BadInput
+    from ctxmix.methods.explain import method_refusals
+
+    m = tiny_model("bert", tokenizer)
+    _flow_limit_between(monkeypatch, m, 10, 40)
+    assert method_refusals(m, 10, ["attention_flow", "alti"]) == {}
+    why = method_refusals(m, 40, ["attention_flow", "alti", "decompx"])
+    assert list(why) == ["attention_flow"] and "attention flow on 40 tokens" in why["attention_flow"]
+    with pytest.raises(BadInput, match="flow_rows"):
+        method_refusals(m, 10, ["attention_flow"], flow_rows="some")
+
+
+def _option_cases():
+    """One case per option of `explain` (and per saliency option): (family, methods, explain's
+    keyword arguments, explain_batch's keyword arguments for the one explained text, whether the option
+    changes the result from its default). Options that take the text's place (input_ids) or go with
+    it (token_type_ids, segments) are given as a list of ids in both calls."""
+    ids = [101, 1996, 6309, 2024, 2182, 102, 1037, 3899, 102]  # [CLS] the keys are here [SEP] a dog [SEP]
+    segs = [-1, 0, 0, 0, 0, -1, 1, 1, -1]
+    types = [0, 0, 0, 0, 0, 0, 1, 1, 1]
+    return {
+        "target": ("bert", ["grad_x_input"], {"target": 0}, {"targets": [0]}, True),
+        "position": ("bert", ["alti"], {"position": 2}, {"positions": [2]}, True),
+        "input_ids": ("bert", ["alti"], {"input_ids": ids}, {}, False),
+        "token_type_ids": (
+            "bert",
+            ["alti"],
+            {"input_ids": ids, "token_type_ids": types},
+            {"token_type_ids": [types]},
+            True,
+        ),
+        "segments": ("bert", ["alti"], {"input_ids": ids, "segments": segs}, {"segments": [segs]}, True),
+        "res2": ("bert", ["AtbFfRes"], {"res2": "diagonal"}, {"res2": "diagonal"}, True),
+        "precision": ("bert", ["value_zeroing"], {"precision": "bf16"}, {"precision": "bf16"}, True),
+        "per_head": ("bert", ["attention"], {"per_head": True}, {"per_head": True}, True),
+        "foil": ("gpt2", ["grad_x_input"], {"target": 1996, "foil": 2024}, {"targets": [1996], "foils": [2024]}, True),
+        "embedding": ("gpt2", ["logit"], {"embedding": "term"}, {"embedding": "term"}, True),
+        "flow_rows": ("bert", ["attention_flow"], {"flow_rows": "all"}, {"flow_rows": "all"}, True),
+        "decompx": ("bert", ["decompx"], {"decompx": {"bias": "none"}}, {"decompx": {"bias": "none"}}, True),
+        "ig_baseline": (
+            "bert",
+            ["integrated_gradients"],
+            {"ig_baseline": "zero", "ig_steps": 4},
+            {"ig_baseline": "zero", "ig_steps": 4},
+            True,
+        ),
+        "ig_steps": ("bert", ["integrated_gradients"], {"ig_steps": 3}, {"ig_steps": 3}, True),
+        "blank_replacement": (
+            "bert",
+            ["blank_out"],
+            {"blank_replacement": "mask"},
+            {"blank_replacement": "mask"},
+            True,
+        ),
+        "cat_mask_special": ("bert", ["cat"], {"cat_mask_special": False}, {"cat_mask_special": False}, True),
+        "grad_at": ("bert", ["grad"], {"grad_at": "embedding_output"}, {"grad_at": "embedding_output"}, True),
+    }
+
+
+# explain's options that explain_batch has no path for, and why (a new option must be added to
+# _option_cases or here, with its reason: the test below fails otherwise)
+NO_BATCH_PATH = {
+    "decoder_text": "ALTI+ on an encoder-decoder is per text; explain_batch explains an encoder-decoder's encoder only",
+}
+
+
+def _explain_options() -> list[str]:
+    """explain's options, read from its signature (the text and methods aside) and the saliency
+    options its **saliency_options take: a future option is in this list without anyone adding it."""
+    import inspect
+
+    from ctxmix.methods.explain import explain
+    from ctxmix.methods.saliency import SALIENCY_OPTIONS
+
+    sig = inspect.signature(explain).parameters.values()
+    named = [p.name for p in sig if p.kind is not p.VAR_KEYWORD and p.name not in ("model", "text", "methods")]
+    return named + list(SALIENCY_OPTIONS)
+
+
+def _assert_same_explanation(a, b, what: str) -> None:
+    """Every field both carry, equal: float64 tiny models, one sequence batched with a padding-only
+    longer one vs alone, so the only differences are summation orders of padded rows (~1e-15 relative;
+    1e-9 leaves room for the n-step reductions of IG and value zeroing)."""
+    assert a.tokens == b.tokens and a.position == b.position, what
+    assert a.target == b.target and a.foil == b.foil, what
+    assert a.options == b.options, f"{what}: {a.options} != {b.options}"
+    assert a.warnings == b.warnings, what
+    for field in ("saliency", "layer_maps", "global_maps", "head_maps", "layer_saliency", "logit_contributions"):
+        da, db = getattr(a, field, {}), getattr(b, field, {})
+        assert set(da) == set(db), f"{what}: {field}"
+        for k in da:
+            np.testing.assert_allclose(da[k], db[k], rtol=1e-9, atol=1e-10, err_msg=f"{what}: {field}[{k}]")
+
+
+@pytest.mark.parametrize("option", _explain_options())
+def test_every_option_of_explain_reaches_explain_batch(tokenizer, option):
+    """Each option of `explain` (introspected) gives the same Explanation through explain_batch, with a
+    longer padding-only text in the batch, and (where it changes anything) a different one from its
+    default: an option explain_batch takes but does not pass on (decompx= did) fails here."""
+    import ctxmix
+
+    if option in NO_BATCH_PATH:
+        pytest.skip(NO_BATCH_PATH[option])
+    cases = _option_cases()
+    assert option in cases, f"explain's option {option!r} has no batch case: add it to _option_cases"
+    family, methods, ekw, bkw, changes = cases[option]
+    m = tiny_model(family, tokenizer)
+    text = None if "input_ids" in ekw else "the keys are here ."
+    item = ekw["input_ids"] if "input_ids" in ekw else text
+    one = ctxmix.explain(m, text, methods, **ekw)
+    got = ctxmix.explain_batch(m, [item, LONG], methods, methods_per_text=[methods, []], **_per_text(bkw))
+    _assert_same_explanation(got[0], one, option)
+    if changes:
+        default = ctxmix.explain_batch(m, [item, LONG], methods, methods_per_text=[methods, []], **_defaults(ekw, bkw))
+        a, b = default[0], got[0]
+        assert any(not np.allclose(a.saliency[k], b.saliency[k], equal_nan=True) for k in methods) or (
+            a.options,
+            a.target,
+            a.foil,
+            set(a.head_maps),
+        ) != (b.options, b.target, b.foil, set(b.head_maps)), (
+            f"{option} changes nothing: the test could not see it ignored"
+        )
+
+
+def _per_text(bkw: dict) -> dict:
+    """The batch's keyword arguments with the padding-only second text's entry (None) appended."""
+    per = ("targets", "positions", "foils", "token_type_ids", "segments")
+    return {k: (v + [None] if k in per else v) for k, v in bkw.items()}
+
+
+def _defaults(ekw: dict, bkw: dict) -> dict:
+    """The batch call without the option under test (what stays: the ids' pair marks, IG's steps)."""
+    keep = {"ig_steps": 4} if "ig_baseline" in ekw else {}
+    if "foil" in ekw:
+        keep["targets"] = bkw["targets"]
+    return _per_text(keep)
+
+
+def test_the_runner_refuses_one_text_and_method_and_keeps_the_rest(tokenizer, tmp_path, monkeypatch):
+    """In the benchmark runner, a text too long for attention flow gets a `refused` unit for that
+    method alone, with the message; its other methods and the batch's other texts are done. The
+    refusal is not retried by a rerun of the same ctxmix version, and is by another version. The old
+    code marked every task of the batch as an error, retried (and failing) on every run."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    import ctxmix
+    from ctxmix import benchmark as runner
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    m.hf.config.architectures = [type(m.hf).__name__]
+    m.hf.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": t, "label": k}) + "\n" for k, t in enumerate([SHORT, LONG]))
+    )
+    ns = [len(ctxmix.explain(m, t, ["attention"]).tokens) for t in (SHORT, LONG)]
+    _flow_limit_between(monkeypatch, m, *ns)
+    cfg = {
+        "name": "refusals",
+        "models": [str(tmp_path / "tiny")],
+        "datasets": [{"id": "d", "source": "file", "path": str(tmp_path / "d.jsonl")}],
+        "methods": ["attention_flow", "alti"],
+        "metrics": ["aopc"],
+        "example_batch": 2,
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    db = tmp_path / "r.sqlite"
+
+    def units():
+        with sqlite3.connect(str(db)) as c:
+            rows = c.execute("SELECT example_id, method, status, detail FROM units ORDER BY example_id, method")
+            return [tuple(r) for r in rows], c.execute("SELECT COUNT(*) FROM errors").fetchone()[0]
+
+    runner.run_bench(tmp_path / "c.yaml", db=db, quiet=True)
+    got, errors = units()
+    assert errors == 0
+    assert [r[:3] for r in got] == [
+        ("000000", "alti", "done"),
+        ("000000", "attention_flow", "done"),
+        ("000001", "alti", "done"),
+        ("000001", "attention_flow", "refused"),
+    ]
+    assert f"attention flow on {ns[1]} tokens" in got[3][3]
+    plan = runner.load_config(tmp_path / "c.yaml")
+    with runner.ResultsStore(db) as store:
+        assert ("d", "000001", "attention_flow") in {u[1:] for u in store.finished_units(plan.run_id)}
+        monkeypatch.setattr(ctxmix, "__version__", ctxmix.__version__ + ".next")
+        assert ("d", "000001", "attention_flow") not in {u[1:] for u in store.finished_units(plan.run_id)}

@@ -117,3 +117,99 @@ def test_in_memory_models_are_fingerprinted_by_their_tensors(tokenizer):
     with torch.no_grad():
         c.hf.classifier.weight[0, 0] += 1.0
     assert weights_sha256(c) != weights_sha256(a)
+
+
+def _counting(monkeypatch):
+    """Count the methods `cached_explain` computes (calls of explain, by method)."""
+    computed: list[str] = []
+    real = cache.explain
+
+    def counted(model, text, methods, **kw):
+        computed.extend(methods)
+        return real(model, text, methods, **kw)
+
+    monkeypatch.setattr(cache, "explain", counted)
+    return computed
+
+
+def test_a_new_version_or_code_misses_the_cache(results, tokenizer, monkeypatch):
+    """The key holds ctxmix's version and the fingerprint of its computing code: after an upgrade, or
+    an edit of the engine or methods, the old numbers are not served (the old key had neither)."""
+    import ctxmix
+
+    m = tiny_model("bert", tokenizer)
+    computed = _counting(monkeypatch)
+    cache.cached_explain(m, "the keys are here", ["alti"])
+    cache.mem_clear()
+    cache.cached_explain(m, "the keys are here", ["alti"])  # from disk
+    assert computed == ["alti"]
+    monkeypatch.setattr(ctxmix, "__version__", ctxmix.__version__ + ".post1")
+    cache.cached_explain(m, "the keys are here", ["alti"])
+    assert computed == ["alti"] * 2
+    monkeypatch.setattr(cache, "code_fingerprint", lambda: "0" * 16)
+    cache.cached_explain(m, "the keys are here", ["alti"])
+    assert computed == ["alti"] * 3
+
+
+def test_the_code_fingerprint_reads_every_engine_and_methods_module(tmp_path, monkeypatch):
+    """An edit of any module of ctxmix.engine or ctxmix.methods changes the fingerprint (here on a copy)."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(cache.__file__).resolve().parents[1]
+    for pkg in ("engine", "methods", "service"):
+        shutil.copytree(src / pkg, tmp_path / "ctxmix" / pkg)
+    monkeypatch.setattr(cache, "__file__", str(tmp_path / "ctxmix" / "service" / "cache.py"))
+    fp = cache.code_fingerprint.__wrapped__
+    before = fp()
+    assert before == cache.code_fingerprint()  # the copy is the same code
+    with open(tmp_path / "ctxmix" / "methods" / "flow.py", "a") as fh:
+        fh.write("\n# an edit\n")
+    assert fp() != before
+
+
+def test_every_method_keeps_its_warnings(results, tokenizer):
+    """A soft-capping model's logit note stays when a mixing method of the same text was cached first
+    (the old cache kept the first method's warnings only); the result carries what explain gives."""
+    import ctxmix
+
+    m = tiny_model("gemma2", tokenizer)
+    text = "the keys are here"
+    cache.cached_explain(m, text, ["alti"])
+    ex = cache.cached_explain(m, text, ["alti", "logit"])
+    ref = ctxmix.explain(m, text, ["alti", "logit"])
+    assert any("soft-caps" in w for w in ref.warnings)
+    assert set(ex.warnings) == set(ref.warnings)
+    cache.mem_clear()
+    assert set(cache.cached_explain(m, text, ["alti", "logit"]).warnings) == set(ref.warnings)  # from disk
+
+
+def _options():
+    from test_batched import NO_BATCH_PATH, _explain_options
+
+    return [o for o in _explain_options() if o not in NO_BATCH_PATH]
+
+
+@pytest.mark.parametrize("option", _options())
+def test_every_option_is_saved(results, tokenizer, option):
+    """Each option of explain (introspected, as in test_batched) round-trips: what explain records
+    (decompx, embedding and flow_rows were dropped) is in the cached explanation, computed, from memory
+    and from disk, also when another method of the same text and options was cached first."""
+    from test_batched import _option_cases
+
+    import ctxmix
+
+    family, methods, kw, _, _ = _option_cases()[option]
+    m = tiny_model(family, tokenizer)
+    text = None if "input_ids" in kw else "the keys are here ."
+    ref = ctxmix.explain(m, text, methods, **kw).options
+    cache.cached_explain(m, text, ["attention"], **{k: v for k, v in kw.items() if k != "decompx"})
+    for ex in (
+        cache.cached_explain(m, text, ["attention", *methods], **kw),
+        cache.cached_explain(m, text, ["attention", *methods], **kw),  # memory
+        (cache.mem_clear(), cache.cached_explain(m, text, ["attention", *methods], **kw))[1],  # disk
+    ):
+        for k, v in ref.items():
+            assert ex.options.get(k) == v, f"{option}: {k} = {ex.options.get(k)!r}, explain recorded {v!r}"
+        # and what the call gave, where explain records nothing of it (target, position, input_ids...)
+        assert all(ex.options.get(k) == v for k, v in kw.items() if k not in ref), option

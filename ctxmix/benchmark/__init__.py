@@ -20,7 +20,9 @@ Results store (SQLite, stdlib ``sqlite3``, WAL journal):
 - ``runs``: run id, name, config JSON, its hash, ctxmix version.
 - ``units``: one row per finished unit: status ``done``, ``na`` (the method does not apply
   to the model, e.g. gradients on an encoder without a head) or ``skipped`` (the example was
-  filtered for this model: too few tokens, target not one token...), model revision, seconds.
+  filtered for this model: too few tokens, target not one token...), ``refused`` (this text is
+  too long for the method: attention flow's time limit, DecompX's memory; the message is in
+  ``detail``, and later runs of the same ctxmix version do not retry it), model revision, seconds.
 - ``scores``: one row per run x model x dataset x example x method x metric x layer
   (layer -1 = the whole model; 1..L for per-layer metrics), with the model name, its
   revision/fingerprint and the ctxmix version; the run's config JSON is in ``runs``

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ctxmix.benchmark.config import _DERIVED_BASES
+from ctxmix.benchmark.config import _DERIVED_BASES, REFUSED
 from ctxmix.errors import BadInput, CtxmixError
 
 _MODEL_CACHE_SIZE = 2
@@ -49,7 +49,8 @@ def model_revision(model) -> tuple[str, str]:
 
 def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[str], dict[str, str]]:
     """(methods that apply to `model`, {method: why not} for the others). "all" expands to every
-    ctxmix method of the model's kind and LN position plus `random`."""
+    ctxmix method of the model's kind and LN position plus `random`, except attention flow on a
+    causal model (a caveat of its paper; it runs where the config names it)."""
     from ctxmix.methods.prediction import applicable_prediction_methods
     from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS, scope_names
 
@@ -61,8 +62,10 @@ def applicable_methods(model, methods: list[str], has_foil: bool) -> tuple[list[
         if model.kind != "encoder":
             expanded += list(SALIENCY_METHODS)
         # decompx where its head has a rule (or a model without a head: the norms of its parts),
-        # attention flow everywhere, the logit methods on causal LMs
-        expanded += [m for m in ("decompx", "attention_flow") if m in applicable_prediction_methods(model)]
+        # attention flow on encoders (its paper defines it there and warns that on causal models it
+        # favours early tokens, P-AF6: named explicitly, it still runs), the logit methods on causal LMs
+        flow = [] if model.spec.causal else ["attention_flow"]
+        expanded += [m for m in ["decompx", *flow] if m in applicable_prediction_methods(model)]
         if logit_ok:
             expanded += ["logit", "alti_logit"]
         expanded += ["random"]
@@ -230,11 +233,13 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
         return [None if r is None else {**base, **r} for r in _compute_change_batch(model, tasks)]
     preps = [_prepare_example(model, t) for t in tasks]
     members = [k for k, p in enumerate(preps) if p.get("ids") is not None]
+    opts = dict(tasks[0].get("explain") or {})
+    for k in members:  # a method this text is too long for is refused for it alone, before any work
+        _refuse_by_length(model, preps[k], opts)
     exos: dict[int, Any] = {}
     if members and any(preps[k]["explain_methods"] for k in members):
         from ctxmix.methods.explain import explain_batch
 
-        opts = dict(tasks[0].get("explain") or {})
         union = list(dict.fromkeys(m for k in members for m in preps[k]["explain_methods"]))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -261,6 +266,33 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
             out.append({**base, **prep["result"], "seconds": time.time() - t0})
         else:
             out.append({**base, **_finish_example(model, task, prep, exos.get(k)), "seconds": time.time() - t0})
+    return out
+
+
+def _refuse_by_length(model, prep: dict, explain_opts: dict) -> None:
+    """Take out of `prep`'s explain methods those its length rules out (attention flow's time,
+    DecompX's memory: `ctxmix.methods.explain.method_refusals`), kept in prep["refused"] {method: why};
+    `_finish_example` records them, and the methods derived from them, as refused units."""
+    from ctxmix.methods.explain import method_refusals
+
+    keys = ("embedding", "flow_rows", "decompx")  # the options those checks read
+    refused = method_refusals(
+        model, len(prep["ids"]), prep["explain_methods"], **{k: explain_opts[k] for k in keys if k in explain_opts}
+    )
+    prep["refused"] = refused
+    prep["explain_methods"] = [m for m in prep["explain_methods"] if m not in refused]
+
+
+def _blocked(compute: list[str], refused: dict[str, str]) -> dict[str, str]:
+    """{method: why} for the methods of `compute` refused for this text, or derived from one that is."""
+    out = {}
+    for m in compute:
+        if m in refused:
+            out[m] = refused[m]
+        else:
+            base = next((b for b in _DERIVED_BASES.get(m, []) if b in refused), None)
+            if base is not None:
+                out[m] = f"derived from {base}, refused: {refused[base]}"
     return out
 
 
@@ -332,11 +364,15 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
     )
 
     ex = task["example"]
-    ids, position, target, foil, ok = p["ids"], p["position"], p["target"], p["foil"], p["ok"]
+    blocked = _blocked(p["compute"], p.get("refused") or {})
+    ids, position, target, foil = p["ids"], p["position"], p["target"], p["foil"]
+    ok = [m for m in p["ok"] if m not in blocked]
     n = len(ids)
     saliency: dict[str, np.ndarray] = {}
     layer_maps: dict[str, np.ndarray] = {}
     for m in p["compute"]:
+        if m in blocked:
+            continue
         if m in METHODS:
             saliency[m] = np.asarray(exo.saliency[m], dtype=np.float64)
             if m in exo.layer_maps:
@@ -405,10 +441,13 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
         out["methods"][m] = {"status": "done", "saliency": saliency[m].tolist(), "scores": scores[m]}
     for m, why in p["na"].items():
         out["methods"][m] = {"status": "na", "detail": why}
+    for m in p["ok"]:
+        if m in blocked:  # deterministic for this text's length: not retried (store.finished_units)
+            out["methods"][m] = {"status": REFUSED, "detail": blocked[m]}
     out["references"] = {
         r: saliency[r].tolist() for r in p["refs_needed"] if r in saliency and r not in ok and r not in p["have"]
     }
-    out["reference_na"] = p["ref_na"]
+    out["reference_na"] = {**p["ref_na"], **{r: blocked[r] for r in p["refs_needed"] if r in blocked}}
     return out
 
 

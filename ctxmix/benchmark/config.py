@@ -34,6 +34,10 @@ EXPLAIN_OPTIONS = {
 
 
 DONE_STATUSES = ("done", "na", "skipped")
+# a (text, method) unit its length rules out (attention flow's time, DecompX's memory): recorded with
+# the message, not retried by later runs of the same ctxmix version (whose limits are the same); a
+# run on another version retries it (`ResultsStore.finished_units`), and so does --fresh
+REFUSED = "refused"
 
 
 EXAMPLE_BATCH = 8  # examples of one (model, dataset) traced and decomposed together; fixed per run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,10 @@ def _hf_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
             f"Hugging Face hub ({type(e).__name__}: {e}); offline datasets: pang_lee, agreement, file"
         ) from None
     out, empty = [], 0
+    # a ClassLabel column names its classes (MNLI: entailment, neutral, contradiction): kept as label_name,
+    # so the runner can check them against the model's id2label (`check_label_order`)
+    feature = getattr(data, "features", {}).get(o.get("label_field") or "")
+    class_names = list(getattr(feature, "names", None) or [])
     for i, rec in enumerate(data):
         text = _dig(rec, o["text_field"])
         if isinstance(text, (list, tuple)):
@@ -141,7 +146,11 @@ def _hf_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
                 id=f"{i:06d}",
                 text=text.strip(),
                 label=label if isinstance(label, int) else None,
-                label_name=None if label is None else str(label),
+                label_name=None
+                if label is None
+                else class_names[label]
+                if isinstance(label, int) and 0 <= label < len(class_names)
+                else str(label),
                 text_pair=pair,
             )
         )
@@ -271,3 +280,59 @@ def load_examples(spec: DatasetSpec) -> tuple[list[Example], int]:
     if spec.limit is not None:
         kept = kept[: spec.limit]
     return kept, empty
+
+
+# ------------------------------------------------------------------------------------------------
+# label order: a dataset's label numbering against a classifier's id2label
+# ------------------------------------------------------------------------------------------------
+
+
+def label_names(examples: list[Example]) -> dict[int, str]:
+    """{label index: name} of a dataset where its examples name their labels (pang_lee's neg / pos, a
+    file's string labels, a hub ClassLabel's names); numbers are no names and are left out."""
+    out: dict[int, str] = {}
+    for e in examples:
+        if e.label is not None and e.label_name is not None and not _unnamed(e.label_name):
+            out.setdefault(int(e.label), str(e.label_name))
+    return out
+
+
+def _unnamed(name) -> bool:
+    """A label with no name: a number, or transformers' default LABEL_k."""
+    return re.fullmatch(r"(?i)\s*(label_?)?-?\d+\s*", str(name)) is not None
+
+
+def _same_label(a: str, b: str) -> bool:
+    """Two names of one class: equal ignoring case, or one a prefix of the other of at least 3
+    letters (pang_lee's "neg" is a checkpoint's "negative", "contra" is "contradiction")."""
+    a, b = a.strip().casefold(), b.strip().casefold()
+    short, long = sorted((a, b), key=len)
+    return a == b or (len(short) >= 3 and long.startswith(short))
+
+
+def check_label_order(dataset: str, names: dict[int, str], model: str, id2label: dict | None) -> None:
+    """Refuse (BadInput) a dataset whose label numbering differs from a classifier's, where both name
+    the labels: a name of the dataset that is a name of the model under another index. The gold label
+    of an example is the dataset's index, which `accuracy_mask` (and target: gold) read as the model's
+    class index; MNLI checkpoints, for one, order their classes differently. Both orders are in the
+    message. Names only one side has are not compared (nothing to check them against)."""
+    model_names = {int(k): str(v) for k, v in (id2label or {}).items() if not _unnamed(v)}
+    clashes = [
+        (i, a, j, b)
+        for i, a in names.items()
+        for j, b in model_names.items()
+        if i != j and _same_label(a, b) and not _same_label(a, model_names.get(i, ""))
+    ]
+    if not clashes:
+        return
+
+    def order(d: dict[int, str]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+
+    i, a, j, b = clashes[0]
+    raise BadInput(
+        f"dataset {dataset!r} and model {model!r} number their labels differently: the dataset's order is "
+        f"[{order(names)}], the model's id2label [{order(model_names)}] (e.g. {a!r} is {i} in the dataset and "
+        f"{b!r} is {j} in the model), so gold labels (accuracy_mask, target: gold) would name other classes. "
+        "Give the dataset's labels as integers in the model's numbering, or use a model in the dataset's order."
+    )

@@ -123,7 +123,30 @@ def _throttle() -> None:
         time.sleep(d)
 
 
+def check_label_orders(plan: Plan, groups: list[Group]) -> None:
+    """Before any work: every (classifier, dataset) to compute numbers its labels as the model's
+    id2label does, where both name them (`ctxmix.benchmark.datasets.check_label_order`). Loads a model
+    (in this process, as "all" does) only for a dataset whose examples name their labels."""
+    from ctxmix.benchmark.compute import get_model
+    from ctxmix.benchmark.datasets import check_label_order, label_names
+
+    if plan.kind != "methods":
+        return
+    seen: dict[tuple[str, str], list[Example]] = {}
+    for g in groups:
+        seen.setdefault((g.model.label, g.dataset), []).extend(g.members or [g.example])
+    for (label, dataset), examples in seen.items():
+        names = label_names(examples)
+        if not names:
+            continue
+        spec = next(m for m in plan.models if m.label == label)
+        model = get_model(spec.name, spec.device, spec.dtype)
+        if model.kind == "classifier":
+            check_label_order(dataset, names, label, getattr(model.config, "id2label", None))
+
+
 def run_local(plan: Plan, groups: list[Group], store: ResultsStore, bar) -> None:
+    check_label_orders(plan, groups)
     with _Stop() as stop:
         for gs in _batches(groups):
             if stop.requested:
@@ -167,6 +190,7 @@ def run_ray(
         import ray
     except ImportError:
         raise BadInput("--executor ray needs Ray: pip install ray==2.60.0 (see requirements-dev.txt)") from None
+    check_label_orders(plan, groups)
     started = not ray.is_initialized()
     if started:
         kw = dict(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": _ray_env()})

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ctxmix.benchmark.config import DONE_STATUSES, DatasetSpec, ModelSpec, Plan
+from ctxmix.benchmark.config import DONE_STATUSES, REFUSED, DatasetSpec, ModelSpec, Plan
 from ctxmix.benchmark.datasets import Example
 from ctxmix.errors import BadInput
 
@@ -149,9 +149,17 @@ class ResultsStore:
                 )
 
     def finished_units(self, run_id: str) -> set[tuple[str, str, str, str]]:
+        """(model, dataset, example, method) of the units not to compute again: done, na, skipped, and
+        refused by this ctxmix version (a refusal is deterministic for its limits; another version's
+        limits may differ, so its refusals are retried)."""
+        from ctxmix import __version__
+
         marks = ",".join("?" * len(DONE_STATUSES))
-        q = f"SELECT model, dataset, example_id, method FROM units WHERE run_id=? AND status IN ({marks})"
-        return {tuple(r) for r in self.conn.execute(q, (run_id, *DONE_STATUSES))}
+        q = (
+            "SELECT model, dataset, example_id, method FROM units WHERE run_id=? AND "
+            f"(status IN ({marks}) OR (status=? AND ctxmix_version=?))"
+        )
+        return {tuple(r) for r in self.conn.execute(q, (run_id, *DONE_STATUSES, REFUSED, __version__))}
 
     def skipped_examples(self, run_id: str) -> set[tuple[str, str, str]]:
         return {

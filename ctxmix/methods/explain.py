@@ -288,7 +288,11 @@ def explain_batch(
     makes the gradient and perturbation methods explain target minus foil, as in `explain`).
     methods_per_text: the methods each text needs, when they differ (a text with none only pads the
     batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
-    float rounding (tests/test_batched.py)."""
+    float rounding, every option of `explain` included (tests/test_batched.py).
+    The cost and memory checks of the prediction methods (attention flow's time, DecompX's memory)
+    apply to each text at its own length, for the methods it asks for (`method_refusals`): a text that
+    only pads the batch, or asks for other methods, never fails it; a text that asks for a method it is
+    too long for is refused (BadInput naming it), as `explain` refuses it."""
     if isinstance(texts, (str, tuple)) or not texts:
         raise BadInput("explain_batch takes a non-empty list of texts (a sentence pair is one entry: [(a, b)])")
     methods = check_methods(methods, model.spec.position)
@@ -311,6 +315,8 @@ def explain_batch(
         )
         for k, t in enumerate(texts)
     ]
+    # each text's cost and memory checks at its own length, before the forward pass
+    check_batch_methods(model, [len(e.ids) for e in encs], per, embedding, flow_rows, decompx)
     tb = trace_batch_tensors(
         model,
         [e.ids for e in encs],
@@ -336,7 +342,75 @@ def explain_batch(
         foils,
         embedding,
         flow_rows,
+        decompx,
+        checked=True,
     )
+
+
+def method_refusals(
+    model: Model,
+    n: int,
+    methods,
+    *,
+    embedding: str = "token",
+    flow_rows: str = "position",
+    decompx: dict | None = None,
+) -> dict[str, str]:
+    """{method: why not} for the methods of ONE text of n tokens that its length rules out (attention
+    flow's time limit, DecompX's memory budget: `ctxmix.methods.prediction.check_prediction_call`);
+    {} when every method fits. Deterministic for (model, device, n, options): the benchmark runner
+    records these as refused (text, method) units instead of failing the batch. The options and the
+    methods' fit to the model are checked first, at one token: an error there is no text's length and
+    raises (BadInput)."""
+    from ctxmix.methods.prediction import check_prediction_call
+
+    predicting = [m for m in methods if m in PREDICTION_METHODS]
+    if decompx is not None and "decompx" not in predicting:
+        predicting.append("decompx")  # its options are checked even where this text does not ask for it
+    if not predicting:
+        return {}
+    check_prediction_call(model, predicting, embedding, flow_rows, 1, decompx)
+    out = {}
+    for m in predicting:
+        if m not in methods:
+            continue
+        try:
+            check_prediction_call(model, [m], embedding, flow_rows, n, decompx if m == "decompx" else None)
+        except BadInput as e:
+            out[m] = str(e)
+    return out
+
+
+def check_batch_methods(
+    model: Model,
+    lengths: list[int],
+    per: list[list[str]],
+    embedding: str = "token",
+    flow_rows: str = "position",
+    decompx: dict | None = None,
+) -> None:
+    """Refuse (BadInput), before any work, the texts of a batch that ask for a method their own length
+    rules out (`method_refusals`), naming each text, its length and the limit. A text checks only the
+    methods it asks for; a text that asks for none (it pads the batch) is never checked."""
+    from ctxmix.methods.prediction import check_prediction_call
+
+    union = list(dict.fromkeys(m for ms in per for m in ms))
+    predicting = [m for m in union if m in PREDICTION_METHODS]
+    if not predicting:
+        if decompx is not None:
+            check_prediction_call(model, predicting, embedding, flow_rows, 1, decompx)  # "add 'decompx'"
+        return
+    if len(per) == 1:  # explain: the message of the check itself
+        check_prediction_call(model, predicting, embedding, flow_rows, lengths[0], decompx)
+        return
+    check_prediction_call(model, predicting, embedding, flow_rows, 1, decompx)  # options, once
+    why = [
+        f"text {b} ({n} tokens), {m}: {msg}"
+        for b, (n, ms) in enumerate(zip(lengths, per))
+        for m, msg in method_refusals(model, n, ms, embedding=embedding, flow_rows=flow_rows, decompx=decompx).items()
+    ]
+    if why:
+        raise BadInput("; ".join(why) + ". Leave the method out for those texts (methods_per_text=) or shorten them.")
 
 
 def _explanations(
@@ -353,17 +427,17 @@ def _explanations(
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
+    checked: bool = False,
 ) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
-    sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction."""
+    sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction.
+    checked: the caller ran `check_batch_methods` already (explain_batch, before its forward pass)."""
     from ctxmix.engine.precision import resolve_precision
-    from ctxmix.methods.prediction import check_prediction_call
 
     precision = resolve_precision(model, precision)
     union = list(dict.fromkeys(m for ms in per for m in ms))
-    predicting = [m for m in union if m in PREDICTION_METHODS]
-    if predicting:
-        check_prediction_call(model, predicting, embedding, flow_rows, max(tb.lengths), decompx)
+    if not checked:
+        check_batch_methods(model, list(tb.lengths), per, embedding, flow_rows, decompx)
     # ALTI-Logit reads the ALTI layer maps, attention flow the head-mean attention: computed with the
     # others, reported only when asked for
     needed = list(union)
@@ -416,12 +490,13 @@ def _explanations(
                 "the foil applies to the gradient, perturbation and prediction methods only; none was asked for"
             )
         if "attention_flow" in pred:
-            from ctxmix.methods.flow import attention_flow
+            from ctxmix.methods.flow import attention_flow, flow_warnings
 
             A = maps["attention"][b, :, :n, :n].double().cpu().numpy()
             G = attention_flow(A, rows=None if flow_rows == "all" else [pos])
             ex.global_maps["attention_flow"], ex.saliency["attention_flow"] = G, G[-1][pos].copy()
             ex.options["flow_rows"] = flow_rows
+            ex.warnings += [w for w in flow_warnings(model.spec.causal) if w not in ex.warnings]
         if "decompx" in pred:
             from ctxmix.methods.decompx import decompx_fields
 

@@ -46,6 +46,16 @@ _COST_EXP = 3.04
 _COST_L_EXP = 1.90
 FLOW_ROW_SECONDS = 60.0  # what "too slow" means for pages and the benchmark runner
 
+# P-AF6 (papers/notes/flow-routes.md): the paper defines and evaluates attention flow on encoders
+# only, and warns (§5) that on decoders flow and rollout favour early tokens, asking for a
+# normalisation "based on the receptive field" without a formula; ctxmix shows the raw values.
+CAUSAL_CAVEAT = (
+    "attention flow on a causal model: Abnar & Zuidema define and evaluate it on encoders only. Under a "
+    "causal mask token i reaches only tokens 0..i, so flow (like rollout) is biased towards early tokens, "
+    "the first ones most; the paper (§5) asks for a normalisation by the receptive field and gives no "
+    "formula, so these are the raw values: compare tokens at similar positions, not early with late ones."
+)
+
 
 Progress = bool | Callable[[int, int], None] | None
 
@@ -199,6 +209,11 @@ def attention_flow(
         if bar is not None:
             bar.close()
     return out
+
+
+def flow_warnings(causal: bool) -> list[str]:
+    """The caveats an explanation by attention flow carries: the paper's one for causal models (P-AF6)."""
+    return [CAUSAL_CAVEAT] if causal else []
 
 
 def flow_error_bound(n: int, n_layers: int, causal: bool = False) -> float:

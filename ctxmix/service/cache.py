@@ -1,4 +1,5 @@
-"""Results cached in memory and on disk, keyed by (model, text or corpus, method, options).
+"""Results cached in memory and on disk, keyed by (model, text or corpus, method, options), and for
+explanations also by ctxmix's version and a fingerprint of its computing code (`explain_key`).
 
 A restart does not recompute, and asking for one more method computes only that one.
 Files are written atomically (temporary name, then rename), so a killed process never leaves
@@ -12,6 +13,8 @@ folder by CTXMIX_CACHE_MAX_MB (default 1024), least recently used entries remove
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +83,35 @@ def model_fingerprint(model: Model) -> str:
 
 def key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+# what a method's result is computed by: the engine (trace, layer maths) and the methods (their code,
+# their options and the checks of those options); any change there changes the fingerprint
+_CODE_PACKAGES = ("engine", "methods")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """SHA-256 (16 hex digits) of the source of every module of ctxmix.engine and ctxmix.methods,
+    read once per process. A method's numbers can depend on any of them (the trace, the shared
+    decompositions, its options' schema in `explain`), so a cached result is keyed by all of them:
+    an edited checkout or an upgrade misses, even where the version string did not move."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in _CODE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def explain_key(fp: str, text, method: str, options: dict) -> str:
+    """The cache key of one method's result: the model's fingerprint, the text, the method, the
+    options, ctxmix's version and `code_fingerprint` (so neither an upgrade nor a code change is
+    served numbers computed by other code)."""
+    from ctxmix import __version__
+
+    return key("explain", fp, text, method, options, __version__, code_fingerprint())
 
 
 def _root() -> Path:
@@ -190,7 +222,10 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
         "foil": ex.foil,
         "model_name": ex.model_name,
         "reconstruction_error": ex.reconstruction_error,
-        "warnings": ex.warnings,
+        # the warnings and options of the call that computed this method (its own soft-cap note,
+        # its options such as decompx, embedding or flow_rows), merged over methods on a read
+        "warnings": list(ex.warnings),
+        "options": dict(ex.options),
         "segments": ex.segments,
     }
     if m in ex.logit_terms:
@@ -242,7 +277,7 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
 
     methods = check_methods(methods, model.spec.position)
     fp = model_fingerprint(model)
-    keys = {m: key("explain", fp, text, m, options) for m in methods}
+    keys = {m: explain_key(fp, text, m, options) for m in methods}
     found: dict[str, tuple[dict, dict]] = {}
     for m, k in keys.items():
         hit = _mem_get(k)
@@ -254,7 +289,9 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
             found[m] = hit
     missing = [m for m in methods if m not in found]
     if missing:
-        ex = explain(model, text, missing, **options)
+        # DecompX's options go with DecompX: explain refuses them for a call without it
+        call = options if "decompx" in missing else {k: v for k, v in options.items() if k != "decompx"}
+        ex = explain(model, text, missing, **call)
         for m in missing:
             found[m] = _entry(ex, m)
             _mem_put(keys[m], found[m])
@@ -279,8 +316,12 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
         segments=meta.get("segments"),
         model_name=meta["model_name"],
         reconstruction_error=meta["reconstruction_error"],
-        warnings=list(meta["warnings"]),
-        options=dict(options),
+        # every method's warnings (a soft-cap note stays when a mixing method was cached first), each once
+        warnings=list(dict.fromkeys(w for m in methods for w in found[m][0]["warnings"])),
+        # the options the call gave, and every option explain recorded for each method
+        options=copy.deepcopy(
+            {**options, **{k: v for m in methods for k, v in found[m][0].get("options", {}).items()}}
+        ),
         provenance=provenance(model),
     )
     for m in methods:
