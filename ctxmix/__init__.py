@@ -43,6 +43,10 @@ _API = {
     "SALIENCY_METHODS": "methods.registry",
     "PREDICTION_METHODS": "methods.registry",
     "METHODS": "methods.registry",
+    "CONTEXT_METHODS": "methods.registry",
+    "attribute_context": "methods.context",
+    "ContextAttribution": "methods.context",
+    "load_context_attribution": "methods.context",
     "rollout": "methods.mixing",
     "Explanation": "methods.explanation",
     "explain": "methods.explain",
@@ -114,8 +118,15 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture  # noqa: F401
     from .export.saved import load_explanation  # noqa: F401
     from .methods.alti_plus import source_contribution  # noqa: F401
+    from .methods.context import ContextAttribution, attribute_context, load_context_attribution  # noqa: F401
     from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
     from .methods.explanation import Explanation  # noqa: F401
     from .methods.mixing import rollout  # noqa: F401
-    from .methods.registry import METHODS, MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS  # noqa: F401
+    from .methods.registry import (  # noqa: F401
+        CONTEXT_METHODS,
+        METHODS,
+        MIXING_METHODS,
+        PREDICTION_METHODS,
+        SALIENCY_METHODS,
+    )
     from .verify import verify  # noqa: F401

@@ -148,6 +148,12 @@ def check_methods(methods, position: str | None = None) -> list[str]:
         raise BadInput("choose at least one method")
     valid = list(MIXING_METHODS) + list(SALIENCY_METHODS) + list(PREDICTION_METHODS)
     bad = [m for m in methods if m not in valid]
+    context_only = [m for m in bad if m in CONTEXT_METHODS]
+    if context_only:
+        raise BadInput(
+            f"{', '.join(context_only)}: a context-attribution method (which sources of a context made a model "
+            f"say its response); use ctxmix.attribute_context(model, context, query, methods=[...]), not explain"
+        )
     if bad:
         raise BadInput(f"unknown method(s) {', '.join(map(repr, bad))}; valid methods: {', '.join(valid)}")
     if position is not None:
@@ -286,3 +292,56 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
 
 
 METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}  # every method
+
+
+# Context attribution (`ctxmix.attribute_context`, papers/notes/context-attribution.md): which sources of a
+# context made a causal LM generate its response. Its own group, never merged into METHODS: `logit` and
+# `attention` here are the one-pass source scores built from explain's methods of the same names.
+CONTEXT_METHODS: dict[str, MethodInfo] = {
+    m.name: m
+    for m in [
+        MethodInfo(
+            "logit",
+            "context",
+            "Logit (per source)",
+            "Ferrando et al. 2023; ctxmix",
+            doc="One traced pass; each response token explained at the row before it, towards its log-probability "
+            "(T1: centred logit minus the entropy; target='logit' for the raw logit). A source's score is the sum of "
+            "its tokens' contributions over the span's tokens; template, query, separators, response positions and "
+            "the unattributed terms (biases, MLP, -H) are kept apart (ContextAttribution.buckets).",
+            caveat="Cost: one forward pass (no backward). Context relayed through response positions stays on them "
+            "(not traced back to the sources); MLPs are not attributed. Causal LMs, pre-LN/parallel/sandwich.",
+        ),
+        MethodInfo(
+            "attention",
+            "context",
+            "Attention (AT2 baseline)",
+            "Cohen-Wang, Chuang, Madry 2025 (AT2, untrained)",
+            doc="Attention of the row predicting each response token, averaged over layers and heads, summed over a "
+            "source's tokens and averaged over the span's tokens (AT2's features with uniform weights).",
+            caveat="Cost: one forward pass. Shares, not signed amounts; attention sinks (BOS) take much of the mass.",
+        ),
+        MethodInfo(
+            "contextcite",
+            "context",
+            "ContextCite",
+            "Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024",
+            doc="n_ablations random halves of the sources removed from the text (official masks), the response's "
+            "logit P re-scored each time, a LASSO (alpha 0.01, standardised masks, target / T) fitted; spans refit "
+            "on the stored per-token logit-probabilities. compat=True reproduces the official package.",
+            caveat="Cost: n_ablations forward passes (no backward), about half the context each. Default differs "
+            "from the official package in the aggregation's overflow, the text kept around the sources, and the "
+            "response ids (no end-of-sequence): ctxmix.methods.context_ablation.",
+        ),
+        MethodInfo(
+            "leave_one_out",
+            "context",
+            "Leave-one-out",
+            "e.g. AttriBoT (Liu, Kandpal, Raffel, ICLR 2025) as the reference",
+            doc="One pass with every source and one per removed source: score = log P(span | context) - "
+            "log P(span | context without the source).",
+            caveat="Cost: d + 1 near-full-length forward passes; refused above 256 sources. Misses sources that "
+            "matter only together (redundant facts).",
+        ),
+    ]
+}

@@ -1,0 +1,497 @@
+"""`attribute_context`: which sources of a context made a causal language model say this
+(`papers/notes/context-attribution.md`), and its result, `ContextAttribution`.
+
+    ca = ctxmix.attribute_context(model, context, "What is the code?", methods=["logit", "contextcite"])
+    ca.top("contextcite", 3)          # [(source index, score, text), ...]
+    ca.scores_for("logit", span=(0, 12))  # a span of the response: no new pass
+    ca.save("ca.npz"); ctxmix.load_context_attribution("ca.npz")
+
+The prompt, the sources and the response are described in `ctxmix.methods.context_prompt` and
+`ctxmix.methods.sources`; the methods in `ctxmix.methods.context_ablation` (contextcite,
+leave_one_out) and `ctxmix.methods.context_onepass` (logit, attention), and in the registry's
+context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ctxmix.engine.models import Model
+from ctxmix.errors import BadInput
+from ctxmix.methods.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE, make_sources
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+FORMAT = "ctxmix-context-attribution"
+VERSION = 1
+ABLATION_METHODS = ("contextcite", "leave_one_out")
+DEFAULT_METHODS = ("logit", "contextcite")
+
+
+@dataclass
+class ContextAttribution:
+    """What `attribute_context` found. Shapes: d sources, P prompt tokens, T response tokens.
+
+    context (the context string; documents joined), query, sources (d str), source_spans (d (start,
+    end) in context), source_tokens (d lists of prompt positions), prompt_ids (P,), labels (P,): each
+    prompt token's source or bucket (-1 template, -2 query, -3 separators), response (str),
+    response_ids (T,), response_offsets (T, 2) each response token's characters in `response`;
+    scores[m] (d,) for the whole response; per_token[m] (T, P + T) the one-pass methods' contributions
+    of every position to each response token's target, terms[m] {name: (T,)} what no position gets,
+    targets[m] (T,) the explained quantity per token; ablations[m] {"masks": (m, d) bool (True = kept),
+    "logit_probs": (m, T)} behind each ablation method; intercepts[m] the surrogate's bias;
+    cost[m] {"forward", "backward", "seconds"}; options (everything that changes a number); provenance."""
+
+    model_name: str
+    context: str
+    query: str | None
+    sources: list[str]
+    source_spans: list[tuple[int, int]]
+    source_tokens: list[list[int]]
+    prompt_ids: list[int]
+    labels: np.ndarray
+    response: str
+    response_ids: list[int]
+    response_offsets: np.ndarray
+    methods: list[str]
+    scores: dict[str, np.ndarray] = field(default_factory=dict)
+    per_token: dict[str, np.ndarray] = field(default_factory=dict)
+    terms: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    targets: dict[str, np.ndarray] = field(default_factory=dict)
+    ablations: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    intercepts: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, dict] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------ spans
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.sources)
+
+    def token_range(self, span=None) -> tuple[int, int]:
+        """The response tokens (a, b) that a character span (start, end) of `response` touches
+        (every token overlapping it); None: the whole response."""
+        T = len(self.response_ids)
+        if span is None:
+            return 0, T
+        ok = isinstance(span, (tuple, list)) and len(span) == 2
+        ok = ok and all(not isinstance(x, bool) and isinstance(x, (int, np.integer)) for x in span)
+        if not ok:
+            raise BadInput(
+                f"span must be a pair of whole numbers (start, end) in the response's characters, got {span!r}"
+            )
+        s, e = int(span[0]), int(span[1])
+        if not 0 <= s < e <= len(self.response):
+            raise BadInput(
+                f"span ({s}, {e}) is outside the response's {len(self.response)} characters "
+                "(need 0 <= start < end <= len(response))"
+            )
+        off = self.response_offsets
+        hit = np.nonzero((off[:, 1] > s) & (off[:, 0] < e))[0]
+        if not len(hit):
+            raise BadInput(f"span ({s}, {e}) holds no response token (only spacing?)")
+        return int(hit[0]), int(hit[-1]) + 1
+
+    def scores_for(self, method: str, span=None) -> np.ndarray:
+        """(d,) scores of `method` for a character span (start, end) of the response, from the stored
+        per-token contributions or ablations (no model pass): one-pass methods sum (logit) or average
+        (attention) their per-token source scores over the span's tokens; contextcite refits its LASSO on
+        the span's aggregated logit-probabilities (T = the span's tokens); leave_one_out takes the span's
+        log-probability drops."""
+        self._check_method(method)
+        a, b = self.token_range(span)
+        if method in self.per_token:
+            from ctxmix.methods.context_onepass import SPAN_AGGREGATION
+
+            M = self.per_token[method][a:b]
+            per_source = np.stack([M[:, toks].sum(1) for toks in self.source_tokens], 1)  # (b - a, d)
+            return per_source.mean(0) if SPAN_AGGREGATION[method] == "mean" else per_source.sum(0)
+        if method == "contextcite":
+            from ctxmix.methods.context_ablation import contextcite_scores
+
+            w, _ = contextcite_scores(
+                self.ablations[method], a, b, bool(self.options.get("compat")), self.options["alpha"]
+            )
+            return w
+        from ctxmix.methods.context_ablation import leave_one_out_scores
+
+        return leave_one_out_scores(self.ablations[method], a, b)
+
+    def buckets(self, method: str, span=None) -> dict[str, float]:
+        """A one-pass method's span total split into sources and what belongs to no source: "sources"
+        (their sum), "template", "query", "separators", "response" (positions of the response: the
+        explained rows' own tokens and the response before them), and each unattributed term; they
+        sum to "target", the span's summed target (logit: summed log-probability or logit)."""
+        self._check_method(method)
+        if method not in self.per_token:
+            raise BadInput(f"{method} is an ablation method: it has no per-position contributions to bucket")
+        a, b = self.token_range(span)
+        M = self.per_token[method][a:b].sum(0)  # (P + T,)
+        P = len(self.prompt_ids)
+        out = {"sources": float(M[:P][self.labels >= 0].sum())}
+        for code, name in BUCKETS.items():
+            out[name] = float(M[:P][self.labels == code].sum())
+        out["response"] = float(M[P:].sum())
+        for k, v in self.terms.get(method, {}).items():
+            out[k] = float(np.asarray(v)[a:b].sum())
+        out["target"] = float(self.targets[method][a:b].sum())
+        return out
+
+    def top(self, method: str, k: int = 5, span=None) -> list[tuple[int, float, str]]:
+        """The k highest-scoring sources: (index, score, text), best first (ties: the earlier source)."""
+        s = self.scores[method] if span is None else self.scores_for(method, span)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise BadInput(f"k must be a positive whole number, got {k!r}")
+        order = np.argsort(-s, kind="stable")[:k]
+        return [(int(i), float(s[i]), self.sources[i]) for i in order]
+
+    def _check_method(self, method: str) -> None:
+        if method not in self.methods:
+            raise BadInput(f"{method!r} was not computed; this attribution has {', '.join(self.methods)}")
+
+    # ------------------------------------------------------------ views
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (method, source): method, source, start, end, text, score, rank (1 = highest)."""
+        import pandas as pd
+
+        rows = []
+        for m in self.methods:
+            s = self.scores[m]
+            ranks = np.empty(len(s), dtype=int)
+            ranks[np.argsort(-s, kind="stable")] = np.arange(1, len(s) + 1)
+            for i, (text, (a, b)) in enumerate(zip(self.sources, self.source_spans)):
+                rows.append(
+                    {
+                        "method": m,
+                        "source": i,
+                        "start": a,
+                        "end": b,
+                        "text": text,
+                        "score": float(s[i]),
+                        "rank": int(ranks[i]),
+                    }
+                )
+        return pd.DataFrame(rows, columns=["method", "source", "start", "end", "text", "score", "rank"])
+
+    def __repr__(self) -> str:
+        return (
+            f"ContextAttribution({self.model_name}, {self.n_sources} sources, "
+            f"{len(self.response_ids)} response tokens, methods {', '.join(self.methods)}: {self.response[:60]!r})"
+        )
+
+    # ------------------------------------------------------------ files
+
+    def save(self, path) -> Path:
+        """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False); reopen with
+        `ctxmix.load_context_attribution`."""
+        p = Path(path)
+        if p.suffix != ".npz":
+            p = p.with_name(p.name + ".npz")
+        if p.is_dir():
+            raise BadInput(f"{p} is a folder; give a file name")
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model_name": self.model_name,
+            "context": self.context,
+            "query": self.query,
+            "sources": self.sources,
+            "source_spans": [list(s) for s in self.source_spans],
+            "source_tokens": self.source_tokens,
+            "prompt_ids": self.prompt_ids,
+            "response": self.response,
+            "response_ids": self.response_ids,
+            "methods": self.methods,
+            "intercepts": self.intercepts,
+            "cost": self.cost,
+            "options": self.options,
+            "provenance": self.provenance,
+            "warnings": self.warnings,
+            "terms": {m: list(t) for m, t in self.terms.items()},
+        }
+        arrays: dict = {
+            "meta": np.array(json.dumps(meta, default=str)),
+            "labels": np.asarray(self.labels, dtype=np.int64),
+            "response_offsets": np.asarray(self.response_offsets, dtype=np.int64),
+        }
+        for m in self.methods:
+            arrays[f"scores/{m}"] = np.asarray(self.scores[m], dtype=np.float64)
+        for m, a in self.per_token.items():
+            arrays[f"per_token/{m}"] = a
+            arrays[f"targets/{m}"] = self.targets[m]
+            for k, v in self.terms.get(m, {}).items():
+                arrays[f"terms/{m}/{k}"] = np.asarray(v, dtype=np.float64)
+        for m, ab in self.ablations.items():
+            arrays[f"masks/{m}"] = ab["masks"]
+            arrays[f"logit_probs/{m}"] = ab["logit_probs"]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        with open(tmp, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+        tmp.replace(p)
+        return p
+
+
+def load_context_attribution(path) -> ContextAttribution:
+    """Reopen a saved `ContextAttribution` (no model needed)."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"no such file: {str(p)!r}")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: z[k] for k in z.files if k != "meta"}
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{p.name} could not be read as a saved context attribution: {type(e).__name__}: {e}") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise BadInput(f"{p.name} is not a saved ctxmix context attribution this version can read")
+    ca = ContextAttribution(
+        model_name=meta["model_name"],
+        context=meta["context"],
+        query=meta["query"],
+        sources=list(meta["sources"]),
+        source_spans=[tuple(s) for s in meta["source_spans"]],
+        source_tokens=[list(t) for t in meta["source_tokens"]],
+        prompt_ids=list(meta["prompt_ids"]),
+        labels=arrays["labels"],
+        response=meta["response"],
+        response_ids=list(meta["response_ids"]),
+        response_offsets=arrays["response_offsets"],
+        methods=list(meta["methods"]),
+        intercepts=dict(meta["intercepts"]),
+        cost=dict(meta["cost"]),
+        options=dict(meta["options"]),
+        provenance=dict(meta["provenance"]),
+        warnings=list(meta["warnings"]),
+    )
+    for key, a in arrays.items():
+        kind, _, rest = key.partition("/")
+        if kind == "scores":
+            ca.scores[rest] = a
+        elif kind == "per_token":
+            ca.per_token[rest] = a
+        elif kind == "targets":
+            ca.targets[rest] = a
+        elif kind == "terms":
+            m, _, name = rest.partition("/")
+            ca.terms.setdefault(m, {})[name] = a
+        elif kind in ("masks", "logit_probs"):
+            ca.ablations.setdefault(rest, {})[kind] = a
+    return ca
+
+
+# ---------------------------------------------------------------- the call
+
+
+def _check_call(model: Model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query) -> list[str]:
+    from ctxmix.engine.generate import MAX_NEW_TOKENS
+    from ctxmix.methods.context_ablation import check_n_ablations
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    if model.kind != "causal_lm" or model.spec.encoder_decoder:
+        raise BadInput(
+            f"attribute_context explains what a causal language model generates from its context; {model.name} is "
+            f"a {model.kind.replace('_', ' ')} (encoder-only and encoder-decoder models are not supported)"
+        )
+    names = [methods] if isinstance(methods, str) else list(methods or [])
+    if not names:
+        raise BadInput("choose at least one method")
+    bad = [m for m in names if m not in CONTEXT_METHODS]
+    if bad:
+        raise BadInput(
+            f"unknown context-attribution method(s) {', '.join(map(repr, bad))}; valid: {', '.join(CONTEXT_METHODS)}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or not 1 <= max_new_tokens <= MAX_NEW_TOKENS
+    ):
+        raise BadInput(f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
+    check_n_ablations(n_ablations)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise BadInput(f"batch_size must be a positive whole number, got {batch_size!r}")
+    if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)) or not 0 < keep_prob < 1:
+        raise BadInput(f"keep_prob must be between 0 and 1 (exclusive), got {keep_prob!r}")
+    if query is not None and (not isinstance(query, str) or not query.strip()):
+        raise BadInput("query must be a non-empty string, or None (the context alone is the prompt)")
+    return list(dict.fromkeys(names))
+
+
+def attribute_context(
+    model: Model,
+    context,
+    query: str | None = None,
+    *,
+    response: str | None = None,
+    sources="sentence",
+    methods=DEFAULT_METHODS,
+    template: str | None = None,
+    max_new_tokens: int = 64,
+    n_ablations: int = 32,
+    seed: int = 0,
+    keep_prob: float = 0.5,
+    alpha: float = 0.01,
+    target: str = "log_prob",
+    compat: bool = False,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> ContextAttribution:
+    """Score each source of `context` by how much it made `model` produce the response.
+
+    context: one string, or a list of documents (joined with a blank line). sources: "sentence"
+    (pysbd, offline; per line), "paragraph" (blank-line separated), "document" (each document of a
+    list), or explicit character spans [(start, end), ...] of the context string (in order, not
+    overlapping). The template's tokens, the query and the response are never sources.
+
+    query: the question, placed as "Context: {context}\\n\\nQuery: {query}" (ContextCite's format) in
+    the model's chat template (template=None or "chat"; template="plain" or a tokenizer without one:
+    the tokenizer's BOS and the message). query=None: the context alone is the message, so the caller
+    places any instruction ("Summarize the article.") or the text to continue in the context itself.
+    Text in the context, query or response that spells a special token is kept as text.
+
+    response: the text to attribute; None generates it greedily (ctxmix.generate, max_new_tokens), the
+    final end-of-sequence token dropped.
+
+    methods (the registry's CONTEXT_METHODS): "logit" (one traced pass; target="log_prob" explains
+    each token's log-probability exactly, "logit" its raw logit), "attention" (AT2's raw-attention
+    baseline), "contextcite" (n_ablations random ablations, seed, keep_prob, LASSO alpha), and
+    "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES). compat=True reproduces the
+    official ContextCite package (whole-string tokenisation, re-tokenised response with its
+    end-of-sequence token, the official rebuild that drops text outside the sources, float32
+    aggregation that overflows on confident spans); the default differs there as the note's §7
+    recommends (`ctxmix.methods.context_ablation`).
+
+    Raises BadInput, before any model pass, for an empty context, a single source, an empty or
+    end-of-sequence-only response, a prompt + response over the model's window, bad spans, an encoder or
+    encoder-decoder model, and n_ablations outside 2..MAX_ABLATIONS.
+    """
+    import time
+
+    from ctxmix.methods.context_ablation import (
+        LASSO_ALPHA,
+        contextcite_scores,
+        leave_one_out_scores,
+        run_contextcite,
+        run_leave_one_out,
+    )
+    from ctxmix.methods.context_onepass import TARGETS, run_one_pass
+    from ctxmix.methods.context_prompt import PromptBuilder, make_response
+    from ctxmix.methods.explanation import provenance
+
+    methods = _check_call(model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query)
+    if target not in TARGETS:
+        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if not isinstance(compat, bool):
+        raise BadInput(f"compat must be True or False, got {compat!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise BadInput(f"seed must be a non-negative whole number, got {seed!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise BadInput(f"alpha must be a positive number, got {alpha!r}")
+    if "logit" in methods:
+        from ctxmix.methods.prediction import check_logit_model
+
+        check_logit_model(model, "logit")
+    src = make_sources(context, sources)
+    builder = PromptBuilder(model, query, template, compat)
+    builder.check_special_text({"context": src.text, "query": query or ""})
+    prompt = builder.encode(src)
+    window = model.max_length
+    if len(prompt.ids) >= window:
+        raise BadInput(
+            f"the prompt has {len(prompt.ids)} tokens, over {model.name}'s window of {window} positions: "
+            "shorten the context"
+        )
+    resp = make_response(model, builder, src, prompt, response, max_new_tokens, progress)
+    P, T = len(prompt.ids), len(resp.ids)
+    if P + T > window:
+        raise BadInput(
+            f"prompt ({P} tokens) + response ({T} tokens) exceed {model.name}'s window of {window} positions: "
+            "shorten the context or the response"
+        )
+    if compat and src.rebuild(np.ones(len(src), bool), "contextcite") != src.text:
+        note = (
+            "compat: the official rebuild drops the text before the first source and after the last, even with "
+            "every source kept"
+        )
+    else:
+        note = None
+    if not compat and builder.ids(src.rebuild(np.ones(len(src), bool))) != prompt.ids:
+        raise RuntimeError("rebuilding the context with every source kept does not give the prompt's ids")
+    source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(len(src))]
+    empty = [i for i, t in enumerate(source_tokens) if not t]
+    ca = ContextAttribution(
+        model_name=model.name,
+        context=src.text,
+        query=query,
+        sources=src.texts,
+        source_spans=list(src.spans),
+        source_tokens=source_tokens,
+        prompt_ids=list(prompt.ids),
+        labels=prompt.labels,
+        response=resp.text,
+        response_ids=list(resp.ids),
+        response_offsets=resp.offsets,
+        methods=methods,
+        options={
+            "sources": src.kind if isinstance(sources, str) else "spans",
+            "splitter": src.splitter,
+            "prompt": builder.info,
+            "response": resp.how,
+            "eos_dropped": resp.eos_dropped,
+            "max_new_tokens": max_new_tokens if resp.how == "generated" else None,
+            "generation_seconds": resp.generation_seconds,
+            "target": target,
+            "n_ablations": n_ablations,
+            "seed": seed,
+            "keep_prob": keep_prob,
+            "alpha": float(alpha),
+            "lasso_alpha_default": LASSO_ALPHA,
+            "compat": compat,
+            "ablation": "remove",
+            "rebuild": "contextcite" if compat else "ctxmix",
+            "model_dtype": str(model.dtype).replace("torch.", ""),
+            "batch_size": batch_size,
+        },
+        provenance=provenance(model),
+    )
+    if note:
+        ca.warnings.append(note)
+    if empty:
+        ca.warnings.append(f"source(s) {empty} have no token of their own (merged into a neighbour's token)")
+    one_pass = [m for m in methods if m not in ABLATION_METHODS]
+    if one_pass:
+        for m, res in run_one_pass(model, one_pass, prompt.ids + resp.ids, P, target).items():
+            ca.per_token[m] = res["per_token"]
+            ca.terms[m] = res["terms"]
+            ca.targets[m] = res["target"]
+            ca.cost[m] = res["cost"]
+            ca.scores[m] = ca.scores_for(m)
+    if "contextcite" in methods:
+        ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
+        t0 = time.perf_counter()
+        ca.ablations["contextcite"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
+        w, b = contextcite_scores(ab, 0, T, compat, alpha)
+        ca.scores["contextcite"], ca.intercepts["contextcite"] = w, b
+        ca.cost["contextcite"] = {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0}
+        y = ab["logit_probs"]
+        if np.ptp(y.sum(1)) == 0:
+            ca.warnings.append("contextcite: the target is the same under every ablation; the scores are all zero")
+    if "leave_one_out" in methods:
+        ab = run_leave_one_out(model, builder, src, resp.ids, batch_size, compat, progress)
+        ca.ablations["leave_one_out"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
+        ca.scores["leave_one_out"] = leave_one_out_scores(ab, 0, T)
+        ca.cost["leave_one_out"] = ab["cost"]
+    return ca
+
+
+__all__ = ["ContextAttribution", "attribute_context", "load_context_attribution", "TEMPLATE", "QUERY", "SEPARATOR"]

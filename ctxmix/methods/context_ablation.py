@@ -1,0 +1,226 @@
+"""Ablation methods of context attribution: ContextCite and leave-one-out
+(`papers/notes/context-attribution.md` §1, §6.3, §6.4).
+
+Every ablation removes sources from the context *text* (the "remove" counterfactual, §6.3 item 3),
+rebuilds and re-tokenises the prompt, appends the fixed response ids, and reads the response's
+per-token logit-probabilities l_t = z_{r_t} - logsumexp_{v != r_t} z_v = log p_t - log(1 - p_t)
+(ContextCite's (C1), formed without 1 - p_t, so stable) from one forward pass. Passes are batched
+(sorted by length, right-padded: see `response_logit_probs` for why not left), with explicit position
+ids, and form only the rows' logits that hold the response (HF's `logits_to_keep`), taken in float32 or
+the model's float64.
+
+ContextCite (Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024; official code MadryLab/context-cite):
+masks i.i.d. Bernoulli(keep_prob) drawn as the official code draws them
+(`RandomState(seed + i).choice([False, True], size=d, p=[1 - keep, keep])`, True = keep); target
+y = logit P(span) aggregated from the span's l_t; LASSO (alpha 0.01, intercept, random_state 0) on
+standardised masks with y divided by the span's token count T and the weights rescaled back (w =
+coef / scale * T; the effective penalty on the original scale is alpha * T, §1.5). Where ctxmix's
+default differs from the official package (`compat=True` reproduces it):
+
+- the aggregation y = log P - log(1 - P) uses a stable log(1 - P) (log(-expm1(log P)) near P = 1), in
+  float64; the official float32 `log1p(-exp(log P))` overflows to +inf when P rounds to 1, and the
+  LASSO then fails (compat reproduces the float32 arithmetic and refuses an infinite target, saying so);
+- the text before the first source and after the last is kept (the note's A7; the official rebuild
+  drops it even for the full context): `Sources.rebuild`;
+- the response ids are the generated ids without the end-of-sequence token (A3): `context_prompt`;
+- masks, logit-probabilities and the fit are float64 (the official code fits float32 masks and targets).
+
+Leave-one-out: one pass with every source and one per removed source (d + 1 passes); a source's score
+is log P(span | context) - log P(span | context without it), natural log, positive when the source
+makes the span more likely (the top-k drop of §2.1 with k = 1 on that source).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import numpy as np
+import torch
+
+from ctxmix.engine.models import Model
+from ctxmix.errors import BadInput
+
+MIN_ABLATIONS, MAX_ABLATIONS = 2, 1024
+MAX_LOO_SOURCES = 256  # leave-one-out makes one full-length pass per source
+LASSO_ALPHA = 0.01
+
+
+def check_n_ablations(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not MIN_ABLATIONS <= n <= MAX_ABLATIONS:
+        raise BadInput(f"n_ablations must be a whole number from {MIN_ABLATIONS} to {MAX_ABLATIONS}, got {n!r}")
+    return int(n)
+
+
+def contextcite_masks(n: int, d: int, seed: int = 0, keep_prob: float = 0.5) -> np.ndarray:
+    """(n, d) bool, True = keep: mask i from RandomState(seed + i), as the official `_create_mask`."""
+    return np.stack(
+        [np.random.RandomState(seed + i).choice([False, True], size=d, p=[1 - keep_prob, keep_prob]) for i in range(n)]
+    )
+
+
+def log1mexp(x: np.ndarray) -> np.ndarray:
+    """log(1 - exp(x)) for x <= 0, stable on both sides (Maechler 2012: expm1 above -log 2, log1p below)."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(x > -np.log(2), np.log(-np.expm1(x)), np.log1p(-np.exp(x)))
+
+
+def log_probs(logit_probs: np.ndarray) -> np.ndarray:
+    """Sum over the last axis of log sigmoid(l_t) = log p_t: (..., T) -> (...,), float64."""
+    lp = np.asarray(logit_probs, dtype=np.float64)
+    return -np.logaddexp(0.0, -lp).sum(-1)
+
+
+def aggregate(logit_probs: np.ndarray, compat: bool = False) -> np.ndarray:
+    """ContextCite's (C2) target y = logit P(span) from per-token logit-probs (m, T) -> (m,).
+    compat: the official float32 torch arithmetic (infinite when P rounds to 1 in float32)."""
+    if compat:
+        t = torch.tensor(np.asarray(logit_probs, dtype=np.float32))
+        lpt = torch.nn.functional.logsigmoid(t).sum(dim=1)
+        return (lpt - torch.log1p(-torch.exp(lpt))).numpy()
+    lp = log_probs(logit_probs)
+    return lp - log1mexp(lp)
+
+
+def lasso_fit(masks: np.ndarray, y: np.ndarray, n_tokens: int, alpha: float = LASSO_ALPHA, compat: bool = False):
+    """The official solver: StandardScaler -> Lasso(alpha, fit_intercept=True, random_state=0) on y / T,
+    weights rescaled to the masks' scale and multiplied back by T. Returns (weights (d,), bias)."""
+    from sklearn.linear_model import Lasso
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    y = np.asarray(y)
+    if not np.all(np.isfinite(y)):
+        raise BadInput(
+            "the ContextCite target logit P(span) is infinite: the span is so likely that P rounds to 1 in float32 "
+            "(the official aggregation's overflow, reproduced by compat=True); use compat=False (stable) or a longer "
+            "span"
+        )
+    X = masks.astype(np.float32 if compat else np.float64)
+    Y = y / n_tokens
+    scaler = StandardScaler()
+    lasso = Lasso(alpha=alpha, random_state=0, fit_intercept=True)
+    make_pipeline(scaler, lasso).fit(X, Y)
+    w = lasso.coef_ / scaler.scale_
+    b = lasso.intercept_ - (scaler.mean_ / scaler.scale_) @ lasso.coef_.T
+    return np.asarray(w * n_tokens, dtype=np.float64), float(b * n_tokens)
+
+
+def _accepts(hf, name: str) -> bool:
+    try:
+        return name in inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@torch.no_grad()
+def response_logit_probs(
+    model: Model, prompts: list[list[int]], response_ids: list[int], batch_size: int = 8, progress=None
+) -> np.ndarray:
+    """(m, T) float64 per-token logit-probabilities of the fixed response after each prompt.
+
+    Sequences are sorted by length and batched with right padding (pad keys come after every real
+    token, so the causal mask already hides them, and no row is left with every key masked: left
+    padding gives such rows, whose softmax is NaN in float64 and leaks through 0 * NaN), explicit
+    position ids 0..len-1; only the last rows that hold some sequence's response rows are turned into
+    logits (HF's `logits_to_keep`), and each sequence's T rows are gathered. progress(k): passes done."""
+    T = len(response_ids)
+    seqs = [list(p) + list(response_ids) for p in prompts]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    pad = getattr(model.tokenizer, "pad_token_id", None)
+    pad = int(pad) if isinstance(pad, int) else 0
+    hf = model.hf
+    can_keep = _accepts(hf, "logits_to_keep")
+    cache = {"use_cache": False} if _accepts(hf, "use_cache") else {}
+    out = np.empty((len(seqs), T), dtype=np.float64)
+    done = 0
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        lens = [len(seqs[i]) for i in idx]
+        width = max(lens)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, : lens[b]] = torch.tensor(seqs[i])
+            mask[b, : lens[b]] = 1
+        pos = torch.arange(width).expand(len(idx), -1)
+        K = width - min(lens) + T + 1  # the kept rows cover every sequence's response rows
+        logits = hf(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            position_ids=pos.to(model.device),
+            **({"logits_to_keep": K} if can_keep else {}),
+            **cache,
+        ).logits
+        first = width - logits.shape[1]  # the position of the first kept row
+        rows = torch.stack([torch.arange(n - T - 1, n - 1) - first for n in lens]).to(logits.device)  # (B, T)
+        z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+        z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (A19)
+        r = torch.tensor(response_ids, device=z.device).expand(len(idx), T)[..., None]
+        correct = z.gather(-1, r)[..., 0]
+        other = z.scatter(-1, r, -torch.inf).logsumexp(-1)
+        out[idx] = (correct - other).double().cpu().numpy()
+        done += len(idx)
+        if progress is not None:
+            progress(done)
+    return out
+
+
+def _passes(model, builder, prompts, response_ids, batch_size, progress, desc) -> tuple[np.ndarray, float]:
+    from ctxmix.progress import progress_bar
+
+    t0 = time.perf_counter()
+    with progress_bar(len(prompts), desc, enabled=bool(progress), unit="pass") as bar:
+        lp = response_logit_probs(model, prompts, response_ids, batch_size, lambda k: bar.update(k - bar.n))
+    return lp, time.perf_counter() - t0
+
+
+def run_contextcite(
+    model, builder, sources, response_ids, n_ablations, seed, keep_prob, batch_size, compat, progress
+) -> dict:
+    """The masks and the per-token logit-probabilities of ContextCite's ablations."""
+    d = len(sources)
+    masks = contextcite_masks(n_ablations, d, seed, keep_prob)
+    rule = "contextcite" if compat else "ctxmix"
+    prompts = [builder.ids(sources.rebuild(m, rule)) for m in masks]
+    lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, "contextcite")
+    return {
+        "masks": masks,
+        "logit_probs": lp,
+        "cost": {"forward": len(prompts), "backward": 0, "seconds": secs},
+        "rule": rule,
+    }
+
+
+def run_leave_one_out(model, builder, sources, response_ids, batch_size, compat, progress) -> dict:
+    """Row 0: every source kept; row 1 + i: source i removed."""
+    d = len(sources)
+    if d > MAX_LOO_SOURCES:
+        raise BadInput(
+            f"leave_one_out makes one pass per source; the context has {d} sources, over the limit of "
+            f"{MAX_LOO_SOURCES}: use contextcite, or coarser sources (sources='paragraph')"
+        )
+    masks = np.ones((d + 1, d), dtype=bool)
+    masks[np.arange(1, d + 1), np.arange(d)] = False
+    rule = "contextcite" if compat else "ctxmix"
+    prompts = [builder.ids(sources.rebuild(m, rule)) for m in masks]
+    lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, "leave_one_out")
+    return {
+        "masks": masks,
+        "logit_probs": lp,
+        "cost": {"forward": len(prompts), "backward": 0, "seconds": secs},
+        "rule": rule,
+    }
+
+
+def contextcite_scores(ablation: dict, a: int, b: int, compat: bool, alpha: float = LASSO_ALPHA):
+    """(weights (d,), bias) of the LASSO for the response tokens a..b-1."""
+    y = aggregate(ablation["logit_probs"][:, a:b], compat)
+    return lasso_fit(ablation["masks"], y, b - a, alpha, compat)
+
+
+def leave_one_out_scores(ablation: dict, a: int, b: int) -> np.ndarray:
+    """log P(span | all) - log P(span | without source i), (d,)."""
+    lp = log_probs(ablation["logit_probs"][:, a:b])
+    return lp[0] - lp[1:]

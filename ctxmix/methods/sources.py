@@ -1,0 +1,264 @@
+"""The sources of a context: how a context is split (sentences, paragraphs, documents, or given
+character spans), how an ablated context is rebuilt from the kept sources, and which prompt tokens
+belong to which source (`papers/notes/context-attribution.md` §1.2, §6.1 item 3, §6.4 items 1-3).
+
+A context is one string; a list of documents is joined with `DOCUMENT_SEPARATOR`. A source is a
+character span (start, end) of that string with no surrounding whitespace. The text before a source
+and after the previous one is its *separator* (ContextCite's rule: each source carries the separator
+that precedes it); the text after the last source is the *trail*.
+
+Rebuilding the context for a keep-mask v (§1.2):
+
+- `rule="contextcite"` (the official package): kept parts joined as part_{k1} + sep_{k2} + part_{k2}
+  + ..., i.e. the first kept part loses its separator and every other kept part keeps its own; the
+  text before the first source and after the last is dropped even when everything is kept.
+- `rule="ctxmix"` (default, the note's A7): the same, except that the text before the first source
+  (the first separator) and the trail are kept as fixed, non-ablatable context padding, so that
+  rebuilding with every source kept gives the context exactly.
+
+Sentences come from pysbd (rule-based, offline; `SPLITTER`), split per line first as ContextCite
+and AT2 do, so a sentence never crosses a newline; a part with no letter (a list number "1.", a
+rule "----") is not a source (AT2's `is_sentence`): it stays in the separator.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+
+DOCUMENT_SEPARATOR = "\n\n"
+SOURCE_KINDS = ("sentence", "paragraph", "document")
+
+# per-token labels of a prompt: a source's index (>= 0) or one of these buckets (§6.1 item 2)
+TEMPLATE, QUERY, SEPARATOR = -1, -2, -3
+BUCKETS = {TEMPLATE: "template", QUERY: "query", SEPARATOR: "separators"}
+
+
+def splitter_info() -> dict:
+    """The sentence splitter's name and version (they change the sources, hence every number: §6.4 item 3)."""
+    try:
+        from importlib.metadata import version
+
+        v = version("pysbd")
+    except Exception:  # noqa: BLE001 - not installed: reported, refused when sentences are asked for
+        v = None
+    return {"name": "pysbd", "version": v}
+
+
+@dataclass
+class Sources:
+    """A context and its sources. text: the context string; spans: (start, end) per source, in text
+    order, not overlapping; kind: "sentence", "paragraph", "document" or "spans"; splitter: who split it."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    kind: str
+    splitter: dict = field(default_factory=dict)
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.text[s:e] for s, e in self.spans]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @property
+    def separators(self) -> list[str]:
+        """The text before each source, back to the previous source's end (the first: from 0)."""
+        ends = [0] + [e for _, e in self.spans[:-1]]
+        return [self.text[a:s] for a, (s, _) in zip(ends, self.spans)]
+
+    @property
+    def trail(self) -> str:
+        return self.text[self.spans[-1][1] :] if self.spans else self.text
+
+    def rebuild(self, keep, rule: str = "ctxmix") -> str:
+        """The context with only the sources where keep (d,) is true (see the module docstring)."""
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != (len(self),):
+            raise ValueError(f"a mask of {keep.shape} for {len(self)} sources")
+        parts, seps = self.texts, self.separators
+        kept = [i for i in range(len(self)) if keep[i]]
+        out = "".join(parts[i] if k == 0 else seps[i] + parts[i] for k, i in enumerate(kept))
+        if rule == "contextcite":
+            return out
+        if rule != "ctxmix":
+            raise BadInput(f"rule must be 'ctxmix' or 'contextcite', got {rule!r}")
+        return seps[0] + out + self.trail if kept else seps[0] + self.trail
+
+    def source_of(self, char: int) -> int:
+        """The source holding character `char`, or SEPARATOR."""
+        for i, (s, e) in enumerate(self.spans):
+            if s <= char < e:
+                return i
+            if char < s:
+                break
+        return SEPARATOR
+
+
+# ---------------------------------------------------------------- splitting
+
+
+def _lines(text: str):
+    """(offset, line) for every line of text, without its line break (str.splitlines' breaks)."""
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+        yield pos, body
+        pos += len(line)
+
+
+def _is_sentence(part: str) -> bool:
+    """A part that holds a letter (AT2 keeps parts with a character outside whitespace, digits and
+    punctuation; a letter is what that means for text)."""
+    return any(ch.isalpha() for ch in part)
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """Sentence spans of `text`: per line, pysbd's segments (clean=False, so they are substrings),
+    stripped and found in order; parts without a letter are left to the separators."""
+    try:
+        import pysbd
+    except ImportError:  # pragma: no cover - a dependency in requirements.txt
+        raise BadInput("sources='sentence' needs pysbd (pip install pysbd==0.3.4)") from None
+    seg = pysbd.Segmenter(language="en", clean=False)
+    spans: list[tuple[int, int]] = []
+    for off, line in _lines(text):
+        if not line.strip():
+            continue
+        cur = 0
+        for part in seg.segment(line):
+            p = part.strip()
+            if not p:
+                continue
+            at = line.find(p, cur)
+            if at < 0:  # pysbd returned text that is not in the line (it should not, with clean=False)
+                raise RuntimeError(f"pysbd returned a segment that is not in the text: {p!r}")
+            cur = at + len(p)
+            if _is_sentence(p):
+                spans.append((off + at, off + cur))
+    return spans
+
+
+_BLANK = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def paragraph_spans(text: str) -> list[tuple[int, int]]:
+    """Paragraphs: text between blank lines, stripped."""
+    spans, start = [], 0
+    for m in list(_BLANK.finditer(text)) + [None]:
+        end = len(text) if m is None else m.start()
+        chunk = text[start:end]
+        if chunk.strip():
+            lead = len(chunk) - len(chunk.lstrip())
+            spans.append((start + lead, start + len(chunk.rstrip())))
+        if m is not None:
+            start = m.end()
+    return spans
+
+
+def check_spans(text: str, spans) -> list[tuple[int, int]]:
+    """Explicit source spans: pairs of whole numbers 0 <= start < end <= len(text), in text order, not
+    overlapping, each holding some non-whitespace text."""
+    if isinstance(spans, (str, bytes)) or not hasattr(spans, "__iter__"):
+        raise BadInput("sources must be 'sentence', 'paragraph', 'document' or a list of (start, end) spans")
+    out: list[tuple[int, int]] = []
+    for k, sp in enumerate(spans):
+        ok = isinstance(sp, (tuple, list)) and len(sp) == 2
+        ok = ok and all(not isinstance(x, bool) and isinstance(x, (int, np.integer)) for x in sp)
+        if not ok:
+            raise BadInput(f"source span {k} must be a pair of whole numbers (start, end), got {sp!r}")
+        s, e = int(sp[0]), int(sp[1])
+        if not 0 <= s < e <= len(text):
+            raise BadInput(
+                f"source span {k} ({s}, {e}) is outside the context's {len(text)} characters "
+                "(need 0 <= start < end <= len(context))"
+            )
+        if out and s < out[-1][1]:
+            raise BadInput(
+                f"source span {k} ({s}, {e}) overlaps or precedes span {k - 1} {out[-1]}: give spans in text "
+                "order, not overlapping"
+            )
+        if not text[s:e].strip():
+            raise BadInput(f"source span {k} ({s}, {e}) holds only whitespace")
+        out.append((s, e))
+    return out
+
+
+def make_sources(context, sources="sentence") -> Sources:
+    """The context string and its sources. context: a string, or a list of documents (joined with
+    DOCUMENT_SEPARATOR; each a source with sources="document"). sources: "sentence", "paragraph",
+    "document", or a list of (start, end) character spans of the context string."""
+    if isinstance(context, str):
+        text, docs = context, None
+    elif isinstance(context, (list, tuple)) and all(isinstance(d, str) for d in context):
+        if not context or not any(d.strip() for d in context):
+            raise BadInput("the context is empty: give a string or a list of documents with some text")
+        empty = [k for k, d in enumerate(context) if not d.strip()]
+        if empty:
+            raise BadInput(f"document {empty[0]} of the context is empty")
+        docs = list(context)
+        text = DOCUMENT_SEPARATOR.join(docs)
+    else:
+        raise BadInput(f"context must be a string or a list of document strings, got {type(context).__name__}")
+    if not text.strip():
+        raise BadInput("the context is empty: give the text the response should be attributed to")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadInput(f"the context holds a character that is not valid Unicode at position {e.start}") from None
+    info: dict = {}
+    if isinstance(sources, str):
+        if sources not in SOURCE_KINDS:
+            raise BadInput(f"sources must be one of {', '.join(SOURCE_KINDS)} or a list of (start, end) spans")
+        if sources == "document":
+            if docs is None:
+                raise BadInput("sources='document' needs the context as a list of documents (one string each)")
+            spans, pos = [], 0
+            for d in docs:
+                lead = len(d) - len(d.lstrip())
+                spans.append((pos + lead, pos + len(d.rstrip())))
+                pos += len(d) + len(DOCUMENT_SEPARATOR)
+        elif sources == "paragraph":
+            spans = paragraph_spans(text)
+        else:
+            spans, info = sentence_spans(text), splitter_info()
+        kind = sources
+    else:
+        spans, kind = check_spans(text, sources), "spans"
+    if not spans:
+        raise BadInput(f"the context has no {kind} with a letter in it: nothing to attribute to")
+    if len(spans) < 2:
+        raise BadInput(
+            f"the context has one {kind} source only: there is nothing to compare it with; give a longer "
+            "context or a finer split (sources='sentence' or explicit spans)"
+        )
+    return Sources(text=text, spans=spans, kind=kind, splitter=info)
+
+
+def token_labels(body: str, offsets, context_range: tuple[int, int], query_range, sources: Sources) -> np.ndarray:
+    """Per token of a prompt body, its source index or bucket (TEMPLATE, QUERY, SEPARATOR).
+
+    body: the text the tokens were cut from; offsets (n, 2): each token's character span in body
+    ((0, 0) or None for a token with no text); context_range / query_range: where the context / query
+    sit in body. A token belongs to the source holding its first non-whitespace character (so " The",
+    whose space belongs to the separator, is The's source); a whitespace-only token in the context
+    belongs to the separators; tokens outside the context and query belong to the template."""
+    cs, ce = context_range
+    out = np.full(len(offsets), TEMPLATE, dtype=np.int64)
+    for k, off in enumerate(offsets):
+        if off is None:
+            continue
+        a, b = int(off[0]), int(off[1])
+        piece = body[a:b]
+        stripped = len(piece) - len(piece.lstrip())
+        c = a + stripped if piece.strip() else a
+        if cs <= c < ce:
+            out[k] = sources.source_of(c - cs) if piece.strip() else SEPARATOR
+        elif query_range is not None and query_range[0] <= c < query_range[1] and piece.strip():
+            out[k] = QUERY
+    return out
