@@ -11,23 +11,23 @@ from plotly.subplots import make_subplots
 from ctxmix.export.plots.style import COMPONENT_COLOURS, OKABE_ITO, _layout
 
 
+def _change_bar(d: pd.DataFrame, comparison: str, k: int, **kw) -> go.Bar:
+    """One comparison's per-layer bars of mean 1 - rho with std error bars, in its component's colour."""
+    return go.Bar(
+        x=d["layer"],
+        y=d["change"],
+        error_y=dict(type="data", array=d["std"], thickness=1),
+        marker_color=COMPONENT_COLOURS.get(comparison, OKABE_ITO[k]),
+        **kw,
+    )
+
+
 def change_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> go.Figure:
     """Per-layer bars of mean 1 - rho with std error bars, one panel per comparison (FF paper Fig. 3)."""
     fig = make_subplots(rows=1, cols=len(comparisons), subplot_titles=comparisons, shared_yaxes=True)
     for k, c in enumerate(comparisons):
         d = df[df["comparison"] == c]
-        fig.add_trace(
-            go.Bar(
-                x=d["layer"],
-                y=d["change"],
-                error_y=dict(type="data", array=d["std"], thickness=1),
-                marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]),
-                name=c,
-                showlegend=False,
-            ),
-            1,
-            k + 1,
-        )
+        fig.add_trace(_change_bar(d, c, k, name=c, showlegend=False), 1, k + 1)
         fig.update_xaxes(title="layer", dtick=1, row=1, col=k + 1)
     fig.update_yaxes(title="1 − Spearman ρ", row=1, col=1)
     return _layout(fig, title, height=340)
@@ -38,15 +38,7 @@ def grouped_bars(df: pd.DataFrame, comparisons: list[str], title: str = "") -> g
     fig = go.Figure()
     for k, c in enumerate(comparisons):
         d = df[df["comparison"] == c]
-        fig.add_trace(
-            go.Bar(
-                x=d["layer"],
-                y=d["change"],
-                name=c.replace("dyn:", ""),
-                error_y=dict(type="data", array=d["std"], thickness=1),
-                marker_color=COMPONENT_COLOURS.get(c, OKABE_ITO[k]),
-            )
-        )
+        fig.add_trace(_change_bar(d, c, k, name=c.replace("dyn:", "")))
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="layer", dtick=1)
     fig.update_yaxes(title="1 − Spearman ρ vs the map before the FF")
