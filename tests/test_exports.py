@@ -55,7 +55,8 @@ def test_static_exports(fmt, magic, tmp_path):
 def test_save_figure_writes_the_format_of_its_suffix(tmp_path, monkeypatch):
     """save_figure picks the format from the suffix (each format's export is tested above)."""
     seen = []
-    monkeypatch.setattr(plots, "figure_bytes", lambda fig, fmt, **kw: seen.append(fmt) or b"x" * 2000)
+    # patched where save_figure looks it up (plots.files; the package re-exports it)
+    monkeypatch.setattr(plots.files, "figure_bytes", lambda fig, fmt, **kw: seen.append(fmt) or b"x" * 2000)
     for fmt in ("png", "svg", "pdf"):
         plots.save_figure(_fig(), str(tmp_path / f"f.{fmt}"))
         assert (tmp_path / f"f.{fmt}").stat().st_size == 2000

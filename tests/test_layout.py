@@ -1,5 +1,6 @@
-"""The package's layout keeps its promises: stages without import cycles, a lazy `import ctxmix`,
-long modules that say why, and a wheel that carries the command, the dashboard and its data."""
+"""The package's layout keeps its promises: stages that import only downwards and without cycles, a
+lazy `import ctxmix`, long modules that say why, and a wheel that carries the command, the dashboard
+and its data."""
 
 import ast
 import os
@@ -49,6 +50,161 @@ def test_no_import_cycles():
     for m in graph:
         if not state.get(m):
             visit(m, [])
+
+
+# The stages, lowest first (why each sits where it does: test_stages_import_only_downwards).
+STAGES = {
+    "ctxmix.errors": 0,
+    "ctxmix.lazy": 0,
+    "ctxmix.progress": 0,
+    "ctxmix.hub": 0,
+    "ctxmix.data": 1,
+    "ctxmix.engine": 2,
+    "ctxmix.methods": 3,
+    "ctxmix.analyses": 4,
+    "ctxmix.service": 5,
+    "ctxmix.export": 6,
+    "ctxmix.benchmark": 6,
+    "ctxmix.verify": 6,
+    "ctxmix.service.serve": 7,
+    "ctxmix.cli": 7,
+    "ctxmix.__main__": 7,
+    "ctxmix": 7,
+    "ctxmix_dashboard": 7,
+}
+ROOT_OWN = {"__version__"}  # defined in ctxmix/__init__ itself, loaded before any submodule: stage 0
+# A result object's presentation methods (public contract: Explanation.show, ._repr_html_, Routes.figure)
+# draw with `export`; they may import it inside the method, never at a module's top.
+PRESENTATION = {"show", "figure", "_repr_html_"}
+
+
+def _stage(module: str) -> int:
+    if module in STAGES:
+        return STAGES[module]
+    parts = module.split(".")
+    for k in range(len(parts) - 1, 1, -1):  # longest placed prefix below the root ("ctxmix" is exact only)
+        if ".".join(parts[:k]) in STAGES:
+            return STAGES[".".join(parts[:k])]
+    if parts[0] == "ctxmix_dashboard":
+        return STAGES["ctxmix_dashboard"]
+    raise AssertionError(f"{module} has no stage: place it in tests/test_layout.py's STAGES")
+
+
+def _scoped_imports(module: str, path: Path):
+    """(target module, enclosing qualified name or "", line) for every ctxmix import of a file, resolved:
+    `from pkg import sub` is the submodule, `from ctxmix import name` the module the facade forwards to."""
+    import ctxmix
+
+    modules = {m for m, _ in _modules()}
+    is_pkg = path.name == "__init__.py"
+    out = []
+
+    def resolve(base: str, name: str) -> str:
+        if f"{base}.{name}" in modules:
+            return f"{base}.{name}"
+        if base == "ctxmix" and name in ctxmix._API:
+            return "ctxmix." + ctxmix._API[name]
+        if base == "ctxmix" and name in ctxmix._SUBMODULES:
+            return "ctxmix." + ctxmix._SUBMODULES[name]
+        if base == "ctxmix" and name in ROOT_OWN:
+            return "ctxmix.errors"  # any stage-0 module: the root's own constant
+        return base
+
+    def walk(node, scope: str):
+        for ch in ast.iter_child_nodes(node):
+            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                walk(ch, f"{scope}.{ch.name}" if scope else ch.name)
+                continue
+            if isinstance(ch, ast.ImportFrom):
+                base = ch.module or ""
+                if ch.level:
+                    pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (ch.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                if base.split(".")[0] in ("ctxmix", "ctxmix_dashboard"):
+                    out.extend((resolve(base, a.name), scope, ch.lineno) for a in ch.names)
+            elif isinstance(ch, ast.Import):
+                out.extend(
+                    (a.name, scope, ch.lineno)
+                    for a in ch.names
+                    if a.name.split(".")[0] in ("ctxmix", "ctxmix_dashboard")
+                )
+            walk(ch, scope)
+
+    walk(ast.parse(path.read_text()), "")
+    return out
+
+
+def _upward(module: str, path: Path) -> list[str]:
+    """The imports of one file that go to a higher stage, outside a presentation method's body."""
+    bad = []
+    for target, scope, line in _scoped_imports(module, path):
+        if _stage(target) <= _stage(module):
+            continue
+        parts = scope.split(".")
+        if len(parts) >= 2 and parts[-1] in PRESENTATION and target.startswith("ctxmix.export"):
+            continue
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} ({scope or 'top'})"
+        bad.append(f"{where}: {module} (stage {_stage(module)}) imports {target} (stage {_stage(target)})")
+    return bad
+
+
+def test_stages_import_only_downwards():
+    """engine < methods < analyses < export / benchmark < cli / dashboard: a module imports from its own
+    stage or a lower one, never a higher one, at its top or in any function. Every subpackage and
+    top-level module of ctxmix is placed in STAGES (a new one fails `_stage` until it is); a module may
+    be placed apart from its package (the longest name wins). Lowest first:
+
+    0 errors, lazy, progress, hub: the foundations; they import no other ctxmix module.
+    1 data: the text corpora (and the hub datasets behind them); below the engine because
+      engine.sentiment fine-tunes the embedded classifier on pang_lee.
+    2 engine: architectures, loading, the trace, the exact layer maths, input encoding, scope names.
+    3 methods: what the engine's decompositions become (maps, saliency, prediction methods, explain).
+    4 analyses: corpus analyses built on the methods.
+    5 service (cache, limits): the results cache keyed by model fingerprints, and the hosted limits;
+      the runner fingerprints models with it and saved explanations are opened under its archive
+      limits, so it sits below export and benchmark.
+    6 export, benchmark, verify: consumers that turn results into figures, files, tables and checks.
+    7 cli, __main__, service.serve, the `ctxmix` facade (its __init__) and ctxmix_dashboard: the
+      commands and the dashboard (`serve` starts it). `from ctxmix import name` is judged by the module
+      that defines the name (the facade only forwards it lazily); `__version__` is the root's own.
+
+    The one exception (PRESENTATION): a result object's `show()`, `_repr_html_()` and `figure()`, part
+    of the public contract, may import `export` inside the method (`Explanation.show` / `._repr_html_`
+    import `export.notebook`, `Routes.figure` imports `export.plots`); never at a module's top.
+
+    Violations at 15eecc5, all removed: `engine/generate.py` imported `encode_one` (in `generate`) and
+    `check_input_ids` (in `continuation`) from `methods/explain.py`: they live in `engine/encoding.py`
+    now; `engine/arch.py`'s `families_table` imported `scope_names` from `methods/registry.py`: the
+    scope names live in `engine/scopes.py` now and the registry imports them."""
+    bad = [v for m, p in _modules() for v in _upward(m, p)]
+    assert bad == [], "imports from a lower stage to a higher one:\n" + "\n".join(bad)
+
+
+def test_the_stage_check_sees_what_it_must(tmp_path):
+    """The check itself: every module has a stage and a new top-level one must be placed; an engine
+    module importing upwards is caught at the top, in a plain function, in a method that is not a
+    presentation method, and in a presentation method importing anything but `export`; the facade's
+    names are judged by their defining module."""
+    for m, _ in _modules():
+        _stage(m)
+    with pytest.raises(AssertionError, match="no stage"):
+        _stage("ctxmix.newtoplevel")
+    assert _stage("ctxmix.service.serve") > _stage("ctxmix.service.cache") > _stage("ctxmix.methods.explain")
+    p = tmp_path / "x.py"
+    p.write_text(
+        "from ctxmix import explain, __version__, load_model\n"  # 1: explain is methods (up), the others not
+        "def show(self):\n"
+        "    from ctxmix.export import plots\n"  # 3: a plain function, not a method
+        "class R:\n"
+        "    def figure(self):\n"
+        "        from ctxmix.export.plots import routes_figure\n"  # 6: allowed
+        "        from ctxmix.methods import routes\n"  # 7: a presentation method importing the methods
+        "    def other(self):\n"
+        "        from ctxmix.export.plots import maps\n"  # 9: not a presentation method
+    )
+    lines = [int(v.split(":")[1].split()[0]) for v in _upward("ctxmix.engine.x", p)]
+    assert lines == [1, 3, 7, 9], _upward("ctxmix.engine.x", p)
 
 
 def test_import_ctxmix_is_lazy():

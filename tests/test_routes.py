@@ -36,14 +36,34 @@ def _attn_parts(alpha, vo, x_prev, x_mid) -> _LayerParts:
     """A layer whose attention node is x_mid = x_prev + sum alpha vo (pre-LN, no map)."""
     n, d = t64(x_prev).shape
     z = torch.zeros(n, d, dtype=torch.float64)
-    return _LayerParts(t64(alpha), t64(vo), None, t64(x_prev), t64(x_mid), z, z, z, False)
+    return _LayerParts(
+        alpha=t64(alpha),
+        vo=t64(vo),
+        sub_scale=None,
+        res=t64(x_prev),
+        whole_a=t64(x_mid),
+        ffn=z,
+        ffn_res=z,
+        whole_i=z,
+        parallel=False,
+    )
 
 
 # ---------------------------------------------------------------- the tool's tests (atol 1e-4, as there)
 
 
 def test_tool_mlp_contributions():
-    P = _LayerParts(None, None, None, None, None, t64([[1.0, 1.0]]), t64([[0.0, 0.0]]), t64([[1.0, 1.0]]), False)
+    P = _LayerParts(
+        alpha=None,
+        vo=None,
+        sub_scale=None,
+        res=None,
+        whole_a=None,
+        ffn=t64([[1.0, 1.0]]),
+        ffn_res=t64([[0.0, 0.0]]),
+        whole_i=t64([[1.0, 1.0]]),
+        parallel=False,
+    )
     c_mlp, c_res = ffn_importance(P, [0], p=1, eps=1e-5)
     assert c_mlp.item() == pytest.approx(1.0, abs=1e-4) and c_res.item() == pytest.approx(0.0, abs=1e-4)
     assert c_mlp.item() == pytest.approx(0.999995, abs=1e-6)  # the exact value with the tool's clip
@@ -79,7 +99,9 @@ def test_tool_contribution_shapes():
     x = torch.randn(n, d, generator=g, dtype=torch.float64)
     vo = torch.randn(H, n, d, generator=g, dtype=torch.float64)
     mid = x + torch.einsum("htj,hjd->td", alpha, vo)
-    P = _LayerParts(alpha, vo, None, x, mid, x, mid, mid + x, False)
+    P = _LayerParts(
+        alpha=alpha, vo=vo, sub_scale=None, res=x, whole_a=mid, ffn=x, ffn_res=mid, whole_i=mid + x, parallel=False
+    )
     sub, res, _ = attention_importance(P, list(range(n)), causal=False, p=1, eps=1e-5, device_chunk=1 << 20)
     assert sub.shape == (n, n, H) and res.shape == (n,)
     f, r = ffn_importance(P, list(range(n)), p=1, eps=1e-5)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ctxmix.engine.scopes import scope_names
 from ctxmix.errors import UnsupportedArchitecture
 
 
@@ -320,8 +321,6 @@ FAMILY_NOTES = {
 def families_table() -> list[dict]:
     """One row per family: model types, norm position, norm, FF and the scope names that apply
     (every mixing method applies to every family; gradient methods need a head)."""
-    from ctxmix.methods.registry import scope_names
-
     rows = []
     for sp in FAMILIES:
         norm = sp.norm + (f" (gamma = {sp.norm_offset:g} + w)" if sp.norm_offset else "")
@@ -387,13 +386,17 @@ class Norm:
     beta: torch.Tensor | None  # (d,) or None for RMSNorm
     eps: float
 
+    def centre(self, z: torch.Tensor) -> torch.Tensor:
+        """z (..., d) less its own mean over d for LayerNorm; unchanged for RMSNorm and "identity". The
+        mean removal is linear, so a piece's centred part is its share of the centred whole."""
+        return z - z.mean(-1, keepdim=True) if self.kind == "layernorm" else z
+
     def scale(self, z: torch.Tensor) -> torch.Tensor:
         """s(z), shape (..., 1): std with eps inside the sqrt (biased), or RMS for RMSNorm (1 for
         "identity", a norm the model leaves out, as ModernBERT's first attn_norm)."""
         if self.kind == "identity":
             return torch.ones_like(z[..., :1])
-        if self.kind == "layernorm":
-            z = z - z.mean(-1, keepdim=True)
+        z = self.centre(z)
         return (z.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
@@ -404,17 +407,13 @@ class Norm:
         own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021)."""
         if self.kind == "identity":
             return pieces
-        if self.kind == "layernorm":
-            pieces = pieces - pieces.mean(-1, keepdim=True)
-        return pieces / s.unsqueeze(-2) * self.gamma
+        return self.centre(pieces) / s.unsqueeze(-2) * self.gamma
 
     def decompose_bias(self, bias: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """The bias piece (..., d) takes beta on top of its normalised share."""
         if self.kind == "identity":
             return bias
-        if self.kind == "layernorm":
-            bias = bias - bias.mean(-1, keepdim=True)
-        out = bias / s * self.gamma
+        out = self.centre(bias) / s * self.gamma
         return out + self.beta if self.beta is not None else out
 
 

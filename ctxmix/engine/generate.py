@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ctxmix.engine.encoding import check_input_ids, encode_one
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
@@ -178,8 +179,6 @@ def generate(
     (temperature, top_k, top_p) from a generator seeded with `seed` (None counts as 0), so a run repeats. Stops after
     `max_new_tokens` or at the end-of-sequence token (stop_at_eos). progress(done, total) is called
     after each token. Returns a `Generation`."""
-    from ctxmix.methods.explain import encode_one
-
     _check(model, max_new_tokens, temperature, top_k, top_p, seed, greedy)
     if (prompt is None) == (input_ids is None):
         raise BadInput("give a prompt or input_ids (one of them)")
@@ -238,8 +237,6 @@ def generate(
 def continuation(model: Model, prompt_ids: list[int], new_ids: list[int]) -> Generation:
     """The `Generation` of a continuation already known (a shared link's ids): one forward pass gives
     each new token's probability and runner-up, as `generate` would have recorded them."""
-    from ctxmix.methods.explain import check_input_ids
-
     if model.kind != "causal_lm":
         raise BadInput(f"a continuation needs a causal language model; {model.name} is a {model.kind}")
     if not new_ids:

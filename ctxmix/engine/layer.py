@@ -663,10 +663,6 @@ def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return C / C.sum(-1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
 
 
-def _centre(z: torch.Tensor, norm) -> torch.Tensor:
-    return z - z.mean(-1, keepdim=True) if norm.kind == "layernorm" else z
-
-
 def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "float32") -> dict:
     """Per-layer products that every chunk of zeroed tokens shares (see value_zeroing_columns):
     the head vectors f^h(x_t) (B, n, H, d), and for each FF input projection W (W_1, or gate and up)
@@ -679,7 +675,7 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     f = torch.matmul(v, lw.Wo.view(lw.n_heads, lw.head_dim, -1))  # (B, H, n, d)
     if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
         return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": []}
-    r1c = _centre(st.r1, norm) * norm.gamma
+    r1c = norm.centre(st.r1) * norm.gamma
     proj = [
         (r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
         for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))

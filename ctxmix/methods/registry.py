@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ctxmix.engine.scopes import POST_LN_SCOPES, PRE_LN_SCOPES, SANDWICH_SCOPES, scope_names
 from ctxmix.errors import BadInput
 
 
@@ -109,15 +110,6 @@ MIXING_METHODS: dict[str, MethodInfo] = {
 }
 
 
-POST_LN_SCOPES = ("Atb", "AtbFf", "AtbFfRes", "AtbFfResLn")
-
-
-PRE_LN_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfRes")
-
-
-SANDWICH_SCOPES = ("Atb", "AtbLn", "AtbLnFf", "AtbLnFfLn", "AtbLnFfLnRes")  # Gemma 2/3: LNf after the FF
-
-
 for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES + SANDWICH_SCOPES):
     MIXING_METHODS[_s] = MethodInfo(
         _s,
@@ -127,15 +119,6 @@ for _s in dict.fromkeys(POST_LN_SCOPES + PRE_LN_SCOPES + SANDWICH_SCOPES):
         rollout_normalise=True,
         doc="FF paper scope (within one layer, exact, b_V in the bias); aggregated here by row-normalised rollout, "
         "which the paper does not do.",
-    )
-
-
-def scope_names(position: str) -> tuple[str, ...]:
-    """The FF paper's scopes of a layer shape: post-LN, pre-LN, or parallel (post-LN's names in
-    post-LN's order: Atb = LN1 + ATTN, +Ff, +Res, and +Ln with the next norm; see
-    `ctxmix.engine.layer._parallel_scopes`)."""
-    return {"pre": PRE_LN_SCOPES, "parallel": POST_LN_SCOPES[:3], "sandwich": SANDWICH_SCOPES}.get(
-        position, POST_LN_SCOPES
     )
 
 

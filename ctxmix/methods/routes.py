@@ -105,9 +105,10 @@ def threshold_renormalise(
 # ---------------------------------------------------------------- one layer's parts
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _LayerParts:
-    """What the nodes of one layer are made of, for every position (n, ...) of one sequence.
+    """What the nodes of one layer are made of, for every position (n, ...) of one sequence (built by
+    name: nine fields, several of the same shape).
 
     vo (H, n, d): each source's head vector before alpha; sub_scale (n, d) or None: the per-target map
     of head parts (post-LN: gamma / sigma_t after centring, sandwich: g / rms_t); res (n, d): the
@@ -131,10 +132,6 @@ def _norm_map(norm, real: torch.Tensor) -> torch.Tensor:
     return norm.gamma / norm.scale(real)
 
 
-def _centre(v: torch.Tensor, norm) -> torch.Tensor:
-    return v - v.mean(-1, keepdim=True) if norm.kind == "layernorm" else v
-
-
 def layer_parts(lw, st: LayerState, value_bias: str, dtype: torch.dtype) -> _LayerParts:
     """The parts of one layer's nodes from its traced state (see `_LayerParts`)."""
     c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
@@ -146,24 +143,54 @@ def layer_parts(lw, st: LayerState, value_bias: str, dtype: torch.dtype) -> _Lay
         n1, n2 = lw.ln1, lw.ln2
         m1, m2 = _norm_map(n1, c(st.r1)), _norm_map(n2, c(st.r2))
         return _LayerParts(
-            alpha,
-            _centre(vo, n1),
-            m1,
-            _centre(x, n1) * m1,
-            c(st.z),
-            _centre(c(st.ff), n2) * m2,
-            _centre(c(st.z), n2) * m2,
-            c(st.y),
-            False,
+            alpha=alpha,
+            vo=n1.centre(vo),
+            sub_scale=m1,
+            res=n1.centre(x) * m1,
+            whole_a=c(st.z),
+            ffn=n2.centre(c(st.ff)) * m2,
+            ffn_res=n2.centre(c(st.z)) * m2,
+            whole_i=c(st.y),
+            parallel=False,
         )
     if lw.position == "parallel":
-        return _LayerParts(alpha, vo, None, x, c(st.y), c(st.ff), None, None, True)
+        return _LayerParts(
+            alpha=alpha,
+            vo=vo,
+            sub_scale=None,
+            res=x,
+            whole_a=c(st.y),
+            ffn=c(st.ff),
+            ffn_res=None,
+            whole_i=None,
+            parallel=True,
+        )
     if lw.position == "sandwich":
         na = lw.post_attn_norm
         r1, y = c(st.r1), c(st.y)
-        return _LayerParts(alpha, _centre(vo, na), _norm_map(na, c(st.attn)), x, r1, y - r1, r1, y, False)
+        return _LayerParts(
+            alpha=alpha,
+            vo=na.centre(vo),
+            sub_scale=_norm_map(na, c(st.attn)),
+            res=x,
+            whole_a=r1,
+            ffn=y - r1,
+            ffn_res=r1,
+            whole_i=y,
+            parallel=False,
+        )
     r1 = c(st.r1)
-    return _LayerParts(alpha, vo, None, x, r1, c(st.ff), r1, c(st.y), False)
+    return _LayerParts(
+        alpha=alpha,
+        vo=vo,
+        sub_scale=None,
+        res=x,
+        whole_a=r1,
+        ffn=c(st.ff),
+        ffn_res=r1,
+        whole_i=c(st.y),
+        parallel=False,
+    )
 
 
 def attention_importance(
