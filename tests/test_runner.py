@@ -599,7 +599,7 @@ def _assert_matches_shipped(db: Path, name: str) -> None:
     reductions run in another order (ATen's kernels, MKL's GEMM path, the thread count): within
     shipped.FIXED_WEIGHTS_RTOL = 4 d_ff u = 3.7e-4 of the scale of each (model, method, metric). minilm-sentiment
     is fine-tuned anew on the machine that runs this (unless its cache holds a build), so its weights move
-    too (measured: 2.3e-5 of the scale at worst between ATen's default, AVX2 and AVX-512 kernels):
+    too (measured: 3.2e-5 of the scale at worst between ATen's default, AVX2 and AVX-512 kernels):
     shipped.FINE_TUNED_RTOL = 1e-3. Both stay below a 1% change of a method's numbers, which fails
     (tests/test_shipped.py shows it on the shipped scores). The old check (rtol 1e-4 of each value) failed
     on a value near 0 (lodds -0.006, moved by 2.9e-4 of itself but 3e-6 of its scale)."""
