@@ -5,9 +5,10 @@ shows method x metric tables on a fresh install before anyone runs anything.
     python bench/ship_results.py --db results/embedded.sqlite   # from a finished run of the same config
 
 Writes ctxmix/benchmark/shipped/<name>.aggregates.csv (the runner's aggregates), <name>.check.csv (every
-per-example score of a `--limit 2` run, which tests/test_shipped.py recomputes: a method or
-metric whose numbers moved makes the shipped results stale) and <name>.json (ctxmix version,
-config hashes, date, command, machine).
+per-example score of a `--limit 2` run, which the slow tests of tests/test_runner.py recompute: a method or
+metric whose numbers moved beyond what moves between machines (`shipped.check_moves`) makes the shipped
+results stale) and <name>.json (ctxmix version, config hashes, date, command, machine: its CPU and the
+kernels torch picked, since minilm-sentiment is fine-tuned on the machine that runs this).
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def _bench(config: Path, db: Path, limit: int | None) -> None:
     cmd += ["--limit", str(limit)] if limit is not None else []
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def _cpu() -> str:
+    """The CPU's model name and the ATen kernel set torch picked on it (e.g. "AMD EPYC, AVX512")."""
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def main() -> None:
@@ -77,6 +91,7 @@ def main() -> None:
         "check": f"the per-example scores of --limit {CHECK_LIMIT}",
         "units": units,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": _cpu(),
         "python": platform.python_version(),
     }
     (SHIPPED / f"{plan.name}.json").write_text(json.dumps(meta, indent=1) + "\n")

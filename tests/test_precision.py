@@ -1,6 +1,10 @@
 """The engine's precision option and half-precision models, with every tolerance derived from the
 formats' unit roundoffs (`ctxmix.engine.precision`), never tuned on one CPU: these tests also run
-with ATEN_CPU_CAPABILITY=default / avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (`make test-precision-isas`)."""
+with ATEN_CPU_CAPABILITY=default / avx2 (`make test-stored-isas`, with every other stored-number test)
+and ONEDNN_MAX_CPU_ISA=AVX2 (`make test-precision-isas`). What moves between machines here: the order
+of float32 reductions and the half-precision kernels (ATen's vectorised loops, MKL's and oneDNN's GEMM
+paths); every reference is recomputed on the machine (float32 or float64), no number is stored, so each
+bound covers any order of the reductions it names."""
 
 import dataclasses
 
@@ -20,6 +24,8 @@ from ctxmix.engine.precision import (
 from ctxmix.engine.trace import trace
 from ctxmix.errors import BadInput
 from ctxmix.methods.mixing import compute_maps
+
+pytestmark = pytest.mark.stored_numbers
 
 TEXT = "The keys to the cabinet are on the table , and the cat that the dogs chase sleeps on the mat ."
 MIXING = ["attention", "norm", "norm_res", "norm_res_ln", "globenc", "alti", "value_zeroing"]

@@ -592,7 +592,35 @@ def test_ray_executor_matches_local(tmp_path, tiny_dir):
     assert q(ray_db, "SELECT COUNT(*) FROM computations") == [(12,)]
 
 
+def _assert_matches_shipped(db: Path, name: str) -> None:
+    """The check scores of a `--limit 2` run in `db` against the shipped ones (`shipped.check_moves`).
+
+    What can move between machines: minilm and smollm2 are the same bits everywhere, so only their float32
+    reductions run in another order (ATen's kernels, MKL's GEMM path, the thread count): within
+    shipped.FIXED_WEIGHTS_RTOL = 4 d_ff u = 3.7e-4 of the scale of each (model, method, metric). minilm-sentiment
+    is fine-tuned anew on the machine that runs this (unless its cache holds a build), so its weights move
+    too (measured: 3.2e-5 of the scale at worst between ATen's default, AVX2 and AVX-512 kernels):
+    shipped.FINE_TUNED_RTOL = 1e-3. Both stay below a 1% change of a method's numbers, which fails
+    (tests/test_shipped.py shows it on the shipped scores). The old check (rtol 1e-4 of each value) failed
+    on a value near 0 (lodds -0.006, moved by 2.9e-4 of itself but 3e-6 of its scale)."""
+    from ctxmix.benchmark import shipped
+
+    assert shipped.CHECK_LIMIT == 2
+    got = tables.load_scores(db, name)
+    want = shipped.load_check(name)
+    keys = shipped.CHECK_KEYS
+    assert set(map(tuple, got[keys].astype(str).values)) == set(map(tuple, want[keys].astype(str).values)), (
+        f"methods or metrics changed: run python bench/ship_results.py --config configs/{name}.yaml"
+    )
+    bad = shipped.check_moves(got, want)
+    assert bad.empty, (
+        f"the shipped results are stale: {len(bad)} check scores moved beyond their tolerance; run python "
+        f"bench/ship_results.py --config configs/{name}.yaml\n{bad.head(20).to_string()}"
+    )
+
+
 @pytest.mark.slow
+@pytest.mark.stored_numbers
 def test_embedded_config_end_to_end(tmp_path):
     db = tmp_path / "e.sqlite"
     r = subprocess.run(
@@ -628,22 +656,9 @@ def test_embedded_config_end_to_end(tmp_path):
     assert {"aopc", "lodds", "comprehensiveness", "sufficiency", "spearman:grad_x_input"} <= set(t.attrs["metrics"])
     assert t["mean rank"].notna().all()
     assert (tmp_path / "out" / "minilm-sentiment__pang_lee.tex").read_text().count(r"\textbf") >= 5
-    # the shipped results are not stale: the same --limit 2 run gives the shipped check scores
-    from ctxmix.benchmark import shipped
-
-    assert shipped.CHECK_LIMIT == 2
-    got = tables.load_scores(db, "embedded").set_index(["model", "dataset", "example_id", "method", "metric", "layer"])
-    want = shipped.load_check("embedded").set_index(got.index.names)
-    assert set(got.index) == set(want.index), "methods or metrics changed: run python bench/ship_results.py"
-    joined = want.join(got["value"], rsuffix="_now")
-    np.testing.assert_allclose(
-        joined["value_now"],
-        joined["value"],
-        rtol=1e-4,
-        atol=1e-6,
-        equal_nan=True,
-        err_msg="the shipped results are stale: run python bench/ship_results.py",
-    )
+    # the shipped results are not stale: the same --limit 2 run gives the shipped check scores, within what
+    # may move between machines (minilm-sentiment fine-tuned here, float32 reduction order: see the helper)
+    _assert_matches_shipped(db, "embedded")
 
 
 def test_example_batch_is_checked(tmp_path):
@@ -676,6 +691,7 @@ def test_fidelity_options_are_checked_and_only_a_change_is_hashed():
 
 
 @pytest.mark.slow
+@pytest.mark.stored_numbers
 def test_embedded_lm_config_ranks_the_prediction_methods_by_cue_mrr(tmp_path):
     """configs/embedded-lm.yaml on smollm2 (contrastive: target minus foil), --limit 2: the prediction
     methods are scored by the signed-score MRR, and the shipped check scores are recomputed."""
@@ -687,13 +703,10 @@ def test_embedded_lm_config_ranks_the_prediction_methods_by_cue_mrr(tmp_path):
     runner.run_bench(ROOT / "configs/embedded-lm.yaml", db=db, limit=shipped.CHECK_LIMIT, quiet=True)
     t = tables.method_table(tables.load_aggregates(db, "embedded-lm"), "smollm2", "sva", plan.metrics)
     assert {"logit", "alti_logit", "decompx", "alti", "random"} <= set(t.index) and "cue_mrr" in t.attrs["metrics"]
-    got = tables.load_scores(db, "embedded-lm").set_index(
-        ["model", "dataset", "example_id", "method", "metric", "layer"]
-    )
-    want = shipped.load_check("embedded-lm").set_index(got.index.names)
-    assert set(got.index) == set(want.index), "methods or metrics changed: run python bench/ship_results.py"
-    joined = want.join(got["value"], rsuffix="_now")
-    np.testing.assert_allclose(joined["value_now"], joined["value"], rtol=1e-4, atol=1e-6, equal_nan=True)
+    # smollm2's weights are the same bits on every machine: only float32 reduction order moves its scores,
+    # within shipped.FIXED_WEIGHTS_RTOL of each (method, metric)'s scale (cue_mrr and cue_probes are ranks
+    # and counts: they hold exactly unless two tokens' scores tie to float32 rounding)
+    _assert_matches_shipped(db, "embedded-lm")
 
 
 def test_contrastive_is_a_checked_switch_hashed_only_when_on():

@@ -36,6 +36,7 @@ def test_load_meta_missing_or_corrupt(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.stored_numbers  # rerun with a fresh cache under other kernels: the fine-tune redone there
 def test_built_minilm_sentiment_is_accurate_and_reloads():
     """The session's own build (load_model builds it once into the cache, as every user's first call
     does; the other tests reuse it), checked from its files: no second training run here."""
@@ -46,7 +47,9 @@ def test_built_minilm_sentiment_is_accurate_and_reloads():
     ctxmix.load_model("minilm-sentiment", device="cpu")
     out = ctxmix.engine.models.cache_dir() / "minilm-sentiment"
     meta = load_meta(out)
-    # Chance is 0.5; the frozen-encoder head reaches ~0.6, fine-tuning ~0.74 (seed 0: 0.76).
+    # Chance is 0.5; the frozen-encoder head reaches ~0.6, fine-tuning ~0.74 (seed 0: 0.76). The fine-tune is
+    # redone on each machine and its weights move with the kernels (the scores by ~1e-5, see shipped.py);
+    # seed 0 gave 0.76 under ATen's default, AVX2 and AVX-512 kernels; 0.7 leaves 3 sentences (0.02 each).
     assert meta["heldout_accuracy"] >= 0.7
     assert meta["train_accuracy"] >= meta["heldout_accuracy"]
     assert meta["split"]["train"] == 150 and meta["split"]["heldout"] == 50

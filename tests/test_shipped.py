@@ -1,15 +1,21 @@
 """The results that ship with ctxmix: readable, of the config as it is now, and complete. (That
 their numbers are what the code computes today is checked by the slow end-to-end run in
-tests/test_runner.py, which recomputes the shipped check scores.)"""
+tests/test_runner.py, which recomputes the shipped check scores; here, that its tolerance passes
+what moves between machines and fails a real change.)
+
+Stored numbers: `make test-stored-isas` reruns these under ATen's default and AVX2 kernels."""
 
 from pathlib import Path
 
+import numpy as np
+import pytest
 import yaml
 
 from ctxmix import benchmark as runner
 from ctxmix.benchmark import shipped, tables
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.stored_numbers
 
 
 def test_shipped_embedded_results_match_the_config():
@@ -62,3 +68,26 @@ def test_shipped_embedded_lm_results_rank_the_prediction_methods():
     t = tables.method_table(agg, "smollm2", "sva", plan.metrics)
     assert {"logit", "alti_logit", "decompx", "random"} <= set(t.index) and t["n"].max() >= 50
     assert "cue_mrr" in t.attrs["metrics"]
+
+
+@pytest.mark.parametrize("name", ["embedded", "embedded-lm"])
+def test_check_tolerance_passes_machine_moves_and_fails_a_one_percent_change(name):
+    """`shipped.check_moves`, the end-to-end tests' comparison, on the shipped check scores themselves.
+    Passes: every score moved by 5x the worst move measured between kernel sets (3.2e-5 of its (model,
+    method, metric)'s scale, either sign), and every score moved by 1e-4 of itself (beyond the old rtol, as in
+    issue 26). Fails: each method's numbers scaled by 1.01 (a real regression), for every method with a
+    nonzero score, and a score that went missing or became NaN."""
+    want = shipped.load_check(name)
+    assert shipped.check_moves(want, want).empty
+    scale = want["value"].abs().groupby([want["model"], want["method"], want["metric"]]).transform("max")
+    sign = np.where(np.random.default_rng(0).random(len(want)) < 0.5, -1.0, 1.0)
+    assert shipped.check_moves(want.assign(value=want["value"] + sign * 5 * 3.2e-5 * scale), want).empty
+    assert shipped.check_moves(want.assign(value=want["value"] * (1 + 1e-4)), want).empty
+    for (model, method), rows in want.groupby(["model", "method"]):
+        if not (rows["value"] != 0).any():
+            continue
+        moved = want.assign(value=np.where(want.index.isin(rows.index), want["value"] * 1.01, want["value"]))
+        bad = shipped.check_moves(moved, want)
+        assert len(bad) and set(zip(bad["model"], bad["method"])) == {(model, method)}, (model, method)
+    assert len(shipped.check_moves(want.iloc[1:], want)) == 1
+    assert len(shipped.check_moves(want.assign(value=want["value"].where(want.index != 3)), want)) == 1
