@@ -56,7 +56,7 @@ from ctxmix.engine.layer import gated_ig_weights, head_values, ig_ratio, value_b
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import softcap, unembedding
+from ctxmix.methods.readout import explained_logits, softcap, unembedding
 
 BIASES = ("absdot", "none")
 FF_RULES = ("zero_origin", "tangent")
@@ -289,7 +289,8 @@ def head_parts(
 @dataclass
 class DecompXResult:
     """norms (L, n, n): ||x^{l+1}_{i<=k}||; parts (K, n) signed logit parts (None without the head);
-    logits (K,) the model's own (pre-cap) logits of those rows; completeness (L,) max |sum_k pieces -
+    logits (K,) the model's own logits of those rows (an LM that soft-caps: the recomputed pre-cap ones,
+    `ctxmix.methods.readout.explained_logits`); completeness (L,) max |sum_k pieces -
     real state| / max |state| per layer; notes."""
 
     norms: np.ndarray
@@ -318,12 +319,11 @@ def decompx(model: Model, tr: Trace, position: int, tokens: list[int] | None, o:
     if o.head and head_kind(model) != "none":
         P, notes = head_parts(model, V, x_last, position, tokens, o)
         parts = P.double().cpu().numpy()
-        lg = tr.logits
-        if model.kind == "causal_lm":
-            lg = lg[position, tokens].double()
-            cap = softcap(model)
-            if cap:
-                lg = cap * torch.atanh((lg / cap).clamp(-1 + 1e-15, 1 - 1e-15))
+        if model.kind == "causal_lm":  # the recomputed pre-cap logits where the model soft-caps
+            own = tr.logits[position] if tr.logits is not None else None
+            lg = explained_logits(model, tr.states[-1].y[position], tokens, own)
+        else:
+            lg = tr.logits
         logits = lg.reshape(-1).double().cpu().numpy()
     return DecompXResult(
         norms=torch.stack(norms).double().cpu().numpy(),
