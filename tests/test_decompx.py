@@ -200,3 +200,55 @@ def test_ff_chunks_change_nothing_and_long_inputs_are_refused(tokenizer, monkeyp
     monkeypatch.setattr(budget, "memory_budget", lambda device: dx.pieces_bytes(m, 40))
     with pytest.raises(BadInput, match="inputs up to about 40 tokens"):
         ctxmix.explain(m, "word " * 60, ["decompx"])
+
+
+def _advised(message: str) -> dict:
+    """The decompx={...} a refusal advises, read literally from its message."""
+    import ast
+    import re
+
+    found = re.findall(r"decompx=(\{[^}]*\})", message)
+    assert found, f"no decompx={{...}} advice in: {message}"
+    return ast.literal_eval(found[0])
+
+
+def test_each_refusal_names_real_options_and_following_it_works(tokenizer, monkeypatch):
+    """Every DecompX refusal (and the registry's caveat) advises a call that ctxmix accepts: the advised
+    decompx={...} is read from the message and the same call made with it succeeds (the messages used to
+    name decompx_head=False, decompx_bias and decompx_ff, which explain refuses as unknown options)."""
+    from ctxmix.engine import budget
+    from ctxmix.methods import decompx as dx
+    from ctxmix.methods.registry import METHODS
+
+    bert, llama, deberta = (tiny_model(f, tokenizer) for f in ("bert", "llama", "deberta"))
+    with pytest.raises(BadInput, match="unknown option"):  # what the old advice led to
+        ctxmix.explain(bert, TEXT, ["decompx"], decompx_head=False)
+    cases = [
+        (bert, {"bias": "norm"}),
+        (bert, {"ff": "gelu"}),
+        (bert, {"head": "no"}),
+        (bert, {"heads": False}),
+        (llama, {"ff": "tangent"}),
+        (deberta, None),
+    ]
+    for m, given in cases:
+        with pytest.raises(BadInput) as e:
+            ctxmix.explain(m, TEXT, ["decompx"], decompx=given)
+        ex = ctxmix.explain(m, TEXT, ["decompx"], decompx=_advised(str(e.value)))
+        assert "decompx" in ex.saliency, (given, str(e.value))
+    # the registry's caveat, on a model whose head has no rule
+    assert "decompx" in ctxmix.explain(deberta, TEXT, ["decompx"], decompx=_advised(METHODS["decompx"].caveat)).saliency
+    # options without the method: "add 'decompx' to the methods"
+    with pytest.raises(BadInput, match="add 'decompx' to the methods"):
+        ctxmix.explain(bert, TEXT, ["attention_flow"], decompx={"head": False})
+    assert "decompx" in ctxmix.explain(bert, TEXT, ["attention_flow", "decompx"], decompx={"head": False}).saliency
+    # too long for the memory budget: "inputs up to about N tokens fit", and N tokens do
+    monkeypatch.setattr(budget, "memory_budget", lambda device: dx.pieces_bytes(bert, 40) + 1)
+    ids = bert.encode_input("word " * 60).ids
+    with pytest.raises(BadInput) as e:
+        ctxmix.explain(bert, None, ["decompx"], input_ids=ids)
+    import re
+
+    fits = int(re.search(r"inputs up to about (\d+) tokens fit", str(e.value)).group(1))
+    assert fits == 40
+    assert "decompx" in ctxmix.explain(bert, None, ["decompx"], input_ids=ids[: fits - 1] + ids[-1:]).saliency

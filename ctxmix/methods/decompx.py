@@ -128,11 +128,19 @@ class DecompXOptions:
 
     def check(self) -> DecompXOptions:
         if self.bias not in BIASES:
-            raise BadInput(f"decompx_bias must be one of {', '.join(BIASES)}, got {self.bias!r}")
+            raise BadInput(
+                f"decompx's bias must be one of {', '.join(BIASES)}, got {self.bias!r}; "
+                "e.g. explain(..., decompx={'bias': 'none'})"
+            )
         if self.ff not in FF_RULES:
-            raise BadInput(f"decompx_ff must be one of {', '.join(FF_RULES)}, got {self.ff!r}")
+            raise BadInput(
+                f"decompx's ff must be one of {', '.join(FF_RULES)}, got {self.ff!r}; "
+                "e.g. explain(..., decompx={'ff': 'zero_origin'}) (the default)"
+            )
         if not isinstance(self.head, bool):
-            raise BadInput(f"decompx_head must be True or False, got {self.head!r}")
+            raise BadInput(
+                f"decompx's head must be True or False, got {self.head!r}; e.g. explain(..., decompx={{'head': False}})"
+            )
         return self
 
 
@@ -149,7 +157,10 @@ def ff_pieces(lw, z: torch.Tensor, u: torch.Tensor, up: torch.Tensor | None, Z: 
     and pre-activations u (gate) and up (gated FFs) freeze the activation."""
     if lw.gated:
         if o.ff == "tangent":
-            raise BadInput("decompx_ff='tangent' applies to plain FFs; a gated FF takes 'zero_origin' (exact IG)")
+            raise BadInput(
+                "decompx's ff 'tangent' applies to plain FFs; a gated FF takes decompx={'ff': 'zero_origin'} "
+                "(the default, exact IG)"
+            )
         I1, I2 = gated_ig_weights(u, lw.act)
         gz = spread(Z @ lw.Wg, lw.bg, o.bias)
         uz = spread(Z @ lw.Wu, lw.bu, o.bias)
@@ -241,7 +252,8 @@ def head_kind(model: Model) -> str:
     raise BadInput(
         f"decompx has no rule for the head of {model.name} ({cls}); supported: BERT's pooler + classifier, "
         "RoBERTa's, XLM-R's, CamemBERT's and ELECTRA's classification heads, DistilBERT's, a causal LM's "
-        "unembedding, or decompx_head=False"
+        "unembedding; or explain(..., decompx={'head': False}) (the saliency is then the norm of the explained "
+        "row's parts)"
     )
 
 

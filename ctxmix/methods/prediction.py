@@ -243,7 +243,10 @@ def check_prediction_call(
         from ctxmix.methods.decompx import DecompXOptions, check_pieces_fit, head_kind
 
         if not isinstance(decompx, (dict, type(None))) or set(decompx or {}) - {"bias", "ff", "head"}:
-            raise BadInput(f"decompx takes a dict with bias, ff and head, got {decompx!r}")
+            raise BadInput(
+                f"decompx takes a dict with bias, ff and head, got {decompx!r}; "
+                "e.g. decompx={'bias': 'absdot', 'ff': 'zero_origin', 'head': True} (the defaults)"
+            )
         o = DecompXOptions(**(decompx or {})).check()
         if model.spec.encoder_decoder:
             raise BadInput("decompx explains encoders, classifiers and causal LMs, not encoder-decoders")
