@@ -178,10 +178,8 @@ def ff_pieces(lw, z: torch.Tensor, u: torch.Tensor, up: torch.Tensor | None, Z: 
 def _attention(lw, alpha: torch.Tensor, N: torch.Tensor) -> torch.Tensor:
     """a_{i<=k} = sum_h sum_j alpha^h_ij (N_{j<=k} W_V^h) W_O^h for pieces N (n_j, n_k, d) -> (n_i, n_k, d)."""
     n, K, d = N.shape
-    v = (N @ lw.Wv).view(n, K, lw.n_kv_heads, lw.head_dim)
-    if lw.n_kv_heads != lw.n_heads:
-        v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=2)
-    mixed = torch.einsum("hij,jkhe->ikhe", alpha, v)  # (n_i, n_k, H, dh)
+    v = head_values(lw, N, with_bias=False)  # (n_j, H, n_k, dh), value heads shared as in GQA by the engine
+    mixed = torch.einsum("hij,jhke->ikhe", alpha, v)  # (n_i, n_k, H, dh)
     return mixed.reshape(n, K, -1) @ lw.Wo
 
 
