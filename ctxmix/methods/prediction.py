@@ -252,7 +252,7 @@ def check_prediction_call(
             raise BadInput("decompx explains encoders, classifiers and causal LMs, not encoder-decoders")
         if o.head:
             head_kind(model)  # refuses a head without a rule
-        check_pieces_fit(model, n)
+        check_pieces_fit(model, n, o.ff)
     if "attention_flow" in methods:
         from ctxmix.methods.flow import FLOW_ROW_SECONDS, check_flow_cost
 
