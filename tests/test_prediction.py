@@ -249,3 +249,47 @@ def test_attention_flow_refuses_a_length_beyond_a_minute_per_row(minilm, monkeyp
     with pytest.raises(BadInput, match="limited to"):  # every row of 60 tokens: 60 rows within a minute
         ctxmix.explain(minilm, " ".join(["word"] * 200), ["attention_flow"], flow_rows="all")
     assert not called
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_saturated_soft_cap_explains_the_pre_cap_logit(tokenizer, dtype):
+    """Gemma 2 with a small final soft-cap c, so the top logits saturate (c tanh(z/c) = c exactly in the
+    model's dtype): `logit`, `alti_logit` and `decompx` explain the pre-cap logit z that the model's
+    own lm_head computed (read by a hook), not c atanh(capped / c) (inf in float32, about 17.6 c after a
+    clamp in float64), and their parts still sum to it."""
+    import copy
+
+    from ctxmix.methods.decompx import DecompXOptions, decompx
+
+    m = tiny_variant("gemma2", tokenizer, final_logit_softcapping=0.2, name="tiny-gemma2-cap")
+    if dtype != torch.float64:
+        m = ctxmix.model_from_hf(copy.deepcopy(m.hf).to(dtype), tokenizer, name="tiny-gemma2-cap-float32")
+    seen = {}
+    hook = m.hf.lm_head.register_forward_hook(lambda mod, i, o: seen.__setitem__("z", o[0].detach()))
+    try:
+        ex = ctxmix.explain(m, TEXT, ["logit", "alti_logit", "decompx"])
+        tr = ctxmix.engine.trace.trace(m, TEXT)
+    finally:
+        hook.remove()
+    t, w = ex.position, ex.target
+    cap = m.hf.config.final_logit_softcapping
+    assert tr.logits[t, w].abs() == torch.tensor(cap, dtype=dtype)  # saturated: atanh cannot give z back
+    z = float(seen["z"][t, w])
+    # ctxmix recomputes z from its last state: off by the state's reconstruction error times |u_w|_1,
+    # plus the rounding of a d-term dot product in each (2 d u sum |u_w,i f_i|, u the unit roundoff)
+    U = m.hf.lm_head.weight[w].double()
+    f = m.layers[-1].next_norm(tr.states[-1].y[t]).double()
+    u = torch.finfo(dtype).eps / 2
+    tol = float(U.abs().sum() * tr.reconstruction_error + 2 * len(U) * u * (U * f).abs().sum())
+    capped = tr.logits[t, w] / cap  # what undoing the cap would give: inf, or 17.6 c after the clamp
+    undone = float(cap * torch.atanh(capped.clamp(-1 + 1e-15, 1 - 1e-15)))
+    assert not abs(undone - z) <= tol, (undone, z)
+    assert abs(ex.prediction["explained"]["value"] - z) <= tol, (ex.prediction["explained"]["value"], z, tol)
+    r = decompx(m, tr, t, [w], DecompXOptions())
+    assert np.isfinite(r.logits).all() and abs(r.logits[0] - z) <= tol, (r.logits, z, tol)
+    assert any("soft-caps" in note for note in ex.warnings)  # the caveat stays
+    if dtype == torch.float64:  # the parts sum to z (float32 adds the propagation's rounding: not derived here)
+        for meth in ("logit", "alti_logit"):
+            got = float(ex.saliency[meth].sum()) + unattributed(ex.logit_terms[meth])
+            assert abs(got - z) < _tol(m, z) + tol, (meth, got, z)
+        assert abs(float(ex.saliency["decompx"].sum()) - z) < _tol(m, z) + tol

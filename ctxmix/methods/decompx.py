@@ -40,9 +40,9 @@ refused. With `head=False` (the paper's "w/o classifier head") the saliency is t
 explained position's parts after the last layer.
 
 `global_maps["decompx"][l, i, k]` = ||x^{l+1}_{i<=k}||, already aggregated (never rolled out again).
-Cost: the FF's n^2 d d' products per layer, as the scope maps; memory: PIECE_COPIES (n, n, d) tensors
-(refused before any work above the budget module's memory budget) and the FF in row chunks sized by
-the budget module's chunk (as the scope maps').
+Cost: the FF's n^2 d d' products per layer, as the scope maps; memory: about 6 (n, n, d) tensors at
+the peak (`pieces_bytes`, measured; refused before any work above the budget module's memory budget)
+and the FF in row chunks sized by the budget module's chunk (as the scope maps').
 """
 
 from __future__ import annotations
@@ -56,46 +56,85 @@ from ctxmix.engine.layer import gated_ig_weights, head_values, ig_ratio, value_b
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import softcap, unembedding
+from ctxmix.methods.readout import explained_logits, softcap, unembedding
 
 BIASES = ("absdot", "none")
 FF_RULES = ("zero_origin", "tangent")
 EPS = 1e-12  # the code's guard in AbsDot's denominator
-PIECE_COPIES = 5  # (n, n, d) tensors alive at once in a layer: input, values read, attention, h, output
-FF_COPIES = 3  # (c, n, d') temporaries of one FF chunk: zeta, eta and the spread's weights
+# DecompX's peak memory, counted by what is alive at once. Measured by recording every tensor storage
+# allocated while `decompx` runs (a TorchDispatchMode over the aten ops: an output that shares no
+# input's storage is a new allocation, freed when the last tensor on it dies; `_LivePeak` in
+# tests/test_decompx.py, which checks these counts on every layer shape), on random float32 models of
+# every shape (n 96-192, d 64-256, d' 8-1024, H dh from d/2 to 2d, chunks of 4 rows to all n), and
+# cross-checked on CPU against the RSS high-water mark of a fresh process with glibc mapping every block
+# >= 128 KiB (MALLOC_MMAP_THRESHOLD_; VmHWM reset just before): the same counts, except the output
+# buffer, whose pages are only touched as the FF writes its rows. Two phases per layer:
+# - attention: R (n, n, d) tensors (input pieces, the LN1 pieces the values read (not post-LN), the
+#   attention output) and 3 of width H dh (value heads, their attention mix, its (n, n, H dh) copy),
+#   or, while h is formed, R + 3 of width d (a + x, the spread's product, h);
+# - FF: 3 (n, n, d) tensors (input pieces, h, output) and one chunk of c rows: FF_ROW_COPIES (c, n, d)
+#   (the FF's input and output pieces, the spreads' products, the LN2 pieces), or at its widest the FF
+#   input pieces and FF_WIDE_COPIES (c, n, d') (zeta, the spread's product and eta; gated: both
+#   projections, their spreads and the two products; tangent: also the slope's product), or, through
+#   the output projection, eta and 4 (c, n, d) (the FF input pieces, eta W_2, the spread's product and
+#   the FF's output pieces).
+ATTN_RESIDENT = {"post": 2}  # R; 3 in every other layer shape (LN1 pieces)
+HEAD_COPIES = 3
+FF_RESIDENT = 3
+FF_ROW_COPIES = 5
+FF_WIDE_COPIES = {"gated": 5, "tangent": 4, "zero_origin": 3}
+SMALL_COPIES = 3  # (n, n) beside them: AbsDot's weights and their normalisation, a norm's per-piece means
 
 
-def pieces_bytes(model: Model, n: int) -> int:
-    """Memory DecompX holds on n tokens besides one FF chunk: PIECE_COPIES (n, n, d) tensors."""
-    d = model.layers[0].Wo.shape[1]
-    return PIECE_COPIES * n * n * d * (torch.finfo(model.work_dtype).bits // 8)
+def _ff_row_elements(lw, n: int, ff: str) -> int:
+    """Elements one FF row's temporaries hold at their widest: n x max(5 d, d + k d', 4 d + d')."""
+    d = lw.Wo.shape[1]
+    width = lw.Wu.shape[1] if lw.gated else lw.W1.shape[1]
+    wide = FF_WIDE_COPIES["gated" if lw.gated else ff]
+    return n * max(FF_ROW_COPIES * d, d + wide * width, 4 * d + width)
 
 
-def check_pieces_fit(model: Model, n: int) -> None:
-    """Refuse, before any work, an input whose token pieces exceed the device's memory budget
-    (`ctxmix.engine.budget.memory_budget`), naming the longest input that fits."""
+def pieces_bytes(model: Model, n: int, ff: str = "zero_origin") -> int:
+    """Bytes DecompX holds at its peak on n tokens (the counts above; the FF chunk as `ff_chunk_rows`
+    sizes it), plus the per-layer (n, n) norms it keeps, SMALL_COPIES (n, n) and two rows (n, max(d, d'))."""
+    lw = model.layers[0]
+    d, hd = lw.Wo.shape[1], lw.n_heads * lw.head_dim
+    width = lw.Wu.shape[1] if lw.gated else lw.W1.shape[1]
+    r = ATTN_RESIDENT.get(lw.position, 3)
+    attention = n * n * (r * d + HEAD_COPIES * max(hd, d))
+    ff_phase = FF_RESIDENT * n * n * d + ff_chunk_rows(lw, n, model.device, None, ff) * _ff_row_elements(lw, n, ff)
+    small = (model.n_layers + SMALL_COPIES) * n * n + 2 * n * max(d, width)
+    return (max(attention, ff_phase) + small) * (torch.finfo(model.work_dtype).bits // 8)
+
+
+def check_pieces_fit(model: Model, n: int, ff: str = "zero_origin") -> None:
+    """Refuse, before any work, an input whose peak memory (`pieces_bytes`) exceeds the device's memory
+    budget (`ctxmix.engine.budget.memory_budget`), naming the longest input that fits."""
     from ctxmix.engine.budget import memory_budget
 
     budget = memory_budget(model.device)
-    need = pieces_bytes(model, n)
+    need = pieces_bytes(model, n, ff)
     if need > budget:
-        fits = int((budget / max(1, pieces_bytes(model, 1))) ** 0.5)
+        lo, hi = 0, n  # pieces_bytes grows with n: the longest length within the budget, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pieces_bytes(model, mid, ff) <= budget else (lo, mid - 1)
         raise BadInput(
-            f"decompx on {n} tokens holds {need / 2**30:.1f} GiB of token pieces ({PIECE_COPIES} x n x n x d), "
-            f"more than this device's memory budget of {budget / 2**30:.1f} GiB; inputs up to about {fits} "
-            "tokens fit (a GPU's budget is larger)"
+            f"decompx on {n} tokens holds {need / 2**30:.1f} GiB at its peak (about 6 x n x n x d: every "
+            f"token's part of every hidden state, and their temporaries), more than this device's memory "
+            f"budget of {budget / 2**30:.1f} GiB; inputs up to about {lo} tokens fit (a GPU's budget is larger)"
         )
 
 
-def ff_chunk_rows(lw, n: int, device, chunk: int | None) -> int:
-    """FF rows per chunk: FF_COPIES (c, n, d') temporaries within the budget module's chunk size."""
+def ff_chunk_rows(lw, n: int, device, chunk: int | None, ff: str = "zero_origin") -> int:
+    """FF rows per chunk: the chunk's temporaries (`_ff_row_elements` per row) within the budget
+    module's chunk size; at most n."""
     if chunk:
         return int(chunk)
     from ctxmix.engine.budget import chunk_elements
     from ctxmix.methods.mixing import CHUNK_ELEMENTS  # the scope maps' chunk, the same products
 
-    width = lw.Wu.shape[1] if lw.gated else lw.W1.shape[1]
-    return max(1, chunk_elements(device, CHUNK_ELEMENTS) // max(1, FF_COPIES * n * width))
+    return max(1, min(n, chunk_elements(device, CHUNK_ELEMENTS) // max(1, _ff_row_elements(lw, n, ff))))
 
 
 def spread(V: torch.Tensor, b: torch.Tensor | None, rule: str = "absdot") -> torch.Tensor:
@@ -128,11 +167,19 @@ class DecompXOptions:
 
     def check(self) -> DecompXOptions:
         if self.bias not in BIASES:
-            raise BadInput(f"decompx_bias must be one of {', '.join(BIASES)}, got {self.bias!r}")
+            raise BadInput(
+                f"decompx's bias must be one of {', '.join(BIASES)}, got {self.bias!r}; "
+                "e.g. explain(..., decompx={'bias': 'none'})"
+            )
         if self.ff not in FF_RULES:
-            raise BadInput(f"decompx_ff must be one of {', '.join(FF_RULES)}, got {self.ff!r}")
+            raise BadInput(
+                f"decompx's ff must be one of {', '.join(FF_RULES)}, got {self.ff!r}; "
+                "e.g. explain(..., decompx={'ff': 'zero_origin'}) (the default)"
+            )
         if not isinstance(self.head, bool):
-            raise BadInput(f"decompx_head must be True or False, got {self.head!r}")
+            raise BadInput(
+                f"decompx's head must be True or False, got {self.head!r}; e.g. explain(..., decompx={{'head': False}})"
+            )
         return self
 
 
@@ -149,11 +196,15 @@ def ff_pieces(lw, z: torch.Tensor, u: torch.Tensor, up: torch.Tensor | None, Z: 
     and pre-activations u (gate) and up (gated FFs) freeze the activation."""
     if lw.gated:
         if o.ff == "tangent":
-            raise BadInput("decompx_ff='tangent' applies to plain FFs; a gated FF takes 'zero_origin' (exact IG)")
+            raise BadInput(
+                "decompx's ff 'tangent' applies to plain FFs; a gated FF takes decompx={'ff': 'zero_origin'} "
+                "(the default, exact IG)"
+            )
         I1, I2 = gated_ig_weights(u, lw.act)
         gz = spread(Z @ lw.Wg, lw.bg, o.bias)
         uz = spread(Z @ lw.Wu, lw.bu, o.bias)
         eta = gz * (up * I1).unsqueeze(1) + uz * I2.unsqueeze(1)
+        del gz, uz  # only eta stays alive through the output projection (the memory count's 4 d + d')
     else:
         zeta = spread(Z @ lw.W1, lw.b1, o.bias)
         if o.ff == "zero_origin":
@@ -161,16 +212,15 @@ def ff_pieces(lw, z: torch.Tensor, u: torch.Tensor, up: torch.Tensor | None, Z: 
         else:
             m = _slope(lw.act, u)
             eta = spread(zeta * m.unsqueeze(1), lw.act(u) - m * u, o.bias)
+        del zeta
     return spread(eta @ lw.W2, lw.b2, o.bias)
 
 
 def _attention(lw, alpha: torch.Tensor, N: torch.Tensor) -> torch.Tensor:
     """a_{i<=k} = sum_h sum_j alpha^h_ij (N_{j<=k} W_V^h) W_O^h for pieces N (n_j, n_k, d) -> (n_i, n_k, d)."""
     n, K, d = N.shape
-    v = (N @ lw.Wv).view(n, K, lw.n_kv_heads, lw.head_dim)
-    if lw.n_kv_heads != lw.n_heads:
-        v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=2)
-    mixed = torch.einsum("hij,jkhe->ikhe", alpha, v)  # (n_i, n_k, H, dh)
+    v = head_values(lw, N, with_bias=False)  # (n_j, H, n_k, dh), value heads shared as in GQA by the engine
+    mixed = torch.einsum("hij,jhke->ikhe", alpha, v)  # (n_i, n_k, H, dh)
     return mixed.reshape(n, K, -1) @ lw.Wo
 
 
@@ -196,7 +246,7 @@ def decompx_layer(lw, st, V: torch.Tensor | None, o: DecompXOptions) -> torch.Te
         h = spread(a + X, b_att, o.bias)  # the code's prior term: attention plus residual
     del a, src  # only h and the output stay alive through the FF
     out = torch.empty_like(h)
-    step = ff_chunk_rows(lw, n, st.x.device, o.chunk)
+    step = ff_chunk_rows(lw, n, st.x.device, o.chunk, o.ff)
     for r0 in range(0, n, step):
         r = slice(r0, min(n, r0 + step))
         up = None if st.u_up is None else st.u_up[r]
@@ -241,7 +291,8 @@ def head_kind(model: Model) -> str:
     raise BadInput(
         f"decompx has no rule for the head of {model.name} ({cls}); supported: BERT's pooler + classifier, "
         "RoBERTa's, XLM-R's, CamemBERT's and ELECTRA's classification heads, DistilBERT's, a causal LM's "
-        "unembedding, or decompx_head=False"
+        "unembedding; or explain(..., decompx={'head': False}) (the saliency is then the norm of the explained "
+        "row's parts)"
     )
 
 
@@ -289,7 +340,8 @@ def head_parts(
 @dataclass
 class DecompXResult:
     """norms (L, n, n): ||x^{l+1}_{i<=k}||; parts (K, n) signed logit parts (None without the head);
-    logits (K,) the model's own (pre-cap) logits of those rows; completeness (L,) max |sum_k pieces -
+    logits (K,) the model's own logits of those rows (an LM that soft-caps: the recomputed pre-cap ones,
+    `ctxmix.methods.readout.explained_logits`); completeness (L,) max |sum_k pieces -
     real state| / max |state| per layer; notes."""
 
     norms: np.ndarray
@@ -318,12 +370,11 @@ def decompx(model: Model, tr: Trace, position: int, tokens: list[int] | None, o:
     if o.head and head_kind(model) != "none":
         P, notes = head_parts(model, V, x_last, position, tokens, o)
         parts = P.double().cpu().numpy()
-        lg = tr.logits
-        if model.kind == "causal_lm":
-            lg = lg[position, tokens].double()
-            cap = softcap(model)
-            if cap:
-                lg = cap * torch.atanh((lg / cap).clamp(-1 + 1e-15, 1 - 1e-15))
+        if model.kind == "causal_lm":  # the recomputed pre-cap logits where the model soft-caps
+            own = tr.logits[position] if tr.logits is not None else None
+            lg = explained_logits(model, tr.states[-1].y[position], tokens, own)
+        else:
+            lg = tr.logits
         logits = lg.reshape(-1).double().cpu().numpy()
     return DecompXResult(
         norms=torch.stack(norms).double().cpu().numpy(),

@@ -46,7 +46,7 @@ from ctxmix.engine.layer import head_values
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import norm_adjoint, readout, softcap, unembedding
+from ctxmix.methods.readout import explained_logits, norm_adjoint, readout, softcap, unembedding
 
 LOGIT_METHODS = ("logit", "alti_logit")
 
@@ -70,8 +70,9 @@ class LogitParts:
     """The decomposition of K explained logits (the target's, and the foil's) at one position.
 
     per_head (K, L, H, n): D^{l,h}_j; embedding (K,): <x_t^0, r>; attention_bias, mlp (K, L);
-    final_norm_bias, unembedding_bias (K,); logits (K,): the model's own (pre-cap) logits;
-    recomputed (K,): the logits from ctxmix's recomputed final state."""
+    final_norm_bias, unembedding_bias (K,); logits (K,): the explained logits (`explained_logits`: the
+    model's own, or the recomputed pre-cap logits where it soft-caps); recomputed (K,): the logits from
+    ctxmix's recomputed final state."""
 
     per_head: torch.Tensor
     embedding: torch.Tensor
@@ -124,15 +125,13 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int]) -> Lo
         heads.append(st.alpha[:, t, :].unsqueeze(0) * torch.einsum("hje,khe->khj", v, w))  # (K, H, n)
         mlp.append(ff_vec @ r.T)
     per_head = torch.stack(heads, 1)  # (K, L, H, n)
-    logits = tr.logits[t, tokens] if tr.logits is not None and tr.logits.dim() == 2 else None
+    own = tr.logits[t] if tr.logits is not None and tr.logits.dim() == 2 else None
     notes = []
     cap = softcap(model)
-    if logits is not None and cap is not None:
-        logits = cap * torch.atanh((logits.to(r.dtype) / cap).clamp(-1 + 1e-15, 1 - 1e-15))
+    if cap is not None:
         notes.append(f"{model.name} soft-caps its logits (c tanh(z/c), c = {cap:g}): the pre-cap logit z is decomposed")
-    norm = model.layers[-1].next_norm
-    final = norm(x_last) if norm is not None else x_last
-    recomputed = rows @ final + (ub[tokens] if ub is not None else 0)
+    recomputed = explained_logits(model, x_last, tokens, None)
+    logits = explained_logits(model, x_last, tokens, own)  # the recomputed z where the model soft-caps
     return LogitParts(
         per_head=per_head,
         embedding=r @ tr.hidden[0][t],
@@ -140,7 +139,7 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int]) -> Lo
         mlp=torch.stack(mlp, 1),
         final_norm_bias=beta,
         unembedding_bias=ub[tokens] if ub is not None else torch.zeros(K, dtype=r.dtype, device=r.device),
-        logits=recomputed if logits is None else logits.to(r.dtype),
+        logits=logits.to(r.dtype),
         recomputed=recomputed,
         notes=notes,
     )
@@ -244,13 +243,16 @@ def check_prediction_call(
         from ctxmix.methods.decompx import DecompXOptions, check_pieces_fit, head_kind
 
         if not isinstance(decompx, (dict, type(None))) or set(decompx or {}) - {"bias", "ff", "head"}:
-            raise BadInput(f"decompx takes a dict with bias, ff and head, got {decompx!r}")
+            raise BadInput(
+                f"decompx takes a dict with bias, ff and head, got {decompx!r}; "
+                "e.g. decompx={'bias': 'absdot', 'ff': 'zero_origin', 'head': True} (the defaults)"
+            )
         o = DecompXOptions(**(decompx or {})).check()
         if model.spec.encoder_decoder:
             raise BadInput("decompx explains encoders, classifiers and causal LMs, not encoder-decoders")
         if o.head:
             head_kind(model)  # refuses a head without a rule
-        check_pieces_fit(model, n)
+        check_pieces_fit(model, n, o.ff)
     if "attention_flow" in methods:
         from ctxmix.methods.flow import FLOW_ROW_SECONDS, check_flow_cost
 

@@ -46,3 +46,22 @@ def readout(model: Model, x_last: torch.Tensor, U_rows: torch.Tensor) -> tuple[t
         return U_rows.clone(), zeros
     beta = U_rows @ norm.beta if norm.beta is not None else zeros
     return norm_adjoint(norm, U_rows, norm.scale(x_last)), beta
+
+
+def explained_logits(model: Model, x_last: torch.Tensor, tokens: list[int], own: torch.Tensor | None) -> torch.Tensor:
+    """(K,) the logits of `tokens` that `logit`, `alti_logit` and `decompx` explain at one position, in
+    the engine's dtype. x_last (d,): ctxmix's recomputed last state there (before the final norm);
+    own (V,) or None: the model's own logits there.
+
+    Without soft-capping: the model's own logits (None: recomputed). With it (Gemma 2's c tanh(z / c)):
+    z recomputed from the last state as U (norm(x_last)) + b, which is what the token parts sum to.
+    Undoing the cap with c atanh(own / c) would be ill-conditioned: a logit saturated in its dtype
+    (|z| / c above about 9 in float32, 19 in float64) has tanh = 1 exactly, and atanh gives inf (or,
+    clamped, an arbitrary 17.6 c in float64), and near saturation atanh multiplies the rounding of
+    `own` by 1 / (1 - tanh^2) (bfloat16's 2^-8 becomes order one)."""
+    U, ub = unembedding(model)
+    if own is not None and softcap(model) is None:
+        return own[tokens].to(model.work_dtype)
+    norm = model.layers[-1].next_norm
+    final = norm(x_last) if norm is not None else x_last
+    return U[tokens] @ final + (ub[tokens] if ub is not None else 0)

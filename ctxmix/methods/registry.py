@@ -252,7 +252,7 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
             "(then the saliency is the norm of the explained row's parts). Post-LN is the paper's; pre-LN, "
             "RMSNorm, gated, parallel and sandwich layers follow the same rules (ctxmix.methods.decompx).",
             caveat="Heads with a rule: BERT pooler + classifier, RoBERTa / XLM-R / CamemBERT / ELECTRA "
-            "classification heads, DistilBERT, a causal LM's unembedding; decompx_head=False elsewhere. "
+            "classification heads, DistilBERT, a causal LM's unembedding; decompx={'head': False} elsewhere. "
             "Memory n^2 d per layer.",
         ),
         MethodInfo(
