@@ -1,5 +1,8 @@
 """Computing units: one example's methods and metrics (and the contextualization-change
 kind), batched per (model, dataset); what a Ray task runs.
+
+Over 500 lines because a unit's whole life stands here together (the methods a text may run, their
+refusals per text, the metrics, the references): splitting it would scatter one protocol.
 """
 
 from __future__ import annotations
