@@ -516,3 +516,17 @@ def test_server_caps_in_secrets_are_checked(secrets, words):
 def test_the_suite_is_large_enough():
     n = len(EXPLAIN) + len(SCOPES) + len(BATCH) + len(CORPUS) + 8 + 1 + len(LOAD) + 1 + len(CLI) + 5 + len(CONFIGS) + 4
     assert n >= 100, n
+
+
+def test_an_unknown_option_names_every_keyword_explain_takes(bert):
+    """The message of an unknown option lists explain's real keywords (read off its signature), so
+    following it never leads to another "unknown option"; it once named five of fifteen."""
+    import inspect
+
+    with pytest.raises(BadInput) as err:
+        ctxmix.explain(bert, "a b", ["alti"], colour=1)
+    msg = str(err.value)
+    keywords = [p for p in inspect.signature(ctxmix.explain).parameters if p not in ("model", "text", "methods")]
+    keywords.remove("saliency_options")
+    missing = [k for k in keywords if k not in msg]
+    assert not missing, f"the message leaves out {missing}: {msg}"

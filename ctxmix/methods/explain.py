@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -117,11 +119,8 @@ def explain(
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
-    predicting = [m for m in methods if m in PREDICTION_METHODS]
-    if predicting:  # attention flow's cost and DecompX's memory, refused before the forward pass
-        from ctxmix.methods.prediction import check_prediction_call
-
-        check_prediction_call(model, predicting, embedding, flow_rows, len(e.ids), decompx)
+    # attention flow's cost and DecompX's memory (and its options), refused before the forward pass
+    check_batch_methods(model, [len(e.ids)], [list(methods)], embedding, flow_rows, decompx)
     tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
@@ -138,6 +137,7 @@ def explain(
         embedding=embedding,
         flow_rows=flow_rows,
         decompx=decompx,
+        checked=True,
     )[0]
 
 
@@ -190,7 +190,10 @@ def _check_call(res2, position, saliency_options: dict) -> None:
         raise BadInput(
             f"position must be a whole number (a token index; negative counts from the end), got {position!r}"
         )
-    check_saliency_options(saliency_options)
+    # every keyword explain takes, read off its signature so the message cannot go stale
+    own = ("model", "text", "methods", "saliency_options")
+    keywords = [p for p in inspect.signature(explain).parameters if p not in own]
+    check_saliency_options(saliency_options, keywords)
 
 
 @checked_arguments

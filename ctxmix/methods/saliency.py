@@ -13,6 +13,7 @@ is explained as the model reads it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -283,14 +284,14 @@ SALIENCY_OPTIONS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_saliency_options(options: dict) -> dict:
-    """The options of the gradient and perturbation methods, checked by name, type and range."""
+def check_saliency_options(options: dict, keywords: Sequence[str] = ()) -> dict:
+    """The options of the gradient and perturbation methods, checked by name, type and range.
+    keywords: the caller's own keyword arguments, named in the message of an unknown option."""
     for k, v in options.items():
         if k not in SALIENCY_OPTIONS:
-            raise BadInput(
-                f"unknown option {k!r}; explain takes target, position, input_ids, res2, precision and "
-                f"the saliency options {', '.join(SALIENCY_OPTIONS)}"
-            )
+            takes = f"{', '.join(keywords)} and " if keywords else ""
+            listed = ", ".join(SALIENCY_OPTIONS)
+            raise BadInput(f"unknown option {k!r}; explain takes {takes}the saliency options {listed}")
         allowed = SALIENCY_OPTIONS[k]
         if k == "ig_steps":
             lo, hi = int(allowed[0]), int(allowed[1])
