@@ -115,7 +115,9 @@ def explain(
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
-    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
+    # the gradient and perturbation methods read the ids and the prediction only: no layer rebuilt for them
+    layers = any(m in MIXING_METHODS or m in PREDICTION_METHODS for m in methods)
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments, layers)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(
@@ -167,10 +169,11 @@ def _encoder_only_methods(methods) -> None:
         )
 
 
-def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
-    """The trace of one text, pair, or id list (with its segments / token types)."""
+def _trace_one(model: Model, text, input_ids, token_type_ids, segments, layers: bool = True) -> Trace:
+    """The trace of one text, pair, or id list (with its segments / token types); layers=False: the
+    logits only (`trace_ids`)."""
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
-    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
 
 
 def encode_one(model: Model, item, token_type_ids=None, segments=None, ids: bool | None = None) -> Encoded:
