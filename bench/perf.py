@@ -72,7 +72,9 @@ from perf_common import (  # noqa: E402
     sync,
     table_text,
     timed,
+    timed_pair,
     tokenizer,
+    user_row,
     value_zeroing_loop,
     widths,
 )
@@ -103,7 +105,9 @@ def vz_flops(m, n: int) -> int:
 
 
 def bench_value_zeroing(a, dev) -> list[dict]:
-    """Target 1: ctxmix's batched value zeroing against the per-token loop, same maps."""
+    """Target 1: ctxmix's batched value zeroing against the per-token loop, same maps; and the call a
+    user makes (`explain(m, ..., ["value_zeroing"])`) against the engine function, interleaved."""
+    import ctxmix
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.mixing import value_zeroing_maps
 
@@ -113,11 +117,17 @@ def bench_value_zeroing(a, dev) -> list[dict]:
     short = ids_for(8)
     value_zeroing_loop(m, short)  # warm-up: first calls, allocator
     value_zeroing_maps(trace_ids(m, short))
+    ctxmix.explain(m, None, ["value_zeroing"], input_ids=short)
     log(f"value zeroing n={n}: per-token loop ({m.n_layers * n} layer calls)")
     t_loop, ref = timed(lambda: value_zeroing_loop(m, ids), dev, a.repeat)
-    log(f"  loop {t_loop:.1f} s; ctxmix")
-    t_cm, got = timed(lambda: value_zeroing_maps(trace_ids(m, ids)), dev, a.repeat)
-    diff = float(np.abs(ref - got).max())
+    log(f"  loop {t_loop:.1f} s; ctxmix: engine and explain, interleaved")
+    t_cm, t_user, got, ex = timed_pair(
+        lambda: value_zeroing_maps(trace_ids(m, ids)),
+        lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids),
+        dev,
+        a.repeat,
+    )
+    diff = max(float(np.abs(ref - got).max()), float(np.abs(ref - ex.layer_maps["value_zeroing"]).max()))
     L, d, dff = widths(m)
     # per layer: the loop runs n layer calls on n tokens (Q, K, V, O and the FF, attention scores and
     # context); ctxmix runs the FF on n^2 perturbed vectors and mixes the removed values
@@ -134,7 +144,20 @@ def bench_value_zeroing(a, dev) -> list[dict]:
             t_loop / t_cm >= goal,
         ),
         row(
-            f"value zeroing n={n}: max |map difference| vs the loop", f"{diff:.1e}", "-", None, "<= 1e-5", diff <= 1e-5
+            f"value zeroing n={n}: the user's call explain(value_zeroing): speed-up over the per-token loop",
+            f"{t_user:.2f} s",
+            f"{t_loop:.2f} s (loop)",
+            t_loop / t_user,
+            "report",
+        ),
+        user_row(f"value zeroing n={n}", t_user, t_cm, "explain", "value_zeroing_maps(trace_ids)"),
+        row(
+            f"value zeroing n={n}: max |map difference| vs the loop (engine and explain)",
+            f"{diff:.1e}",
+            "-",
+            None,
+            "<= 1e-5",
+            diff <= 1e-5,
         ),
         row(
             f"value zeroing n={n}: FLOPs of the loop / FLOPs of ctxmix (the speed-up at equal efficiency)",
@@ -173,8 +196,10 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
         rates.append(matmul_rates(dev, size))
     t_scope = t_vz = t_slow = t_all = None
     if "flops" in sections:
-        log(f"scope_maps n={n} (factorised)")
-        t_scope, fast = timed(lambda: ctxmix.scope_maps(m, input_ids=ids), dev, a.repeat)
+        log(f"scope_maps n={n} (factorised): engine and the user's call, interleaved")
+        t_scope_engine, t_scope, _, fast = timed_pair(
+            lambda: scope_layer_maps(trace_ids(m, ids)), lambda: ctxmix.scope_maps(m, input_ids=ids), dev, a.repeat
+        )
         rates.append(matmul_rates(dev, size))
         if "value_zeroing" in parts:
             t_vz = parts["value_zeroing"]
@@ -222,6 +247,7 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
                 ">= 0.60",
                 fl_vz / t_vz / rate >= 0.6,
             ),
+            user_row(f"scope maps n={n}", t_scope, t_scope_engine, "scope_maps", "scope_layer_maps(trace_ids)"),
             row(
                 f"scope_maps n={n}: factorised W_1 vs the straightforward FF product (speed-up)",
                 f"{t_scope:.2f} s",
@@ -359,8 +385,13 @@ def bench_flow(a, dev) -> list[dict]:
     for n in sorted(a.flow_sizes):
         ids = wiki_ids(m, n)
         att = np.stack([s.alpha.float().cpu().numpy() for s in trace_ids(m, ids).states])  # (L, H, n, n)
-        log(f"attention flow n={len(ids)}: one row ({L} layers, {L * len(ids)} max-flows)")
-        t, _ = timed(lambda: attention_flow(att, rows=[0]), "cpu", a.repeat)  # noqa: B023 - called at once
+        log(f"attention flow n={len(ids)}: one row ({L} layers, {L * len(ids)} max-flows); and explain")
+        t, t_user, _, _ = timed_pair(
+            lambda: attention_flow(att, rows=[0]),  # noqa: B023 - called at once
+            lambda: ctxmix.explain(m, None, ["attention_flow"], input_ids=ids, position=0),  # noqa: B023
+            dev,
+            a.repeat,
+        )
         growth = (
             "-" if prev is None else f"growth exponent {np.log(t / prev[1]) / np.log(n / prev[0]):.2f} from n={prev[0]}"
         )
@@ -373,6 +404,7 @@ def bench_flow(a, dev) -> list[dict]:
                 "report",
             )
         )
+        rows.append(user_row(f"attention flow n={len(ids)}", t_user, t, "explain", "attention_flow(attention)"))
         prev = (n, t)
     rows.append(
         row(
@@ -470,6 +502,25 @@ def bench_batch(a, dev) -> list[dict]:
     log(f"batched scope maps and value zeroing, {B} x {n} tokens")
     t_s, _ = timed(lambda: scope_maps_batch(tb), dev)
     t_v, _ = timed(lambda: value_zeroing_maps_batch(tb), dev)
+    # the user's call on the same batch: explain_batch traces it too, so the engine side includes the trace
+    import ctxmix
+    from ctxmix.methods.registry import POST_LN_SCOPES
+
+    batch = [ids_for(n)] * B
+    user_rows = []
+    for what, meths, fn in (
+        ("scope maps", list(POST_LN_SCOPES), scope_maps_batch),
+        ("value zeroing", ["value_zeroing"], value_zeroing_maps_batch),
+    ):
+        log(f"  {what}: engine (trace + maps) and explain_batch, interleaved")
+        te, tu, _, _ = timed_pair(
+            lambda fn=fn: fn(trace_batch_tensors(m, batch)),
+            lambda meths=meths: ctxmix.explain_batch(m, batch, meths),
+            dev,
+        )
+        user_rows.append(
+            user_row(f"{what}, batch of {B} x {n}", tu, te, "explain_batch", f"{fn.__name__}(trace_batch_tensors)")
+        )
     fl_s, fl_v = B * L * 2 * n * n * d * dff, B * vz_flops(m, n)
     goal = ">= 0.50" if cuda else "report (CPU goal: the one-sequence rows)"
     long_rows = []
@@ -483,24 +534,28 @@ def bench_batch(a, dev) -> list[dict]:
             row("explain n=512, all 8 mixing methods, float32", f"{t_e:.2f} s", "-", None, "~0.3 s", t_e <= 0.45),
             row("scope_maps n=512, float32", f"{t_sc:.2f} s", "-", None, "~0.3 s", t_sc <= 0.45),
         ]
-    return long_rows + [
-        row(
-            f"scope maps, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
-            f"{fl_s / t_s / 1e9:.1f} GFLOP/s ({t_s:.2f} s)",
-            f"{rate / 1e9:.1f} GFLOP/s",
-            fl_s / t_s / rate,
-            goal,
-            (fl_s / t_s / rate >= 0.5) if cuda else None,
-        ),
-        row(
-            f"value zeroing, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
-            f"{fl_v / t_v / 1e9:.1f} GFLOP/s ({t_v:.2f} s)",
-            f"{rate / 1e9:.1f} GFLOP/s",
-            fl_v / t_v / rate,
-            goal,
-            (fl_v / t_v / rate >= 0.5) if cuda else None,
-        ),
-    ]
+    return (
+        long_rows
+        + user_rows
+        + [
+            row(
+                f"scope maps, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
+                f"{fl_s / t_s / 1e9:.1f} GFLOP/s ({t_s:.2f} s)",
+                f"{rate / 1e9:.1f} GFLOP/s",
+                fl_s / t_s / rate,
+                goal,
+                (fl_s / t_s / rate >= 0.5) if cuda else None,
+            ),
+            row(
+                f"value zeroing, batch of {B} x {n} tokens: FLOP rate / sustained matmul rate",
+                f"{fl_v / t_v / 1e9:.1f} GFLOP/s ({t_v:.2f} s)",
+                f"{rate / 1e9:.1f} GFLOP/s",
+                fl_v / t_v / rate,
+                goal,
+                (fl_v / t_v / rate >= 0.5) if cuda else None,
+            ),
+        ]
+    )
 
 
 def budget_child(fraction: float, n: int, k: int, device: str) -> dict:

@@ -93,6 +93,32 @@ def timed(fn, device, repeat: int = 1):
     return best, out
 
 
+def timed_pair(engine, user, device, repeat: int = 3):
+    """(engine seconds, user seconds, engine result, user result): the best of `repeat` runs of each,
+    interleaved (engine, user, engine, user, ...) so that a shared machine's drift hits both alike."""
+    te = tu = float("inf")
+    re = ru = None
+    for _ in range(max(1, repeat)):
+        t, re = timed(engine, device)
+        te = min(te, t)
+        t, ru = timed(user, device)
+        tu = min(tu, t)
+    return te, tu, re, ru
+
+
+def user_row(what: str, t_user: float, t_engine: float, user: str, engine: str) -> dict:
+    """A row comparing the call a user makes with the engine function a speed row times, on the same
+    input in the same process: ratio = user / engine, and the overhead in seconds (tracing, checks and
+    bookkeeping the engine row does not see)."""
+    return row(
+        f"{what}: the user's call {user} vs the engine's {engine}",
+        f"{t_user:.3f} s (user)",
+        f"{t_engine:.3f} s (engine); overhead {t_user - t_engine:+.3f} s",
+        t_user / t_engine,
+        "report",
+    )
+
+
 def ids_for(n: int) -> list[int]:
     """A deterministic n-token input: [CLS], n-2 ordinary word pieces, [SEP]."""
     return [101] + [1000 + (7 * i) % 20000 for i in range(n - 2)] + [102]

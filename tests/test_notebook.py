@@ -169,7 +169,12 @@ def test_show_source(s2s_ex):
 @pytest.mark.parametrize(
     "args, kw, match",
     [
-        ((), {"kind": "movie"}, "unknown kind 'movie'; kinds: saliency, maps, layer, global, heads, scopes"),
+        (
+            (),
+            {"kind": "movie"},
+            "unknown kind 'movie'; kinds: saliency, maps, layer, global, heads, scopes, pair, source, prediction, "
+            "layer_saliency",
+        ),
         (("globenc",), {}, "'globenc' is not in this explanation; it has grad_x_input, attention"),
         (("attention",), {"kind": "maps", "layer": 3}, r"layer=3 is out of range: .* layers 1 to 2"),
         (("attention",), {"kind": "layer", "layer": 0}, "out of range"),
@@ -189,6 +194,95 @@ def test_show_source(s2s_ex):
 def test_bad_input_names_the_choices(ex, args, kw, match):
     with pytest.raises(BadInput, match=match):
         ex.show(*args, **kw)
+
+
+# ---------------------------------------------------------------- the prediction figures
+
+
+@pytest.fixture(scope="module")
+def lm_ex(tokenizer):
+    # a causal LM: logit and alti_logit give layer_saliency and the target's and foil's logit rows
+    return ctxmix.explain(tiny_model("gpt2", tokenizer), TEXT, ["logit", "alti_logit", "alti"], foil=1000)
+
+
+@pytest.fixture(scope="module")
+def dx_ex(bert):
+    return ctxmix.explain(bert, TEXT, ["decompx", "attention"])
+
+
+def _bars(fig):
+    return [np.asarray(t.y, dtype=float) for t in fig.data]
+
+
+def test_show_prediction_classifier(dx_ex):
+    fig = dx_ex.show(kind="prediction")
+    rows = dx_ex.logit_contributions["decompx"]
+    labels = list(dx_ex.prediction["probabilities"])
+    assert rows.shape == (len(labels), len(dx_ex.tokens)) and len(fig.data) == len(labels)
+    # a bar chart per class, titled by the class, each bar a token's signed part of that logit
+    assert [a.text for a in fig.layout.annotations] == labels
+    for c, y in enumerate(_bars(fig)):
+        np.testing.assert_array_equal(y, rows[c])
+    assert fig.layout.title.text == "decompx: signed parts of each logit"
+    assert dx_ex.show(kind="prediction", title="mine").layout.title.text == "mine"
+
+
+def test_show_prediction_language_model(lm_ex):
+    from ctxmix.export.notebook import logit_row_labels
+
+    for m in ("logit", "alti_logit"):
+        fig = lm_ex.show(m, kind="prediction")
+        rows = lm_ex.logit_contributions[m]
+        assert rows.shape == (2, len(lm_ex.tokens)) and len(fig.data) == 2  # the target's row and the foil's
+        for k, y in enumerate(_bars(fig)):
+            np.testing.assert_array_equal(y, rows[k])
+        # the explained tokens by name, as the dashboard titles them
+        names = [a.text for a in fig.layout.annotations]
+        assert names == logit_row_labels(lm_ex, m)
+        assert all(t.startswith("logit of ") and t != "logit of " for t in names)
+    assert lm_ex.show(kind="prediction").layout.title.text.startswith("logit:")  # method=None: the first
+
+
+def test_show_layer_saliency(lm_ex):
+    for m in ("logit", "alti_logit"):
+        fig = lm_ex.show(m, kind="layer_saliency")
+        M = lm_ex.layer_saliency[m]
+        np.testing.assert_array_equal(_z(fig, 0), M)
+        # beside it, per layer, the parts no token gets (b_O, the MLP update, ...), on the same scale
+        terms = {k: v for k, v in lm_ex.logit_terms[m].items() if isinstance(v, list) and len(v) == M.shape[0]}
+        assert terms and list(fig.data[1].x) == list(terms)
+        np.testing.assert_array_equal(_z(fig, 1), np.stack([np.asarray(v, dtype=float) for v in terms.values()], 1))
+        top = max(np.abs(M).max(), np.abs(_z(fig, 1)).max())
+        assert fig.data[0].zmax == pytest.approx(top) and fig.data[0].zmid == 0
+        assert fig.layout.title.text == f"{m}: per layer and token"
+
+
+def test_prediction_kinds_are_listed_only_with_their_data(ex, lm_ex, dx_ex):
+    from ctxmix.export.notebook import available_kinds
+
+    assert {"prediction", "layer_saliency"} <= set(available_kinds(lm_ex))
+    assert "prediction" in available_kinds(dx_ex) and "layer_saliency" not in available_kinds(dx_ex)
+    assert not {"prediction", "layer_saliency"} & set(available_kinds(ex))
+
+
+@pytest.mark.parametrize(
+    "kind, names",
+    [("prediction", ["'decompx'", "'logit'", "'alti_logit'"]), ("layer_saliency", ["'logit'", "'alti_logit'"])],
+)
+def test_prediction_kinds_without_data_name_the_methods(ex, kind, names):
+    # a mixing-only explanation: the message names the methods that give the figure
+    with pytest.raises(BadInput, match=f"kind='{kind}' needs") as e:
+        ex.show(kind=kind)
+    assert all(n in str(e.value) for n in names) and "can show kind= saliency, maps" in str(e.value)
+
+
+def test_prediction_kinds_refuse_other_methods(lm_ex, dx_ex):
+    with pytest.raises(BadInput, match="method 'alti' has no data for it; methods that do: logit, alti_logit"):
+        lm_ex.show("alti", kind="layer_saliency")
+    with pytest.raises(BadInput, match="kind='layer_saliency' needs"):
+        dx_ex.show(kind="layer_saliency")  # DecompX gives logit rows, no per-layer table
+    with pytest.raises(BadInput, match="layer= applies to kind="):
+        lm_ex.show(kind="layer_saliency", layer=1)
 
 
 def test_no_heads_without_per_head(pair_ex):

@@ -81,3 +81,33 @@ def test_perf_table_helpers():
     assert list(r) == ["target", "measured", "baseline", "ratio", "goal", "pass"]
     assert r["ratio"] == "3.00" and r["pass"] == "yes"
     assert perf.row("y", "-")["pass"] == "-"
+
+
+SALIENCY = ["grad", "grad_x_input", "integrated_gradients", "blank_out", "cat", "attcat"]
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_saliency_only_explain_rebuilds_no_layer(tokenizer, family, monkeypatch):
+    """explain with only gradient / perturbation methods traces the logits alone (one forward pass,
+    no attention weights, no layer rebuilt) and gives exactly the saliency of the full trace."""
+    import ctxmix
+    import ctxmix.engine.trace as T
+    from ctxmix.methods.saliency import saliency_scores
+
+    m = tiny_model(family, tokenizer)
+    full = trace_ids(m, IDS)
+    pos = 0 if family == "bert" else len(IDS) - 1
+    foil = 1 - int(full.logits.argmax()) if family == "bert" else 3  # the other class; a token id
+    want_target, want = saliency_scores(m, full, SALIENCY, position=pos, foil=foil, ig_steps=8)
+    rebuilt = []
+    monkeypatch.setattr(T, "layer_forward", lambda *a, **k: rebuilt.append(1) or full.states[0])
+    ex = ctxmix.explain(m, None, SALIENCY, input_ids=IDS, foil=foil, ig_steps=8)
+    assert rebuilt == []  # the old path rebuilt every layer here
+    assert ex.target == want_target and ex.reconstruction_error == 0.0  # nothing recomputed, nothing to check
+    for k in SALIENCY:
+        np.testing.assert_array_equal(ex.saliency[k], want[k])
+    assert ex.prediction == ctxmix.explain(m, None, ["attention"], input_ids=IDS).prediction  # the same logits
+    # a mixing method still gets the full trace
+    rebuilt.clear()
+    ctxmix.explain(m, None, ["grad", "attention"], input_ids=IDS)
+    assert len(rebuilt) == m.n_layers

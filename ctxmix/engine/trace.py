@@ -107,7 +107,10 @@ class TraceBatch:
         n = len(self.input_ids[b])
         lg = None if self.logits is None else (self.logits[b] if self.logits.dim() == 2 else self.logits[b, :n])
         states = map_states(self.states, lambda st: st.select(b, n))
-        hidden = states.hidden if isinstance(states, ReplayedStates) else [st.x for st in states] + [states[-1].y]
+        if isinstance(states, ReplayedStates):
+            hidden = states.hidden
+        else:  # no states: a logits-only trace (trace_ids(..., layers=False))
+            hidden = [st.x for st in states] + [states[-1].y] if states else []
         return Trace(
             model=self.model,
             input_ids=list(self.input_ids[b]),
@@ -138,7 +141,8 @@ class TraceBatch:
         given = tr._given_error if isinstance(tr, StreamedTrace) else tr.reconstruction_error
         err = torch.tensor([given], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
-        dev = tr.hidden[0].device  # not states[0]: that would rebuild a streamed trace's first layer
+        # not states[0]: that would rebuild a streamed trace's first layer; a logits-only trace has neither
+        dev = tr.hidden[0].device if tr.hidden else tr.model.device
         return cls(
             model=tr.model,
             input_ids=[list(tr.input_ids)],
@@ -177,12 +181,14 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
     return states, err
 
 
-def _forward(model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict, attentions: bool = True):
+def _forward(
+    model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict, attentions: bool = True, hidden: bool = True
+):
     # an encoder-decoder's Model describes its encoder (`ctxmix.engine.seq2seq` traces the decoder)
     net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
     if not attentions and "use_cache" in inspect.signature(net.forward).parameters:
         types = {**types, "use_cache": False}  # a replayed attention call must not append to a KV cache
-    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=attentions, **types)
+    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=hidden, output_attentions=attentions, **types)
     if attentions and (out.attentions is None or any(a is None for a in out.attentions)):
         raise RuntimeError(
             "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
@@ -203,12 +209,32 @@ def trace_ids(
     token_type_ids: list[int] | None = None,
     segments: list[int] | None = None,
     streamed: bool | None = None,
+    layers: bool = True,
 ) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights.
     token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given.
-    streamed: rebuild the layers on demand instead of holding them (None: when `streams` says so)."""
+    streamed: rebuild the layers on demand instead of holding them (None: when `streams` says so).
+    layers=False: the logits only (no hidden states, attention weights or rebuilt layers: `hidden`
+    and `states` empty, reconstruction_error 0 as nothing is recomputed), for callers that read
+    only the ids and the prediction (the gradient and perturbation methods run their own passes)."""
     ids = torch.tensor([input_ids], device=model.device)
     _check_rows(input_ids, token_type_ids, segments)
+    if not layers:
+        types = model.type_ids_kwargs([token_type_ids])
+        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, hidden=False)
+        logits = getattr(out, "logits", None)
+        return Trace(
+            model=model,
+            input_ids=list(input_ids),
+            tokens=model.tokens(input_ids),
+            hidden=[],
+            states=[],
+            logits=None if logits is None else logits[0],
+            reconstruction_error=0.0,
+            notes=list(notes or []),
+            token_type_ids=token_type_ids,
+            segments=segments,
+        )
     if streamed is None:
         streamed = streams(model, len(input_ids))
     if streamed and can_stream(model):

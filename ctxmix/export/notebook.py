@@ -25,6 +25,16 @@ KINDS = {  # kind: what it draws, and what the explanation needs for it
     "scopes": ("the FF paper's scope maps of one layer", "scope methods (Atb, AtbFf, ...) among the methods"),
     "pair": ("a sentence pair's A→B and B→A mixing per layer", "a pair: explain(model, (text_a, text_b), ...)"),
     "source": ("ALTI+ source contribution per decoder layer", "an encoder-decoder explained with decoder_text="),
+    "prediction": (
+        "a prediction method's signed parts of each logit, a bar per input token (per class, or the explained "
+        "token and foil)",
+        "a prediction method's logit_contributions: explain with 'decompx' (a classifier or a causal LM), "
+        "'logit' or 'alti_logit' (a causal LM)",
+    ),
+    "layer_saliency": (
+        "Logit / ALTI-Logit's layers x tokens table, with the parts no token gets beside it",
+        "a layer_saliency: explain a causal LM with 'logit' or 'alti_logit'",
+    ),
 }
 LAYERED = ("maps", "layer", "global", "heads", "scopes")  # the kinds that take layer=
 HTML_MAX_TOKENS = 512  # a longer heat row is unreadable and makes the notebook heavy
@@ -46,6 +56,8 @@ def _has(ex, kind: str, m: str) -> bool:
         "scopes": m in ex.layer_maps and _is_scope(m),
         "pair": m in ex.layer_maps and m in ex.global_maps,  # cross_segment_mixing reads both
         "source": m in ex.global_maps,
+        "prediction": m in ex.logit_contributions,
+        "layer_saliency": m in ex.layer_saliency,
     }[kind]
 
 
@@ -61,6 +73,7 @@ def _kind_applies(ex, kind: str) -> bool:
 
 def _methods(ex) -> list[str]:
     keys = [*ex.methods, *ex.layer_maps, *ex.global_maps, *ex.saliency, *ex.head_maps]
+    keys += [*ex.logit_contributions, *ex.layer_saliency]
     return list(dict.fromkeys(keys))
 
 
@@ -106,6 +119,28 @@ def _scope_order(names: list[str]) -> list[str]:
     return names
 
 
+def explained_tokens(ex, k: int) -> list[str]:
+    """Names of the k tokens a language model's logit rows explain: the target's (and the foil's),
+    read from `prediction["explained"]["what"]` ("logit(a) - logit(b) at position t"), else their ids."""
+    ids = [ex.target] + ([ex.foil] if ex.foil is not None else [])
+    names = [str(i) for i in ids]
+    what = ((ex.prediction or {}).get("explained") or {}).get("what", "")
+    if what.startswith("logit("):
+        names = [p.split(")")[0] for p in what.split("logit(")[1:]]
+    return (names + [""] * k)[:k]
+
+
+def logit_row_labels(ex, m: str) -> list[str]:
+    """The subplot title of each row of `ex.logit_contributions[m]`, as the dashboard names them:
+    DecompX on a classifier has a row per class (the prediction's labels, in order); a language
+    model's rows are the explained token's logit and the foil's."""
+    rows = ex.logit_contributions[m]
+    probs = (ex.prediction or {}).get("probabilities") or {}
+    if m == "decompx" and len(rows) == len(probs):
+        return [str(k) for k in probs]
+    return [f"logit of {t}" for t in explained_tokens(ex, len(rows))]
+
+
 def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head=None, **kw):
     """See `Explanation.show`."""
     if kind not in KINDS:
@@ -139,6 +174,13 @@ def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head
 
         df = cross_segment_mixing(ex, [m] if method is not None else fit)
         return _call(plots.cross_mixing_figure, {"df": df}, kw)
+    if kind == "prediction":
+        rows = ex.logit_contributions[m]
+        data = {"tokens": toks, "rows": rows, "labels": logit_row_labels(ex, m)}
+        return _call(plots.logit_contributions_figure, data, kw, {"title": f"{m}: signed parts of each logit"})
+    if kind == "layer_saliency":
+        data = {"tokens": toks, "layer_saliency": ex.layer_saliency[m], "terms": ex.logit_terms.get(m, {})}
+        return _call(plots.layer_saliency_figure, data, kw, {"title": f"{m}: per layer and token"})
     if kind == "source":
         # by the lazy public name: ctxmix.methods.alti_plus imports ctxmix.methods.explanation, which calls
         # this module, so naming alti_plus here would close an import cycle (tests/test_layout.py)

@@ -121,7 +121,9 @@ def explain(
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
     # attention flow's cost and DecompX's memory (and its options), refused before the forward pass
     check_batch_methods(model, [len(e.ids)], [list(methods)], embedding, flow_rows, decompx)
-    tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
+    # the gradient and perturbation methods read the ids and the prediction only: no layer rebuilt for them
+    layers = any(m in MIXING_METHODS or m in PREDICTION_METHODS for m in methods)
+    tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
     if foil is not None:
         saliency_options = {**saliency_options, "foil": foil}
     return _explanations(
@@ -174,10 +176,11 @@ def _encoder_only_methods(methods) -> None:
         )
 
 
-def _trace_one(model: Model, text, input_ids, token_type_ids, segments) -> Trace:
-    """The trace of one text, pair, or id list (with its segments / token types)."""
+def _trace_one(model: Model, text, input_ids, token_type_ids, segments, layers: bool = True) -> Trace:
+    """The trace of one text, pair, or id list (with its segments / token types); layers=False: the
+    logits only (`trace_ids`)."""
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
-    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
+    return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
 
 
 def _check_call(res2, position, saliency_options: dict) -> None:

@@ -171,7 +171,13 @@ class Explanation:
           "scopes": the FF paper's scope maps (Atb, AtbFf, ...; explain them as methods) of `layer`;
           "pair": A→B and B→A mixing of a sentence pair per layer (`cross_segment_mixing`);
           "source": ALTI+ source contribution of each target token per decoder layer (an
-            encoder-decoder explained with decoder_text).
+            encoder-decoder explained with decoder_text);
+          "prediction": a prediction method's `logit_contributions[method]`, one bar chart per row (a
+            classifier's classes for decompx; a causal LM's explained token and foil), blue up, red down;
+          "layer_saliency": Logit / ALTI-Logit's `layer_saliency[method]` (L, n) as a layers x tokens
+            heat map, with `logit_terms` (what no token gets, per layer) beside it.
+          The last two are the dashboard's "How the context builds the prediction" figures: explain with
+          "decompx" (classifiers, causal LMs), "logit" or "alti_logit" (causal LMs) to get them.
         method: None picks the first method that has what the kind needs (for "saliency", "scopes"
         and "pair": all of them). layer, head: 1-based, as the dashboard numbers them; layer
         defaults to the last, head to 1. kw: passed to the figure builder in `ctxmix.export.plots`
