@@ -8,6 +8,7 @@ import streamlit as st
 
 from ctxmix.analyses.pairs import cross_segment_mixing
 from ctxmix.export import plots
+from ctxmix.export.notebook import logit_row_labels
 from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS
 from ctxmix_dashboard.ui import common
 
@@ -179,10 +180,7 @@ def show_prediction(ex, methods: list[str]) -> None:
         st.caption(info.doc)
         if m in ex.logit_contributions:
             rows = ex.logit_contributions[m]
-            if len(rows) == len((ex.prediction or {}).get("probabilities") or {}) and m == "decompx":
-                labels = [str(k) for k in ex.prediction["probabilities"]]
-            else:
-                labels = [f"logit of {t}" for t in _explained_tokens(ex, len(rows))]
+            labels = logit_row_labels(ex, m)  # the notebook's show(kind="prediction") names them the same
             common.plot(
                 plots.logit_contributions_figure(ex.tokens, rows, labels, f"{m}: signed parts of each logit"),
                 f"{m}_logit_parts",
@@ -205,16 +203,6 @@ def show_prediction(ex, methods: list[str]) -> None:
             )
             st.dataframe(table.style.format({"value": "{:.4g}"}), hide_index=True)
             common.export_table(table, f"{m}_parts", caption=f"{info.title}: what the explained logit is made of")
-
-
-def _explained_tokens(ex, k: int) -> list[str]:
-    """Display names of the target (and foil) token a language model's rows explain."""
-    ids = [ex.target] + ([ex.foil] if ex.foil is not None else [])
-    names = [str(i) for i in ids]
-    what = ((ex.prediction or {}).get("explained") or {}).get("what", "")
-    if what.startswith("logit("):  # "logit(a) - logit(b) at position t"
-        names = [p.split(")")[0] for p in what.split("logit(")[1:]]
-    return (names + [""] * k)[:k]
 
 
 # ---------------------------------------------------------------- generation and routes (language models)
