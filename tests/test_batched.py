@@ -569,3 +569,44 @@ def test_the_runner_refuses_one_text_and_method_and_keeps_the_rest(tokenizer, tm
         assert ("d", "000001", "attention_flow") in {u[1:] for u in store.finished_units(plan.run_id)}
         monkeypatch.setattr(ctxmix, "__version__", ctxmix.__version__ + ".next")
         assert ("d", "000001", "attention_flow") not in {u[1:] for u in store.finished_units(plan.run_id)}
+
+
+def test_the_runner_retries_a_decompx_refusal_that_depends_on_free_memory(tokenizer, tmp_path, monkeypatch):
+    """DecompX's memory check reads the memory free at the time (and the jobs beside it): its refusal is
+    recorded as an error, with the message, and retried by the next run, never kept as a deterministic
+    `refused` unit that a busy moment would lose for good. The other methods are done."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    import ctxmix.engine.budget as budget
+    from ctxmix import benchmark as runner
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    m.hf.config.architectures = [type(m.hf).__name__]
+    m.hf.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": SHORT, "label": 0}) + "\n")
+    cfg = {
+        "name": "memory",
+        "models": [str(tmp_path / "tiny")],
+        "datasets": [{"id": "d", "source": "file", "path": str(tmp_path / "d.jsonl")}],
+        "methods": ["decompx", "alti"],
+        "metrics": ["aopc"],
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    db = tmp_path / "r.sqlite"
+    from ctxmix.methods.decompx import pieces_bytes
+
+    room = pieces_bytes(m, 2)  # a busy moment: room for two tokens, the options' check at one passes
+    monkeypatch.setattr(budget, "memory_budget", lambda device: room)
+    runner.run_bench(tmp_path / "c.yaml", db=db, quiet=True)
+    with sqlite3.connect(str(db)) as c:
+        got = [tuple(r) for r in c.execute("SELECT method, status, detail FROM units ORDER BY method")]
+    errs = [tuple(r) for r in sqlite3.connect(str(db)).execute("SELECT * FROM errors")]
+    assert [r[:2] for r in got] == [("alti", "done"), ("decompx", "error")], (got, errs)
+    assert "budget" in got[1][2]
+    plan = runner.load_config(tmp_path / "c.yaml")
+    with runner.ResultsStore(db) as store:
+        assert ("d", "000000", "decompx") not in {u[1:] for u in store.finished_units(plan.run_id)}

@@ -21,8 +21,9 @@ Results store (SQLite, stdlib ``sqlite3``, WAL journal):
 - ``units``: one row per finished unit: status ``done``, ``na`` (the method does not apply
   to the model, e.g. gradients on an encoder without a head) or ``skipped`` (the example was
   filtered for this model: too few tokens, target not one token...), ``refused`` (this text is
-  too long for the method: attention flow's time limit, DecompX's memory; the message is in
-  ``detail``, and later runs of the same ctxmix version do not retry it), model revision, seconds.
+  too long for attention flow's time limit; the message is in ``detail``, and later runs of the same
+  ctxmix version do not retry it) or ``error`` (e.g. DecompX's memory budget at that moment: retried),
+  model revision, seconds.
 - ``scores``: one row per run x model x dataset x example x method x metric x layer
   (layer -1 = the whole model; 1..L for per-layer metrics), with the model name, its
   revision/fingerprint and the ctxmix version; the run's config JSON is in ``runs``

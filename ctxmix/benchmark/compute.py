@@ -272,6 +272,10 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
     return out
 
 
+# methods whose refusal for a text's length does not depend on the machine's state at the time
+STABLE_REFUSALS = frozenset({"attention_flow"})
+
+
 def _refuse_by_length(model, prep: dict, explain_opts: dict) -> None:
     """Take out of `prep`'s explain methods those its length rules out (attention flow's time,
     DecompX's memory: `ctxmix.methods.explain.method_refusals`), kept in prep["refused"] {method: why};
@@ -444,9 +448,15 @@ def _finish_example(model, task: dict, p: dict, exo) -> dict:
         out["methods"][m] = {"status": "done", "saliency": saliency[m].tolist(), "scores": scores[m]}
     for m, why in p["na"].items():
         out["methods"][m] = {"status": "na", "detail": why}
+    refused = p.get("refused") or {}
     for m in p["ok"]:
-        if m in blocked:  # deterministic for this text's length: not retried (store.finished_units)
-            out["methods"][m] = {"status": REFUSED, "detail": blocked[m]}
+        if m in blocked:
+            # attention flow's refusal follows a fixed cost model of the length: deterministic, not
+            # retried (store.finished_units); DecompX's memory check reads the memory free now and the
+            # jobs running beside it, so its refusal is an error that a later run retries
+            base = m if m in refused else next(b for b in _DERIVED_BASES.get(m, []) if b in refused)
+            status = REFUSED if base in STABLE_REFUSALS else "error"
+            out["methods"][m] = {"status": status, "detail": blocked[m]}
     out["references"] = {
         r: saliency[r].tolist() for r in p["refs_needed"] if r in saliency and r not in ok and r not in p["have"]
     }

@@ -34,9 +34,10 @@ EXPLAIN_OPTIONS = {
 
 
 DONE_STATUSES = ("done", "na", "skipped")
-# a (text, method) unit its length rules out (attention flow's time, DecompX's memory): recorded with
-# the message, not retried by later runs of the same ctxmix version (whose limits are the same); a
-# run on another version retries it (`ResultsStore.finished_units`), and so does --fresh
+# a (text, method) unit its length rules out whatever the machine's state (attention flow's time):
+# recorded with the message, not retried by later runs of the same ctxmix version (whose limits are
+# the same); a run on another version retries it (`ResultsStore.finished_units`), and so does --fresh.
+# DecompX's memory refusal depends on the memory free at the time: an error, retried.
 REFUSED = "refused"
 
 

@@ -296,8 +296,9 @@ def method_refusals(
 ) -> dict[str, str]:
     """{method: why not} for the methods of ONE text of n tokens that its length rules out (attention
     flow's time limit, DecompX's memory budget: `ctxmix.methods.prediction.check_prediction_call`);
-    {} when every method fits. Deterministic for (model, device, n, options): the benchmark runner
-    records these as refused (text, method) units instead of failing the batch. The options and the
+    {} when every method fits. Attention flow's answer depends on (model, n, options) only; DecompX's
+    also on the memory free at the time. The benchmark runner records these per (text, method) instead
+    of failing the batch (`ctxmix.benchmark.compute.STABLE_REFUSALS`: which are kept, which retried). The options and the
     methods' fit to the model are checked first, at one token: an error there is no text's length and
     raises (BadInput)."""
     from ctxmix.methods.prediction import check_prediction_call
