@@ -298,9 +298,9 @@ def method_refusals(
     flow's time limit, DecompX's memory budget: `ctxmix.methods.prediction.check_prediction_call`);
     {} when every method fits. Attention flow's answer depends on (model, n, options) only; DecompX's
     also on the memory free at the time. The benchmark runner records these per (text, method) instead
-    of failing the batch (`ctxmix.benchmark.compute.STABLE_REFUSALS`: which are kept, which retried). The options and the
-    methods' fit to the model are checked first, at one token: an error there is no text's length and
-    raises (BadInput)."""
+    of failing the batch (`ctxmix.benchmark.compute.STABLE_REFUSALS`: which are kept, which retried).
+    The options and the methods' fit to the model are checked first, at one token: an error there is no
+    text's length and raises (BadInput)."""
     from ctxmix.methods.prediction import check_prediction_call
 
     predicting = [m for m in methods if m in PREDICTION_METHODS]
