@@ -286,7 +286,8 @@ with common.errors_as_messages():
         cmd += ["--explain-token", str(gen_t), "--method", *methods]
         cmd += ["--runner-up-foil"] if gen_contrast else []
     common.reproduce(" ".join(shlex.quote(c) for c in cmd + ["--out", "explanation.npz"]))
-    st.caption(
-        f"Recomputation check: the layers rebuilt from the weights match the model's hidden states to "
-        f"{ex.reconstruction_error:.1e} (max abs)."
-    )
+    if ex.layer_maps or ex.global_maps or ex.logit_contributions:  # gradient methods rebuild no layer
+        st.caption(
+            f"Recomputation check: the layers rebuilt from the weights match the model's hidden states to "
+            f"{ex.reconstruction_error:.1e} (max abs)."
+        )

@@ -213,3 +213,47 @@ def test_every_option_is_saved(results, tokenizer, option):
             assert ex.options.get(k) == v, f"{option}: {k} = {ex.options.get(k)!r}, explain recorded {v!r}"
         # and what the call gave, where explain records nothing of it (target, position, input_ids...)
         assert all(ex.options.get(k) == v for k, v in kw.items() if k not in ref), option
+
+
+def test_a_method_reads_back_its_own_warnings_and_options_only(results, tokenizer):
+    """Computed together with attention flow on a causal model, ALTI's entry keeps neither flow's
+    caveat nor its flow_rows; read alone later it equals explain's ALTI alone (review of the first
+    per-method cache, which stored the whole call's warnings under every method)."""
+    import ctxmix
+
+    m = tiny_model("gpt2", tokenizer)
+    text = "the keys are here"
+    both = cache.cached_explain(m, text, ["alti", "attention_flow"])
+    assert any("causal" in w for w in both.warnings)
+    alone = cache.cached_explain(m, text, ["alti"])
+    ref = ctxmix.explain(m, text, ["alti"])
+    assert alone.warnings == ref.warnings
+    assert "flow_rows" not in alone.options and alone.options == {**ref.options}
+    cache.mem_clear()
+    assert cache.cached_explain(m, text, ["alti"]).warnings == ref.warnings  # from disk
+
+
+def test_the_call_notes_follow_the_call_not_the_cache(results, tokenizer):
+    """The notes of a call's options (per_head on methods without a per-head form, a foil no method
+    reads) are made for the call that reads the cache, not kept from the call that filled it."""
+    import ctxmix
+
+    m = tiny_model("gpt2", tokenizer)
+    text = "the keys are here"
+    cache.cached_explain(m, text, ["alti"], per_head=True)  # "per_head: none of alti has a per-head form"
+    ex = cache.cached_explain(m, text, ["alti", "attention"], per_head=True)
+    assert ex.warnings == ctxmix.explain(m, text, ["alti", "attention"], per_head=True).warnings
+    assert not any("per_head" in w for w in ex.warnings)
+
+
+def test_the_reconstruction_error_is_the_largest_of_the_entries(results, tokenizer):
+    """A gradient method rebuilds no layer (its trace says 0); read with ALTI, whose layers were
+    rebuilt, the explanation reports ALTI's error, not the first entry's 0."""
+    import ctxmix
+
+    m = tiny_model("bert", tokenizer, dtype=torch.float32)
+    text = "the keys are here"
+    cache.cached_explain(m, text, ["grad"])
+    ex = cache.cached_explain(m, text, ["grad", "alti"])
+    ref = ctxmix.explain(m, text, ["alti"]).reconstruction_error
+    assert ref > 0 and ex.reconstruction_error == ref

@@ -352,6 +352,21 @@ def check_batch_methods(
         raise BadInput("; ".join(why) + ". Leave the method out for those texts (methods_per_text=) or shorten them.")
 
 
+def call_notes(methods, per_head: bool, foil) -> list[str]:
+    """The notes an explanation gets from its call's options, whatever was computed before: per_head
+    on methods without a per-head form, a foil that no asked-for method reads."""
+    notes = []
+    if per_head and not any(m in PER_HEAD_METHODS for m in methods):
+        notes.append(
+            f"per_head: none of {', '.join(methods)} has a per-head form (those that do: {', '.join(PER_HEAD_METHODS)})"
+        )
+    sal = [m for m in methods if m not in MIXING_METHODS and m not in PREDICTION_METHODS]
+    pred = [m for m in methods if m in PREDICTION_METHODS and m != "attention_flow"]
+    if foil is not None and not sal and not pred:
+        notes.append("the foil applies to the gradient, perturbation and prediction methods only; none was asked for")
+    return notes
+
+
 def _explanations(
     model: Model,
     tb: TraceBatch,
@@ -417,17 +432,9 @@ def _explanations(
                 ex.saliency[m] = gm[-1][pos].copy()
             if m in heads:
                 ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
-        if per_head and not any(m in heads for m in methods):
-            ex.warnings.append(
-                f"per_head: none of {', '.join(methods)} has a per-head form "
-                f"(those that do: {', '.join(PER_HEAD_METHODS)})"
-            )
+        ex.warnings += call_notes(methods, per_head, saliency_options.get("foil"))
         sal = [m for m in methods if m not in MIXING_METHODS and m not in PREDICTION_METHODS]
         pred = [m for m in methods if m in PREDICTION_METHODS]
-        if saliency_options.get("foil") is not None and not sal and not [m for m in pred if m != "attention_flow"]:
-            ex.warnings.append(
-                "the foil applies to the gradient, perturbation and prediction methods only; none was asked for"
-            )
         if "attention_flow" in pred:
             from ctxmix.methods.flow import attention_flow, flow_warnings
 
@@ -435,17 +442,23 @@ def _explanations(
             G = attention_flow(A, rows=None if flow_rows == "all" else [pos])
             ex.global_maps["attention_flow"], ex.saliency["attention_flow"] = G, G[-1][pos].copy()
             ex.options["flow_rows"] = flow_rows
-            ex.warnings += [w for w in flow_warnings(model.spec.causal) if w not in ex.warnings]
+            ex.method_warnings["attention_flow"] = flow_warnings(model.spec.causal)
+            ex.warnings += [w for w in ex.method_warnings["attention_flow"] if w not in ex.warnings]
         if "decompx" in pred:
             from ctxmix.methods.decompx import decompx_fields
 
+            before = len(ex.warnings)
             decompx_fields(ex, model, tr, targets[b], saliency_options.get("foil"), decompx)
+            ex.method_warnings["decompx"] = ex.warnings[before:]
         logit = [m for m in pred if m in ("logit", "alti_logit")]
         if logit:
             from ctxmix.methods.prediction import prediction_fields
 
             alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
+            before = len(ex.warnings)
             prediction_fields(ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti)
+            for m in logit:  # a soft-cap note concerns both
+                ex.method_warnings[m] = ex.warnings[before:]
         if sal:
             from ctxmix.methods.saliency import resolve_foil, saliency_scores
 

@@ -79,6 +79,9 @@ class Explanation:
     model_name: str = ""
     reconstruction_error: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    # {method: the warnings that method added} (a soft-cap note, attention flow's caveat): what the
+    # results cache keeps per method; `warnings` holds them all with the trace's and the call's notes
+    method_warnings: dict[str, list[str]] = field(default_factory=dict, repr=False)
     head_maps: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n, n), with per_head=True
     segments: list[int] | None = None  # per token: 0 = text A, 1 = text B (of a pair), -1 = special token
     options: dict = field(default_factory=dict)  # res2, precision and the saliency options used

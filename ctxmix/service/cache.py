@@ -211,6 +211,24 @@ def _atomic_write(path: Path, write) -> None:
             tmp.unlink()
 
 
+# the options explain records for some methods only ({option: the methods that record it})
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "flow_rows": ("attention_flow",),
+    "decompx": ("decompx",),
+    "embedding": ("logit", "alti_logit"),
+}
+
+
+def _method_warnings(ex: Explanation, m: str) -> list[str]:
+    """ex's warnings that concern method m: all but the other methods' own and the call's option notes."""
+    from ctxmix.methods.explain import call_notes
+
+    others = {w for k, ws in ex.method_warnings.items() if k != m for w in ws}
+    call = set(call_notes(ex.methods, True, ex.options.get("foil")))  # per_head's note, whichever the call
+    own = set(ex.method_warnings.get(m, []))
+    return [w for w in ex.warnings if w in own or (w not in others and w not in call)]
+
+
 def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
     """What the cache keeps of one method's result: shared metadata and its arrays."""
     meta = {
@@ -222,10 +240,11 @@ def _entry(ex: Explanation, m: str) -> tuple[dict, dict]:
         "foil": ex.foil,
         "model_name": ex.model_name,
         "reconstruction_error": ex.reconstruction_error,
-        # the warnings and options of the call that computed this method (its own soft-cap note,
-        # its options such as decompx, embedding or flow_rows), merged over methods on a read
-        "warnings": list(ex.warnings),
-        "options": dict(ex.options),
+        # this method's warnings: the trace's notes and its own (a soft-cap note, attention flow's
+        # caveat), not another method's of the same call nor the call's option notes (`call_notes`,
+        # made anew on a read); and its options: the call's, less what another method recorded
+        "warnings": _method_warnings(ex, m),
+        "options": {k: v for k, v in ex.options.items() if k not in METHOD_OPTIONS or m in METHOD_OPTIONS[k]},
         "segments": ex.segments,
     }
     if m in ex.logit_terms:
@@ -273,6 +292,7 @@ def _load_method(k: str):
 def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **options) -> Explanation:
     """`explain` with a per-method cache: methods already computed for this (model, text,
     options) come from memory or disk; the rest are computed together in one call."""
+    from ctxmix.methods.explain import call_notes
     from ctxmix.methods.registry import check_methods
 
     methods = check_methods(methods, model.spec.position)
@@ -315,9 +335,16 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
         foil=tmeta.get("foil"),
         segments=meta.get("segments"),
         model_name=meta["model_name"],
-        reconstruction_error=meta["reconstruction_error"],
-        # every method's warnings (a soft-cap note stays when a mixing method was cached first), each once
-        warnings=list(dict.fromkeys(w for m in methods for w in found[m][0]["warnings"])),
+        # the largest over the entries: a gradient method's entry rebuilt no layer and says 0
+        reconstruction_error=max(float(found[m][0]["reconstruction_error"]) for m in methods),
+        # every method's warnings (a soft-cap note stays when a mixing method was cached first), each
+        # once, and the notes of this call's options
+        warnings=list(
+            dict.fromkeys(
+                [w for m in methods for w in found[m][0]["warnings"]]
+                + call_notes(methods, bool(options.get("per_head")), options.get("foil"))
+            )
+        ),
         # the options the call gave, and every option explain recorded for each method
         options=copy.deepcopy(
             {**options, **{k: v for m in methods for k, v in found[m][0].get("options", {}).items()}}
