@@ -123,7 +123,7 @@ def test_passes_are_counted_and_stored_ablations_reused(ca):
     stored = {tuple(v) for ab in ca.ablations.values() for v in ab["masks"]}
     cost = ca.evaluation["cost"]
     assert cost["forward"] == len(want - stored) and cost["reused"] == len(want & stored) >= 2  # full + a top-1
-    assert cost["backward"] == 0 and cost["seconds"] > 0
+    assert cost["distinct_masks"] == len(want) and cost["backward"] == 0 and cost["seconds"] > 0
 
 
 # ---------------------------------------------------------------- LDS
@@ -312,3 +312,26 @@ def test_repr_html_shows_the_evaluation(ca):
     s = ca._repr_html_()
     assert "evaluation" in s and "topk_drop@1" in s and "lds" in s
     assert ca.show()._repr_html_() == str(ca.show())
+
+
+def test_compat_is_evaluated_with_the_same_counterfactual_and_no_reuse(tokenizer):
+    """A compat=True attribution (official rebuild for its own fit) is evaluated with ctxmix's rule, so none of
+    its ablations can be reused: every pass is rerun, and the measurements equal the default attribution's,
+    which reads its ContextCite rows where the held-out masks repeat them (3 sources: 8 possible masks)."""
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = (
+        "{% for m in messages %}[CLS] {{ m['role'] }} : {{ m['content'] }} [SEP]{% endfor %}"
+        "{% if add_generation_prompt %} assistant :{% endif %}"
+    )
+    model = tiny_model("llama", chat)
+    context = " ".join(PARTS[:3])
+    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False)
+    out = {}
+    for compat in (True, False):
+        c = ctxmix.attribute_context(model, context, QUERY, compat=compat, **kw)
+        assert c.prompt_ids == ctxmix.attribute_context(model, context, QUERY, **kw).prompt_ids  # same ids here
+        c.evaluate(model, k=(1,), n_ablations=M, progress=False)
+        out[compat] = c.evaluation
+    assert out[True]["cost"]["reused"] == 0 and out[False]["cost"]["reused"] >= 1
+    assert (out[True]["masks"] == out[False]["masks"]).all()
+    assert np.allclose(out[True]["logit_probs"], out[False]["logit_probs"], rtol=0, atol=TOL)

@@ -284,7 +284,7 @@ def evaluate_context(
     cost = {
         "forward": len(prompts),
         "reused": len(unique) - len(prompts),
-        "masks": len(masks),
+        "distinct_masks": len(unique),  # forward + reused
         "backward": 0,
         "seconds": time.perf_counter() - t0,
     }
