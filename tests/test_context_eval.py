@@ -247,6 +247,22 @@ def test_save_load_keeps_the_evaluation(tmp_path, ca):
     bare = copy.deepcopy(ca)
     bare.evaluation = {}
     assert ctxmix.load_context_attribution(bare.save(tmp_path / "bare.npz")).evaluation == {}
+    # a version-1 file (before the evaluation) still opens; an upload is checked against the archive limits
+    import dataclasses
+    import json
+
+    from ctxmix.export.context_file import _arrays
+    from ctxmix.service.limits import LOCAL
+
+    arrays = dict(_arrays(bare))
+    arrays["meta"] = np.array(json.dumps({**json.loads(str(arrays["meta"])), "version": 1}))
+    np.savez_compressed(tmp_path / "v1.npz", **arrays)
+    assert ctxmix.load_context_attribution(tmp_path / "v1.npz").sources == PARTS
+    data = p.read_bytes()
+    assert ctxmix.load_context_attribution(data, limits=LOCAL).sources == PARTS
+    tiny = dataclasses.replace(LOCAL, max_archive_mb=len(data) / 2 / 2**20)
+    with pytest.raises(BadInput):
+        ctxmix.load_context_attribution(data, limits=tiny, name="up.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(BadInput, match="could not be read as a saved context attribution"):
         ctxmix.load_context_attribution(tmp_path / "junk.npz")
