@@ -14,7 +14,6 @@ context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,8 +27,6 @@ from ctxmix.methods.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE, make_sou
 if TYPE_CHECKING:
     import pandas as pd
 
-FORMAT = "ctxmix-context-attribution"
-VERSION = 1
 ABLATION_METHODS = ("contextcite", "leave_one_out")
 DEFAULT_METHODS = ("logit", "contextcite")
 
@@ -46,7 +43,8 @@ class ContextAttribution:
     of every position to each response token's target, terms[m] {name: (T,)} what no position gets,
     targets[m] (T,) the explained quantity per token; ablations[m] {"masks": (m, d) bool (True = kept),
     "logit_probs": (m, T)} behind each ablation method; intercepts[m] the surrogate's bias;
-    cost[m] {"forward", "backward", "seconds"}; options (everything that changes a number); provenance."""
+    cost[m] {"forward", "backward", "seconds"}; options (everything that changes a number); provenance;
+    evaluation: what `evaluate` measured last (empty until then)."""
 
     model_name: str
     context: str
@@ -70,6 +68,7 @@ class ContextAttribution:
     options: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    evaluation: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------ spans
 
@@ -189,105 +188,54 @@ class ContextAttribution:
             f"{len(self.response_ids)} response tokens, methods {', '.join(self.methods)}: {self.response[:60]!r})"
         )
 
-    # ------------------------------------------------------------ files
+    # ------------------------------------------------------------ evaluation, notebook, file
+
+    def evaluate(
+        self,
+        model: Model,
+        k=(1, 3, 5),
+        n_ablations: int = 100,
+        gold=None,
+        *,
+        span=None,
+        seed: int | None = None,
+        batch_size: int = 8,
+        progress: bool = True,
+    ) -> pd.DataFrame:
+        """How faithful each method's scores are on this example, measured with `model` (the one that made
+        this attribution: checked): one row per method, columns `topk_drop@k` for each k (log P(response |
+        context) - log P(response | context without the method's top-k sources), natural log, higher is
+        better; NaN for k >= the number of sources), `lds` (Spearman, over `n_ablations` held-out random
+        ablations drawn with seeds disjoint from ContextCite's, of the summed scores of the kept sources
+        against the measured logit P(response); NaN where a method scores every source the same) and,
+        with `gold` (a source index or a list of them), `recall@1` and `recall@3`. span: a character span
+        of the response (the statement evaluated; None: all of it). Kept in `.evaluation` (the table, the
+        held-out masks and logit-probabilities, options, cost, notes) and saved with the attribution;
+        `to_frame()` stays per source. See `ctxmix.benchmark.context_metrics`."""
+        from ctxmix.benchmark.context_metrics import evaluate_context
+
+        return evaluate_context(self, model, k, n_ablations, gold, span, seed, batch_size, progress)
+
+    def show(self, method: str | None = None, span=None):
+        """The context with each source shaded by `method`'s score (every method when None): blue raises
+        the response, red lowers it, white 0, scaled by the method's largest |score|; hover for the value.
+        Returns an HTML string a notebook renders (`ctxmix.export.context_html`)."""
+        from ctxmix.export.context_html import context_html
+
+        return context_html(self, method, span)
+
+    def _repr_html_(self) -> str:
+        from ctxmix.export.context_html import summary_html
+
+        return summary_html(self)
 
     def save(self, path) -> Path:
-        """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False); reopen with
-        `ctxmix.load_context_attribution`."""
-        p = Path(path)
-        if p.suffix != ".npz":
-            p = p.with_name(p.name + ".npz")
-        if p.is_dir():
-            raise BadInput(f"{p} is a folder; give a file name")
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model_name": self.model_name,
-            "context": self.context,
-            "query": self.query,
-            "sources": self.sources,
-            "source_spans": [list(s) for s in self.source_spans],
-            "source_tokens": self.source_tokens,
-            "prompt_ids": self.prompt_ids,
-            "response": self.response,
-            "response_ids": self.response_ids,
-            "methods": self.methods,
-            "intercepts": self.intercepts,
-            "cost": self.cost,
-            "options": self.options,
-            "provenance": self.provenance,
-            "warnings": self.warnings,
-            "terms": {m: list(t) for m, t in self.terms.items()},
-        }
-        arrays: dict = {
-            "meta": np.array(json.dumps(meta, default=str)),
-            "labels": np.asarray(self.labels, dtype=np.int64),
-            "response_offsets": np.asarray(self.response_offsets, dtype=np.int64),
-        }
-        for m in self.methods:
-            arrays[f"scores/{m}"] = np.asarray(self.scores[m], dtype=np.float64)
-        for m, a in self.per_token.items():
-            arrays[f"per_token/{m}"] = a
-            arrays[f"targets/{m}"] = self.targets[m]
-            for k, v in self.terms.get(m, {}).items():
-                arrays[f"terms/{m}/{k}"] = np.asarray(v, dtype=np.float64)
-        for m, ab in self.ablations.items():
-            arrays[f"masks/{m}"] = ab["masks"]
-            arrays[f"logit_probs/{m}"] = ab["logit_probs"]
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp")
-        with open(tmp, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
-        tmp.replace(p)
-        return p
+        """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False), the
+        evaluation included once computed; reopen with `ctxmix.load_context_attribution`
+        (`ctxmix.export.context_file`)."""
+        from ctxmix.export.context_file import save_context_attribution
 
-
-def load_context_attribution(path) -> ContextAttribution:
-    """Reopen a saved `ContextAttribution` (no model needed)."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"no such file: {str(p)!r}")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-            arrays = {k: z[k] for k in z.files if k != "meta"}
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
-        raise BadInput(f"{p.name} could not be read as a saved context attribution: {type(e).__name__}: {e}") from None
-    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-        raise BadInput(f"{p.name} is not a saved ctxmix context attribution this version can read")
-    ca = ContextAttribution(
-        model_name=meta["model_name"],
-        context=meta["context"],
-        query=meta["query"],
-        sources=list(meta["sources"]),
-        source_spans=[tuple(s) for s in meta["source_spans"]],
-        source_tokens=[list(t) for t in meta["source_tokens"]],
-        prompt_ids=list(meta["prompt_ids"]),
-        labels=arrays["labels"],
-        response=meta["response"],
-        response_ids=list(meta["response_ids"]),
-        response_offsets=arrays["response_offsets"],
-        methods=list(meta["methods"]),
-        intercepts=dict(meta["intercepts"]),
-        cost=dict(meta["cost"]),
-        options=dict(meta["options"]),
-        provenance=dict(meta["provenance"]),
-        warnings=list(meta["warnings"]),
-    )
-    for key, a in arrays.items():
-        kind, _, rest = key.partition("/")
-        if kind == "scores":
-            ca.scores[rest] = a
-        elif kind == "per_token":
-            ca.per_token[rest] = a
-        elif kind == "targets":
-            ca.targets[rest] = a
-        elif kind == "terms":
-            m, _, name = rest.partition("/")
-            ca.terms.setdefault(m, {})[name] = a
-        elif kind in ("masks", "logit_probs"):
-            ca.ablations.setdefault(rest, {})[kind] = a
-    return ca
+        return save_context_attribution(self, path)
 
 
 # ---------------------------------------------------------------- the call
@@ -494,4 +442,4 @@ def attribute_context(
     return ca
 
 
-__all__ = ["ContextAttribution", "attribute_context", "load_context_attribution", "TEMPLATE", "QUERY", "SEPARATOR"]
+__all__ = ["ContextAttribution", "attribute_context", "TEMPLATE", "QUERY", "SEPARATOR"]

@@ -1,0 +1,89 @@
+"""Reopen a saved context attribution (`ctxmix.export.context_file` writes it; the format is described
+there), from a path or an upload's bytes, optionally under the hosted archive limits."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+from ctxmix.export.context_file import FORMAT, KINDS, VERSION
+from ctxmix.methods.context import ContextAttribution
+
+
+def load_context_attribution(path, limits=None, name: str | None = None) -> ContextAttribution:
+    """Reopen a saved `ContextAttribution` (no model needed) from a path or the file's bytes (an upload).
+    `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
+    size."""
+    if isinstance(path, (bytes, bytearray)):
+        src, label, data = io.BytesIO(path), name or "the file", bytes(path)
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise BadInput(f"no such file: {str(p)!r}")
+        src, label, data = p, name or p.name, p
+    if limits is not None:
+        from ctxmix.service.limits import check_archive
+
+        check_archive(data, limits, name=label)
+    try:
+        with np.load(src, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: z[k] for k in z.files if k != "meta"}
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{label} could not be read as a saved context attribution: {type(e).__name__}: {e}") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise BadInput(f"{label} is not a saved ctxmix context attribution this version can read")
+    ca = ContextAttribution(
+        model_name=meta["model_name"],
+        context=meta["context"],
+        query=meta["query"],
+        sources=list(meta["sources"]),
+        source_spans=[tuple(s) for s in meta["source_spans"]],
+        source_tokens=[list(t) for t in meta["source_tokens"]],
+        prompt_ids=list(meta["prompt_ids"]),
+        labels=arrays.pop("labels"),
+        response=meta["response"],
+        response_ids=list(meta["response_ids"]),
+        response_offsets=arrays.pop("response_offsets"),
+        methods=list(meta["methods"]),
+        intercepts=dict(meta["intercepts"]),
+        cost=dict(meta["cost"]),
+        options=dict(meta["options"]),
+        provenance=dict(meta["provenance"]),
+        warnings=list(meta["warnings"]),
+    )
+    for key, a in arrays.items():
+        kind, _, rest = key.partition("/")
+        if kind not in KINDS or not rest:
+            raise BadInput(f"{label}: unexpected entry {key!r}")
+        if kind == "scores":
+            ca.scores[rest] = a
+        elif kind == "per_token":
+            ca.per_token[rest] = a
+        elif kind == "targets":
+            ca.targets[rest] = a
+        elif kind == "terms":
+            m, _, term = rest.partition("/")
+            ca.terms.setdefault(m, {})[term] = a
+        elif kind in ("masks", "logit_probs"):
+            ca.ablations.setdefault(rest, {})[kind] = a
+    missing = [m for m in ca.methods if m not in ca.scores]
+    if missing:
+        raise BadInput(f"{label} has no scores for {', '.join(missing)}")
+    ev = meta.get("evaluation")
+    if ev:
+        import pandas as pd
+
+        table = pd.DataFrame(ev["rows"], columns=ev["columns"])
+        table.attrs.update({k: ev[k] for k in ("options", "cost", "notes", "directions")})
+        ca.evaluation = {
+            "table": table,
+            "masks": arrays["evaluation/masks"],
+            "logit_probs": arrays["evaluation/logit_probs"],
+            **{k: ev[k] for k in ("options", "cost", "notes", "directions")},
+        }
+    return ca
