@@ -60,6 +60,7 @@ def explain(
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
+    target_kind: str = "logit",
     **saliency_options,
 ) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
@@ -101,6 +102,10 @@ def explain(
     `ctxmix.methods.flow`), else the other rows are NaN.
     decompx: DecompX's options {"bias": "absdot" | "none", "ff": "zero_origin" | "tangent", "head": bool}
     (`ctxmix.methods.decompx`).
+    target_kind: what `logit` and `alti_logit` explain for the target token: "logit" (the raw logit, the
+    default), "log_prob" (T1: log p = centred logit - H(p), -H(p) in logit_terms as "entropy") or
+    "logit_prob" (T2: log p - log(1 - p)); the last two without a foil. `attribute_context` explains the
+    same quantities per response token (`ctxmix.methods.readout.target_readout`).
     """
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
@@ -115,6 +120,9 @@ def explain(
         if ex is not None:
             return ex
     methods = check_methods(methods, model.spec.position)
+    from ctxmix.methods.prediction import check_target_kind
+
+    check_target_kind(target_kind, methods, foil)
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
@@ -140,6 +148,7 @@ def explain(
         flow_rows=flow_rows,
         decompx=decompx,
         checked=True,
+        target_kind=target_kind,
     )[0]
 
 
@@ -366,6 +375,7 @@ def _explanations(
     flow_rows: str = "position",
     decompx: dict | None = None,
     checked: bool = False,
+    target_kind: str = "logit",
 ) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction.
@@ -444,7 +454,13 @@ def _explanations(
             from ctxmix.methods.prediction import prediction_fields
 
             alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
-            prediction_fields(ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti)
+            prediction_fields(
+                ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti, target_kind
+            )
+            if target_kind != "logit" and "decompx" in pred:
+                ex.warnings.append(
+                    f"target_kind={target_kind!r} applies to logit and alti_logit; decompx explains the logit"
+                )
         if sal:
             from ctxmix.methods.saliency import resolve_foil, saliency_scores
 
