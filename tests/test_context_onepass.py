@@ -145,12 +145,18 @@ def _direct_grad_x_input(m, ids, P, source_tokens, span):
     return np.array([gx[toks].sum() for toks in source_tokens]), lp.detach().numpy()
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family):
+def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family, attn, monkeypatch):
     """grad_x_input of a span equals grad x input of the span's summed log-probability, recomputed here with one
-    eager backward pass; the stored per-token rows add up to it with no new pass (scores_for)."""
+    eager backward pass; the stored per-token rows add up to it with no new pass (scores_for). Both attention
+    implementations of the gradient pass (a long context gets SDPA)."""
+    from ctxmix.methods import context_grad
+
+    monkeypatch.setattr(context_grad, "gradient_attention", lambda model, n: attn)
     m = tiny_model(family, tokenizer)
     ca = _ca(m, ["grad_x_input"])
+    assert ca.cost["grad_x_input"]["attention"] == attn
     ids, P, T = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids), len(ca.response_ids)
     assert ca.cost["grad_x_input"]["forward"] == 1 and ca.cost["grad_x_input"]["backward"] == T
     full, lp = _direct_grad_x_input(m, ids, P, ca.source_tokens, (0, T))
@@ -195,9 +201,12 @@ def test_grad_x_input_sums_are_directional_derivatives(tokenizer):
     assert abs(total - ca.targets["grad_x_input"].sum()) > 1e-3  # and that is not log P: no completeness
 
 
-def test_grad_x_input_runs_with_sdpa_and_restores_eager(tokenizer, monkeypatch):
-    """The gradient pass runs with SDPA attention (no n x n probabilities held for the backward), and the
-    model is eager again after it (ctxmix's traces need the probabilities)."""
+def test_grad_x_input_runs_with_sdpa_beyond_the_budget_and_restores_eager(tokenizer, monkeypatch):
+    """Where eager's attention probabilities would take over half the memory budget, the gradient pass runs with
+    SDPA attention (no n x n probabilities held for the backward); the model is eager again after it (ctxmix's
+    traces need the probabilities). Within the budget, eager."""
+    from ctxmix.methods import context_grad
+
     m = tiny_model("llama", tokenizer)
     seen = []
     real = m.hf.forward
@@ -207,6 +216,12 @@ def test_grad_x_input_runs_with_sdpa_and_restores_eager(tokenizer, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(m.hf, "forward", spy)
+    ca = _ca(m, ["grad_x_input"])
+    assert seen == ["eager"]
+    n = len(ca.prompt_ids) + len(ca.response_ids)
+    # 2 layers x 4 heads x n^2 float64 values, twice: just over half of this budget
+    monkeypatch.setattr(context_grad, "memory_budget", lambda device: 2 * 2 * 2 * 4 * n * n * 8 - 2)
+    seen.clear()
     _ca(m, ["grad_x_input"])
     assert seen == ["sdpa"] and m.hf.config._attn_implementation == "eager"
 

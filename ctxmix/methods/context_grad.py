@@ -22,12 +22,15 @@ source towards the zero embedding. It does not sum to log p (the model is not ho
 holds the difference per token ("first_order_gap" = log p - sum_j g_t(j)) so that `buckets` adds up, and
 it is no one's contribution.
 
-Memory: the backward pass runs with PyTorch's scaled-dot-product attention (`sdpa`) instead of the eager
-attention ctxmix loads models with (eager keeps every layer's n x n probabilities for the backward:
-~18 GB at 4,096 tokens on smollm2; SDPA's fused kernels keep O(n) per head where the device has one).
-The model's `attn_implementation` is switched for this pass and restored after it: a model shared between
-threads must not be traced by another thread meanwhile (the trace needs eager's probabilities).
-Only the response rows' logits are formed (HF's `logits_to_keep`).
+Memory: eager attention (what ctxmix loads models with) keeps every layer's n x n probabilities for the
+backward: ~18 GB at 4,096 tokens on smollm2 (measured here: +1.5 GB peak at 1,027 tokens, against +0.97 GB
+with SDPA). Where those probabilities would take more than half the memory budget (`gradient_attention`;
+from about 1,000 tokens on smollm2 with the CPU's 4 GB budget) the pass runs with PyTorch's
+scaled-dot-product attention (`sdpa`), whose fused kernels keep O(n) per head; below, eager, which is
+faster on a CPU (SDPA's backward took ~1.8x eager's at 1,027 tokens here). The model's
+`attn_implementation` is switched for the pass and restored after it: a model shared between threads must
+not be traced by another thread meanwhile (the trace needs eager's probabilities). Only the response
+rows' logits are formed (HF's `logits_to_keep`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from ctxmix.engine.budget import memory_budget
 from ctxmix.engine.models import Model
 
 _SWITCH_LOCK = threading.Lock()
@@ -66,6 +70,14 @@ def attention_implementation(model: Model, impl: str):
             hf.set_attn_implementation(before)
 
 
+def gradient_attention(model: Model, n: int) -> str:
+    """ "eager" where its backward's attention probabilities (L x H x n^2 in the model's dtype, counted twice:
+    the softmax's output and its float32 copy on some families) fit in half of the memory budget, else "sdpa"."""
+    H, L = model.layers[0].n_heads, model.n_layers
+    elem = torch.finfo(model.dtype).bits // 8
+    return "eager" if 2 * L * H * n * n * elem <= memory_budget(model.device) // 2 else "sdpa"
+
+
 def _accepts(hf, name: str) -> bool:
     try:
         return name in inspect.signature(hf.forward).parameters
@@ -89,11 +101,13 @@ def response_log_probs(model: Model, E: torch.Tensor, P: int, response_ids: list
     return torch.log_softmax(z, -1).gather(-1, r[:, None])[:, 0]
 
 
-def grad_x_input_rows(model: Model, ids: list[int], P: int, attn: str = "sdpa") -> dict:
+def grad_x_input_rows(model: Model, ids: list[int], P: int, attn: str = "auto") -> dict:
     """Per-token gradient x input (T, n) of each response token's log-probability (module docstring):
     one forward pass, T backward passes. ids: prompt (P) + response (T). attn: the attention
-    implementation of the gradient pass ("sdpa", or "eager")."""
+    implementation of the gradient pass ("auto": `gradient_attention`, "sdpa", or "eager")."""
     T = len(ids) - P
+    if attn == "auto":
+        attn = gradient_attention(model, len(ids))
     t0 = time.perf_counter()
     x = torch.tensor([ids], device=model.device)
     with torch.enable_grad(), attention_implementation(model, attn):

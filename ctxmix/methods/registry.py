@@ -317,8 +317,9 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             doc="<d log p(r_t) / d e_j, e_j> for each response token and word embedding e_j, signed, summed over "
             "a source's tokens and the span's tokens (stored per token: a span needs no new pass). A source's score "
             "is the first-order effect of scaling its embeddings towards zero; not a decomposition of log p.",
-            caveat="Cost: one forward and T backward passes (T response tokens), run with SDPA attention (no n x n "
-            "probabilities kept for the backward); the model's attention implementation is switched for the pass. "
+            caveat="Cost: one forward and T backward passes (T response tokens); where eager attention's n x n "
+            "probabilities would not fit the memory budget, the pass runs with SDPA attention (the model's attention "
+            "implementation is switched for it). "
             "First-order only: saturated tokens get small gradients whatever their role.",
         ),
         MethodInfo(
