@@ -244,8 +244,15 @@ def test_explain_target_kind_log_prob_and_refusals(tokenizer):
     assert ex.prediction["explained"]["value"] == pytest.approx(float(lp[ex.target]), rel=1e-12)
     with pytest.raises(BadInput, match="logit difference"):
         ctxmix.explain(m, text, ["logit"], foil=1000, target_kind="log_prob")
-    with pytest.raises(BadInput, match="applies to logit and alti_logit"):
-        ctxmix.explain(m, text, ["attention"], target_kind="log_prob")
+    assert any(
+        "none was asked for" in w for w in ctxmix.explain(m, text, ["attention"], target_kind="log_prob").warnings
+    )
+    with pytest.raises(BadInput, match="logit difference"):
+        ctxmix.explain_batch(m, [text, text], ["logit"], foils=[None, 1000], target_kind="log_prob")
+    batch = ctxmix.explain_batch(m, [text, "the dog"], ["logit", "alti_logit"], target_kind="log_prob")
+    for meth in ("logit", "alti_logit"):
+        np.testing.assert_allclose(batch[0].saliency[meth], ex.saliency[meth], rtol=1e-9, atol=1e-12)
+        assert batch[0].logit_terms[meth]["entropy"] == pytest.approx(ex.logit_terms[meth]["entropy"], rel=1e-12)
     with pytest.raises(BadInput, match="target_kind must be one of"):
         ctxmix.explain(m, text, ["logit"], target_kind="prob")
 

@@ -122,7 +122,7 @@ def explain(
     methods = check_methods(methods, model.spec.position)
     from ctxmix.methods.prediction import check_target_kind
 
-    check_target_kind(target_kind, methods, foil)
+    check_target_kind(target_kind, foil)
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
@@ -226,6 +226,7 @@ def explain_batch(
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
+    target_kind: str = "logit",
     **saliency_options,
 ) -> list[Explanation]:
     """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
@@ -235,7 +236,8 @@ def explain_batch(
     makes the gradient and perturbation methods explain target minus foil, as in `explain`).
     methods_per_text: the methods each text needs, when they differ (a text with none only pads the
     batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
-    float rounding, every option of `explain` included (tests/test_batched.py).
+    float rounding, every option of `explain` included (tests/test_batched.py); target_kind applies to every
+    text (no foils with a kind other than "logit").
     The cost and memory checks of the prediction methods (attention flow's time, DecompX's memory)
     apply to each text at its own length, for the methods it asks for (`method_refusals`): a text that
     only pads the batch, or asks for other methods, never fails it; a text that asks for a method it is
@@ -246,6 +248,9 @@ def explain_batch(
     if model.spec.encoder_decoder:
         _encoder_only_methods(methods)
     _check_call(res2, None, saliency_options)
+    from ctxmix.methods.prediction import check_target_kind
+
+    check_target_kind(target_kind, next((f for f in (foils or []) if f is not None), None))
     per = (
         [methods] * len(texts)
         if methods_per_text is None
@@ -291,6 +296,7 @@ def explain_batch(
         flow_rows,
         decompx,
         checked=True,
+        target_kind=target_kind,
     )
 
 
@@ -461,6 +467,10 @@ def _explanations(
                 ex.warnings.append(
                     f"target_kind={target_kind!r} applies to logit and alti_logit; decompx explains the logit"
                 )
+        elif target_kind != "logit":
+            ex.warnings.append(
+                f"target_kind={target_kind!r} applies to the logit and alti_logit methods only; none was asked for"
+            )
         if sal:
             from ctxmix.methods.saliency import resolve_foil, saliency_scores
 

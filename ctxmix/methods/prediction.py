@@ -357,15 +357,14 @@ def prediction_fields(
         ex.options["target_kind"] = target_kind
 
 
-def check_target_kind(target_kind, methods, foil) -> None:
-    """explain's target_kind, before any work: a known kind, a logit method to apply it to, no foil
-    (log p_w - log p_f = z_w - z_f: the default already explains a difference against a foil)."""
+def check_target_kind(target_kind, foil) -> None:
+    """explain's target_kind, before any work: a known kind, and no foil with a kind other than the logit
+    (log p_w - log p_f = z_w - z_f: the default already explains a difference against a foil). A call
+    without logit or alti_logit gets a warning (`_explanations`), as a foil without a method that reads it."""
     if target_kind not in TARGET_KINDS:
         raise BadInput(f"target_kind must be one of {', '.join(TARGET_KINDS)}, got {target_kind!r}")
     if target_kind == "logit":
         return
-    if not set(methods) & set(LOGIT_METHODS):
-        raise BadInput(f"target_kind={target_kind!r} applies to logit and alti_logit; add one of them to the methods")
     if foil is not None:
         raise BadInput(
             f"target_kind={target_kind!r} explains one token's {target_kind.replace('_', ' ')}; with a foil the "
