@@ -414,6 +414,7 @@ def _option_cases():
         "per_head": ("bert", ["attention"], {"per_head": True}, {"per_head": True}, True),
         "foil": ("gpt2", ["grad_x_input"], {"target": 1996, "foil": 2024}, {"targets": [1996], "foils": [2024]}, True),
         "embedding": ("gpt2", ["logit"], {"embedding": "term"}, {"embedding": "term"}, True),
+        "target_kind": ("gpt2", ["logit"], {"target_kind": "log_prob"}, {"target_kind": "log_prob"}, True),
         "flow_rows": ("bert", ["attention_flow"], {"flow_rows": "all"}, {"flow_rows": "all"}, True),
         "decompx": ("bert", ["decompx"], {"decompx": {"bias": "none"}}, {"decompx": {"bias": "none"}}, True),
         "ig_baseline": (

@@ -8,7 +8,8 @@
 
 The prompt, the sources and the response are described in `ctxmix.methods.context_prompt` and
 `ctxmix.methods.sources`; the methods in `ctxmix.methods.context_ablation` (contextcite,
-leave_one_out) and `ctxmix.methods.context_onepass` (logit, attention), and in the registry's
+leave_one_out) and `ctxmix.methods.context_onepass` (logit, alti_logit, attention), `ctxmix.methods.context_grad`
+(grad_x_input), and in the registry's
 context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
 """
 
@@ -310,9 +311,12 @@ def attribute_context(
     response: the text to attribute; None generates it greedily (ctxmix.generate, max_new_tokens), the
     final end-of-sequence token dropped.
 
-    methods (the registry's CONTEXT_METHODS): "logit" (one traced pass; target="log_prob" explains
-    each token's log-probability exactly, "logit" its raw logit), "attention" (AT2's raw-attention
-    baseline), "contextcite" (n_ablations random ablations, seed, keep_prob, LASSO alpha), and
+    methods (the registry's CONTEXT_METHODS): "logit" and "alti_logit" (one traced pass, ALTI-Logit
+    streamed one layer at a time; target="log_prob" (T1) explains each token's log-probability exactly,
+    "logit_prob" (T2) its log p - log(1 - p), "logit" its raw logit), "attention" (AT2's raw-attention
+    baseline), "grad_x_input" (gradient x input of each token's log-probability: one forward and T
+    backward passes, `ctxmix.methods.context_grad`), "contextcite" (n_ablations random ablations, seed,
+    keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES). compat=True reproduces the
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
@@ -343,12 +347,15 @@ def attribute_context(
         raise BadInput(f"compat must be True or False, got {compat!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed must be a non-negative whole number, got {seed!r}")
+    if seed + n_ablations > 2**32:  # ablation i draws with numpy's RandomState(seed + i): below 2^32
+        raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
-    if "logit" in methods:
-        from ctxmix.methods.prediction import check_logit_model
+    from ctxmix.methods.prediction import check_logit_model
 
-        check_logit_model(model, "logit")
+    for m in ("logit", "alti_logit"):
+        if m in methods:
+            check_logit_model(model, m)
     src = make_sources(context, sources)
     builder = PromptBuilder(model, query, template, compat)
     builder.check_special_text({"context": src.text, "query": query or ""})
@@ -424,6 +431,8 @@ def attribute_context(
             ca.targets[m] = res["target"]
             ca.cost[m] = res["cost"]
             ca.scores[m] = ca.scores_for(m)
+            if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
+                ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
     if "contextcite" in methods:
         ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
         t0 = time.perf_counter()

@@ -1,28 +1,45 @@
 """One-pass context attribution from ctxmix's engine (`papers/notes/context-attribution.md` §6.1).
 
 Each response token r_t (at position p_t) is explained at the row that predicts it, q_t = p_t - 1,
-from one traced forward pass over prompt + response; only those T rows are decomposed.
+from one traced forward pass over prompt + response; only those T rows are decomposed (the ALTI maps
+below excepted, see `alti_logit`).
 
 `logit` (Ferrando et al., ACL 2023; `ctxmix.methods.prediction`): the contribution of input position j
-to the target of row q_t is sum_l sum_h alpha^{h,l}_{q_t j} <W_O^h (W_V^h LN1(x_j) + b_V^h), r_t>, with
-r_t the readout of the target through the final norm frozen at its real scale, plus the predicted
-position's own embedding <x^0_{q_t}, r_t> at column q_t (explain's embedding="token"). The target
-(`target=`):
+to the target of row q_t is sum_l D^l_{tj}, D^l_{tj} = sum_h alpha^{h,l}_{q_t j} <W_O^h (W_V^h LN1(x_j) + b_V^h),
+rho_t>, with rho_t the readout of the target through the final norm frozen at its real scale, plus the
+predicted position's own embedding <x^0_{q_t}, rho_t> at column q_t (explain's embedding="token"). The
+target (`target=`, `ctxmix.methods.readout.target_readout`, the same as `explain(..., target_kind=)`):
 
 - "log_prob" (T1, default): log p_{r_t} = (z_r - sum_v p_v z_v) - H(p), p the model's softmax at q_t.
   The centred logit is linear in the final state (readout of u_r - sum_v p_v u_v), so it splits exactly;
   -H(p) is one unattributed number per token ("entropy").
-- "logit": the raw logit z_r (explain's `logit` with that target at that position). It carries the
-  common-mode part every token shares; rank with care.
+- "logit_prob" (T2, ContextCite's per-token quantity): log p_r - log(1 - p_r) = (z_r - sum_{v != r} q_v z_v)
+  - H(q), q the softmax over the other tokens; "entropy" holds -H(q).
+- "logit": the raw logit z_r (explain's default). It carries the common-mode part every token shares;
+  rank with care.
 
 What no token gets is kept per token in `terms` (attention output bias and MLP summed over layers,
-final-norm beta, unembedding bias, -H(p); on a soft-capped model the pre-cap logit is decomposed and
+final-norm beta, unembedding bias, -H; on a soft-capped model the pre-cap logit is decomposed and
 "softcap" holds the rest), so the tokens' sum plus the terms is the target. A span's source score is
 the sum of its tokens' contributions over the span's target tokens (S2).
+
+`alti_logit` (Ferrando et al. 2023): layer l's D^l traced back to the input tokens through the ALTI maps
+of the layers below, sum_l D^l C^{l-1} ... C^0 (explain's `alti_logit` per row), evaluated top-down in
+Horner form, acc <- acc C^l + D^l for l = L-1 .. 0, so each layer's state and ALTI map are needed once,
+one layer at a time (a streamed trace rebuilds each layer once; `trace_ids` streams above its memory
+share). ALTI's C^l is needed on every row, since acc's columns cover every position a response row
+attends to: the cost is bounded by (L - 1) ALTI layer maps over all n rows (O((L-1) n^2 d), the top
+layer's is never needed) plus (L - 1) products (T, n) x (n, n); memory by one layer's state, one chunk
+of ALTI rows and the (T, n) accumulator. "untraced" (per token) holds what reached a position whose ALTI
+row is all zero (explain's "untraced", summed over layers).
 
 `attention` (AT2's raw-attention baseline, its untrained estimator; Cohen-Wang et al. 2025): the
 attention weight of row q_t on each position averaged over every layer and head; a span's score is
 the mean over its tokens (AT2's (A1)), a source's the sum over its tokens. Shares, not signed amounts.
+
+All three are read in one loop over the layers (top-down) of one trace: methods asked together share it,
+and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`.
+`grad_x_input` is in `ctxmix.methods.context_grad`.
 """
 
 from __future__ import annotations
@@ -32,136 +49,214 @@ import time
 import numpy as np
 import torch
 
-from ctxmix.engine.layer import head_values
+from ctxmix.engine.layer import head_values, head_vectors, norm_family_row_maps
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import trace_ids
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import norm_adjoint, softcap, unembedding
+from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readout, unembedding
 
-TARGETS = ("log_prob", "logit")
-ONE_PASS_METHODS = ("logit", "attention")
-SPAN_AGGREGATION = {"logit": "sum", "attention": "mean"}
+TARGETS = ("log_prob", "logit_prob", "logit")
+DECOMPOSED = ("logit", "alti_logit", "attention")  # read from the traced layers (`decompose_rows`)
+ONE_PASS_METHODS = (*DECOMPOSED, "grad_x_input")
+SPAN_AGGREGATION = {"logit": "sum", "alti_logit": "sum", "attention": "mean", "grad_x_input": "sum"}
 
 
-@torch.no_grad()
-def logit_rows(model: Model, tr, rows: list[int], targets: list[int], target: str = "log_prob") -> dict:
-    """Per-token contributions of every position to the target of each row.
-
-    rows (T,): the explained rows q_t; targets (T,): the token each predicts. Returns
-    {"per_token": (T, n) float64, "terms": {name: (T,) float64}, "target": (T,) the explained quantity
-    (log p or the pre-cap logit), "model_target": (T,) the same from the model's own logits}."""
-    if target not in TARGETS:
-        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -> tuple[torch.Tensor, dict, dict]:
+    """The readout rho (T, d) of each row's target through the final norm (its scale frozen at the real
+    pre-norm state), the per-token terms no position gets at the top ({name: (T,)}), and {"target": the
+    explained quantity (T,), "model_target": the same from the model's own logits} (float64)."""
     dt = model.work_dtype
-    U, ub = unembedding(model)
-    Q = torch.tensor(rows, device=U.device)
-    tg = torch.tensor(targets, device=U.device)
-    T = len(rows)
-    logits = tr.logits[Q].to(torch.float64)  # (T, V): the model's (capped) logits
-    cap = softcap(model)
-    logp = torch.log_softmax(logits, -1)
-    p = logp.exp()
+    T = len(Q)
+    logits = tr.logits[Q]  # (T, V): the model's (capped) logits
+    ro = target_readout(model, logits, tg, target)
+    ubar = ro["rows"]
     x_last = tr.states[-1].y[Q]  # (T, d) the real pre-norm states
-    if target == "log_prob":
-        ubar = U[tg] - (p.to(dt) @ U)  # (T, d): u_r - sum_v p_v u_v
-        bias = (ub[tg] - p.to(dt) @ ub) if ub is not None else torch.zeros(T, dtype=dt, device=U.device)
-    else:
-        ubar, bias = U[tg], (ub[tg] if ub is not None else torch.zeros(T, dtype=dt, device=U.device))
     norm = model.layers[-1].next_norm
+    zeros = torch.zeros(T, dtype=dt, device=ubar.device)
     if norm is None:
-        R, beta = ubar.clone(), torch.zeros(T, dtype=dt, device=U.device)
+        R, beta = ubar.clone(), zeros
     else:
         R = norm_adjoint(norm, ubar, norm.scale(x_last))
-        beta = ubar @ norm.beta if norm.beta is not None else torch.zeros(T, dtype=dt, device=U.device)
-    n = tr.n
-    per_token = torch.zeros((T, n), dtype=torch.float64, device=U.device)
-    per_token[torch.arange(T), Q] += (tr.hidden[0][Q] * R).sum(-1).double()  # the predicted position's embedding
-    attn_bias = torch.zeros(T, dtype=torch.float64, device=U.device)
-    mlp = torch.zeros(T, dtype=torch.float64, device=U.device)
-    for lw, st in zip(model.layers, tr.states):
-        src = st.x if lw.position == "post" else st.x1
-        v = head_values(lw, src, with_bias=True)  # (H, n, dh)
-        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
-        if lw.position == "sandwich":  # through LNa with the real attention output's scale at each row
-            na = lw.post_attn_norm
-            s_a = na.scale(st.attn[Q])  # (T, 1)
-            R_attn = norm_adjoint(na, R, s_a)
-            bo = lw.bo if lw.bo is not None else torch.zeros_like(st.attn[0])
-            attn_bias += (na.decompose_bias(bo.expand(T, -1), s_a) * R).sum(-1).double()
-            ff_vec = lw.post_ff_norm(st.ff[Q])
-        else:
-            R_attn = R
-            if lw.bo is not None:
-                attn_bias += (lw.bo @ R.T).double()
-            ff_vec = st.ff[Q]
-        w = torch.einsum("hed,td->the", Wo, R_attn)  # (T, H, dh): W_O^h r_t
-        vw = torch.einsum("hje,the->thj", v, w)  # (T, H, n)
-        A = st.alpha[:, Q, :].transpose(0, 1)  # (T, H, n): the explained rows only
-        per_token += (A * vw).sum(1).double()
-        mlp += (ff_vec * R).sum(-1).double()
+        beta = ubar @ norm.beta if norm.beta is not None else zeros
+    U, ub = unembedding(model)
     final = norm(x_last) if norm is not None else x_last
     z_pre = (final @ U.T + (ub if ub is not None else 0)).to(torch.float64)  # (T, V) recomputed pre-cap logits
-    terms = {
-        "attention_bias": attn_bias,
-        "mlp": mlp,
-        "final_norm_bias": beta.double(),
-        "unembedding_bias": bias.double(),
-    }
-    if target == "log_prob":
-        terms["entropy"] = (p * logp).sum(-1)  # -H(p)
-        if cap is not None:  # the model's centred logit minus the recomputed pre-cap one
-            zr = z_pre.gather(-1, tg[:, None])[:, 0] - (p * z_pre).sum(-1)
-            cr = logits.gather(-1, tg[:, None])[:, 0] - (p * logits).sum(-1)
-            terms["softcap"] = cr - zr
-        explained = logp.gather(-1, tg[:, None])[:, 0]
-        model_target = explained
+    terms = {"final_norm_bias": beta.double(), "unembedding_bias": ro["bias"].double(), **ro["leftover"]}
+    cap = softcap(model)
+    if target == "logit":
+        explained = centred(z_pre, tg, None)
+        # with a soft-cap the recomputed pre-cap logit is what is explained (readout.explained_logits):
+        # undoing the cap on the model's own logit with atanh is ill-conditioned near saturation
+        model_target = ro["value"] if cap is None else explained
     else:
-        explained = z_pre.gather(-1, tg[:, None])[:, 0]
-        model_target = logits.gather(-1, tg[:, None])[:, 0]
-        if cap is not None:
-            model_target = cap * torch.atanh((model_target / cap).clamp(-1 + 1e-15, 1 - 1e-15))
-    return {
-        "per_token": per_token.cpu().numpy(),
-        "terms": {k: v.double().cpu().numpy() for k, v in terms.items()},
-        "target": explained.double().cpu().numpy(),
-        "model_target": model_target.double().cpu().numpy(),
-    }
+        if cap is not None:  # the model's centred logit minus the recomputed pre-cap one
+            w = ro["weights"]
+            terms["softcap"] = centred(logits, tg, w) - centred(z_pre, tg, w)
+        explained = model_target = ro["value"]
+    return R, terms, {"target": explained, "model_target": model_target}
+
+
+def _layer_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer l's attention update of the rows Q projected on their readouts R (T, d): D (T, n) float64, per
+    source position (heads summed, b_V and LN1's beta spread through alpha as explain's), and the attention
+    output bias and the MLP update projected (T,) each."""
+    T = len(Q)
+    src = st.x if lw.position == "post" else st.x1
+    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
+    if lw.position == "sandwich":  # through LNa with the real attention output's scale at each row
+        na = lw.post_attn_norm
+        s_a = na.scale(st.attn[Q])  # (T, 1)
+        R_attn = norm_adjoint(na, R, s_a)
+        bo = lw.bo if lw.bo is not None else torch.zeros_like(st.attn[0])
+        attn_bias = (na.decompose_bias(bo.expand(T, -1), s_a) * R).sum(-1)
+        ff_vec = lw.post_ff_norm(st.ff[Q])
+    else:
+        R_attn = R
+        attn_bias = lw.bo @ R.T if lw.bo is not None else torch.zeros(T, dtype=R.dtype, device=R.device)
+        ff_vec = st.ff[Q]
+    w = torch.einsum("hed,td->the", Wo, R_attn)  # (T, H, dh): W_O^h rho_t
+    vw = torch.einsum("hje,the->thj", v, w)  # (T, H, n)
+    A = st.alpha[:, Q, :].transpose(0, 1)  # (T, H, n): the explained rows only
+    return (A * vw).sum(1).double(), attn_bias.double(), (ff_vec * R).sum(-1).double()
+
+
+def _times_alti(model: Model, lw, st, acc: torch.Tensor) -> torch.Tensor:
+    """acc (T, n) float64 times layer l's ALTI map C^l (n, n), the map built in chunks of rows
+    (`ctxmix.engine.layer.norm_family_row_maps`, as explain's ALTI) and never held whole."""
+    from ctxmix.methods.mixing import _chunks, _span
+
+    stb = st.as_batch()
+    dev = stb.x.device
+    f = head_vectors(lw, stb.x if lw.position == "post" else stb.x1, with_bias=True)  # (1, H, n, d), once a layer
+    n, d = stb.x.shape[-2], stb.x.shape[-1]
+    out = torch.zeros_like(acc)
+    for rows in _chunks(n, d, copies=6, batch=1, device=dev):
+        J = int(rows[-1]) + 1 if model.spec.causal else n  # later columns are zero in a causal model's rows
+        C = norm_family_row_maps(lw, stb, rows.to(dev), ["alti"], f, J)["alti"][0]  # (c, J)
+        out[:, :J] += acc[:, _span(rows)] @ C.to(acc)
+    return out
 
 
 @torch.no_grad()
+def decompose_rows(
+    model: Model, tr, rows: list[int], targets: list[int], target: str = "log_prob", methods=DECOMPOSED
+) -> dict:
+    """`logit`, `alti_logit` and `attention` of the rows q_t (T,) towards their targets (T,), from one loop
+    over the traced layers, top-down (see the module docstring). Returns {method: {"per_token": (T, n)
+    float64, "terms": {name: (T,) float64}, "target": (T,), "model_target": (T,) (logit methods),
+    "seconds": that method's own time}, "shared_seconds": the readout and the layer rebuilds}."""
+    if target not in TARGETS:
+        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    want = [m for m in DECOMPOSED if m in methods]
+    logit_like = bool({"logit", "alti_logit"} & set(want))
+    own = dict.fromkeys(want, 0.0)
+    t0 = time.perf_counter()
+    T, n, L = len(rows), tr.n, len(model.layers)
+    dev = tr.states[-1].y.device  # builds the top layer (kept: the loop starts there)
+    Q = torch.tensor(rows, device=dev)
+    tg = torch.tensor(targets, device=dev)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float64, device=dev)
+
+    if logit_like:
+        R, top_terms, values = _readout(model, tr, Q, tg, target)
+        per_logit, acc, attn_bias, mlp = zeros(T, n), zeros(T, n), zeros(T), zeros(T)
+    attn = zeros(T, n)
+    shared = time.perf_counter() - t0
+    for l in reversed(range(L)):
+        t1 = time.perf_counter()
+        st, lw = tr.states[l], model.layers[l]
+        shared += time.perf_counter() - t1
+        if logit_like:
+            t1 = time.perf_counter()
+            D, ab, ml = _layer_rows(lw, st, Q, R)
+            per_logit += D
+            attn_bias += ab
+            mlp += ml
+            el = time.perf_counter() - t1
+            for m in ("logit", "alti_logit"):
+                if m in own:
+                    own[m] += el
+        if "alti_logit" in want:
+            t1 = time.perf_counter()
+            if l < L - 1:  # the top layer's map is never needed (acc is zero there)
+                acc = _times_alti(model, lw, st, acc)
+            acc += D
+            own["alti_logit"] += time.perf_counter() - t1
+        if "attention" in want:
+            t1 = time.perf_counter()
+            attn += st.alpha[:, Q, :].double().mean(0)
+            own["attention"] += time.perf_counter() - t1
+    out: dict = {"shared_seconds": shared}
+    if logit_like:
+        emb = (tr.hidden[0][Q] * R).sum(-1).double()  # the predicted position's own embedding, at column q_t
+        terms = {"attention_bias": attn_bias, "mlp": mlp, **top_terms}
+        for m, M in (("logit", per_logit), ("alti_logit", acc)):
+            if m not in want:
+                continue
+            t_m = dict(terms)
+            if m == "alti_logit":  # what reached a position whose ALTI row is all zero (explain's "untraced")
+                t_m["untraced"] = per_logit.sum(1) - acc.sum(1)
+            M = M.clone()
+            M[torch.arange(T, device=dev), Q] += emb
+            out[m] = {
+                "per_token": M.cpu().numpy(),
+                "terms": {k: v.double().cpu().numpy() for k, v in t_m.items()},
+                "target": values["target"].double().cpu().numpy(),
+                "model_target": values["model_target"].double().cpu().numpy(),
+                "seconds": own[m],
+            }
+    if "attention" in want:
+        out["attention"] = {"per_token": (attn / L).cpu().numpy(), "terms": {}, "target": np.ones(T)}
+        out["attention"]["seconds"] = own["attention"]
+    return out
+
+
+def logit_rows(model: Model, tr, rows: list[int], targets: list[int], target: str = "log_prob") -> dict:
+    """`logit`'s per-token contributions (T, n) of every position to the target of each row
+    (`decompose_rows`)."""
+    return decompose_rows(model, tr, rows, targets, target, ("logit",))["logit"]
+
+
 def attention_rows(tr, rows: list[int]) -> np.ndarray:
     """(T, n): row q_t's attention averaged over layers and heads (AT2's features with uniform weights)."""
-    Q = torch.tensor(rows)
-    acc = None
-    for st in tr.states:
-        a = st.alpha[:, Q.to(st.alpha.device), :].double().mean(0)  # (T, n)
-        acc = a if acc is None else acc + a
-    return (acc / len(tr.states)).cpu().numpy()
+    return decompose_rows(tr.model, tr, rows, [0] * len(rows), "logit", ("attention",))["attention"]["per_token"]
 
 
-def run_one_pass(model: Model, methods: list[str], ids: list[int], P: int, target: str) -> dict:
-    """{method: {"per_token", "terms", "target", "cost"}} from one traced pass over ids (prompt + response)."""
+def run_one_pass(
+    model: Model, methods: list[str], ids: list[int], P: int, target: str, streamed: bool | None = None
+) -> dict:
+    """{method: {"per_token", "terms", "target", "cost"}} from one traced pass over ids (prompt + response)
+    for the decomposed methods, and `grad_x_input`'s own pass (`ctxmix.methods.context_grad`).
+    streamed: trace_ids' choice (None: streamed above its memory share)."""
     from ctxmix.methods.prediction import check_logit_model
 
-    if "logit" in methods:
-        check_logit_model(model, "logit")
-    t0 = time.perf_counter()
-    tr = trace_ids(model, ids)
+    for m in ("logit", "alti_logit"):
+        if m in methods:
+            check_logit_model(model, m)
     T = len(ids) - P
     rows = list(range(P - 1, P - 1 + T))
     targets = list(ids[P:])
-    trace_secs = time.perf_counter() - t0
     out = {}
-    for m in methods:
-        t1 = time.perf_counter()
-        if m == "logit":
-            res = logit_rows(model, tr, rows, targets, target)
-            res["reconstruction_error"] = float(tr.reconstruction_error)
-        elif m == "attention":
-            res = {"per_token": attention_rows(tr, rows), "terms": {}, "target": np.ones(T)}
-        else:  # pragma: no cover - the caller checks the names
-            raise ValueError(m)
-        # the traced pass is shared: each method is charged the whole of it (a method run alone costs that)
-        res["cost"] = {"forward": 1, "backward": 0, "seconds": trace_secs + time.perf_counter() - t1}
-        out[m] = res
+    dec = [m for m in methods if m in DECOMPOSED]
+    if dec:
+        t0 = time.perf_counter()
+        tr = trace_ids(model, ids, streamed=streamed)
+        trace_secs = time.perf_counter() - t0
+        res = decompose_rows(model, tr, rows, targets, target, dec)
+        for m in dec:
+            r = res[m]
+            if m != "attention":
+                r["reconstruction_error"] = float(tr.reconstruction_error)
+            # the traced pass and the layer rebuilds are shared: each method is charged them (a method run alone
+            # costs that) plus its own work
+            secs = trace_secs + res["shared_seconds"] + r.pop("seconds")
+            r["cost"] = {"forward": 1, "backward": 0, "seconds": secs, "streamed": bool(tr.streamed)}
+            out[m] = r
+    if "grad_x_input" in methods:
+        from ctxmix.methods.context_grad import grad_x_input_rows
+
+        out["grad_x_input"] = grad_x_input_rows(model, ids, P)
     return out

@@ -60,6 +60,7 @@ def explain(
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
+    target_kind: str = "logit",
     **saliency_options,
 ) -> Explanation:
     """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
@@ -101,6 +102,10 @@ def explain(
     `ctxmix.methods.flow`), else the other rows are NaN.
     decompx: DecompX's options {"bias": "absdot" | "none", "ff": "zero_origin" | "tangent", "head": bool}
     (`ctxmix.methods.decompx`).
+    target_kind: what `logit` and `alti_logit` explain for the target token: "logit" (the raw logit, the
+    default), "log_prob" (T1: log p = centred logit - H(p), -H(p) in logit_terms as "entropy") or
+    "logit_prob" (T2: log p - log(1 - p)); the last two without a foil. `attribute_context` explains the
+    same quantities per response token (`ctxmix.methods.readout.target_readout`).
     """
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
@@ -115,6 +120,9 @@ def explain(
         if ex is not None:
             return ex
     methods = check_methods(methods, model.spec.position)
+    from ctxmix.methods.prediction import check_target_kind
+
+    check_target_kind(target_kind, foil)
     if not isinstance(per_head, bool):
         raise BadInput(f"per_head must be True or False, got {per_head!r}")
     _check_call(res2, position, saliency_options)
@@ -140,6 +148,7 @@ def explain(
         flow_rows=flow_rows,
         decompx=decompx,
         checked=True,
+        target_kind=target_kind,
     )[0]
 
 
@@ -217,6 +226,7 @@ def explain_batch(
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
+    target_kind: str = "logit",
     **saliency_options,
 ) -> list[Explanation]:
     """`explain` on several texts (strings, pairs (a, b), or lists of token ids, these with
@@ -226,7 +236,8 @@ def explain_batch(
     makes the gradient and perturbation methods explain target minus foil, as in `explain`).
     methods_per_text: the methods each text needs, when they differ (a text with none only pads the
     batch); `methods` then is their union. Each Explanation equals `explain` on its text alone up to
-    float rounding, every option of `explain` included (tests/test_batched.py).
+    float rounding, every option of `explain` included (tests/test_batched.py); target_kind applies to every
+    text (no foils with a kind other than "logit").
     The cost and memory checks of the prediction methods (attention flow's time, DecompX's memory)
     apply to each text at its own length, for the methods it asks for (`method_refusals`): a text that
     only pads the batch, or asks for other methods, never fails it; a text that asks for a method it is
@@ -237,6 +248,9 @@ def explain_batch(
     if model.spec.encoder_decoder:
         _encoder_only_methods(methods)
     _check_call(res2, None, saliency_options)
+    from ctxmix.methods.prediction import check_target_kind
+
+    check_target_kind(target_kind, next((f for f in (foils or []) if f is not None), None))
     per = (
         [methods] * len(texts)
         if methods_per_text is None
@@ -282,6 +296,7 @@ def explain_batch(
         flow_rows,
         decompx,
         checked=True,
+        target_kind=target_kind,
     )
 
 
@@ -352,10 +367,17 @@ def check_batch_methods(
         raise BadInput("; ".join(why) + ". Leave the method out for those texts (methods_per_text=) or shorten them.")
 
 
-def call_notes(methods, per_head: bool, foil) -> list[str]:
+def call_notes(methods, per_head: bool, foil, target_kind: str = "logit") -> list[str]:
     """The notes an explanation gets from its call's options, whatever was computed before: per_head
-    on methods without a per-head form, a foil that no asked-for method reads."""
+    on methods without a per-head form, a foil or a target_kind that no asked-for method reads."""
     notes = []
+    if target_kind != "logit":
+        if not any(m in ("logit", "alti_logit") for m in methods):
+            notes.append(
+                f"target_kind={target_kind!r} applies to the logit and alti_logit methods only; none was asked for"
+            )
+        elif "decompx" in methods:
+            notes.append(f"target_kind={target_kind!r} applies to logit and alti_logit; decompx explains the logit")
     if per_head and not any(m in PER_HEAD_METHODS for m in methods):
         notes.append(
             f"per_head: none of {', '.join(methods)} has a per-head form (those that do: {', '.join(PER_HEAD_METHODS)})"
@@ -382,6 +404,7 @@ def _explanations(
     flow_rows: str = "position",
     decompx: dict | None = None,
     checked: bool = False,
+    target_kind: str = "logit",
 ) -> list[Explanation]:
     """Explanations of the sequences of one traced batch: the mixing maps of every method any
     sequence asks for in one batched computation, then per sequence its rollout, saliency and prediction.
@@ -432,7 +455,7 @@ def _explanations(
                 ex.saliency[m] = gm[-1][pos].copy()
             if m in heads:
                 ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
-        ex.warnings += call_notes(methods, per_head, saliency_options.get("foil"))
+        ex.warnings += call_notes(methods, per_head, saliency_options.get("foil"), target_kind)
         sal = [m for m in methods if m not in MIXING_METHODS and m not in PREDICTION_METHODS]
         pred = [m for m in methods if m in PREDICTION_METHODS]
         if "attention_flow" in pred:
@@ -456,7 +479,9 @@ def _explanations(
 
             alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
             before = len(ex.warnings)
-            prediction_fields(ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti)
+            prediction_fields(
+                ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti, target_kind
+            )
             for m in logit:  # a soft-cap note concerns both
                 ex.method_warnings[m] = ex.warnings[before:]
         if sal:

@@ -46,7 +46,16 @@ from ctxmix.engine.layer import head_values
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import explained_logits, norm_adjoint, readout, softcap, unembedding
+from ctxmix.methods.readout import (
+    TARGET_KINDS,
+    centred,
+    explained_logits,
+    norm_adjoint,
+    readout,
+    softcap,
+    target_readout,
+    unembedding,
+)
 
 LOGIT_METHODS = ("logit", "alti_logit")
 
@@ -72,7 +81,9 @@ class LogitParts:
     per_head (K, L, H, n): D^{l,h}_j; embedding (K,): <x_t^0, r>; attention_bias, mlp (K, L);
     final_norm_bias, unembedding_bias (K,); logits (K,): the explained logits (`explained_logits`: the
     model's own, or the recomputed pre-cap logits where it soft-caps); recomputed (K,): the logits from
-    ctxmix's recomputed final state."""
+    ctxmix's recomputed final state. For a target kind other than the raw logit (K = 1,
+    `ctxmix.methods.readout.target_readout`): logits is the model's log p (or log p - log(1 - p)), the parts
+    decompose its centred logit, and `leftover` holds -H ("entropy") and, on a soft-capped model, "softcap"."""
 
     per_head: torch.Tensor
     embedding: torch.Tensor
@@ -83,6 +94,7 @@ class LogitParts:
     logits: torch.Tensor
     recomputed: torch.Tensor
     notes: list[str] = field(default_factory=list)
+    leftover: dict[str, torch.Tensor] = field(default_factory=dict)  # (K,) each: -H(p) etc. (target_kind)
 
     def total(self) -> torch.Tensor:
         """(K,) the sum of every part: equals `recomputed` (and `logits` to the reconstruction error)."""
@@ -93,14 +105,24 @@ class LogitParts:
             + self.mlp.sum(1)
             + self.final_norm_bias
             + self.unembedding_bias
+            + sum((v.to(self.embedding) for v in self.leftover.values()), torch.zeros_like(self.embedding))
         )
 
 
 @torch.no_grad()
-def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int]) -> LogitParts:
-    """Decompose the logits of `tokens` (K ids) at `position` over layers, heads and source tokens."""
+def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int], kind: str = "logit") -> LogitParts:
+    """Decompose the logits of `tokens` (K ids) at `position` over layers, heads and source tokens; kind
+    ("logit", "log_prob", "logit_prob"; the last two for one token): the quantity explained
+    (`ctxmix.methods.readout.target_readout`)."""
     U, ub = unembedding(model)
-    rows = U[tokens]
+    own = tr.logits[position] if tr.logits is not None and tr.logits.dim() == 2 else None
+    if kind == "logit":
+        rows, ro = U[tokens], None
+    else:
+        if own is None or len(tokens) != 1:
+            raise ValueError("a target kind other than the logit needs the model's logits and one token")
+        ro = target_readout(model, own[None], torch.tensor(tokens, device=own.device), kind)
+        rows = ro["rows"]
     x_last = tr.states[-1].y[position]
     r, beta = readout(model, x_last, rows)  # (K, d), (K,)
     K, t = len(tokens), position
@@ -125,9 +147,35 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int]) -> Lo
         heads.append(st.alpha[:, t, :].unsqueeze(0) * torch.einsum("hje,khe->khj", v, w))  # (K, H, n)
         mlp.append(ff_vec @ r.T)
     per_head = torch.stack(heads, 1)  # (K, L, H, n)
-    own = tr.logits[t] if tr.logits is not None and tr.logits.dim() == 2 else None
     notes = []
     cap = softcap(model)
+    if ro is not None:  # the centred logit is decomposed; -H (and the cap's part) are left over
+        assert own is not None
+        norm = model.layers[-1].next_norm
+        final = norm(x_last) if norm is not None else x_last
+        z_pre = (U @ final + (ub if ub is not None else 0))[None].to(torch.float64)  # (1, V) recomputed, pre-cap
+        tg = torch.tensor(tokens, device=z_pre.device)
+        leftover = dict(ro["leftover"])
+        if cap is not None:
+            leftover["softcap"] = centred(own[None], tg, ro["weights"]) - centred(z_pre, tg, ro["weights"])
+            notes.append(
+                f"{model.name} soft-caps its logits (c tanh(z/c), c = {cap:g}): the pre-cap centred logit is "
+                "decomposed and the cap's part is left over ('softcap')"
+            )
+        leftover = {k: v.to(r.dtype) for k, v in leftover.items()}
+        recomputed = (centred(z_pre, tg, ro["weights"]) + sum(v.double() for v in leftover.values())).to(r.dtype)
+        return LogitParts(
+            per_head=per_head,
+            embedding=r @ tr.hidden[0][t],
+            attention_bias=torch.stack(attn_bias, 1),
+            mlp=torch.stack(mlp, 1),
+            final_norm_bias=beta,
+            unembedding_bias=ro["bias"].to(r.dtype),
+            logits=ro["value"].to(r.dtype),
+            recomputed=recomputed,
+            notes=notes,
+            leftover=leftover,
+        )
     if cap is not None:
         notes.append(f"{model.name} soft-caps its logits (c tanh(z/c), c = {cap:g}): the pre-cap logit z is decomposed")
     recomputed = explained_logits(model, x_last, tokens, None)
@@ -205,6 +253,8 @@ def logit_explanation(
         terms["embedding"] = float(sign @ emb)
     if untraced is not None:
         terms["untraced"] = (sign @ untraced).tolist()
+    for k, v in parts.leftover.items():  # -H(p) etc. for a target kind other than the logit
+        terms[k] = float(sign @ v.double().cpu().numpy())
     return LogitExplanation(
         rows=rows,
         layer=np.tensordot(sign, layer, 1),
@@ -270,10 +320,12 @@ def prediction_fields(
     per_head: bool,
     embedding: str = "token",
     alti_layer_maps: np.ndarray | None = None,
+    target_kind: str = "logit",
 ) -> None:
     """Fill an Explanation's prediction fields for `methods` (its position is already set):
     target and foil resolved as the gradient methods resolve them, the explained logit (difference)
-    in `ex.prediction["explained"]`."""
+    in `ex.prediction["explained"]`. target_kind: "logit" (the raw logit), "log_prob" (T1) or
+    "logit_prob" (T2) of the target, without a foil (`check_target_kind`)."""
     from ctxmix.methods.saliency import resolve_foil, resolve_target
 
     t = ex.position
@@ -284,7 +336,7 @@ def prediction_fields(
         if tok is not None and not 0 <= tok < V:
             raise BadInput(f"the {what} token id {tok} is outside the vocabulary (0..{V - 1})")
     ex.target, ex.foil = tgt, f
-    parts = logit_parts(model, tr, t, [tgt] + ([f] if f is not None else []))
+    parts = logit_parts(model, tr, t, [tgt] + ([f] if f is not None else []), target_kind)
     for note in parts.notes:
         if note not in ex.warnings:
             ex.warnings.append(note)
@@ -297,9 +349,27 @@ def prediction_fields(
         if per_head:
             ex.head_saliency[m] = le.heads
     toks = model.tokens([tgt] + ([f] if f is not None else []))
-    what = f"logit({toks[0]})" + (f" - logit({toks[1]})" if f is not None else "") + f" at position {t}"
+    name = {"logit": "logit", "log_prob": "log p", "logit_prob": "logit p"}[target_kind]
+    what = f"{name}({toks[0]})" + (f" - logit({toks[1]})" if f is not None else "") + f" at position {t}"
     ex.prediction = {**(ex.prediction or {}), "explained": {"what": what, "value": le.explained}}
     ex.options["embedding"] = embedding
+    if target_kind != "logit":  # recorded only when asked for: explanations without it read as before
+        ex.options["target_kind"] = target_kind
+
+
+def check_target_kind(target_kind, foil) -> None:
+    """explain's target_kind, before any work: a known kind, and no foil with a kind other than the logit
+    (log p_w - log p_f = z_w - z_f: the default already explains a difference against a foil). A call
+    without logit or alti_logit gets a warning (`_explanations`), as a foil without a method that reads it."""
+    if target_kind not in TARGET_KINDS:
+        raise BadInput(f"target_kind must be one of {', '.join(TARGET_KINDS)}, got {target_kind!r}")
+    if target_kind == "logit":
+        return
+    if foil is not None:
+        raise BadInput(
+            f"target_kind={target_kind!r} explains one token's {target_kind.replace('_', ' ')}; with a foil the "
+            "difference of log-probabilities is the logit difference, which the default target_kind='logit' explains"
+        )
 
 
 def applicable_prediction_methods(model) -> list[str]:

@@ -65,3 +65,53 @@ def explained_logits(model: Model, x_last: torch.Tensor, tokens: list[int], own:
     norm = model.layers[-1].next_norm
     final = norm(x_last) if norm is not None else x_last
     return U[tokens] @ final + (ub[tokens] if ub is not None else 0)
+
+
+TARGET_KINDS = ("logit", "log_prob", "logit_prob")
+
+
+def target_readout(model: Model, logits: torch.Tensor, tokens: torch.Tensor, kind: str = "logit") -> dict:
+    """What the logit decompositions project on for each explained row (`papers/notes/context-attribution.md`
+    §6.1), from the model's own logits (K, V) at the K rows and the K target ids:
+
+    - "logit": the raw logit z_r: the unembedding row u_r and its bias;
+    - "log_prob" (T1): log p_r = (z_r - sum_v p_v z_v) - H(p): u_r - sum_v p_v u_v, its bias, and
+      leftover "entropy" = -H(p) (one number per row, attributed to no token);
+    - "logit_prob" (T2, ContextCite's per-token quantity): log p_r - log(1 - p_r) = (z_r - sum_{v != r}
+      q_v z_v) - H(q) with q = softmax over v != r: u_r - sum_v q_v u_v, leftover "entropy" = -H(q).
+
+    p (or q) is frozen at the model's value, so the first part is linear in the final state. Returns
+    {"rows" (K, d) and "bias" (K,) in the engine's dtype, "weights" (K, V) float64 (p or q; None for the raw
+    logit), "leftover" {name: (K,) float64}, "value" (K,) float64: the explained quantity from the model's
+    logits (the capped ones on a soft-capped model)}."""
+    if kind not in TARGET_KINDS:
+        raise BadInput(f"the target kind must be one of {', '.join(TARGET_KINDS)}, got {kind!r}")
+    U, ub = unembedding(model)
+    z = logits.to(torch.float64)
+    tg = tokens.to(z.device)
+    K = len(tg)
+    zeros = torch.zeros(K, dtype=U.dtype, device=U.device)
+    u_r = U[tg.to(U.device)]
+    b_r = ub[tg.to(U.device)] if ub is not None else zeros
+    z_r = z.gather(-1, tg[:, None])[:, 0]
+    if kind == "logit":
+        return {"rows": u_r, "bias": b_r, "weights": None, "leftover": {}, "value": z_r}
+    if kind == "log_prob":
+        logw = torch.log_softmax(z, -1)
+        value = logw.gather(-1, tg[:, None])[:, 0]
+    else:  # q: the softmax over every other token (the target's own logit masked out)
+        logw = torch.log_softmax(z.scatter(-1, tg[:, None], -torch.inf), -1)
+        value = z_r - torch.logsumexp(z.scatter(-1, tg[:, None], -torch.inf), -1)
+    w = logw.exp()
+    rows = u_r - (w.to(U.dtype) @ U)
+    bias = b_r - (w.to(U.dtype) @ ub) if ub is not None else zeros
+    # 0 * log 0 = 0 (q_r = 0 exactly; far tails of p underflow)
+    neg_entropy = torch.where(w > 0, w * logw, torch.zeros_like(w)).sum(-1)
+    return {"rows": rows, "bias": bias, "weights": w, "leftover": {"entropy": neg_entropy}, "value": value}
+
+
+def centred(z: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """(K,) z_r - sum_v w_v z_v for logits z (K, V) (z_r where weights is None): the linear part of a target."""
+    z = z.to(torch.float64)
+    z_r = z.gather(-1, tokens.to(z.device)[:, None])[:, 0]
+    return z_r if weights is None else z_r - (weights * z).sum(-1)

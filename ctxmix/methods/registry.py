@@ -296,6 +296,33 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "(not traced back to the sources); MLPs are not attributed. Causal LMs, pre-LN/parallel/sandwich.",
         ),
         MethodInfo(
+            "alti_logit",
+            "context",
+            "ALTI-Logit (per source)",
+            "Ferrando, Gállego, Tsiamas, Costa-jussà, ACL 2023; ctxmix",
+            doc="Logit's per-layer contributions traced back to the input tokens through the ALTI maps of the "
+            "layers below (explain's alti_logit at each response row, towards the same target: T1 by default), "
+            "evaluated top-down one layer at a time (streamed on long contexts); context relayed through "
+            "response positions reaches the sources.",
+            caveat="Cost: one forward pass plus (L - 1) ALTI layer maps over every row (O((L-1) n^2 d), the same "
+            "maps explain's alti needs: the response rows save only the top layer's); memory one layer and one "
+            "chunk of ALTI rows. MLPs are not attributed; mass reaching a position whose ALTI row is all clipped "
+            "is 'untraced'. Causal LMs, pre-LN/parallel/sandwich.",
+        ),
+        MethodInfo(
+            "grad_x_input",
+            "context",
+            "Gradient x input (per source)",
+            "Shrikumar et al. 2017; Denil et al. 2014 (signed, the note's §6.1)",
+            doc="<d log p(r_t) / d e_j, e_j> for each response token and word embedding e_j, signed, summed over "
+            "a source's tokens and the span's tokens (stored per token: a span needs no new pass). A source's score "
+            "is the first-order effect of scaling its embeddings towards zero; not a decomposition of log p.",
+            caveat="Cost: one forward and T backward passes (T response tokens); where eager attention's n x n "
+            "probabilities would not fit the memory budget, the pass runs with SDPA attention (the model's attention "
+            "implementation is switched for it). "
+            "First-order only: saturated tokens get small gradients whatever their role.",
+        ),
+        MethodInfo(
             "attention",
             "context",
             "Attention (AT2 baseline)",

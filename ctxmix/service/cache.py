@@ -216,6 +216,7 @@ METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
     "flow_rows": ("attention_flow",),
     "decompx": ("decompx",),
     "embedding": ("logit", "alti_logit"),
+    "target_kind": ("logit", "alti_logit"),
 }
 
 
@@ -224,7 +225,8 @@ def _method_warnings(ex: Explanation, m: str) -> list[str]:
     from ctxmix.methods.explain import call_notes
 
     others = {w for k, ws in ex.method_warnings.items() if k != m for w in ws}
-    call = set(call_notes(ex.methods, True, ex.options.get("foil")))  # per_head's note, whichever the call
+    # per_head's note whichever the call; target_kind's as the call gave it
+    call = set(call_notes(ex.methods, True, ex.options.get("foil"), ex.options.get("target_kind", "logit")))
     own = set(ex.method_warnings.get(m, []))
     return [w for w in ex.warnings if w in own or (w not in others and w not in call)]
 
@@ -342,7 +344,9 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
         warnings=list(
             dict.fromkeys(
                 [w for m in methods for w in found[m][0]["warnings"]]
-                + call_notes(methods, bool(options.get("per_head")), options.get("foil"))
+                + call_notes(
+                    methods, bool(options.get("per_head")), options.get("foil"), options.get("target_kind", "logit")
+                )
             )
         ),
         # the options the call gave, and every option explain recorded for each method

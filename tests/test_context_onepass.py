@@ -1,0 +1,263 @@
+"""One-pass context attribution beyond `logit` (`ctxmix.methods.context_onepass`, `context_grad`):
+`alti_logit` against explain's per-token `alti_logit` towards the same target on every decoder family,
+streamed against stored traces, `grad_x_input` against direct autograd, and explain's `target_kind`.
+Tiny random float64 models of the real HF classes (tests/conftest.py)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+import ctxmix
+from ctxmix.errors import BadInput
+from ctxmix.methods.prediction import unattributed
+
+CONTEXT = "The cat sat on the mat. The code is 4817. Birds fly south in winter."
+QUERY = "What is the code?"
+RESPONSE = "the code is 4817"
+
+DECODERS = [
+    "gpt2",
+    "opt",
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gpt_neox",
+    "phi",
+    "gemma",
+    "gemma2",
+    "gemma3",
+]  # every family explain's alti_logit supports (tests/test_prediction.py's DECODERS)
+# Hugging Face computes RMSNorm, OPT's final norm, Gemma's soft-cap and Llama-like softmaxes partly in float32 even
+# in a float64 model (tests/test_prediction.py's FLOAT32_INSIDE)
+FLOAT32_INSIDE = {"llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "opt"}
+
+
+def _ca(m, methods, **kw):
+    return ctxmix.attribute_context(m, CONTEXT, QUERY, response=RESPONSE, methods=methods, progress=False, **kw)
+
+
+def _explain_rows(m, ca, method, kind):
+    """(T, n) explain's saliency of `method` at each response row q_t = P - 1 + t towards response token t,
+    on the whole prompt + response (the same trace as attribute_context's), target_kind=kind."""
+    ids = ca.prompt_ids + ca.response_ids
+    P, T = len(ca.prompt_ids), len(ca.response_ids)
+    rows, terms = [], []
+    for t in range(T):
+        q = P - 1 + t
+        ex = ctxmix.explain(m, None, [method], input_ids=ids, position=q, target=ids[q + 1], target_kind=kind)
+        rows.append(ex.saliency[method])
+        terms.append(unattributed(ex.logit_terms[method]))
+    return np.array(rows), np.array(terms)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_alti_logit_scores_are_explains_contributions(tokenizer, family):
+    """A span's source scores equal the sum of explain's per-token alti_logit contributions towards the same
+    target (T1, the default) at each target row, restricted to the source's tokens; sources + the parts of
+    no source + the unattributed terms = the span's summed log-probability."""
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["alti_logit", "logit"])
+    assert ca.options["target"] == "log_prob"
+    want, want_terms = _explain_rows(m, ca, "alti_logit", "log_prob")
+    assert np.allclose(ca.per_token["alti_logit"], want, rtol=0, atol=1e-12 * np.abs(want).max())
+    per_source = np.array([[row[toks].sum() for toks in ca.source_tokens] for row in want])  # (T, d)
+    scale = np.abs(want).max()
+    # both paths decompose the same float64 trace (explain's ALTI maps are the same rows): agreement to rounding;
+    # the brief's bound, 1e-6 relative, holds with a wide margin
+    assert np.allclose(ca.scores["alti_logit"], per_source.sum(0), rtol=1e-6, atol=1e-9 * scale)
+    a, b = ca.token_range((4, 16))
+    assert np.allclose(ca.scores_for("alti_logit", (4, 16)), per_source[a:b].sum(0), rtol=1e-6, atol=1e-9 * scale)
+    got_terms = sum(v for v in ca.terms["alti_logit"].values())
+    assert np.allclose(got_terms, want_terms, rtol=1e-9, atol=1e-9 * scale)
+    bk = ca.buckets("alti_logit")
+    parts = sum(v for k, v in bk.items() if k != "target")
+    size = np.abs(ca.per_token["alti_logit"]).sum() + sum(np.abs(v).sum() for v in ca.terms["alti_logit"].values())
+    # float64 throughout: rounding only; float32 inside the model (softmax, norms): the layers' sum telescopes to
+    # ~2^-24 of the magnitudes summed, 1e-6 leaves a margin of ~16x (as test_logit_scores_are_explains_contributions)
+    assert abs(parts - bk["target"]) <= (1e-6 if family in FLOAT32_INSIDE else 1e-9) * size
+    ids = ca.prompt_ids + ca.response_ids
+    P, T = len(ca.prompt_ids), len(ca.response_ids)
+    with torch.no_grad():
+        lp = torch.log_softmax(m.hf(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    lp = lp[torch.arange(P - 1, P + T - 1), torch.tensor(ca.response_ids)]
+    assert bk["target"] == pytest.approx(float(lp.sum()), rel=1e-12)
+    # ALTI only moves mass between positions (rows sum to one, or zero: untraced): the totals agree with logit's
+    total = ca.per_token["alti_logit"].sum(1) + ca.terms["alti_logit"]["untraced"]
+    assert np.allclose(total, ca.per_token["logit"].sum(1), rtol=0, atol=1e-9 * size)
+
+
+@pytest.mark.parametrize("kind", ["log_prob", "logit_prob", "logit"])
+def test_target_kinds_match_explain_and_the_model(tokenizer, kind):
+    """The three targets: attribute_context's logit rows equal explain's with the same target_kind, and the
+    explained quantity is log p (T1), log p - log(1 - p) (T2, ContextCite's per-token logit-probability) or
+    the raw logit, from the model's own softmax."""
+    m = tiny_model("gpt2", tokenizer)
+    ca = _ca(m, ["logit"], target=kind)
+    want, want_terms = _explain_rows(m, ca, "logit", kind)
+    assert np.allclose(ca.per_token["logit"], want, rtol=0, atol=1e-12 * np.abs(want).max())
+    ids = ca.prompt_ids + ca.response_ids
+    P, T = len(ca.prompt_ids), len(ca.response_ids)
+    with torch.no_grad():
+        z = m.hf(input_ids=torch.tensor([ids])).logits[0].double()[P - 1 : P + T - 1]
+    r = torch.tensor(ca.response_ids)
+    lp = torch.log_softmax(z, -1)[torch.arange(T), r]
+    expected = {"log_prob": lp, "logit_prob": lp - torch.log1p(-lp.exp()), "logit": z[torch.arange(T), r]}[kind]
+    assert np.allclose(ca.targets["logit"], expected.numpy(), rtol=1e-12, atol=0)
+    # the rows plus the unattributed terms are the target (GPT-2 is float64 throughout: rounding only)
+    assert np.allclose(want.sum(1) + want_terms, expected.numpy(), rtol=1e-9, atol=1e-9)
+
+
+def test_streamed_alti_logit_equals_the_stored_trace(tokenizer):
+    """Above the memory share the trace is streamed (layers rebuilt one at a time, top-down): the same numbers."""
+    from ctxmix.methods.context_onepass import run_one_pass
+
+    m = tiny_model("llama", tokenizer)
+    ca = _ca(m, ["attention"])
+    ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)
+    methods = ["logit", "alti_logit", "attention"]
+    held = run_one_pass(m, methods, ids, P, "log_prob", streamed=False)
+    streamed = run_one_pass(m, methods, ids, P, "log_prob", streamed=True)
+    for k in methods:
+        assert streamed[k]["cost"]["streamed"] and not held[k]["cost"]["streamed"]
+        np.testing.assert_allclose(streamed[k]["per_token"], held[k]["per_token"], rtol=0, atol=1e-12)
+        for name, v in held[k]["terms"].items():
+            np.testing.assert_allclose(streamed[k]["terms"][name], v, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- grad x input
+
+
+def _direct_grad_x_input(m, ids, P, source_tokens, span):
+    """(d,) the sum over the span's response tokens (a, b) of grad x input of log p, per source, by autograd on
+    the eager model: one backward pass of the span's summed log-probability."""
+    a, b = span
+    E = m.hf.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
+    with torch.enable_grad():
+        lp = torch.log_softmax(m.hf(inputs_embeds=E).logits[0].double(), -1)
+        r = torch.tensor(ids[P:])
+        lp = lp[torch.arange(P - 1, len(ids) - 1), r]
+        (g,) = torch.autograd.grad(lp[a:b].sum(), E)
+    gx = (g[0] * E[0].detach()).sum(-1).double().numpy()
+    return np.array([gx[toks].sum() for toks in source_tokens]), lp.detach().numpy()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family, attn, monkeypatch):
+    """grad_x_input of a span equals grad x input of the span's summed log-probability, recomputed here with one
+    eager backward pass; the stored per-token rows add up to it with no new pass (scores_for). Both attention
+    implementations of the gradient pass (a long context gets SDPA)."""
+    from ctxmix.methods import context_grad
+
+    monkeypatch.setattr(context_grad, "gradient_attention", lambda model, n: attn)
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["grad_x_input"])
+    assert ca.cost["grad_x_input"]["attention"] == attn
+    ids, P, T = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids), len(ca.response_ids)
+    assert ca.cost["grad_x_input"]["forward"] == 1 and ca.cost["grad_x_input"]["backward"] == T
+    full, lp = _direct_grad_x_input(m, ids, P, ca.source_tokens, (0, T))
+    a, b = ca.token_range((4, 16))
+    span, _ = _direct_grad_x_input(m, ids, P, ca.source_tokens, (a, b))
+    # GPT-2 runs float64 throughout (SDPA and eager differ by rounding); Llama's eager softmax is float32 (2^-24
+    # relative per probability), which the gradients carry: 1e-6 of the largest score, as for logit's telescoping
+    tol = (1e-9 if family == "gpt2" else 1e-6) * np.abs(full).max()
+    np.testing.assert_allclose(ca.scores["grad_x_input"], full, rtol=0, atol=tol)
+    np.testing.assert_allclose(ca.scores_for("grad_x_input", (4, 16)), span, rtol=0, atol=tol)
+    np.testing.assert_allclose(ca.targets["grad_x_input"], lp, rtol=1e-6 if family != "gpt2" else 1e-12)
+    assert np.ptp(full) > 1e-3  # something to compare
+    bk = ca.buckets("grad_x_input")  # the gap makes the buckets add up; it is nobody's contribution
+    assert sum(v for k, v in bk.items() if k != "target") == pytest.approx(bk["target"], rel=1e-12, abs=1e-12)
+
+
+def test_grad_x_input_sums_are_directional_derivatives(tokenizer):
+    """Not a decomposition of log p: a source's score is d/d lambda log P(span) with only that source's word
+    embeddings scaled by lambda, at lambda = 1 (Euler), and the sum over every position is the same with all
+    embeddings scaled. Central differences (h = 1e-4, float64, GPT-2 float64 throughout): truncation
+    h^2 / 6 |f'''| ~ 1e-9 and rounding 1e-16 |f| / h ~ 1e-11, so 1e-6 absolute is a wide margin."""
+    m = tiny_model("gpt2", tokenizer)
+    ca = _ca(m, ["grad_x_input"])
+    ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)
+    E0 = m.hf.get_input_embeddings()(torch.tensor([ids])).detach()
+    r = torch.tensor(ca.response_ids)
+
+    def log_p(scale):
+        with torch.no_grad():
+            lp = torch.log_softmax(m.hf(inputs_embeds=E0 * scale[None, :, None]).logits[0].double(), -1)
+        return float(lp[torch.arange(P - 1, len(ids) - 1), r].sum())
+
+    h = 1e-4
+    for i, toks in enumerate(ca.source_tokens):
+        up, down = torch.ones(len(ids), dtype=E0.dtype), torch.ones(len(ids), dtype=E0.dtype)
+        up[toks], down[toks] = 1 + h, 1 - h
+        assert abs((log_p(up) - log_p(down)) / (2 * h) - ca.scores["grad_x_input"][i]) < 1e-6
+    n = len(ids)
+    d_all = (log_p(torch.full((n,), 1 + h, dtype=E0.dtype)) - log_p(torch.full((n,), 1 - h, dtype=E0.dtype))) / (2 * h)
+    total = ca.per_token["grad_x_input"].sum()
+    assert abs(d_all - total) < 1e-6
+    assert abs(total - ca.targets["grad_x_input"].sum()) > 1e-3  # and that is not log P: no completeness
+
+
+def test_grad_x_input_runs_with_sdpa_beyond_the_budget_and_restores_eager(tokenizer, monkeypatch):
+    """Where eager's attention probabilities would take over half the memory budget, the gradient pass runs with
+    SDPA attention (no n x n probabilities held for the backward); the model is eager again after it (ctxmix's
+    traces need the probabilities). Within the budget, eager."""
+    from ctxmix.methods import context_grad
+
+    m = tiny_model("llama", tokenizer)
+    seen = []
+    real = m.hf.forward
+
+    def spy(*a, **k):
+        seen.append(m.hf.config._attn_implementation)
+        return real(*a, **k)
+
+    monkeypatch.setattr(m.hf, "forward", spy)
+    ca = _ca(m, ["grad_x_input"])
+    assert seen == ["eager"]
+    n = len(ca.prompt_ids) + len(ca.response_ids)
+    # 2 layers x 4 heads x n^2 float64 values, twice: just over half of this budget
+    monkeypatch.setattr(context_grad, "memory_budget", lambda device: 2 * 2 * 2 * 4 * n * n * 8 - 2)
+    seen.clear()
+    _ca(m, ["grad_x_input"])
+    assert seen == ["sdpa"] and m.hf.config._attn_implementation == "eager"
+
+
+# ---------------------------------------------------------------- explain's target_kind
+
+
+def test_explain_target_kind_log_prob_and_refusals(tokenizer):
+    m = tiny_model("gpt2", tokenizer)
+    text = "the keys to the old cabinet are"
+    plain = ctxmix.explain(m, text, ["logit", "alti_logit"])
+    assert "target_kind" not in plain.options and "entropy" not in plain.logit_terms["logit"]
+    ex = ctxmix.explain(m, text, ["logit", "alti_logit"], target_kind="log_prob")
+    assert ex.options["target_kind"] == "log_prob" and ex.target == plain.target
+    with torch.no_grad():
+        lp = torch.log_softmax(m.hf(input_ids=torch.tensor([ex.input_ids])).logits[0, -1].double(), -1)
+    for meth in ("logit", "alti_logit"):
+        got = ex.saliency[meth].sum() + unattributed(ex.logit_terms[meth])
+        assert got == pytest.approx(float(lp[ex.target]), rel=1e-9)
+    assert ex.prediction["explained"]["value"] == pytest.approx(float(lp[ex.target]), rel=1e-12)
+    with pytest.raises(BadInput, match="logit difference"):
+        ctxmix.explain(m, text, ["logit"], foil=1000, target_kind="log_prob")
+    assert any(
+        "none was asked for" in w for w in ctxmix.explain(m, text, ["attention"], target_kind="log_prob").warnings
+    )
+    with pytest.raises(BadInput, match="logit difference"):
+        ctxmix.explain_batch(m, [text, text], ["logit"], foils=[None, 1000], target_kind="log_prob")
+    batch = ctxmix.explain_batch(m, [text, "the dog"], ["logit", "alti_logit"], target_kind="log_prob")
+    for meth in ("logit", "alti_logit"):
+        np.testing.assert_allclose(batch[0].saliency[meth], ex.saliency[meth], rtol=1e-9, atol=1e-12)
+        assert batch[0].logit_terms[meth]["entropy"] == pytest.approx(ex.logit_terms[meth]["entropy"], rel=1e-12)
+    with pytest.raises(BadInput, match="target_kind must be one of"):
+        ctxmix.explain(m, text, ["logit"], target_kind="prob")
+
+
+def test_context_methods_are_registered():
+    for name in ("alti_logit", "grad_x_input"):
+        info = ctxmix.CONTEXT_METHODS[name]
+        assert info.group == "context" and info.paper and "Cost" in info.caveat
