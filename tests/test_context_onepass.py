@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+from test_prediction import DECODERS  # every family explain's alti_logit supports
 
 import ctxmix
 from ctxmix.errors import BadInput
@@ -16,21 +17,6 @@ CONTEXT = "The cat sat on the mat. The code is 4817. Birds fly south in winter."
 QUERY = "What is the code?"
 RESPONSE = "the code is 4817"
 
-DECODERS = [
-    "gpt2",
-    "opt",
-    "llama",
-    "llama3",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gpt_neox",
-    "phi",
-    "gemma",
-    "gemma2",
-    "gemma3",
-]  # every family explain's alti_logit supports (tests/test_prediction.py's DECODERS)
 # Hugging Face computes RMSNorm, OPT's final norm, Gemma's soft-cap and Llama-like softmaxes partly in float32 even
 # in a float64 model (tests/test_prediction.py's FLOAT32_INSIDE)
 FLOAT32_INSIDE = {"llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "opt"}

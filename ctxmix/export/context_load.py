@@ -3,9 +3,7 @@ there), from a path or an upload's bytes, optionally under the hosted archive li
 
 from __future__ import annotations
 
-import io
 import json
-from pathlib import Path
 
 import numpy as np
 
@@ -18,17 +16,9 @@ def load_context_attribution(path, limits=None, name: str | None = None) -> Cont
     """Reopen a saved `ContextAttribution` (no model needed) from a path or the file's bytes (an upload).
     `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
     size."""
-    if isinstance(path, (bytes, bytearray)):
-        src, label, data = io.BytesIO(path), name or "the file", bytes(path)
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise BadInput(f"no such file: {str(p)!r}")
-        src, label, data = p, name or p.name, p
-    if limits is not None:
-        from ctxmix.service.limits import check_archive
+    from ctxmix.export.saved import archive_source
 
-        check_archive(data, limits, name=label)
+    src, label = archive_source(path, limits, name)
     try:
         with np.load(src, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))

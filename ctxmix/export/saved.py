@@ -28,15 +28,14 @@ def save_explanation(ex: Explanation, path, half: bool = False) -> Path:
     return ex.save(path, half=half)
 
 
-def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
-    """Reopen a saved explanation (no model needed) from a path or the file's bytes (an upload).
-    `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
-    size. Maps come back in float64."""
+def archive_source(path, limits=None, name: str | None = None) -> tuple:
+    """(what np.load opens, the name messages use) for a saved file given as a path or as an upload's
+    bytes; with `limits` (a `ctxmix.service.limits.Limits`) the archive is checked first as an upload:
+    size, members, decompressed size, before numpy reads it."""
     import io
 
     if isinstance(path, (bytes, bytearray)):
-        src, label = io.BytesIO(path), name or "the file"
-        data = bytes(path)
+        src, label, data = io.BytesIO(path), name or "the file", bytes(path)
     else:
         p = Path(path)
         if not p.is_file():
@@ -46,6 +45,14 @@ def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
         from ctxmix.service.limits import check_archive
 
         check_archive(data, limits, name=label)
+    return src, label
+
+
+def load_explanation(path, limits=None, name: str | None = None) -> Explanation:
+    """Reopen a saved explanation (no model needed) from a path or the file's bytes (an upload).
+    `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
+    size. Maps come back in float64."""
+    src, label = archive_source(path, limits, name)
     try:
         with np.load(src, allow_pickle=False) as z:
             if "meta" not in z.files:

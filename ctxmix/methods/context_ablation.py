@@ -182,9 +182,15 @@ def run_contextcite(
     """The masks and the per-token logit-probabilities of ContextCite's ablations."""
     d = len(sources)
     masks = contextcite_masks(n_ablations, d, seed, keep_prob)
+    return _ablated(model, builder, sources, masks, response_ids, batch_size, compat, progress, "contextcite")
+
+
+def _ablated(model, builder, sources, masks, response_ids, batch_size, compat, progress, what: str) -> dict:
+    """The response's per-token logit-probabilities under each mask (rows: masks, True = kept), the
+    prompts rebuilt by the official rule (compat) or ctxmix's, with the passes' cost."""
     rule = "contextcite" if compat else "ctxmix"
     prompts = [builder.ids(sources.rebuild(m, rule)) for m in masks]
-    lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, "contextcite")
+    lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, what)
     return {
         "masks": masks,
         "logit_probs": lp,
@@ -203,15 +209,7 @@ def run_leave_one_out(model, builder, sources, response_ids, batch_size, compat,
         )
     masks = np.ones((d + 1, d), dtype=bool)
     masks[np.arange(1, d + 1), np.arange(d)] = False
-    rule = "contextcite" if compat else "ctxmix"
-    prompts = [builder.ids(sources.rebuild(m, rule)) for m in masks]
-    lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, "leave_one_out")
-    return {
-        "masks": masks,
-        "logit_probs": lp,
-        "cost": {"forward": len(prompts), "backward": 0, "seconds": secs},
-        "rule": rule,
-    }
+    return _ablated(model, builder, sources, masks, response_ids, batch_size, compat, progress, "leave_one_out")
 
 
 def contextcite_scores(ablation: dict, a: int, b: int, compat: bool, alpha: float = LASSO_ALPHA):
