@@ -10,6 +10,7 @@ the comparisons with other tools in perf_compare.py.)
     python bench/perf.py --only vz flops          # a subset: vz flops batch explain corpus memory budget ig
                                                   # inseq precision embedded flow predict long
     python bench/perf.py --only long              # long inputs on smollm2 (CUDA: a random 1.1B Llama to 8,192)
+    python bench/perf.py --only context --sizes 512 1024   # context attribution on smollm2 (bench/perf_context.py)
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
@@ -84,10 +85,13 @@ from perf_compare import (  # noqa: E402
     bench_inseq,
     bench_precision,
 )
+from perf_context import add_arguments as add_context_arguments  # noqa: E402
+from perf_context import bench_context, context_child, context_eval_child  # noqa: E402
 
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
-SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict long".split()
-CPU_SKIPS = {"budget", "embedded", "long"}  # by default on a CPU: the simulated card needs CUDA; embedded takes minutes
+SECTIONS = "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict long context".split()
+# by default on a CPU: the simulated card needs CUDA; embedded, long and context take minutes
+CPU_SKIPS = {"budget", "embedded", "long", "context"}
 CORPUS_TODAY_CPU = 0.218  # seq/s, sequence-at-a-time engine with scipy ranks (docs/performance.md, before batching)
 
 
@@ -952,6 +956,7 @@ def main() -> None:
         help="what --only long measures",
     )
     ap.add_argument("--budget-child", help=argparse.SUPPRESS)
+    add_context_arguments(ap)
     if "--quick" in sys.argv[1:]:  # smaller defaults; sizes given explicitly still win
         ap.set_defaults(vz_n=32, n=64, corpus_texts=4, ig_n=16, mem_sizes=[64, 128, 512], inseq_layers=2, repeat=1)
     a = ap.parse_args()
@@ -966,6 +971,12 @@ def main() -> None:
     if a.long_child:
         n, workload, device = json.loads(a.long_child)
         print(json.dumps(long_child(n, workload, device)))
+        return
+    if a.context_child:
+        print(json.dumps(context_child(*json.loads(a.context_child))))
+        return
+    if a.context_eval_child:
+        print(json.dumps(context_eval_child(*json.loads(a.context_eval_child))))
         return
     if a.budget_child:
         frac, n, k, device = json.loads(a.budget_child)
@@ -1005,6 +1016,7 @@ def main() -> None:
         ("flow", lambda: bench_flow(a, dev)),
         ("predict", lambda: bench_predict(a, dev)),
         ("long", lambda: bench_long(a, dev)),
+        ("context", lambda: bench_context(a, dev)),
     ]
     for name, fn in steps:
         if name == "flops" and not ({"flops", "explain"} & set(sections)):
