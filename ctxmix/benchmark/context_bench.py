@@ -95,13 +95,14 @@ def run_context_benchmark(
     """Every task's examples attributed and evaluated; one row per task x method x metric: mean, std, n (NaN
     values left out of mean and counted in `nan`). `model`: an already loaded model (default: load the
     config's)."""
-    import ctxmix
+    from ctxmix.engine.models import load_model
+    from ctxmix.methods.context import attribute_context
 
     config = validate_context_config(config)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise BadInput(f"limit must be a whole number of at least 1, got {limit!r}")
     if model is None:
-        model = ctxmix.load_model(config["model"])
+        model = load_model(config["model"])
     ev = dict(config.get("evaluate") or {})
     stored = config["responses"]
     rows, dropped, responses = [], {}, {}
@@ -109,7 +110,7 @@ def run_context_benchmark(
     for task in config["tasks"]:
         dropped[task["id"]] = []
         for ex in task_examples(task, model, limit):
-            ca = ctxmix.attribute_context(
+            ca = attribute_context(
                 model,
                 ex.context,
                 ex.query,
