@@ -247,3 +247,38 @@ def test_context_methods_are_registered():
     for name in ("alti_logit", "grad_x_input"):
         info = ctxmix.CONTEXT_METHODS[name]
         assert info.group == "context" and info.paper and "Cost" in info.caveat
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_trace_keeps_the_response_rows_logits_only(tokenizer, family, streamed):
+    """trace_ids(logits_from=k) holds the logits of positions k.. n-1 only (the LM head on those rows), equal to
+    the full trace's rows; `logits_at` reads them by position and refuses a row it did not keep."""
+    from ctxmix.engine.trace import trace_ids
+
+    m = tiny_model(family, tokenizer)
+    ids = m.tokenizer("The cat sat on the mat and the dog sat too.")["input_ids"]
+    full = trace_ids(m, ids, streamed=streamed)
+    k = len(ids) - 4
+    part = trace_ids(m, ids, streamed=streamed, logits_from=k)
+    assert part.logits.shape[0] == 4 and part.logits_start == k
+    rows = torch.arange(k, len(ids))
+    # the same rows through the same head: only the matmul's blocking may differ (float64 model: ~1e-15)
+    assert torch.allclose(part.logits_at(rows), full.logits[rows], rtol=0, atol=1e-9 * full.logits.abs().max())
+    with pytest.raises(ValueError, match="from position"):
+        part.logits_at(torch.tensor([k - 1]))
+    with pytest.raises(ValueError, match="outside"):
+        trace_ids(m, ids, logits_from=len(ids))
+
+
+def test_kept_logits_cuts_a_model_that_returns_every_row():
+    """A causal LM whose forward has no `logits_to_keep` returns all n rows: the trace cuts them itself."""
+    from types import SimpleNamespace
+
+    from ctxmix.engine.trace import _kept_logits
+
+    lg = torch.arange(30.0).view(1, 6, 5)
+    kept, start = _kept_logits(SimpleNamespace(logits=lg), 6, 4)
+    assert start == 4 and torch.equal(kept, lg[0, 4:])
+    kept, start = _kept_logits(SimpleNamespace(logits=lg[:, 4:]), 6, 4)  # the model kept them
+    assert start == 4 and torch.equal(kept, lg[0, 4:])

@@ -45,10 +45,18 @@ class Trace:
     notes: list[str] = field(default_factory=list)
     token_type_ids: list[int] | None = None  # what the model read (sentence pairs on BERT-like models)
     segments: list[int] | None = None  # 0 / 1: text A / B of a pair; -1: special token
+    logits_start: int = 0  # logits[i] is position logits_start + i (trace_ids(logits_from=...))
 
     @property
     def n(self) -> int:
         return len(self.input_ids)
+
+    def logits_at(self, rows: torch.Tensor) -> torch.Tensor:
+        """(k, vocab) the logits of positions `rows` (k,), whichever rows the trace kept."""
+        assert self.logits is not None
+        if self.logits_start and bool((rows < self.logits_start).any()):
+            raise ValueError(f"the trace kept logits from position {self.logits_start} only")
+        return self.logits[rows - self.logits_start]
 
     @property
     def streamed(self) -> bool:
@@ -182,18 +190,40 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
 
 
 def _forward(
-    model: Model, ids: torch.Tensor, mask: torch.Tensor, types: dict, attentions: bool = True, hidden: bool = True
+    model: Model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    types: dict,
+    attentions: bool = True,
+    hidden: bool = True,
+    keep: int | None = None,
 ):
     # an encoder-decoder's Model describes its encoder (`ctxmix.engine.seq2seq` traces the decoder)
     net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf
-    if not attentions and "use_cache" in inspect.signature(net.forward).parameters:
+    params = inspect.signature(net.forward).parameters
+    if not attentions and "use_cache" in params:
         types = {**types, "use_cache": False}  # a replayed attention call must not append to a KV cache
+    if keep is not None and "logits_to_keep" in params:
+        # the LM head on the last `keep` rows only: at n = 4,096 on smollm2 the full (n, 49,152) logits are
+        # 0.8 GB and ~1/5 of the forward's multiply-adds
+        types = {**types, "logits_to_keep": keep}
     out = net(input_ids=ids, attention_mask=mask, output_hidden_states=hidden, output_attentions=attentions, **types)
     if attentions and (out.attentions is None or any(a is None for a in out.attentions)):
         raise RuntimeError(
             "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
         )
     return out
+
+
+def _kept_logits(out, n: int, logits_from: int | None) -> tuple[torch.Tensor | None, int]:
+    """One sequence's logits (rows from `logits_from`, or all) and the position of its first row."""
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        return None, 0
+    logits = logits[0]
+    if logits_from is None or logits.dim() == 1:
+        return logits, 0
+    return logits[logits.shape[0] - (n - logits_from) :], logits_from  # models without logits_to_keep: cut
 
 
 def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
@@ -210,40 +240,47 @@ def trace_ids(
     segments: list[int] | None = None,
     streamed: bool | None = None,
     layers: bool = True,
+    logits_from: int | None = None,
 ) -> Trace:
     """Run the model once on one unpadded sequence and rebuild every layer from its weights.
     token_type_ids: what a BERT-like model reads for a sentence pair; segments: recorded as given.
     streamed: rebuild the layers on demand instead of holding them (None: when `streams` says so).
     layers=False: the logits only (no hidden states, attention weights or rebuilt layers: `hidden`
     and `states` empty, reconstruction_error 0 as nothing is recomputed), for callers that read
-    only the ids and the prediction (the gradient and perturbation methods run their own passes)."""
+    only the ids and the prediction (the gradient and perturbation methods run their own passes).
+    logits_from: a causal LM's logits for positions logits_from .. n-1 only (`Trace.logits_at` reads them;
+    context attribution reads only the response rows)."""
     ids = torch.tensor([input_ids], device=model.device)
     _check_rows(input_ids, token_type_ids, segments)
+    if logits_from is not None and not 0 <= logits_from < len(input_ids):
+        raise ValueError(f"logits_from {logits_from} outside the {len(input_ids)} positions")
+    keep = None if logits_from is None else len(input_ids) - logits_from
     if not layers:
         types = model.type_ids_kwargs([token_type_ids])
-        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, hidden=False)
-        logits = getattr(out, "logits", None)
+        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, hidden=False, keep=keep)
+        logits, start = _kept_logits(out, len(input_ids), logits_from)
         return Trace(
             model=model,
             input_ids=list(input_ids),
             tokens=model.tokens(input_ids),
             hidden=[],
             states=[],
-            logits=None if logits is None else logits[0],
+            logits=logits,
             reconstruction_error=0.0,
             notes=list(notes or []),
             token_type_ids=token_type_ids,
             segments=segments,
+            logits_start=start,
         )
     if streamed is None:
         streamed = streams(model, len(input_ids))
     if streamed and can_stream(model):
-        tr = _streamed_trace(model, ids, model.type_ids_kwargs([token_type_ids]))
+        tr = _streamed_trace(model, ids, model.type_ids_kwargs([token_type_ids]), logits_from)
         if tr is not None:
             tr.notes, tr.token_type_ids, tr.segments = list(notes or []), token_type_ids, segments
             return tr
-    out = _forward(model, ids, torch.ones_like(ids), model.type_ids_kwargs([token_type_ids]))
-    logits = getattr(out, "logits", None)
+    out = _forward(model, ids, torch.ones_like(ids), model.type_ids_kwargs([token_type_ids]), keep=keep)
+    logits, start = _kept_logits(out, len(input_ids), logits_from)
     hs = [_activations(model, h[0]) for h in out.hidden_states]
     states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
     return Trace(
@@ -252,11 +289,12 @@ def trace_ids(
         tokens=model.tokens(input_ids),
         hidden=hs[:-1] + [states[-1].y],
         states=states,
-        logits=None if logits is None else logits[0],
+        logits=logits,
         reconstruction_error=float(err),
         notes=list(notes or []),
         token_type_ids=token_type_ids,
         segments=segments,
+        logits_start=start,
     )
 
 
@@ -277,14 +315,15 @@ class StreamedTrace(Trace):
         self._given_error = float(value)
 
 
-def _streamed_trace(model: Model, ids: torch.Tensor, types: dict) -> Trace | None:
+def _streamed_trace(model: Model, ids: torch.Tensor, types: dict, logits_from: int | None = None) -> Trace | None:
     """One sequence's trace whose states are rebuilt on demand. None when the model's attention
     modules cannot be replayed."""
     install_call_hooks(model)
     calls: list = [None] * model.n_layers
     token = CALLS.set(calls)
     try:
-        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False)
+        keep = None if logits_from is None else ids.shape[1] - logits_from
+        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, keep=keep)
     finally:
         CALLS.reset(token)
     if any(c is None for c in calls):
@@ -296,7 +335,7 @@ def _streamed_trace(model: Model, ids: torch.Tensor, types: dict) -> Trace | Non
     except NotReplayable:
         return None
     states.hidden = hs[:-1] + [last.y]  # the raw last output, as a stored trace's
-    logits = getattr(out, "logits", None)
+    logits, start = _kept_logits(out, ids.shape[1], logits_from)
     ids_ = ids[0].tolist()
     return StreamedTrace(
         model=model,
@@ -304,8 +343,9 @@ def _streamed_trace(model: Model, ids: torch.Tensor, types: dict) -> Trace | Non
         tokens=model.tokens(ids_),
         hidden=states.hidden,
         states=states,  # type: ignore[arg-type]
-        logits=None if logits is None else logits[0],
+        logits=logits,
         reconstruction_error=0.0,
+        logits_start=start,
     )
 
 

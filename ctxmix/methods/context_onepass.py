@@ -67,7 +67,7 @@ def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -
     explained quantity (T,), "model_target": the same from the model's own logits} (float64)."""
     dt = model.work_dtype
     T = len(Q)
-    logits = tr.logits[Q]  # (T, V): the model's (capped) logits
+    logits = tr.logits_at(Q)  # (T, V): the model's (capped) logits
     ro = target_readout(model, logits, tg, target)
     ubar = ro["rows"]
     x_last = tr.states[-1].y[Q]  # (T, d) the real pre-norm states
@@ -243,7 +243,7 @@ def run_one_pass(
     dec = [m for m in methods if m in DECOMPOSED]
     if dec:
         t0 = time.perf_counter()
-        tr = trace_ids(model, ids, streamed=streamed)
+        tr = trace_ids(model, ids, streamed=streamed, logits_from=P - 1)  # the response rows' logits only
         trace_secs = time.perf_counter() - t0
         res = decompose_rows(model, tr, rows, targets, target, dec)
         for m in dec:
