@@ -282,3 +282,38 @@ def test_kept_logits_cuts_a_model_that_returns_every_row():
     assert start == 4 and torch.equal(kept, lg[0, 4:])
     kept, start = _kept_logits(SimpleNamespace(logits=lg[:, 4:]), 6, 4)  # the model kept them
     assert start == 4 and torch.equal(kept, lg[0, 4:])
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_rows_trace_equals_the_full_trace(tokenizer, family, monkeypatch):
+    """`logit` and `attention` read the response rows of `trace_rows` (one forward pass, no layer replayed, no
+    n x n map held): the same per-token contributions, terms and targets as from a full stored trace, and a
+    reconstruction error no larger than the full trace's (its rows are a subset of the full rebuild's)."""
+    from ctxmix.engine import rows as rows_mod
+    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.context_onepass import run_one_pass
+
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["attention"])
+    ids = ca.prompt_ids + ca.response_ids
+    P = len(ca.prompt_ids)
+    used = []
+    real = rows_mod.trace_rows
+    monkeypatch.setattr(rows_mod, "trace_rows", lambda *a: used.append(1) or real(*a))
+    fast = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob")
+    assert used == [1]  # the rows trace ran, not a fallback
+    full = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob", streamed=False)
+    for meth in ("logit", "attention"):
+        a, b = fast[meth]["per_token"], full[meth]["per_token"]
+        # the same float64 sums in another association order ((alpha v) W_O against alpha (v W_O)): rounding only
+        assert np.allclose(a, b, rtol=0, atol=1e-9 * np.abs(b).max()), meth
+        for k, v in full[meth]["terms"].items():
+            assert np.allclose(fast[meth]["terms"][k], v, rtol=0, atol=1e-9 * (np.abs(b).max() + np.abs(v).max()))
+    full_tr = trace_ids(m, ids, streamed=False)
+    rows = list(range(P - 1, len(ids) - 1))
+    rt = real(m, ids, rows)
+    assert rt.reconstruction_error <= full_tr.reconstruction_error * (1 + 1e-6) + 1e-12
+    with pytest.raises(ValueError, match="full trace"):
+        from ctxmix.methods.context_onepass import decompose_rows
+
+        decompose_rows(m, rt, rows, ids[P:], "log_prob", ("alti_logit",))

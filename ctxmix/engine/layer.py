@@ -240,16 +240,7 @@ def ff_forward(lw: LayerWeights, z: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """The rest of the layer once the attention output is known: (..., n, d) -> output.
     Value zeroing runs this on a batch of perturbed attention outputs."""
-    if lw.position == "post":
-        z = lw.ln1(attn + x)
-        return lw.ln2(z + ff_forward(lw, z)[0])
-    if lw.position == "parallel":  # the FF reads LN2(x), which the attention output does not touch
-        return attn + x + ff_forward(lw, lw.ln2(x))[0]
-    if lw.position == "sandwich":
-        h = x + lw.post_attn_norm(attn)
-        return h + lw.post_ff_norm(ff_forward(lw, lw.ln2(h))[0])
-    h = attn + x
-    return h + ff_forward(lw, lw.ln2(h))[0]
+    return state_from_attention(lw, x, None, attn, None).y
 
 
 def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> LayerState:
@@ -261,6 +252,15 @@ def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> Lay
         src = x1
     f = head_vectors(lw, src, with_bias=True)
     attn = torch.matmul(alpha, f).sum(-3) + lw.bo
+    return state_from_attention(lw, x, alpha, attn, x1)
+
+
+def state_from_attention(
+    lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor | None, attn: torch.Tensor, x1: torch.Tensor | None
+) -> LayerState:
+    """The rest of the layer from its input x (..., m, d) and the attention block's output attn
+    (..., m, d) at the same positions (`layer_forward`; `ctxmix.engine.rows` passes some rows only;
+    `after_attention` reads only y, so alpha may be None there)."""
     r1 = attn + x if lw.position != "sandwich" else x + lw.post_attn_norm(attn)
     if lw.position == "post":
         z = lw.ln1(r1)

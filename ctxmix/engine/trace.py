@@ -51,6 +51,11 @@ class Trace:
     def n(self) -> int:
         return len(self.input_ids)
 
+    def local(self, Q: torch.Tensor) -> torch.Tensor:
+        """Positions Q as indices into the states (a full trace's states hold every position;
+        `ctxmix.engine.rows.RowsTrace` holds some rows)."""
+        return Q
+
     def logits_at(self, rows: torch.Tensor) -> torch.Tensor:
         """(k, vocab) the logits of positions `rows` (k,), whichever rows the trace kept."""
         assert self.logits is not None

@@ -70,7 +70,7 @@ def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -
     logits = tr.logits_at(Q)  # (T, V): the model's (capped) logits
     ro = target_readout(model, logits, tg, target)
     ubar = ro["rows"]
-    x_last = tr.states[-1].y[Q]  # (T, d) the real pre-norm states
+    x_last = tr.states[-1].y[tr.local(Q)]  # (T, d) the real pre-norm states
     norm = model.layers[-1].next_norm
     zeros = torch.zeros(T, dtype=dt, device=ubar.device)
     if norm is None:
@@ -99,7 +99,7 @@ def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -
 def _layer_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer l's attention update of the rows Q projected on their readouts R (T, d): D (T, n) float64, per
     source position (heads summed, b_V and LN1's beta spread through alpha as explain's), and the attention
-    output bias and the MLP update projected (T,) each."""
+    output bias and the MLP update projected (T,) each. Q indexes the state's rows (`Trace.local`)."""
     T = len(Q)
     src = st.x if lw.position == "post" else st.x1
     v = head_values(lw, src, with_bias=True)  # (H, n, dh)
@@ -153,8 +153,11 @@ def decompose_rows(
     own = dict.fromkeys(want, 0.0)
     t0 = time.perf_counter()
     T, n, L = len(rows), tr.n, len(model.layers)
+    if "alti_logit" in want and getattr(tr, "rows", None) is not None:
+        raise ValueError("alti_logit needs every row's ALTI map: a full trace (trace_ids), not trace_rows")
     dev = tr.states[-1].y.device  # builds the top layer (kept: the loop starts there)
     Q = torch.tensor(rows, device=dev)
+    Ql = tr.local(Q)  # the rows in the states (a RowsTrace holds only them)
     tg = torch.tensor(targets, device=dev)
 
     def zeros(*shape: int) -> torch.Tensor:
@@ -171,7 +174,7 @@ def decompose_rows(
         shared += time.perf_counter() - t1
         if logit_like:
             t1 = time.perf_counter()
-            D, ab, ml = _layer_rows(lw, st, Q, R)
+            D, ab, ml = _layer_rows(lw, st, Ql, R)
             per_logit += D
             attn_bias += ab
             mlp += ml
@@ -187,7 +190,7 @@ def decompose_rows(
             own["alti_logit"] += time.perf_counter() - t1
         if "attention" in want:
             t1 = time.perf_counter()
-            attn += st.alpha[:, Q, :].double().mean(0)
+            attn += st.alpha[:, Ql, :].double().mean(0)
             own["attention"] += time.perf_counter() - t1
     out: dict = {"shared_seconds": shared}
     if logit_like:
@@ -225,6 +228,21 @@ def attention_rows(tr, rows: list[int]) -> np.ndarray:
     return decompose_rows(tr.model, tr, rows, [0] * len(rows), "logit", ("attention",))["attention"]["per_token"]
 
 
+def _trace(model: Model, ids: list[int], rows: list[int], streamed: bool | None, full: bool):
+    """The trace the decomposed methods read: `logit` and `attention` need the response rows only
+    (`ctxmix.engine.rows.trace_rows`: one forward pass, no n x n map held, no layer replayed); `alti_logit`
+    needs every row's ALTI map, so a full trace (streamed above its memory share), which the others share.
+    streamed=True asks for the full streamed trace (tests compare the paths)."""
+    from ctxmix.engine.rows import NoAttentionRows, trace_rows
+
+    if not full and streamed is None:
+        try:
+            return trace_rows(model, ids, rows)
+        except NoAttentionRows:
+            pass
+    return trace_ids(model, ids, streamed=streamed, logits_from=rows[0])  # the response rows' logits only
+
+
 def run_one_pass(
     model: Model, methods: list[str], ids: list[int], P: int, target: str, streamed: bool | None = None
 ) -> dict:
@@ -243,7 +261,7 @@ def run_one_pass(
     dec = [m for m in methods if m in DECOMPOSED]
     if dec:
         t0 = time.perf_counter()
-        tr = trace_ids(model, ids, streamed=streamed, logits_from=P - 1)  # the response rows' logits only
+        tr = _trace(model, ids, rows, streamed, full="alti_logit" in dec)
         trace_secs = time.perf_counter() - t0
         res = decompose_rows(model, tr, rows, targets, target, dec)
         for m in dec:
