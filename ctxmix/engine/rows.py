@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import threading
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,12 +27,11 @@ import torch
 
 from ctxmix.engine.layer import LayerState, head_values, state_from_attention
 from ctxmix.engine.models import Model
-from ctxmix.engine.streaming import attention_modules
+from ctxmix.engine.streaming import hook_attention_once
 from ctxmix.engine.trace import _activations, _forward, _kept_logits
 
 # (row positions (T,), one slot per layer) while this thread's `trace_rows` runs; None otherwise
 ROWS: contextvars.ContextVar = contextvars.ContextVar("ctxmix_rows", default=None)
-_HOOK_LOCK = threading.Lock()
 
 
 class NoAttentionRows(RuntimeError):
@@ -53,15 +51,11 @@ def _keep_rows(l: int, module, args, kwargs, out) -> None:
 def install_row_hooks(model: Model) -> None:
     """Once per model: a forward hook on each attention module that keeps the rows of its probabilities
     while this thread's `trace_rows` runs (a ContextVar); inert otherwise."""
-    hf = model.hf
-    if getattr(hf, "_ctxmix_row_hooks", False):
-        return
-    with _HOOK_LOCK:
-        if getattr(hf, "_ctxmix_row_hooks", False):
-            return
-        for l, mod in enumerate(attention_modules(model)):
-            mod.register_forward_hook(partial(_keep_rows, l), with_kwargs=True)
-        hf._ctxmix_row_hooks = True
+
+    def register(l: int, mod: torch.nn.Module) -> None:
+        mod.register_forward_hook(partial(_keep_rows, l), with_kwargs=True)
+
+    hook_attention_once(model, "_ctxmix_row_hooks", register)
 
 
 @dataclass

@@ -62,18 +62,28 @@ def _record_call(l: int, module, args, kwargs) -> None:
         calls[l] = (module, tuple(_no_cache(a) for a in args), {k: _no_cache(v) for k, v in kwargs.items()})
 
 
+def hook_attention_once(model: Model, flag: str, register: Callable[[int, torch.nn.Module], object]) -> None:
+    """Once per model (`flag` marks it on the HF module, under a lock): register(layer, module) on each
+    attention module."""
+    hf = model.hf
+    if getattr(hf, flag, False):
+        return
+    with _HOOK_LOCK:
+        if getattr(hf, flag, False):
+            return
+        for l, mod in enumerate(attention_modules(model)):
+            register(l, mod)
+        setattr(hf, flag, True)
+
+
 def install_call_hooks(model: Model) -> None:
     """Once per model: a pre-hook on each attention module that records its call while this
     thread's streamed trace runs (a ContextVar, as transformers' own output recorder); inert otherwise."""
-    hf = model.hf
-    if getattr(hf, "_ctxmix_call_hooks", False):
-        return
-    with _HOOK_LOCK:
-        if getattr(hf, "_ctxmix_call_hooks", False):
-            return
-        for l, mod in enumerate(attention_modules(model)):
-            mod.register_forward_pre_hook(partial(_record_call, l), with_kwargs=True)
-        hf._ctxmix_call_hooks = True
+
+    def register(l: int, mod: torch.nn.Module) -> None:
+        mod.register_forward_pre_hook(partial(_record_call, l), with_kwargs=True)
+
+    hook_attention_once(model, "_ctxmix_call_hooks", register)
 
 
 def replayed_alpha(model: Model, call) -> torch.Tensor | None:
