@@ -256,13 +256,14 @@ span_unit = span_unit or "response"
 span = None
 if span_unit != "response":
     pieces = cv.response_pieces(ca.response, span_unit)
+    labels = cv.unique_labels([p[2] for p in pieces])
     linked = [int(x) for x in common.qp_list("pick", []) if str(x).isdigit() and int(x) < len(pieces)]
     picked = st.pills(
         "Click the pieces to explain (a span runs from the first to the last one picked)",
         list(range(len(pieces))),
         selection_mode="multi",
         default=linked,
-        format_func=lambda i: pieces[i][2],
+        format_func=lambda i: labels[i],
         key="span_pick",
     )
     common.set_qp(pick=list(picked))

@@ -186,3 +186,15 @@ def context_html_bytes(ca, method: str, span=None, provenance: dict | None = Non
         + "</body></html>\n"
     )
     return doc.encode("utf-8")
+
+
+def unique_labels(texts: list[str]) -> list[str]:
+    """Labels for clickable pieces that look like the texts but are all different: Streamlit's pills keep a
+    selection by its label, so two pieces reading "the" would be one; a repeat gets zero-width spaces."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in texts:
+        n = seen.get(t, 0)
+        seen[t] = n + 1
+        out.append(t + "\u200b" * n)
+    return out
