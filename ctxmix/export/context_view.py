@@ -16,10 +16,9 @@ import pandas as pd
 from ctxmix.errors import BadInput
 from ctxmix.export.context_html import _scaled
 from ctxmix.export.notebook import _cell_style
+from ctxmix.export.plots.context import COLLAPSE_BELOW, COLLAPSE_RUN, low_runs, span_scores  # noqa: F401 - the pages' too
 
 SPAN_UNITS = ("response", "sentence", "word")
-COLLAPSE_BELOW = 0.1  # a source whose |score| is under 10 % of the largest is "low"
-COLLAPSE_RUN = 3  # fold runs of at least this many low sources
 
 
 def response_pieces(response: str, unit: str) -> list[tuple[int, int, str]]:
@@ -48,34 +47,9 @@ def span_of(pieces: list[tuple[int, int, str]], chosen: list[int]) -> tuple[int,
     return pieces[idx[0]][0], pieces[idx[-1]][1]
 
 
-def span_scores(ca, method: str, span=None) -> np.ndarray:
-    """(d,) `method`'s source scores for a character span of the response (None: all of it)."""
-    return np.asarray(ca.scores[method] if span is None else ca.scores_for(method, span), dtype=np.float64)
-
-
 def signed(scores: np.ndarray) -> bool:
     """Whether a diverging scale is needed: some score is negative."""
     return bool((np.asarray(scores) < 0).any())
-
-
-def low_runs(scores, below: float = COLLAPSE_BELOW, run: int = COLLAPSE_RUN) -> list[tuple[int, int]]:
-    """Runs [i, j) of at least `run` consecutive sources whose |score| is under `below` times the largest
-    |score| (the stretches a long context folds away). NaN counts as low; all-zero scores: one run of all."""
-    s = np.abs(np.asarray(scores, dtype=np.float64))
-    top = float(np.nanmax(s)) if np.isfinite(s).any() else 0.0
-    low = ~(s >= below * top) if top > 0 else np.ones(len(s), bool)
-    out, i = [], 0
-    while i < len(s):
-        if low[i]:
-            j = i
-            while j < len(s) and low[j]:
-                j += 1
-            if j - i >= run:
-                out.append((i, j))
-            i = j
-        else:
-            i += 1
-    return out
 
 
 def _source_span(ca, i: int, s: float, scaled: float) -> str:

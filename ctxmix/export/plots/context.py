@@ -2,7 +2,7 @@
 `files.figure_bytes`): one table row per source in context order, its text wrapped to the width asked
 for and its cell shaded by the method's score (the explanation views' scale: white at 0, blue positive,
 red negative, scaled by the largest |score|), the score in a narrow column beside it; long runs of
-low-score sources fold into one grey row, as on the page (`ctxmix.export.context_view.low_runs`).
+low-score sources fold into one grey row, as on the page (`low_runs`, which the page's HTML shares).
 
 The figure sizes itself: the width is the caller's (a paper's column: 3.03 in = 291 px at 96 px per inch)
 and the height follows the wrapped lines, so the static export never clips a row (`paper_figure`'s
@@ -22,6 +22,33 @@ CHAR_WIDTH = 0.55  # Arial's mean character width in em, rounded up so wrapped l
 LINE_HEIGHT = 1.35  # em per text line in a cell
 PAD = 8  # px above and below a cell's text
 SCORE_PX = 58  # the score column
+COLLAPSE_BELOW = 0.1  # a source whose |score| is under 10 % of the largest is "low"
+COLLAPSE_RUN = 3  # fold runs of at least this many low sources
+
+
+def span_scores(ca, method: str, span=None) -> np.ndarray:
+    """(d,) `method`'s source scores for a character span of the response (None: all of it)."""
+    return np.asarray(ca.scores[method] if span is None else ca.scores_for(method, span), dtype=np.float64)
+
+
+def low_runs(scores, below: float = COLLAPSE_BELOW, run: int = COLLAPSE_RUN) -> list[tuple[int, int]]:
+    """Runs [i, j) of at least `run` consecutive sources whose |score| is under `below` times the largest
+    |score| (the stretches a long context folds away). NaN counts as low; all-zero scores: one run of all."""
+    s = np.abs(np.asarray(scores, dtype=np.float64))
+    top = float(np.nanmax(s)) if np.isfinite(s).any() else 0.0
+    low = ~(s >= below * top) if top > 0 else np.ones(len(s), bool)
+    out, i = [], 0
+    while i < len(s):
+        if low[i]:
+            j = i
+            while j < len(s) and low[j]:
+                j += 1
+            if j - i >= run:
+                out.append((i, j))
+            i = j
+        else:
+            i += 1
+    return out
 
 
 def _rgb(v: float) -> tuple[str, str]:
@@ -46,11 +73,10 @@ def context_figure(
     """`method`'s scores (for a character span of the response, or all of it) over the context's sources:
     one row per source (text wrapped to fit width_px), shaded by score, runs of low sources folded. Returns
     a figure whose height fits every row."""
-    from ctxmix.export.context_html import _scaled
-    from ctxmix.export.context_view import low_runs, span_scores
-
     s = span_scores(ca, method, span)
-    scaled = _scaled(s)
+    finite = np.isfinite(s)
+    top = float(np.abs(s[finite]).max()) if finite.any() else 0.0
+    scaled = s / top if top > 0 else np.where(finite, 0.0, np.nan)  # context_html's scaling (no import: a cycle)
     folds = dict(low_runs(s)) if collapse else {}
     text_px = max(80, int(width_px) - SCORE_PX - 20)
     per_line = max(12, int(text_px / (CHAR_WIDTH * font_px)) - 2)
