@@ -14,7 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # URL path -> plots the page must show at least
-PAGES = {"": 4, "Contextualization_change": 3, "LN_gamma_vs_FF_outliers": 2, "Benchmarks": 0, "Saved_explanation": 0}
+PAGES = {
+    "": 4,
+    "Context_attribution": 0,
+    "Contextualization_change": 3,
+    "LN_gamma_vs_FF_outliers": 2,
+    "Benchmarks": 0,
+    "Saved_explanation": 0,
+}
 
 pytestmark = pytest.mark.slow
 
@@ -245,6 +252,57 @@ def test_explain_scene_screenshot(server, browser, scene, tmp_path):
     assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]'), body[-2000:]
     assert must_show in body, body[-1500:]
     assert plots >= want, f"{scene}: {plots} plots rendered, expected at least {want}"
+    problems = browser.execute_script(LAYOUT_CHECK)
+    browser.set_window_size(1400, 2400)
+    assert not problems, problems[:10]
+
+
+def test_context_attribution_scene(server, browser, tmp_path):
+    """The Context attribution page on smollm2 with a needle context: the response, a word span picked from
+    the link, the shaded context in its scroll box, the top-sources table, two methods side by side and the
+    figure export open; screenshot, no overlapping or clipped labels."""
+    import urllib.parse
+
+    from selenium.webdriver.common.by import By
+
+    q = urllib.parse.urlencode(
+        {
+            "model": "smollm2",
+            "ctx": "The museum opened in 1902 in a former railway station. Its collection grew slowly at first. "
+            "The code for the staff entrance is 4817. Visitors enter through the main hall on the north side.",
+            "query": "What is the code for the staff entrance?",
+            "resp": "The code for the staff entrance is 4817.",
+            "cmethod": ["alti_logit", "logit"],
+            "span_unit": "word",
+            "pick": ["7"],  # "4817."
+        },
+        doseq=True,
+    )
+    browser.get(f"{server}/Context_attribution?{q}")
+    deadline = time.time() + 480
+    body = ""
+    while time.time() < deadline:
+        time.sleep(2)
+        running = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        body = browser.find_element(By.TAG_NAME, "body").text
+        if not running and "Two methods side by side" in body and "Explaining characters" in body:
+            break
+    # open the figure export (an expander) so its plotly table is checked too
+    for ex in browser.find_elements(By.CSS_SELECTOR, '[data-testid="stExpander"] summary'):
+        if "Export the shaded context" in ex.text:
+            ex.click()
+    time.sleep(4)
+    out = Path(os.environ.get("CTXMIX_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    height = browser.execute_script(
+        "return document.querySelector('[data-testid=\"stMain\"]')?.scrollHeight || document.body.scrollHeight"
+    )
+    browser.set_window_size(1400, min(12000, max(2400, int(height) + 200)))
+    time.sleep(2)
+    browser.save_screenshot(str(out / "context_attribution.png"))
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]'), body[-2000:]
+    assert "The code for the staff entrance is 4817." in body and "Check by ablation" in body, body[-1500:]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "[data-source]")) >= 4  # the shaded sources
     problems = browser.execute_script(LAYOUT_CHECK)
     browser.set_window_size(1400, 2400)
     assert not problems, problems[:10]

@@ -217,6 +217,16 @@ class ContextAttribution:
 
         return evaluate_context(self, model, k, n_ablations, gold, span, seed, batch_size, progress)
 
+    def ablate(
+        self, model: Model, method: str, k: int = 3, span=None, max_new_tokens: int | None = None, progress=None
+    ):
+        """Check `method` by ablation: remove its k highest-scoring sources (for a character span of the
+        response, or all of it), measure log P(response) with and without them (the top-k drop) and
+        regenerate the answer without them. Returns a `ctxmix.methods.context_check.AblationCheck`."""
+        from ctxmix.methods.context_check import ablate
+
+        return ablate(self, model, method, k, span, max_new_tokens, progress)
+
     def show(self, method: str | None = None, span=None):
         """The context with each source shaded by `method`'s score (every method when None): blue raises
         the response, red lowers it, white 0, scaled by the method's largest |score|; hover for the value.
@@ -322,6 +332,10 @@ def attribute_context(
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
     aggregation that overflows on confident spans); the default differs there as the note's §7
     recommends (`ctxmix.methods.context_ablation`).
+
+    progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
+    response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
+    "leave_one_out"): the dashboard's bars.
 
     Raises BadInput, before any model pass, for an empty context, a single source, an empty or
     end-of-sequence-only response, a prompt + response over the model's window, bad spans, an encoder or

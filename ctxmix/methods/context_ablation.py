@@ -171,8 +171,15 @@ def _passes(model, builder, prompts, response_ids, batch_size, progress, desc) -
     from ctxmix.progress import progress_bar
 
     t0 = time.perf_counter()
-    with progress_bar(len(prompts), desc, enabled=bool(progress), unit="pass") as bar:
-        lp = response_logit_probs(model, prompts, response_ids, batch_size, lambda k: bar.update(k - bar.n))
+    n = len(prompts)
+    with progress_bar(n, desc, enabled=bool(progress) and not callable(progress), unit="pass") as bar:
+
+        def report(k: int) -> None:
+            bar.update(k - bar.n)
+            if callable(progress):  # a page's bar: progress(stage, done, total)
+                progress(desc, k, n)
+
+        lp = response_logit_probs(model, prompts, response_ids, batch_size, report)
     return lp, time.perf_counter() - t0
 
 

@@ -218,7 +218,8 @@ def make_response(
                 f"{model.name}'s window of {limit} positions: shorten the context or max_new_tokens"
             )
         t0 = time.perf_counter()
-        g = generate(model, input_ids=prompt.ids, max_new_tokens=max_new_tokens, greedy=True)
+        report = (lambda k, n: progress("generate", k, n)) if callable(progress) else None  # a page's bar
+        g = generate(model, input_ids=prompt.ids, max_new_tokens=max_new_tokens, greedy=True, progress=report)
         seconds = time.perf_counter() - t0
         new = list(g.new_ids)
         if builder.compat:  # the official re-tokenisation of the decoded text, end-of-sequence kept

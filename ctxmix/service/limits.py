@@ -31,6 +31,11 @@ class Limits:
     max_job_tokens: int  # tokens in all the sequences of one corpus job
     max_concurrent_jobs: int  # corpus jobs running at once on the server
     max_archive_ratio: float = 20.0  # an archive's decompressed size / its compressed cap
+    # the Context attribution page (one request: a prompt of documents, a query, a generated response)
+    max_context_tokens: int = 4096  # the prompt's tokens: template, documents and query
+    max_documents: int = 5  # documents (uploaded files) in one context
+    max_ablations: int = 32  # ContextCite's ablations, and evaluate's held-out ones, per request
+    max_context_new_tokens: int = 64  # the response's new tokens
 
     @property
     def server_upload_mb(self) -> int:
@@ -53,6 +58,7 @@ HOSTED = Limits(
     max_archive_mb=20.0,
     max_job_tokens=12_800,
     max_concurrent_jobs=2,
+    max_context_tokens=1024,
 )
 
 
@@ -183,4 +189,31 @@ def check_archive(data: bytes | Path, limits: Limits, name: str = "the file") ->
         raise BadInput(
             f"{name} would decompress to {total / 2**20:.0f} MB; at most "
             f"{limits.max_archive_ratio * limits.max_archive_mb:g} MB here"
+        )
+
+
+def check_context_request(
+    prompt_tokens: int, n_documents: int, n_ablations: int | None, max_new_tokens: int, limits: Limits
+) -> None:
+    """Refuse a context-attribution request over the page's caps, before any model call (tokenising the
+    prompt is not one): the prompt's tokens (template, documents, query) against `max_context_tokens`, the
+    documents against `max_documents`, ContextCite's ablations (None: none asked for) against
+    `max_ablations`, the new tokens against `max_context_new_tokens`. The message names the limit."""
+    if n_documents > limits.max_documents:
+        raise BadInput(
+            f"the context has {n_documents} documents; the limit here is {limits.max_documents} documents "
+            f"(max_documents): remove {n_documents - limits.max_documents}"
+        )
+    if prompt_tokens > limits.max_context_tokens:
+        raise BadInput(
+            f"the prompt (context, query and template) has {prompt_tokens} tokens; the limit here is "
+            f"{limits.max_context_tokens} tokens (max_context_tokens): shorten the context by "
+            f"{prompt_tokens - limits.max_context_tokens} tokens"
+        )
+    if n_ablations is not None and n_ablations > limits.max_ablations:
+        raise BadInput(f"{n_ablations} ablations asked for; the limit here is {limits.max_ablations} (max_ablations)")
+    if max_new_tokens > limits.max_context_new_tokens:
+        raise BadInput(
+            f"{max_new_tokens} new tokens asked for; the limit here is {limits.max_context_new_tokens} "
+            "(max_context_new_tokens)"
         )

@@ -135,6 +135,7 @@ def client_address() -> str:
 # Material icons (Streamlit ships their font): emoji render as empty boxes where no emoji font is installed
 PAGES = [
     ("app.py", "Explain", ":material/search:"),
+    ("pages/0_Context_attribution.py", "Context attribution", ":material/format_quote:"),
     ("pages/1_Contextualization_change.py", "Contextualization change", ":material/bar_chart:"),
     ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", ":material/scatter_plot:"),
     ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
@@ -371,9 +372,10 @@ def reproduce(command: str) -> None:
             st.json(prov, expanded=False)
 
 
-def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
+def export_figure(fig, name: str, data=None, key: str | None = None, presets: bool = True) -> None:
     """Download buttons for a figure (PNG, SVG, PDF via kaleido + Chromium; HTML always) and its data,
-    in one row that wraps (so a figure in a narrow column keeps readable buttons)."""
+    in one row that wraps (so a figure in a narrow column keeps readable buttons). presets=False: no
+    paper-size box (a figure that sizes itself, e.g. the shaded context at a chosen width)."""
     key = key or name
     row = st.container(horizontal=True, wrap=True, gap="small", vertical_alignment="center")
     static = plots.static_export_available()
@@ -384,7 +386,8 @@ def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
         "NeurIPS / ICLR (5.5 in)": "neurips",
     }
     prov = _provenance()  # captured now: the downloads' data is produced later
-    preset = sizes.get(st.session_state.get(f"{key}_size", "screen"))  # the size box is drawn after the buttons
+    # the size box is drawn after the buttons
+    preset = sizes.get(st.session_state.get(f"{key}_size", "screen")) if presets else None
     buttons = row.container(horizontal=True, wrap=False, gap="small", width="content")
     for fmt in ["png", "svg", "pdf"]:
         buttons.download_button(
@@ -414,14 +417,15 @@ def export_figure(fig, name: str, data=None, key: str | None = None) -> None:
             key=f"{key}_data",
             on_click="ignore",
         )
-    row.selectbox(
-        "Size",
-        list(sizes),
-        key=f"{key}_size",
-        label_visibility="collapsed",
-        width=200,
-        help="Static exports at a paper's column or page width, with 9 pt text.",
-    )
+    if presets:
+        row.selectbox(
+            "Size",
+            list(sizes),
+            key=f"{key}_size",
+            label_visibility="collapsed",
+            width=200,
+            help="Static exports at a paper's column or page width, with 9 pt text.",
+        )
     if not static:
         row.caption("PNG/SVG/PDF need Chromium")
 

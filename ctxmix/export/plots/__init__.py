@@ -9,12 +9,14 @@ labels on the axes):
     saliency    per-token saliency rows, ALTI+'s source share, rank agreement between methods
     prediction  signed logit parts per token, the layer-by-token table of ALTI-Logit / Logit
     routes      information-flow routes over tokens and layers
+    context     a context attribution's shaded sources, sized for a paper's column
     corpus      contextualization change, dynamics, cross-segment mixing, residual norms, outliers
     files       PNG/SVG/PDF/HTML with provenance, figure data and tables as files, paper presets
 
 Every figure is importable from here (`ctxmix.export.plots.map_heatmap`), as before the split.
 """
 
+from ctxmix.export.plots.context import context_figure
 from ctxmix.export.plots.corpus import (
     change_bars,
     correlation_bars,
@@ -66,6 +68,7 @@ __all__ = [
     "change_bars",
     "chromium_path",
     "color_range",
+    "context_figure",
     "correlation_bars",
     "cross_mixing_figure",
     "display_tokens",

@@ -1,0 +1,174 @@
+"""The Context attribution page's views of a `ContextAttribution`, as plain data and HTML (no Streamlit):
+the response cut into pieces a user picks a span from, the shaded context with long low-score stretches
+folded away (readable at thousands of tokens), and the ranked tables (one method, methods side by side).
+
+Every score here comes from `ContextAttribution.scores_for` (stored contributions or ablations: no model).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+import numpy as np
+import pandas as pd
+
+from ctxmix.errors import BadInput
+from ctxmix.export.context_html import _scaled
+from ctxmix.export.notebook import _cell_style
+from ctxmix.export.plots.context import COLLAPSE_BELOW, COLLAPSE_RUN, low_runs, span_scores  # noqa: F401 - the pages' too
+
+SPAN_UNITS = ("response", "sentence", "word")
+
+
+def response_pieces(response: str, unit: str) -> list[tuple[int, int, str]]:
+    """The response cut into pieces a span is picked from: (start, end, text) character spans of `response`.
+    unit: "response" (one piece, all of it), "sentence" (the sources' offline splitter) or "word" (runs of
+    non-space characters)."""
+    if unit not in SPAN_UNITS:
+        raise BadInput(f"unit must be one of {', '.join(SPAN_UNITS)}, got {unit!r}")
+    if not response.strip():
+        return []
+    if unit == "response":
+        return [(0, len(response), response)]
+    if unit == "word":
+        return [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+", response)]
+    from ctxmix.methods.sources import sentence_spans
+
+    return [(a, b, response[a:b]) for a, b in sentence_spans(response)]
+
+
+def span_of(pieces: list[tuple[int, int, str]], chosen: list[int]) -> tuple[int, int] | None:
+    """The character span covering the chosen pieces (indices into `pieces`, any order; they need not touch:
+    the span runs from the first chosen piece's start to the last one's end). None: nothing chosen."""
+    idx = sorted({int(i) for i in chosen if 0 <= int(i) < len(pieces)})
+    if not idx:
+        return None
+    return pieces[idx[0]][0], pieces[idx[-1]][1]
+
+
+def signed(scores: np.ndarray) -> bool:
+    """Whether a diverging scale is needed: some score is negative."""
+    return bool((np.asarray(scores) < 0).any())
+
+
+def _source_span(ca, i: int, s: float, scaled: float) -> str:
+    a, b = ca.source_spans[i]
+    return (
+        f'<span data-source="{i}" data-score="{float(s)!r}" title="source {i}: {s:.6g}" '
+        f'style="{_cell_style(scaled)};border-radius:2px">{html.escape(ca.context[a:b])}</span>'
+    )
+
+
+def context_view_html(ca, scores, collapse: bool = True, below: float = COLLAPSE_BELOW, run: int = COLLAPSE_RUN) -> str:
+    """The context with each source shaded by its score (d,) (`ctxmix.export.context_html`'s scale: blue
+    raises, red lowers, scaled by the largest |score|), runs of low-score sources (`low_runs`) folded into a
+    <details> element that opens on a click, so a 2,000-token context reads at a glance. HTML-escaped."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.shape != (ca.n_sources,):
+        raise BadInput(f"scores must have one value per source ({ca.n_sources}), got shape {s.shape}")
+    scaled = _scaled(s)
+    folds = {i: j for i, j in low_runs(s, below, run)} if collapse else {}
+    out, cur, i = [], 0, 0
+    while i < ca.n_sources:
+        a, _ = ca.source_spans[i]
+        out.append(html.escape(ca.context[cur:a]))
+        if i in folds:
+            j = folds[i]
+            inner = "".join(
+                html.escape(ca.context[ca.source_spans[q - 1][1] : ca.source_spans[q][0]]) * (q > i)
+                + _source_span(ca, q, s[q], scaled[q])
+                for q in range(i, j)
+            )
+            out.append(
+                f'<details style="display:inline" data-folded="{i}-{j - 1}"><summary style="display:inline;'
+                f'cursor:pointer;color:#666;font-style:italic">[… {j - i} sources with |score| under '
+                f"{below:.0%} of the largest …]</summary>{inner}</details>"
+            )
+            cur, i = ca.source_spans[j - 1][1], j
+        else:
+            out.append(_source_span(ca, i, s[i], scaled[i]))
+            cur, i = ca.source_spans[i][1], i + 1
+    out.append(html.escape(ca.context[cur:]))
+    return (
+        '<div class="ctxmix-context" style="white-space:pre-wrap;line-height:1.7;font-family:serif;'
+        f'font-size:15px">{"".join(out)}</div>'
+    )
+
+
+def colour_key(scores) -> str:
+    """What the shading means, for a caption."""
+    if signed(scores):
+        return "blue raises the response, red lowers it, white 0 (diverging, scaled by the largest |score|)"
+    return "darker blue: higher score (all scores are non-negative; scaled by the largest)"
+
+
+def top_table(ca, method: str, k: int = 10, span=None) -> pd.DataFrame:
+    """The k best sources of `method` for the span: rank (1 = best), source (index), score, text."""
+    s = span_scores(ca, method, span)
+    order = np.argsort(-s, kind="stable")[: max(1, int(k))]  # ties: the earlier source (as `top`)
+    return pd.DataFrame(
+        {
+            "rank": np.arange(1, len(order) + 1),
+            "source": order.astype(int),
+            "score": s[order],
+            "text": [ca.sources[i] for i in order],
+        }
+    )
+
+
+def side_by_side(ca, methods: list[str], k: int = 10, span=None) -> pd.DataFrame:
+    """The top-k of each method next to each other: one row per rank, per method its source and score."""
+    cols = {}
+    for m in methods:
+        t = top_table(ca, m, k, span)
+        cols[f"{m} source"] = t["source"].tolist()
+        cols[f"{m} score"] = t["score"].tolist()
+        cols[f"{m} text"] = t["text"].tolist()
+    n = max((len(v) for v in cols.values()), default=0)
+    return pd.DataFrame({"rank": np.arange(1, n + 1), **cols})
+
+
+def rank_agreement(ca, methods: list[str], span=None) -> float:
+    """Spearman between two methods' source scores for the span (NaN when either is constant)."""
+    import warnings
+
+    from scipy import stats
+
+    a, b = (span_scores(ca, m, span) for m in methods[:2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(stats.spearmanr(a, b).statistic)
+
+
+def context_html_bytes(ca, method: str, span=None, provenance: dict | None = None, collapse: bool = False) -> bytes:
+    """The shaded context as a standalone HTML file (UTF-8): the method, the span explained, the colour key,
+    the context, and the provenance as a comment line (as every export of the dashboard carries it)."""
+    from ctxmix.export.plots.files import provenance_line
+
+    s = span_scores(ca, method, span)
+    e = html.escape
+    what = ca.response if span is None else ca.response[int(span[0]) : int(span[1])]
+    prov = provenance_line(provenance) if provenance else ""
+    doc = (
+        "<!DOCTYPE html>\n"
+        + (f"<!-- {prov.replace('--', '- -')} -->\n" if prov else "")
+        + '<html><head><meta charset="utf-8"><title>ctxmix context attribution</title></head><body>'
+        + f"<p><b>{e(method)}</b> ({e(colour_key(s))})</p>"
+        + f"<p><em>Explained:</em> <code style='white-space:pre-wrap'>{e(what)}</code></p>"
+        + context_view_html(ca, s, collapse=collapse)
+        + "</body></html>\n"
+    )
+    return doc.encode("utf-8")
+
+
+def unique_labels(texts: list[str]) -> list[str]:
+    """Labels for clickable pieces that look like the texts but are all different: Streamlit's pills keep a
+    selection by its label, so two pieces reading "the" would be one; a repeat gets zero-width spaces."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in texts:
+        n = seen.get(t, 0)
+        seen[t] = n + 1
+        out.append(t + "\u200b" * n)
+    return out

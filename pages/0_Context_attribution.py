@@ -1,0 +1,415 @@
+"""Context attribution: paste (or upload) documents, ask a question, see which sources the model's answer
+rests on, for the whole answer or a span of it, then check it by removing them. Layout only: the numbers
+come from `ctxmix.attribute_context` and `ctxmix.methods.context_check`, the views from
+`ctxmix.export.context_view` and `ctxmix.export.plots.context_figure`."""
+
+import shlex
+
+import streamlit as st
+
+import ctxmix
+from ctxmix.export import context_view as cv
+from ctxmix.export import plots
+from ctxmix.export.context_file import context_attribution_bytes
+from ctxmix.methods.context_check import extend_attribution, prompt_token_count
+from ctxmix.methods.registry import CONTEXT_METHODS
+from ctxmix.service.limits import check_context_request
+from ctxmix_dashboard.ui import common
+
+ABLATION = ("contextcite", "leave_one_out")  # slow: behind a button
+ONE_PASS_DEFAULT = "alti_logit"  # the one-pass method with the best mean LDS in the shipped results (docs)
+DEFAULT_CONTEXT = (
+    "The museum opened in 1902 in a former railway station. Its collection grew slowly at first. "
+    "The code for the staff entrance is 4817. Visitors enter through the main hall on the north side. "
+    "The café on the top floor closes at five."
+)
+DEFAULT_QUERY = "What is the code for the staff entrance?"
+UNITS = ["sentence", "paragraph", "document"]
+WIDTHS = {"screen (700 px)": 700, "ACL column (3.03 in)": 291, "ACL page (6.3 in)": 605, "NeurIPS / ICLR (5.5 in)": 528}
+
+common.page_setup()
+st.title("Context attribution")
+st.caption(
+    "Which sentences (paragraphs, documents) of a context made a causal language model give its answer: "
+    "one-pass methods from ctxmix's exact decompositions, ContextCite from random ablations, each checkable "
+    "by removing its top sources."
+)
+if "model" not in st.query_params and common.qp("model") in (None, "minilm", "minilm-sentiment"):
+    st.query_params["model"] = "smollm2"  # this page needs a causal language model: the embedded one
+name = common.model_picker()
+model = common.load_or_stop(name)
+if model.kind != "causal_lm" or model.spec.encoder_decoder:
+    st.info(f"{name} is not a causal language model; pick `smollm2` (embedded) or another decoder in the sidebar.")
+    st.stop()
+lim = common.server_limits()
+
+# ---------------------------------------------------------------- inputs
+source_kind = st.segmented_control(
+    "Context",
+    ["text", "files"],
+    default=common.qp("ctx_from", "text") if common.qp("ctx_from", "text") in ("text", "files") else "text",
+    format_func={"text": "Paste text", "files": "Upload .txt / .md files (one document each)"}.get,
+    key="ctx_from",
+)
+source_kind = source_kind or "text"
+documents: list[str] = []
+file_names: list[str] = []
+if source_kind == "text":
+    context = st.text_area(
+        "Context",
+        value=common.qp_text("ctx", DEFAULT_CONTEXT, 60_000),
+        height=180,
+        key="ctx",
+        help="Blank lines separate paragraphs; one pasted text is one document.",
+    )
+    documents = [context]
+else:
+    ups = st.file_uploader(
+        "Documents",
+        type=["txt", "md"],
+        accept_multiple_files=True,
+        key="ctx_files",
+        max_upload_size=max(1, int(lim.max_upload_mb + 0.999)),
+        help=f"At most {lim.max_documents} files; each is one document (a source when the unit is 'document').",
+    )
+    linked = common.qp_list("files", [])
+    if not ups:
+        if linked:
+            st.info(
+                "This link's documents were uploaded (" + ", ".join(linked) + "); links do not carry files: "
+                "upload them again to see the same view."
+            )
+        else:
+            st.info("Upload one or more .txt or .md files.")
+        st.stop()
+    for up in ups:
+        if up.size > lim.max_upload_mb * 2**20:  # a client can skip the browser's check
+            st.error(f"{up.name} is {up.size / 2**20:.1f} MB; the limit here is {lim.max_upload_mb:g} MB per file.")
+            st.stop()
+        try:
+            documents.append(up.getvalue().decode("utf-8"))
+        except UnicodeDecodeError:
+            st.error(f"{up.name} is not UTF-8 text.")
+            st.stop()
+        file_names.append(up.name)
+query = st.text_input("Query", value=common.qp_text("query", DEFAULT_QUERY, 2_000), key="query")
+c1, c2, c3, c4 = st.columns([1, 2, 1, 1])
+unit = c1.selectbox("Source unit", UNITS, index=common.qp_index("unit", UNITS), key="unit")
+default_methods = [ONE_PASS_DEFAULT, "contextcite"]
+methods = c2.multiselect(
+    "Methods",
+    list(CONTEXT_METHODS),
+    default=[m for m in common.qp_list("cmethod", default_methods) if m in CONTEXT_METHODS] or default_methods,
+    format_func=lambda m: f"{m} ({CONTEXT_METHODS[m].title})",
+    key="cmethods",
+    help="One-pass methods (logit, alti_logit, attention, grad_x_input) run at once; contextcite and "
+    "leave_one_out make one forward pass per ablation and run when you click their button.",
+)
+n_new = c3.number_input(
+    "New tokens",
+    1,
+    lim.max_context_new_tokens,
+    common.qp_int("new", min(24, lim.max_context_new_tokens), 1, lim.max_context_new_tokens),
+    key="new",
+)
+n_abl = c4.number_input(
+    "Ablations (ContextCite)",
+    2,
+    lim.max_ablations,
+    common.qp_int("nabl", min(32, lim.max_ablations), 2, lim.max_ablations),
+    key="nabl",
+)
+with st.expander("Response (optional)", expanded=bool(common.qp("resp"))):
+    given = st.text_area(
+        "Attribute this response instead of generating one",
+        value=common.qp_text("resp", "", 4_000),
+        key="resp",
+        help="Empty: the model's greedy answer. A stored answer keeps the view the same on another machine.",
+    )
+common.set_qp(
+    ctx_from=source_kind,
+    ctx=documents[0] if source_kind == "text" else None,
+    files=file_names or None,
+    query=query,
+    unit=unit,
+    cmethod=methods,
+    new=int(n_new),
+    nabl=int(n_abl),
+    resp=given,
+)
+if source_kind == "files":
+    st.query_params.pop("ctx", None)
+if not methods:
+    st.info("Choose at least one method.")
+    st.stop()
+context = documents if len(documents) > 1 else documents[0]
+query_arg = query.strip() or None
+response_arg = given if given.strip() else None
+
+# ---------------------------------------------------------------- caps, before any model call
+capped = True
+with common.errors_as_messages():
+    n_prompt = prompt_token_count(model, context, query_arg, unit)
+    wants_abl = any(m in ABLATION for m in methods)
+    check_context_request(n_prompt, len(documents), int(n_abl) if wants_abl else None, int(n_new), lim)
+    capped = False
+if capped:  # the message naming the limit is shown; nothing ran
+    st.stop()
+
+# ---------------------------------------------------------------- the attribution (cached in this session)
+cache = st.session_state.setdefault("_ctx_cache", {})
+key = (name, tuple(documents), query_arg, unit, response_arg, int(n_new))
+ca = cache.get(key)
+
+
+def _bar(what: str):
+    bar = st.progress(0.0, text=what)
+
+    def report(stage, done, total):
+        label = {"generate": "Generating the response", "contextcite": "ContextCite ablations"}.get(stage, stage)
+        bar.progress(min(1.0, done / max(total, 1)), text=f"{label}… {done}/{total}")
+
+    return bar, report
+
+
+one_pass = [m for m in methods if m not in ABLATION]
+ablation = [m for m in methods if m in ABLATION]
+with common.errors_as_messages():
+    todo = [m for m in one_pass if ca is None or m not in ca.methods]
+    if todo:
+        bar, report = _bar("Tracing…")
+        if ca is None:
+            ca = ctxmix.attribute_context(
+                model,
+                context,
+                query_arg,
+                response=response_arg,
+                sources=unit,
+                methods=todo,
+                max_new_tokens=int(n_new),
+                n_ablations=int(n_abl),
+                progress=report,
+            )
+        else:
+            extend_attribution(ca, model, todo, progress=report)
+        cache.clear()  # one attribution per session: the latest inputs
+        cache[key] = ca
+        bar.empty()
+    pending = [
+        m
+        for m in ablation
+        if ca is None or m not in ca.methods or (m == "contextcite" and int(ca.options["n_ablations"]) != int(n_abl))
+    ]
+    if pending:
+        label = " and ".join(pending)
+        passes = " + ".join((f"{int(n_abl)}" if m == "contextcite" else "one per source + 1") for m in pending)
+        run = common.qp("abl") == "1" or st.button(
+            f"Run {label} ({passes} forward passes)", key="run_ablations", type="primary"
+        )
+        if run:
+            bar, report = _bar("Ablations…")
+            if ca is None:
+                ca = ctxmix.attribute_context(
+                    model,
+                    context,
+                    query_arg,
+                    response=response_arg,
+                    sources=unit,
+                    methods=pending,
+                    max_new_tokens=int(n_new),
+                    n_ablations=int(n_abl),
+                    progress=report,
+                )
+            else:
+                extend_attribution(ca, model, pending, n_ablations=int(n_abl), progress=report)
+            cache.clear()
+            cache[key] = ca
+            bar.empty()
+            common.set_qp(abl=1)
+        else:
+            st.caption(f"{label}: not run yet (one forward pass per ablation; the button runs it).")
+    elif ablation:
+        common.set_qp(abl=1)
+if ca is None:
+    st.stop()
+
+shown = [m for m in ca.methods if m in methods] or list(ca.methods)
+for w in ca.warnings:
+    st.warning(w)
+
+# ---------------------------------------------------------------- the response and its span
+st.subheader("Response")
+st.markdown(f"> {ca.response}" if ca.response.strip() else "*(empty)*")
+st.caption(
+    f"{len(ca.response_ids)} tokens, {ca.options['response']}; prompt {len(ca.prompt_ids)} tokens, "
+    f"{ca.n_sources} sources ({unit}s)."
+)
+span_units = list(cv.SPAN_UNITS)
+span_unit = st.segmented_control(
+    "Explain",
+    span_units,
+    default=common.qp("span_unit", "response") if common.qp("span_unit") in span_units else "response",
+    format_func={"response": "the whole response", "sentence": "a sentence", "word": "words"}.get,
+    key="span_unit",
+)
+span_unit = span_unit or "response"
+span = None
+if span_unit != "response":
+    pieces = cv.response_pieces(ca.response, span_unit)
+    labels = cv.unique_labels([p[2] for p in pieces])
+    linked = [int(x) for x in common.qp_list("pick", []) if str(x).isdigit() and int(x) < len(pieces)]
+    picked = st.pills(
+        "Click the pieces to explain (a span runs from the first to the last one picked)",
+        list(range(len(pieces))),
+        selection_mode="multi",
+        default=linked,
+        format_func=lambda i: labels[i],
+        key="span_pick",
+    )
+    common.set_qp(pick=list(picked))
+    span = cv.span_of(pieces, picked)
+    if span is None:
+        st.caption("Nothing picked: the whole response is explained.")
+    else:
+        st.caption(f"Explaining characters {span[0]}-{span[1]}: “{ca.response[span[0] : span[1]]}”")
+common.set_qp(span_unit=span_unit)
+if span_unit == "response":
+    st.query_params.pop("pick", None)
+
+common.set_provenance(
+    model=name,
+    weights_sha256=ca.provenance.get("weights_sha256"),
+    context=ca.context if source_kind == "text" else None,
+    documents=file_names or None,
+    query=ca.query,
+    response=ca.response,
+    span=list(span) if span else None,
+    methods=ca.methods,
+    options={k: ca.options.get(k) for k in ("sources", "target", "n_ablations", "seed", "keep_prob", "alpha")},
+)
+
+# ---------------------------------------------------------------- the shaded context and the top sources
+st.subheader("Sources")
+c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
+view = c1.selectbox(
+    "Shade by",
+    shown,
+    index=common.qp_index("view", shown),
+    format_func=lambda m: f"{m} ({CONTEXT_METHODS[m].paper})",
+    key="view",
+)
+k_top = c2.number_input("Top sources", 1, ca.n_sources, min(5, ca.n_sources), key="top_k")
+fold = c3.toggle(
+    "Fold low-score stretches",
+    value=common.qp("fold", "1") == "1",
+    key="fold",
+    help="Runs of 3 or more sources under 10% of the largest |score| fold into one line; click it to open.",
+)
+common.set_qp(view=view, fold=int(fold))
+with common.errors_as_messages():
+    scores = cv.span_scores(ca, view, span)
+    st.caption(f"{CONTEXT_METHODS[view].title}: {cv.colour_key(scores)}. Hover a source for its score.")
+    with st.container(height=420, border=True):
+        st.html(cv.context_view_html(ca, scores, collapse=fold))
+    top = cv.top_table(ca, view, int(k_top), span)
+    st.dataframe(top.style.format({"score": "{:.4g}"}), hide_index=True, width="stretch", key="top_table")
+    common.export_table(top, f"top_sources_{view}", caption=f"Top sources by {view}")
+    with st.expander("Export the shaded context (figure for a paper, HTML)", icon=":material/download:"):
+        width_name = st.selectbox("Width", list(WIDTHS), key="ctx_fig_width")
+        fig = plots.context_figure(ca, view, span, width_px=WIDTHS[width_name])
+        st.plotly_chart(fig, key="chart_context_figure", config={"displaylogo": False})
+        common.export_figure(fig, f"context_{view}", data=top, key="context_fig", presets=False)
+        prov = common._provenance()
+        st.download_button(
+            "Shaded context (HTML page)",
+            data=lambda: cv.context_html_bytes(ca, view, span, prov),
+            file_name=f"context_{view}.html",
+            mime="text/html",
+            key="context_html",
+            on_click="ignore",
+        )
+
+    if len(shown) >= 2:
+        st.subheader("Two methods side by side")
+        a, b = st.columns(2)
+        left = a.selectbox("Left", shown, index=common.qp_index("left", shown), key="left")
+        right_default = common.qp("right") if common.qp("right") in shown else shown[1]
+        right = b.selectbox("Right", shown, index=shown.index(right_default), key="right")
+        common.set_qp(left=left, right=right)
+        for col, m in ((a, left), (b, right)):
+            with col:
+                s = cv.span_scores(ca, m, span)
+                st.caption(cv.colour_key(s))
+                with st.container(height=300, border=True):
+                    st.html(cv.context_view_html(ca, s, collapse=fold))
+                st.dataframe(
+                    cv.top_table(ca, m, int(k_top), span).style.format({"score": "{:.4g}"}),
+                    hide_index=True,
+                    width="stretch",
+                    key=f"side_{'l' if col is a else 'r'}",
+                )
+        if left != right:
+            st.caption(f"Spearman ρ between their source scores: {cv.rank_agreement(ca, [left, right], span):.2f}")
+        both = cv.side_by_side(ca, [left, right] if left != right else [left], int(k_top), span)
+        common.export_table(both, "top_sources_side_by_side", caption=f"Top sources: {left} and {right}")
+
+# ---------------------------------------------------------------- check by ablation
+st.subheader("Check by ablation")
+st.caption(
+    "Remove the chosen method's top-k sources from the context, measure log P(response) again (the top-k "
+    "drop: higher means the sources mattered) and regenerate the answer without them."
+)
+c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
+amethod = c1.selectbox("Method", shown, index=common.qp_index("amethod", shown), key="amethod")
+max_k = max(1, ca.n_sources - 1)
+k = c2.number_input("k", 1, max_k, common.qp_int("k", min(3, max_k), 1, max_k), key="abl_k")
+common.set_qp(amethod=amethod, k=int(k))
+checks = st.session_state.setdefault("_ctx_checks", {})
+ckey = (key, amethod, int(k), span)
+if c3.button("Remove and regenerate", key="ablate", type="primary"):
+    with common.errors_as_messages():
+        bar, report = _bar("Regenerating…")
+        checks.clear()
+        checks[ckey] = ca.ablate(model, amethod, int(k), span, progress=report)
+        bar.empty()
+chk = checks.get(ckey)
+if chk is not None:
+    m1, m2, m3 = st.columns(3)
+    m1.metric("log P(response), full context", f"{chk.log_prob_before:.3f}")
+    m2.metric(f"without the top {chk.k}", f"{chk.log_prob_after:.3f}")
+    m3.metric(f"top-{chk.k} drop", f"{chk.drop:.3f}")
+    st.markdown("**Removed:** " + " · ".join(f"#{i} “{t}”" for i, t in zip(chk.removed, chk.removed_texts)))
+    st.markdown(f"**Answer without them:** {chk.response_after or '*(empty)*'}")
+    if chk.changed:
+        st.success("The answer changed without these sources.", icon=":material/swap_horiz:")
+    else:
+        st.info("The answer is the same without these sources.")
+
+with st.expander("Evaluate every method on this example (top-k drop, LDS)", icon=":material/fact_check:"):
+    n_eval = st.number_input("Held-out ablations", 2, lim.max_ablations, min(32, lim.max_ablations), key="eval_n")
+    if st.button("Evaluate", key="evaluate"):
+        with common.errors_as_messages(), st.spinner(f"{int(n_eval)} held-out ablations…"):
+            ca.evaluate(model, k=(1, 3, 5), n_ablations=int(n_eval), span=span, progress=False)
+    if ca.evaluation:
+        ev = ca.evaluation["table"]
+        st.dataframe(ev.style.format(precision=3), hide_index=True, width="stretch", key="evaluation")
+        st.caption("Higher is better in every column. " + " ".join(ca.evaluation.get("notes", [])))
+        common.export_table(ev, "context_evaluation", caption="Faithfulness of each method on one example")
+
+# ---------------------------------------------------------------- the whole result, and the command
+st.download_button(
+    "Download this attribution (.npz)",
+    data=lambda: context_attribution_bytes(ca),
+    file_name="context_attribution.npz",
+    mime="application/octet-stream",
+    key="download_ctx_npz",
+    on_click="ignore",
+    help="Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
+)
+files = " ".join(shlex.quote(f) for f in file_names) if file_names else "context.txt"
+cmd = ["python -m ctxmix cite --context", files, "--model", shlex.quote(name)]
+cmd += ["--query", shlex.quote(query)] if query.strip() else []
+cmd += ["--sources", unit, "--method", *ca.methods]
+cmd += ["--n-ablations", str(int(ca.options["n_ablations"]))] if any(m in ABLATION for m in ca.methods) else []
+cmd += ["--out", "context_attribution.npz"]
+common.reproduce(" ".join(cmd) + ("  # context.txt: the pasted context" if not file_names else ""))

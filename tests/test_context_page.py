@@ -1,0 +1,394 @@
+"""Issue 28, the Context attribution page: its ctxmix pieces (extending an attribution, the ablation check,
+the views, the figure and the caps) on a tiny random Llama, the page itself in AppTest (tiny model: fast;
+smollm2 on a stored needle: slow), and its exports."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_model
+from streamlit.testing.v1 import AppTest
+
+import ctxmix
+from ctxmix.errors import BadInput
+from ctxmix.export import context_view as cv
+from ctxmix.methods.context_check import ablate, extend_attribution, prompt_token_count
+from ctxmix.service.limits import HOSTED, LOCAL, check_context_request, load_limits
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = "pages/0_Context_attribution.py"
+CTX = "The cat sat on the mat. The dog ran in the park. A bird sang in the tree. The sun was warm today."
+QUERY = "Where is the cat?"
+RESP = "the cat is on the mat"
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer):
+    return tiny_model("llama", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ca(llama):
+    return ctxmix.attribute_context(
+        llama, CTX, QUERY, response=RESP, methods=["logit", "contextcite"], n_ablations=8, progress=False
+    )
+
+
+# ---------------------------------------------------------------- extending an attribution
+
+
+def test_extend_equals_one_call_with_every_method(llama, ca):
+    """Adding methods later (the page's ContextCite button) gives the scores one call with all of them gives,
+    on the same prompt and response ids; a progress callable sees every ablation pass."""
+    first = ctxmix.attribute_context(llama, CTX, QUERY, response=RESP, methods=["logit"], n_ablations=8, progress=False)
+    seen = []
+    extend_attribution(first, llama, ["contextcite", "alti_logit"], progress=lambda *a: seen.append(a))
+    both = ctxmix.attribute_context(
+        llama, CTX, QUERY, response=RESP, methods=["alti_logit", "contextcite"], n_ablations=8, progress=False
+    )
+    assert first.methods == ["logit", "alti_logit", "contextcite"]
+    for m in ("alti_logit", "contextcite"):
+        # same passes, same arithmetic, same order: equal to the bit (contextcite's LASSO is deterministic)
+        np.testing.assert_array_equal(first.scores[m], both.scores[m])
+    np.testing.assert_array_equal(first.ablations["contextcite"]["masks"], both.ablations["contextcite"]["masks"])
+    assert seen[-1] == ("contextcite", 8, 8)
+    with pytest.raises(BadInput, match="unknown context-attribution"):
+        extend_attribution(first, llama, ["alti"])
+
+
+def test_attribute_context_reports_generation_progress(llama):
+    seen = []
+    ctxmix.attribute_context(llama, CTX, QUERY, methods=["logit"], max_new_tokens=3, progress=lambda *a: seen.append(a))
+    assert seen and all(s == "generate" and t == 3 for s, _, t in seen)
+
+
+# ---------------------------------------------------------------- the ablation check
+
+
+def test_ablate_equals_evaluate_and_a_direct_recomputation(llama, ca):
+    """The check's drop is evaluate's topk_drop@k (same masks, passes, arithmetic) and log P computed directly
+    from the model's softmax; the regenerated answer is generate's greedy answer on the reduced prompt."""
+    import torch
+
+    from ctxmix.methods.context_prompt import PromptBuilder
+    from ctxmix.methods.sources import make_sources
+
+    for k in (1, 2):
+        chk = ca.ablate(llama, "logit", k)
+        ev = ca.evaluate(llama, k=k, n_ablations=4, progress=False)
+        drop = float(ev.set_index("method").at["logit", f"topk_drop@{k}"])
+        assert chk.drop == pytest.approx(drop, abs=1e-9)  # float64 sums of the same numbers
+        assert chk.removed == [i for i, _, _ in ca.top("logit", k)]
+    # direct: log softmax of the model on the reduced prompt + the response
+    src = make_sources(CTX)
+    keep = np.ones(len(src), bool)
+    keep[chk.removed] = False
+    builder = PromptBuilder(llama, QUERY)
+    ids = builder.ids(src.rebuild(keep)) + list(ca.response_ids)
+    P = len(ids) - len(ca.response_ids)
+    with torch.no_grad():
+        logits = llama.hf(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits[P - 1 : -1], -1).gather(1, torch.tensor(ca.response_ids)[:, None]).sum()
+    # float64 model: the two paths differ by rounding of ~T * V terms, far below 1e-9
+    assert chk.log_prob_after == pytest.approx(float(lp), abs=1e-9)
+    assert chk.prompt_tokens_after == P
+    g = ctxmix.generate(llama, input_ids=ids[:P], max_new_tokens=len(ca.response_ids))
+    new = g.new_ids[:-1] if g.new_ids and g.new_ids[-1] == llama.tokenizer.eos_token_id else g.new_ids
+    assert chk.response_after == llama.tokenizer.decode(new)
+    assert chk.changed == (chk.response_after.strip() != RESP)
+
+
+def test_ablate_span_and_bad_input(llama, ca):
+    span = (0, 7)  # "the cat"
+    chk = ablate(ca, llama, "contextcite", 1, span=span)
+    assert chk.removed == [int(np.argmax(ca.scores_for("contextcite", span)))]
+    with pytest.raises(BadInput, match="from 1 to 3"):
+        ca.ablate(llama, "logit", 4)
+    with pytest.raises(BadInput, match="was not computed"):
+        ca.ablate(llama, "attention", 1)
+    with pytest.raises(BadInput, match="outside the response"):
+        ca.ablate(llama, "logit", 1, span=(0, 999))
+
+
+# ---------------------------------------------------------------- caps
+
+
+def test_context_caps_local_hosted_and_secrets():
+    assert (LOCAL.max_context_tokens, HOSTED.max_context_tokens) == (4096, 1024)
+    assert (LOCAL.max_documents, LOCAL.max_ablations, LOCAL.max_context_new_tokens) == (5, 32, 64)
+    lim = load_limits(True, {"max_context_tokens": 2000, "max_documents": 2})
+    assert (lim.max_context_tokens, lim.max_documents) == (2000, 2)
+    with pytest.raises(BadInput, match="max_context_tokens must be a positive whole number"):
+        load_limits(True, {"max_context_tokens": 1.5})
+    check_context_request(1024, 5, 32, 64, HOSTED)  # at every cap: allowed
+    for args, limit in [
+        ((1025, 1, None, 8), "1024 tokens \\(max_context_tokens\\)"),
+        ((10, 6, None, 8), "5 documents \\(max_documents\\)"),
+        ((10, 1, 33, 8), "limit here is 32 \\(max_ablations\\)"),
+        ((10, 1, None, 65), "limit here is 64 \\(max_context_new_tokens\\)"),
+    ]:
+        with pytest.raises(BadInput, match=limit):
+            check_context_request(*args, HOSTED)
+
+
+def test_prompt_token_count_is_the_attributions_prompt(llama, ca):
+    assert prompt_token_count(llama, CTX, QUERY) == len(ca.prompt_ids)
+
+
+# ---------------------------------------------------------------- views and figure
+
+
+def test_response_pieces_and_spans():
+    r = "The code is 4817. It opens the door."
+    assert cv.response_pieces(r, "response") == [(0, len(r), r)]
+    assert [p[2] for p in cv.response_pieces(r, "sentence")] == ["The code is 4817.", "It opens the door."]
+    words = cv.response_pieces(r, "word")
+    assert [w[2] for w in words][:3] == ["The", "code", "is"]
+    assert cv.span_of(words, [2, 0]) == (0, 11)
+    assert cv.unique_labels(["the", "cat", "the", "the"]) == ["the", "cat", "the\u200b", "the\u200b\u200b"]
+    assert cv.span_of(words, []) is None
+    with pytest.raises(BadInput):
+        cv.response_pieces(r, "token")
+
+
+def test_low_runs_fold_and_escape(ca):
+    s = np.array([1.0, 0.01, 0.0, -0.05, 0.5])
+    assert cv.low_runs(s) == [(1, 4)]
+    assert cv.low_runs(s, run=4) == []
+    assert cv.low_runs(np.zeros(3)) == [(0, 3)]
+    html = cv.context_view_html(ca, np.array([1.0, 0.0, 0.0, 0.0]))
+    assert 'data-folded="1-3"' in html and html.count('data-source="') == 4  # folded, still all there
+    assert "data-folded" not in cv.context_view_html(ca, np.array([1.0, 0.0, 0.0, 0.0]), collapse=False)
+    odd = ctxmix.methods.context.ContextAttribution(**{**ca.__dict__, "context": ca.context.replace("cat", "<b>")})
+    assert "<b>" not in cv.context_view_html(odd, np.ones(4)) and "&lt;b&gt;" in cv.context_view_html(odd, np.ones(4))
+
+
+def test_top_tables(ca):
+    t = cv.top_table(ca, "contextcite", 2)
+    assert t["source"].tolist() == [i for i, _, _ in ca.top("contextcite", 2)]
+    both = cv.side_by_side(ca, ["logit", "contextcite"], 3)
+    assert list(both.columns)[:3] == ["rank", "logit source", "logit score"] and len(both) == 3
+    span = (0, 7)
+    assert cv.top_table(ca, "logit", 4, span)["score"].tolist() == sorted(ca.scores_for("logit", span), reverse=True)
+
+
+def test_exports_open(ca, tmp_path):
+    """The shaded context as a figure at an ACL column (PNG/SVG/PDF through kaleido), as HTML; the tables as
+    CSV/LaTeX with provenance; the whole result as .npz that reloads to equal scores."""
+    import io
+
+    from ctxmix.export import plots
+    from ctxmix.export.context_file import context_attribution_bytes
+    from ctxmix.export.context_load import load_context_attribution
+
+    prov = {"model": "tiny", "ctxmix_version": ctxmix.__version__}
+    fig = plots.context_figure(ca, "logit", width_px=291)
+    assert fig.layout.width == 291 and fig.layout.height > 100
+    html = cv.context_html_bytes(ca, "logit", None, prov).decode()
+    assert html.startswith("<!DOCTYPE html>\n<!-- ctxmix provenance:") and 'data-source="3"' in html
+    t = cv.top_table(ca, "logit")
+    assert b"ctxmix provenance" in plots.table_bytes(t, "csv", provenance=prov)
+    assert b"\\toprule" in plots.table_bytes(t, "tex", "Top sources", prov)
+    back = load_context_attribution(context_attribution_bytes(ca), name="x.npz")
+    for m in ca.methods:
+        np.testing.assert_array_equal(back.scores[m], ca.scores[m])
+        np.testing.assert_array_equal(back.scores_for(m, (0, 7)), ca.scores_for(m, (0, 7)))
+    if not plots.static_export_available():
+        import os
+
+        if os.environ.get("CI"):
+            pytest.fail("kaleido needs Chromium in CI")
+        pytest.skip("no Chromium for kaleido here")
+    png = plots.figure_bytes(fig, "png", provenance=prov)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    assert Image.open(io.BytesIO(png)).size[0] == 2 * 291  # scale 2
+    svg = plots.figure_bytes(fig, "svg", provenance=prov)
+    assert b"<svg" in svg and b"The cat sat on the mat." in svg
+    assert plots.figure_bytes(fig, "pdf", provenance=prov)[:5] == b"%PDF-"
+
+
+# ---------------------------------------------------------------- the page (AppTest)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama folder the page loads as "other (folder)": no real text behaviour needed."""
+    import torch
+    from conftest import tiny_variant
+
+    m = tiny_variant("llama", tokenizer, name="tiny-llama-ctx", max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("ctxpage") / "lm"
+    m.hf.config.architectures = [type(m.hf).__name__]
+    m.hf.to(torch.float32).save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+class _ForwardCalls:
+    """Every forward call of any torch module in this process while it is open."""
+
+    def __enter__(self):
+        import torch
+
+        self.calls: list[str] = []
+        self._h = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda mod, args: self.calls.append(type(mod).__name__)
+        )
+        return self.calls
+
+    def __exit__(self, *exc):
+        self._h.remove()
+
+
+@pytest.fixture
+def _env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(ROOT)
+
+
+def _page(**params) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.switch_page(PAGE)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at
+
+
+def _ok(at):
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def _qp(at, k):
+    v = at.query_params[k]
+    return v[0] if isinstance(v, list) and len(v) == 1 else v
+
+
+def _top(at):
+    return next(
+        d.value for d in at.dataframe if list(getattr(d.value, "columns", [])) == ["rank", "source", "score", "text"]
+    )
+
+
+def test_page_on_a_tiny_model(_env, tiny_lm_dir):
+    """Renders; the span picker changes the scores with no forward pass (session cache); ContextCite behind its
+    button; the ablation check shows before/after/drop and a regenerated answer; the link reopens the same view."""
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["logit", "contextcite"], nabl="8")
+    at.run()
+    _ok(at)
+    assert [s.value for s in at.subheader][:2] == ["Response", "Sources"]
+    assert "run_ablations" in [b.key for b in at.button]
+    whole = _top(at)
+    with _ForwardCalls() as calls:
+        at.button_group(key="span_unit").set_value("word").run()
+        at.button_group(key="span_pick").set_value([0, 1]).run()  # "the cat"
+    _ok(at)
+    assert calls == []  # no trace, no pass: the stored contributions
+    part = _top(at)
+    assert any(c.value.startswith("Explaining characters 0-7") for c in at.caption), [c.value for c in at.caption]
+    assert not np.allclose(sorted(whole["score"]), sorted(part["score"]))
+    at.button(key="run_ablations").click().run()
+    _ok(at)
+    assert at.selectbox(key="view").options[1].startswith("contextcite (") and _qp(at, "abl") == "1"
+    at.selectbox(key="amethod").set_value("logit")
+    at.number_input(key="abl_k").set_value(2)
+    at.button(key="ablate").click().run()
+    _ok(at)
+    labels = [m.label for m in at.metric]
+    assert labels == ["log P(response), full context", "without the top 2", "top-2 drop"]
+    before, after, drop = (float(m.value) for m in at.metric)
+    assert drop == pytest.approx(before - after, abs=2e-3)  # shown to 3 decimals
+    assert any(md.value.startswith("**Answer without them:**") for md in at.markdown)
+    # the link: every choice, reopened in a fresh session
+    link = {k: at.query_params[k] for k in at.query_params}
+    assert _qp(at, "pick") == ["0", "1"] and _qp(at, "span_unit") == "word"
+    again = _page(**link)
+    again.run()
+    _ok(again)
+    assert again.text_area(key="ctx").value == CTX and again.text_input(key="query").value == QUERY
+    assert again.multiselect(key="cmethods").value == ["logit", "contextcite"]
+    assert "run_ablations" not in [b.key for b in again.button]  # abl=1: ContextCite ran again from the link
+    assert again.button_group(key="span_pick").value == [0, 1]
+    assert _top(again).equals(_top(at))
+
+
+def test_uploaded_documents_link_asks_to_upload_again(_env, tiny_lm_dir):
+    at = _page(model=tiny_lm_dir, ctx_from="files", files=["a.txt", "b.md"], query=QUERY)
+    at.run()
+    _ok(at)
+    assert any("a.txt, b.md" in i.value and "upload them again" in i.value for i in at.info)
+
+
+def test_hosted_caps_refuse_a_long_context_before_any_model_call(_env, monkeypatch, tiny_lm_dir):
+    monkeypatch.setenv("CTXMIX_HOSTED", "1")
+    at = _page(model=tiny_lm_dir, ctx=" ".join(["The cat sat on the mat."] * 200), query=QUERY, cmethod=["logit"])
+    at.secrets["password"] = "s3cret"
+    at.secrets["allowed_models"] = [tiny_lm_dir]
+    at.session_state["authenticated"] = True
+    with _ForwardCalls() as calls:
+        at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "the limit here is 1024 tokens (max_context_tokens)" in errors[0], errors
+    assert calls == []
+    assert not at.subheader  # nothing computed, nothing shown
+
+
+def test_saved_page_reopens_a_context_attribution(_env, ca):
+    from ctxmix.export.context_file import context_attribution_bytes
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/4_Saved_explanation.py")
+    at.run()
+    at.file_uploader[0].set_value(("ca.npz", context_attribution_bytes(ca), "application/octet-stream"))
+    at.run()
+    _ok(at)
+    assert any("context attribution" in m.value for m in at.markdown)
+    assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("logit", 4)]
+    at.selectbox(key="saved_view").set_value("contextcite").run()
+    assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("contextcite", 4)]
+
+
+# ---------------------------------------------------------------- smollm2 on a stored needle (slow)
+
+
+@pytest.mark.slow
+def test_page_on_smollm2_with_a_needle(_env):
+    """Done means: smollm2, needle 0 of the fixed needles (its stored greedy answer given): the needle sentence
+    is the top source of alti_logit; a span changes the scores with no trace; the ablation check drops
+    log P and regenerates without the code; the link reopens the same table."""
+    from test_context_needles import RESPONSES
+
+    from ctxmix.benchmark.context_data import NEEDLES, needle_examples
+
+    m = ctxmix.load_model("smollm2")
+
+    def count(text):
+        return len(m.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    e = needle_examples(16, 200, 400, seed=0, count_tokens=count)[0]
+    at = _page(model="smollm2", ctx=e.context, query=e.query, resp=RESPONSES[0], cmethod=["alti_logit"])
+    at.run()
+    _ok(at)
+    top = _top(at)
+    assert top["text"][0] == NEEDLES[0].fact
+    with _ForwardCalls() as calls:
+        at.button_group(key="span_unit").set_value("word").run()
+        at.button_group(key="span_pick").set_value([0, 1]).run()  # "The code"
+    _ok(at)
+    assert calls == [] and not np.allclose(_top(at)["score"], top["score"])
+    at.button_group(key="span_unit").set_value("response").run()
+    at.number_input(key="abl_k").set_value(1)
+    at.button(key="ablate").click().run()
+    _ok(at)
+    before, after, drop = (float(x.value) for x in at.metric)
+    assert drop > 1.0  # the answer's code comes from the needle: measured ~20 nats on this example
+    answer = next(md.value for md in at.markdown if md.value.startswith("**Answer without them:**"))
+    assert "4817" not in answer
+    again = _page(**{k: at.query_params[k] for k in at.query_params})
+    again.run()
+    _ok(again)
+    assert _top(again)["text"][0] == NEEDLES[0].fact
