@@ -288,3 +288,14 @@ def test_smollm2_finds_the_needle(tmp_path):
         first = r.stdout.split(f"\n{m}  (")[1].splitlines()[1]
         assert "#3 " in first and NEEDLES[0].fact[:30] in first
     assert json.loads(out.read_text())["meta"]["model_name"] == "smollm2"
+
+
+def test_a_foreign_or_damaged_json_is_refused(tmp_path):
+    from ctxmix.errors import BadInput
+
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something else"}))
+    (tmp_path / "cut.json").write_text('{"format": "ctxmix-context-attribution-json", "meta": {')
+    with pytest.raises(BadInput, match="is not a ctxmix context attribution's JSON"):
+        load_context_attribution_json(tmp_path / "other.json")
+    with pytest.raises(BadInput, match="could not be read as a context attribution's JSON: JSONDecodeError"):
+        load_context_attribution_json(tmp_path / "cut.json")
