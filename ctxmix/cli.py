@@ -384,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(s)
     s.set_defaults(func=cmd_bench)
 
+    s = sub.add_parser(
+        "cite", help="which sources of text files made a causal LM give its answer (context attribution)"
+    )
+    from ctxmix.export.cite import add_cite_arguments, cmd_cite
+
+    model_args(s)
+    add_cite_arguments(s)
+    s.set_defaults(func=cmd_cite)
+
     s = sub.add_parser("serve", help="start the dashboard (local: 127.0.0.1; --hosted: login, caps, no error details)")
     from ctxmix.service.serve import add_serve_arguments, cmd_serve
 

@@ -25,6 +25,12 @@ def load_context_attribution(path, limits=None, name: str | None = None) -> Cont
             arrays = {k: z[k] for k in z.files if k != "meta"}
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
         raise BadInput(f"{label} could not be read as a saved context attribution: {type(e).__name__}: {e}") from None
+    return context_attribution_from_parts(meta, arrays, label)
+
+
+def context_attribution_from_parts(meta: dict, arrays: dict, label: str) -> ContextAttribution:
+    """A `ContextAttribution` from the saved format's parts: `meta` (the JSON entry, parsed) and `arrays` (every
+    other entry by name); shared by the .npz reader above and the JSON one (`ctxmix.export.context_json`)."""
     if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
         raise BadInput(f"{label} is not a saved ctxmix context attribution this version can read")
     ca = ContextAttribution(

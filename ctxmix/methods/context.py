@@ -32,6 +32,21 @@ ABLATION_METHODS = ("contextcite", "leave_one_out")
 DEFAULT_METHODS = ("logit", "contextcite")
 
 
+def check_span(span, length: int) -> tuple[int, int]:
+    """A character span (start, end) of a response of `length` characters, checked: whole numbers with
+    0 <= start < end <= length (the command line checks a given response's span before loading a model)."""
+    ok = isinstance(span, (tuple, list)) and len(span) == 2
+    ok = ok and all(not isinstance(x, bool) and isinstance(x, (int, np.integer)) for x in span)
+    if not ok:
+        raise BadInput(f"span must be a pair of whole numbers (start, end) in the response's characters, got {span!r}")
+    s, e = int(span[0]), int(span[1])
+    if not 0 <= s < e <= length:
+        raise BadInput(
+            f"span ({s}, {e}) is outside the response's {length} characters (need 0 <= start < end <= len(response))"
+        )
+    return s, e
+
+
 @dataclass
 class ContextAttribution:
     """What `attribute_context` found. Shapes: d sources, P prompt tokens, T response tokens.
@@ -83,18 +98,7 @@ class ContextAttribution:
         T = len(self.response_ids)
         if span is None:
             return 0, T
-        ok = isinstance(span, (tuple, list)) and len(span) == 2
-        ok = ok and all(not isinstance(x, bool) and isinstance(x, (int, np.integer)) for x in span)
-        if not ok:
-            raise BadInput(
-                f"span must be a pair of whole numbers (start, end) in the response's characters, got {span!r}"
-            )
-        s, e = int(span[0]), int(span[1])
-        if not 0 <= s < e <= len(self.response):
-            raise BadInput(
-                f"span ({s}, {e}) is outside the response's {len(self.response)} characters "
-                "(need 0 <= start < end <= len(response))"
-            )
+        s, e = check_span(span, len(self.response))
         off = self.response_offsets
         hit = np.nonzero((off[:, 1] > s) & (off[:, 0] < e))[0]
         if not len(hit):

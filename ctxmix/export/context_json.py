@@ -1,0 +1,67 @@
+"""A context attribution as one JSON document (`ctxmix cite --out x.json`), reopened to the same numbers.
+
+The document holds exactly what the .npz of `ctxmix.export.context_file` holds: `meta` (the same metadata
+object, parsed rather than a string) and `arrays`, each entry by its .npz name as {"dtype", "shape",
+"data"} with `data` flattened in C order. Floats are written by Python's `repr` (the shortest string that
+reads back to the same float64, and float32 values widened exactly), so the scores reload bit for bit;
+NaN and infinities use JSON's common extension (`NaN`, `Infinity`), as `json` reads and writes them. The
+reader rebuilds the arrays and hands them to the .npz reader's parser (`context_load`), so both formats
+open through one code path. JSON is for reading and diffing; the .npz is smaller.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+from ctxmix.export.context_file import FORMAT, _arrays
+from ctxmix.export.context_load import context_attribution_from_parts
+from ctxmix.methods.context import ContextAttribution
+
+JSON_FORMAT = FORMAT + "-json"
+
+
+def context_attribution_json(ca, indent: int | None = None) -> str:
+    """`ca` (a `ContextAttribution`) as one JSON string: {"format", "meta", "arrays"}."""
+    parts = _arrays(ca)
+    meta = json.loads(str(parts.pop("meta")))
+    arrays = {
+        k: {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.ravel().tolist()}
+        for k, a in ((k, np.asarray(v)) for k, v in parts.items())
+    }
+    return json.dumps({"format": JSON_FORMAT, "meta": meta, "arrays": arrays}, indent=indent, default=str)
+
+
+def save_context_attribution_json(ca, path) -> Path:
+    """Write `ca` as JSON to `path`, atomically (a temporary file renamed)."""
+    p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"{p} is a folder; give a file name")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(context_attribution_json(ca), encoding="utf-8")
+    tmp.replace(p)
+    return p
+
+
+def load_context_attribution_json(path) -> ContextAttribution:
+    """Reopen what `save_context_attribution_json` wrote (no model needed)."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"no such file: {str(p)!r}")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        ok = isinstance(doc, dict) and doc.get("format") == JSON_FORMAT
+        arrays = (
+            {k: np.asarray(v["data"], dtype=v["dtype"]).reshape(v["shape"]) for k, v in doc["arrays"].items()}
+            if ok
+            else {}
+        )
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{p.name} could not be read as a context attribution's JSON: {type(e).__name__}: {e}") from None
+    if not ok:
+        raise BadInput(f"{p.name} is not a ctxmix context attribution's JSON (format {JSON_FORMAT!r})")
+    return context_attribution_from_parts(doc["meta"], arrays, p.name)
