@@ -11,6 +11,7 @@ import ctxmix
 from ctxmix.export import context_view as cv
 from ctxmix.export import plots
 from ctxmix.export.context_file import context_attribution_bytes
+from ctxmix.export.context_json import context_attribution_json
 from ctxmix.methods.context_check import extend_attribution, prompt_token_count
 from ctxmix.methods.registry import CONTEXT_METHODS
 from ctxmix.service.limits import check_context_request
@@ -405,6 +406,15 @@ st.download_button(
     key="download_ctx_npz",
     on_click="ignore",
     help="Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
+)
+st.download_button(
+    "Download this attribution (.json)",
+    data=lambda: context_attribution_json(ca),
+    file_name="context_attribution.json",
+    mime="application/json",
+    key="download_ctx_json",
+    on_click="ignore",
+    help="The same contents as the .npz as JSON (floats exact); reopens the same ways.",
 )
 files = " ".join(shlex.quote(f) for f in file_names) if file_names else "context.txt"
 cmd = ["python -m ctxmix cite --context", files, "--model", shlex.quote(name)]

@@ -17,8 +17,8 @@ st.title("Saved explanation")
 st.caption("Open a file someone computed (on a GPU, on another machine): no model is loaded here.")
 lim = common.limits()
 up = st.file_uploader(
-    "Saved explanation or context attribution (.npz)",
-    type=["npz"],
+    "Saved explanation or context attribution (.npz; a context attribution also as .json)",
+    type=["npz", "json"],
     key="saved_file",
     max_upload_size=max(1, int(lim["max_archive_mb"] + 0.999)),
 )

@@ -189,10 +189,16 @@ def test_exports_open(ca, tmp_path):
     t = cv.top_table(ca, "logit")
     assert b"ctxmix provenance" in plots.table_bytes(t, "csv", provenance=prov)
     assert b"\\toprule" in plots.table_bytes(t, "tex", "Top sources", prov)
-    back = load_context_attribution(context_attribution_bytes(ca), name="x.npz")
-    for m in ca.methods:
-        np.testing.assert_array_equal(back.scores[m], ca.scores[m])
-        np.testing.assert_array_equal(back.scores_for(m, (0, 7)), ca.scores_for(m, (0, 7)))
+    from ctxmix.export.context_json import context_attribution_json
+
+    for data, name in ((context_attribution_bytes(ca), "x.npz"), (context_attribution_json(ca).encode(), "x.json")):
+        back = load_context_attribution(data, name=name)
+        for m in ca.methods:
+            np.testing.assert_array_equal(back.scores[m], ca.scores[m])
+            np.testing.assert_array_equal(back.scores_for(m, (0, 7)), ca.scores_for(m, (0, 7)))
+    for suffix in (".npz", ".json"):  # save() picks the format by the name; the loader by the name or the bytes
+        back = ctxmix.load_context_attribution(ca.save(tmp_path / f"ca{suffix}"))
+        np.testing.assert_array_equal(back.per_token["logit"], ca.per_token["logit"])
     if not plots.static_export_available():
         import os
 
@@ -337,13 +343,16 @@ def test_hosted_caps_refuse_a_long_context_before_any_model_call(_env, monkeypat
     assert not at.subheader  # nothing computed, nothing shown
 
 
-def test_saved_page_reopens_a_context_attribution(_env, ca):
+@pytest.mark.parametrize("fmt", ["npz", "json"])
+def test_saved_page_reopens_a_context_attribution(_env, ca, fmt):
     from ctxmix.export.context_file import context_attribution_bytes
+    from ctxmix.export.context_json import context_attribution_json
 
+    data = context_attribution_bytes(ca) if fmt == "npz" else context_attribution_json(ca).encode()
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.switch_page("pages/4_Saved_explanation.py")
     at.run()
-    at.file_uploader[0].set_value(("ca.npz", context_attribution_bytes(ca), "application/octet-stream"))
+    at.file_uploader[0].set_value((f"ca.{fmt}", data, "application/octet-stream"))
     at.run()
     _ok(at)
     assert any("context attribution" in m.value for m in at.markdown)

@@ -52,8 +52,13 @@ def load_context_attribution_json(path) -> ContextAttribution:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"no such file: {str(p)!r}")
+    return context_attribution_from_json(p.read_bytes(), p.name)
+
+
+def context_attribution_from_json(data: bytes, label: str) -> ContextAttribution:
+    """A `ContextAttribution` from the JSON text (bytes) `context_attribution_json` wrote."""
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        doc = json.loads(data.decode("utf-8"))
         ok = isinstance(doc, dict) and doc.get("format") == JSON_FORMAT
         arrays = (
             {k: np.asarray(v["data"], dtype=v["dtype"]).reshape(v["shape"]) for k, v in doc["arrays"].items()}
@@ -61,7 +66,7 @@ def load_context_attribution_json(path) -> ContextAttribution:
             else {}
         )
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
-        raise BadInput(f"{p.name} could not be read as a context attribution's JSON: {type(e).__name__}: {e}") from None
+        raise BadInput(f"{label} could not be read as a context attribution's JSON: {type(e).__name__}: {e}") from None
     if not ok:
-        raise BadInput(f"{p.name} is not a ctxmix context attribution's JSON (format {JSON_FORMAT!r})")
-    return context_attribution_from_parts(doc["meta"], arrays, p.name)
+        raise BadInput(f"{label} is not a ctxmix context attribution's JSON (format {JSON_FORMAT!r})")
+    return context_attribution_from_parts(doc["meta"], arrays, label)

@@ -13,11 +13,14 @@ from ctxmix.methods.context import ContextAttribution
 
 
 def load_context_attribution(path, limits=None, name: str | None = None) -> ContextAttribution:
-    """Reopen a saved `ContextAttribution` (no model needed) from a path or the file's bytes (an upload).
-    `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first: size, members, decompressed
-    size."""
+    """Reopen a saved `ContextAttribution` (no model needed) from a path or the file's bytes (an upload):
+    the .npz `ContextAttribution.save` writes, or its JSON (`ctxmix.export.context_json`; a .json name, or
+    bytes that open with "{"). `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first:
+    size, and for an .npz its members and decompressed size."""
     from ctxmix.export.saved import archive_source
 
+    if _is_json(path, name):
+        return _load_json(path, limits, name)
     src, label = archive_source(path, limits, name)
     try:
         with np.load(src, allow_pickle=False) as z:
@@ -83,3 +86,29 @@ def context_attribution_from_parts(meta: dict, arrays: dict, label: str) -> Cont
             **{k: ev[k] for k in ("options", "cost", "notes", "directions")},
         }
     return ca
+
+
+def _is_json(path, name: str | None) -> bool:
+    if isinstance(path, (bytes, bytearray)):
+        return bytes(path[:64]).lstrip().startswith(b"{") or (name or "").lower().endswith(".json")
+    return str(path).lower().endswith(".json")
+
+
+def _load_json(path, limits, name: str | None) -> ContextAttribution:
+    """The JSON form, its size checked against the archive cap first when `limits` is given."""
+    from pathlib import Path
+
+    from ctxmix.export.context_json import context_attribution_from_json
+
+    if isinstance(path, (bytes, bytearray)):
+        data, label = bytes(path), name or "the file"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise BadInput(f"no such file: {str(p)!r}")
+        data, label = p.read_bytes(), name or p.name
+    if limits is not None and len(data) > limits.max_archive_mb * 2**20:
+        raise BadInput(
+            f"{label} is {len(data) / 2**20:.1f} MB; saved files may be at most {limits.max_archive_mb:g} MB here"
+        )
+    return context_attribution_from_json(data, label)

@@ -245,9 +245,14 @@ class ContextAttribution:
         return summary_html(self)
 
     def save(self, path) -> Path:
-        """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False), the
-        evaluation included once computed; reopen with `ctxmix.load_context_attribution`
+        """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False), or, for a
+        .json name, the same contents as JSON (`ctxmix.export.context_json`, floats exact); the evaluation
+        included once computed; reopen either with `ctxmix.load_context_attribution`
         (`ctxmix.export.context_file`)."""
+        if str(path).lower().endswith(".json"):
+            from ctxmix.export.context_json import save_context_attribution_json
+
+            return save_context_attribution_json(self, path)
         from ctxmix.export.context_file import save_context_attribution
 
         return save_context_attribution(self, path)
