@@ -38,8 +38,11 @@ CONFIG_KEYS = {
     "evaluate",
     "tasks",
     "responses",
+    "check",
 }
-TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents"}
+TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents", "methods", "split", "query"}
+CHECK_KEYS = {"tasks", "evaluate"}
+CHECK_PREFIX = "check/"  # a check example's id in `responses` and the tables: "check/needle-0"
 
 
 def validate_context_config(raw) -> dict:
@@ -60,10 +63,19 @@ def validate_context_config(raw) -> dict:
     for t in tasks:
         if not isinstance(t, dict) or t.get("id") not in TASKS or set(t) - TASK_KEYS:
             raise BadInput(f"a task is {{id: one of {', '.join(TASKS)}, keys among {sorted(TASK_KEYS)}}}; got {t!r}")
+        tm = t.get("methods")
+        if tm is not None and (not isinstance(tm, list) or not tm or any(m not in methods for m in tm)):
+            raise BadInput(f"task {t['id']}: methods must be a non-empty sublist of the config's {methods}; got {tm!r}")
+    check = raw.get("check") or {}
+    if not isinstance(check, dict) or set(check) - CHECK_KEYS:
+        raise BadInput(f"check is a mapping with keys among {sorted(CHECK_KEYS)}; got {check!r}")
+    for tid, over in (check.get("tasks") or {}).items():
+        if tid not in TASKS or not isinstance(over, dict) or set(over) - TASK_KEYS:
+            raise BadInput(f"check.tasks maps a task id ({', '.join(TASKS)}) to overrides among {sorted(TASK_KEYS)}")
     responses = raw.get("responses") or {}
     if not isinstance(responses, dict) or not all(isinstance(v, str) and v for v in responses.values()):
         raise BadInput("responses must map example ids to non-empty response strings")
-    return {**raw, "responses": responses}
+    return {**raw, "responses": responses, "check": check}
 
 
 def load_context_config(path) -> dict:
@@ -89,12 +101,94 @@ def task_examples(task: dict, model, limit: int | None = None) -> list[ContextEx
     return TASKS[task["id"]](count_tokens=count, **args)
 
 
+def run_tasks(config: dict, check: bool = False) -> list[dict]:
+    """The config's tasks, with `check.tasks`' overrides (shorter contexts) when `check`."""
+    over = (config.get("check") or {}).get("tasks") or {} if check else {}
+    return [{**t, **over.get(t["id"], {})} for t in config["tasks"]]
+
+
+def example_key(ex: ContextExample, check: bool = False) -> str:
+    """An example's id in `responses` and the tables ("needle-0"; "check/needle-0" in a check run)."""
+    return CHECK_PREFIX + ex.id if check else ex.id
+
+
+def check_rows(ca, table: pd.DataFrame) -> list[dict]:
+    """What the shipped check compares for one evaluated example (`ctxmix.benchmark.shipped.context_check_moves`),
+    rows {method, metric, index, value}: every method's per-source scores ("score", index = source); the
+    measured quantities behind them, from float32 forward passes: log P(response | context) ("log_prob_full"),
+    the held-out ablations' logit P(response) ("heldout", index = held-out mask; method "-") and ContextCite's
+    own ablation targets ("cc_target", index = mask: what its LASSO is fitted to); the first held-out seed
+    ("heldout_seed": the masks are `contextcite_masks(m, d, seed)`, the same on any machine); and the metrics
+    of `evaluate` (index -1)."""
+    from ctxmix.methods.context_ablation import aggregate
+
+    ev = ca.evaluation
+    rows = [{"method": "-", "metric": "log_prob_full", "index": -1, "value": float(ev["options"]["log_prob_full"])}]
+    rows.append(
+        {"method": "-", "metric": "heldout_seed", "index": -1, "value": float(ev["options"]["heldout_seeds"][0])}
+    )
+    a, b = ev["options"]["span_tokens"]
+    measured = aggregate(np.asarray(ev["logit_probs"])[:, a:b], False)
+    rows += [{"method": "-", "metric": "heldout", "index": j, "value": float(v)} for j, v in enumerate(measured)]
+    if "contextcite" in ca.ablations:
+        y = aggregate(ca.ablations["contextcite"]["logit_probs"], bool(ca.options.get("compat", False)))
+        rows += [
+            {"method": "contextcite", "metric": "cc_target", "index": j, "value": float(v)} for j, v in enumerate(y)
+        ]
+    for m in ca.methods:
+        rows += [{"method": m, "metric": "score", "index": i, "value": float(v)} for i, v in enumerate(ca.scores[m])]
+    for rec in table.to_dict("records"):
+        m = rec.pop("method")
+        rows += [{"method": m, "metric": k, "index": -1, "value": float(v)} for k, v in rec.items()]
+    return rows
+
+
+def _load_done(path: Path | None, stamp: str) -> dict[str, dict]:
+    """Finished examples of an interrupted run (one JSON object per line, keyed by example id) made by the
+    same config (`stamp`; a record of another config, e.g. before its responses were stored, is ignored)."""
+    import json
+
+    if path is None or not path.is_file():
+        return {}
+    done = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a kill: that example is recomputed
+            continue
+        if rec.get("stamp") == stamp:
+            done[rec["key"]] = rec
+    return done
+
+
+def config_stamp(config: dict, check: bool) -> str:
+    """A hash of everything that changes an example's numbers (the config's content and the check switch)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([config, check], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run_context_benchmark(
-    config: dict, *, model=None, limit: int | None = None, progress: bool = False
+    config: dict,
+    *,
+    model=None,
+    limit: int | None = None,
+    progress: bool = False,
+    check: bool = False,
+    resume: str | Path | None = None,
+    log=None,
 ) -> pd.DataFrame:
     """Every task's examples attributed and evaluated; one row per task x method x metric: mean, std, n (NaN
     values left out of mean and counted in `nan`). `model`: an already loaded model (default: load the
-    config's)."""
+    config's). check: the config's `check` sizes (shorter contexts, `check.evaluate`), ids prefixed
+    "check/". resume: a JSON-lines file that keeps each finished example (a killed run loses at most the
+    example in progress; the same file resumes it). log: a callable given one line per example (progress).
+
+    attrs: examples (per-example rows), check (`check_rows` of every kept example, with task and example),
+    dropped (ids per task), responses (id -> text used), seconds (this call), example_seconds (id ->)."""
+    import json
+
     from ctxmix.engine.models import load_model
     from ctxmix.methods.context import attribute_context
 
@@ -104,36 +198,39 @@ def run_context_benchmark(
     if model is None:
         model = load_model(config["model"])
     ev = dict(config.get("evaluate") or {})
+    if check:
+        ev.update((config.get("check") or {}).get("evaluate") or {})
     stored = config["responses"]
-    rows, dropped, responses = [], {}, {}
+    resume = Path(resume) if resume is not None else None
+    stamp = config_stamp(config, check)
+    done = _load_done(resume, stamp)
+    rows, crows, dropped, responses, secs = [], [], {}, {}, {}
     t0 = time.perf_counter()
-    for task in config["tasks"]:
+    for task in run_tasks(config, check):
         dropped[task["id"]] = []
         for ex in task_examples(task, model, limit):
-            ca = attribute_context(
-                model,
-                ex.context,
-                ex.query,
-                response=stored.get(ex.id, ex.response),
-                sources=ex.sources,
-                methods=config["methods"],
-                max_new_tokens=int(config.get("max_new_tokens", 64)),
-                n_ablations=int(config.get("n_ablations", 32)),
-                seed=int(config.get("seed", 0)),
-                batch_size=int(config.get("batch_size", 8)),
-                progress=progress,
-            )
-            responses[ex.id] = ca.response
-            if ex.answer is not None and not contains_answer(ca.response, ex.answer):
-                dropped[task["id"]].append(ex.id)
-                continue
-            table = ca.evaluate(model, gold=ex.gold or None, progress=progress, **ev)
-            for rec in table.to_dict("records"):
-                method = rec.pop("method")
-                rows += [
-                    {"task": task["id"], "example": ex.id, "method": method, "metric": k, "value": float(v)}
-                    for k, v in rec.items()
-                ]
+            key = example_key(ex, check)
+            rec = done.get(key)
+            if rec is None:
+                t1 = time.perf_counter()
+                methods = task.get("methods") or config["methods"]
+                rec = _one_example(
+                    model, config, methods, ex, stored.get(key, ex.response), ev, progress, attribute_context
+                )
+                rec.update(key=key, task=task["id"], seconds=time.perf_counter() - t1, stamp=stamp)
+                if resume is not None:
+                    resume.parent.mkdir(parents=True, exist_ok=True)
+                    with resume.open("a", encoding="utf-8") as f:
+                        f.write(json.dumps(rec) + "\n")
+            responses[key] = rec["response"]
+            secs[key] = rec["seconds"]
+            if rec["dropped"]:
+                dropped[task["id"]].append(key)
+            rows += [{"task": task["id"], "example": key, **r} for r in rec["rows"]]
+            crows += [{"task": task["id"], "example": key, **r} for r in rec["check"]]
+            if log is not None:
+                what = "dropped (the response lacks the answer)" if rec["dropped"] else "done"
+                log(f"{task['id']} {key}: {what} in {rec['seconds']:.1f} s; response {rec['response'][:60]!r}")
     long = pd.DataFrame(rows, columns=["task", "example", "method", "metric", "value"])
     agg = (
         long.groupby(["task", "method", "metric"], sort=False)["value"]
@@ -145,5 +242,129 @@ def run_context_benchmark(
         )
         .reset_index()
     )
-    agg.attrs.update(examples=long, dropped=dropped, responses=responses, seconds=time.perf_counter() - t0)
+    from ctxmix.benchmark.context_metrics import context_metric
+
+    agg["higher_is_better"] = [int(bool(context_metric(m).higher_is_better)) for m in agg["metric"]]
+    agg.attrs.update(
+        examples=long,
+        check=pd.DataFrame(crows, columns=["task", "example", "method", "metric", "index", "value"]),
+        dropped=dropped,
+        responses=responses,
+        seconds=time.perf_counter() - t0,
+        example_seconds=secs,
+    )
     return agg
+
+
+def _one_example(
+    model, config: dict, methods: list, ex: ContextExample, response, ev: dict, progress: bool, attribute
+) -> dict:
+    """One example attributed and (unless dropped) evaluated: {response, dropped, rows, check}."""
+    ca = attribute(
+        model,
+        ex.context,
+        ex.query,
+        response=response,
+        sources=ex.sources,
+        methods=methods,
+        max_new_tokens=int(config.get("max_new_tokens", 64)),
+        n_ablations=int(config.get("n_ablations", 32)),
+        seed=int(config.get("seed", 0)),
+        batch_size=int(config.get("batch_size", 8)),
+        progress=progress,
+    )
+    if ex.answer is not None and not contains_answer(ca.response, ex.answer):
+        return {"response": ca.response, "dropped": True, "rows": [], "check": []}
+    table = ca.evaluate(model, gold=ex.gold or None, progress=progress, **ev)
+    rows = []
+    for rec in table.to_dict("records"):
+        method = rec.pop("method")
+        rows += [{"method": method, "metric": k, "value": float(v)} for k, v in rec.items()]
+    return {"response": ca.response, "dropped": False, "rows": rows, "check": check_rows(ca, table)}
+
+
+def write_tables(table: pd.DataFrame, out: Path) -> list[Path]:
+    """The run's tables as CSV in `out`: aggregates.csv (task x method x metric: mean, std, n, nan,
+    higher_is_better), examples.csv (per example), check.csv (`check_rows`), responses.yaml (id -> response:
+    paste into the config's `responses`) and dropped.yaml (per task)."""
+    import yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "aggregates.csv", out / "examples.csv", out / "check.csv"]
+    table.to_csv(paths[0], index=False, float_format="%.10g")
+    table.attrs["examples"].to_csv(paths[1], index=False, float_format="%.10g")
+    table.attrs["check"].to_csv(paths[2], index=False, float_format="%.10g")
+    for name in ("responses", "dropped"):
+        paths.append(out / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(table.attrs[name], sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return paths
+
+
+def context_table(agg: pd.DataFrame, task: str, value: str = "mean") -> pd.DataFrame:
+    """One task's method x metric table of `value` ("mean" or "std" over examples; columns "metric ↑" or
+    "metric ↓" by the metric's direction, in the order topk_drop@k, lds, recall@k), with "n" (examples)."""
+    t = agg[agg["task"] == task]
+    head = {m: f"{m} {'↑' if h else '↓'}" for m, h in zip(t["metric"], t["higher_is_better"])}
+    order = sorted(head, key=lambda m: (m.split("@")[0] != "topk_drop", m.split("@")[0] == "recall", m))
+    methods = list(dict.fromkeys(t["method"]))
+    out = t.pivot(index="method", columns="metric", values=value)[order].rename(columns=head).loc[methods]
+    out["n"] = t.groupby("method")["n"].max().loc[methods]
+    out.columns.name = None
+    return out
+
+
+def format_table(table: pd.DataFrame) -> str:
+    """One method x metric block per task (mean ± std, n), each metric's direction in its header."""
+    blocks = []
+    for task, t in table.groupby("task", sort=False):
+        cell = t.assign(
+            cell=[f"{m:.3f} ± {s:.3f} (n={n})" for m, s, n in zip(t["mean"], t["std"], t["n"])],
+            head=[f"{k} {'↑' if h else '↓'}" for k, h in zip(t["metric"], t["higher_is_better"])],
+        )
+        wide = cell.pivot(index="method", columns="head", values="cell")
+        blocks.append(f"== {task} ==\n{wide.to_string()}")
+    return "\n\n".join(blocks)
+
+
+def cmd_context_bench(args) -> None:
+    """`ctxmix bench --config <kind: context>`: run (or resume) it, print one line per example and the tables,
+    write them (`write_tables`) to --out (default results/<name>/). --db: the resume file (default
+    results/<name>.jsonl; results/<name>-check.jsonl with --check-sizes). --threads: torch threads."""
+    import sys
+
+    config = load_context_config(args.config)
+    name = config.get("name") or Path(args.config).stem
+    check = bool(getattr(args, "check_sizes", False))
+    if args.check:
+        print(
+            f"config {args.config} is valid: kind context, tasks {', '.join(t['id'] for t in config['tasks'])}, "
+            f"methods {', '.join(config['methods'])}"
+        )
+        return
+    for flag in ("report", "figures", "fresh"):
+        if getattr(args, flag, False):
+            raise BadInput(
+                f"--{flag} is not available for kind: context configs (delete the --db file to start afresh)"
+            )
+    if getattr(args, "executor", "local") != "local":
+        raise BadInput("kind: context configs run with --executor local only")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(int(args.threads))
+    suffix = "-check" if check else ""
+    db = Path(args.db) if args.db else Path("results") / f"{name}{suffix}.jsonl"
+    out = Path(args.out) if args.out else Path("results") / f"{name}{suffix}"
+    print(f"context benchmark {name!r}{' (check sizes)' if check else ''}: finished examples kept in {db}", flush=True)
+    try:
+        table = run_context_benchmark(
+            config, limit=args.limit, check=check, resume=db, log=lambda line: print(line, flush=True)
+        )
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished examples are kept in {db}: run the same command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(format_table(table))
+    dropped = {k: len(v) for k, v in table.attrs["dropped"].items()}
+    print(f"dropped (response lacks the answer): {dropped}; {table.attrs['seconds']:.0f} s")
+    for p in write_tables(table, out):
+        print(f"wrote {p}")
