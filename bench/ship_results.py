@@ -70,9 +70,10 @@ def _context_bench(config: Path, out: Path, db: Path, *extra: str) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def ship_context(config: Path, finished: Path | None) -> None:
+def ship_context(config: Path, finished: Path | None, check_only: bool = False) -> None:
     """context.{aggregates.csv,check.csv,json} from a full run (`finished`: its --out folder; else run now,
-    resumable in results/context.jsonl) and a `--check-sizes --limit 2` run."""
+    resumable in results/context.jsonl) and a `--check-sizes --limit 2` run; `check_only`: context.check.csv
+    alone (the page shows no context results until the full run's files are there)."""
     import pandas as pd
     import yaml
 
@@ -81,20 +82,22 @@ def ship_context(config: Path, finished: Path | None) -> None:
     cfg = load_context_config(config)
     name = cfg.get("name") or config.stem
     with tempfile.TemporaryDirectory() as tmp:
-        full = finished or ROOT / "results" / name
-        if finished is None:
-            _context_bench(config, full, ROOT / "results" / f"{name}.jsonl")
-        _context_bench(
-            config, Path(tmp) / "check", Path(tmp) / "check.jsonl", "--check-sizes", "--limit", str(CHECK_LIMIT)
-        )
-        agg = pd.read_csv(full / "aggregates.csv")
-        check = pd.read_csv(Path(tmp) / "check" / "check.csv")
-        dropped = yaml.safe_load((full / "dropped.yaml").read_text(encoding="utf-8"))
-        check_dropped = yaml.safe_load((Path(tmp) / "check" / "dropped.yaml").read_text(encoding="utf-8"))
+        chk = Path(tmp) / "check"
+        _context_bench(config, chk, Path(tmp) / "check.jsonl", "--check-sizes", "--limit", str(CHECK_LIMIT))
+        check = pd.read_csv(chk / "check.csv")
+        check_dropped = yaml.safe_load((chk / "dropped.yaml").read_text(encoding="utf-8"))
     if any(check_dropped.values()):
         raise SystemExit(f"the check run dropped {check_dropped}: store their responses or change check sizes")
+    check.to_csv(SHIPPED / f"{name}.check.csv", index=False, float_format="%.17g")  # float64 exactly
+    if check_only:
+        print(f"wrote {SHIPPED}/{name}.check.csv: {len(check)} rows")
+        return
+    full = finished or ROOT / "results" / name
+    if finished is None:
+        _context_bench(config, full, ROOT / "results" / f"{name}.jsonl")
+    agg = pd.read_csv(full / "aggregates.csv")
+    dropped = yaml.safe_load((full / "dropped.yaml").read_text(encoding="utf-8"))
     agg.to_csv(SHIPPED / f"{name}.aggregates.csv", index=False, float_format="%.10g")
-    check.to_csv(SHIPPED / f"{name}.check.csv", index=False, float_format="%.10g")
     counts = agg.groupby("task")["n"].max().to_dict()
     meta = {
         "name": name,
@@ -125,11 +128,11 @@ def main() -> None:
     ap.add_argument("--db", help="a finished results store of the same config (else the config is run in full)")
     ap.add_argument("--context", action="store_true", help="a kind: context config (configs/context.yaml)")
     ap.add_argument("--from", dest="finished", help="--context: the --out folder of a finished full run")
+    ap.add_argument("--check-only", action="store_true", help="--context: write context.check.csv only")
     args = ap.parse_args()
     if args.context:
-        ship_context(
-            Path(args.config or ROOT / "configs" / "context.yaml"), Path(args.finished) if args.finished else None
-        )
+        cfg = Path(args.config or ROOT / "configs" / "context.yaml")
+        ship_context(cfg, Path(args.finished) if args.finished else None, args.check_only)
         return
     args.config = args.config or str(ROOT / "configs" / "embedded.yaml")
     config = Path(args.config)

@@ -326,3 +326,39 @@ def test_hub_loaders_fail_clearly_offline_and_read_rows(monkeypatch):
     ]
     (ex,) = cd.tydiqa_examples(5, max_tokens=2)
     assert ex.query == "Q?" and ex.context == "One. Two."
+
+
+@pytest.mark.slow
+@pytest.mark.stored_numbers
+def test_shipped_context_check_is_what_the_code_computes_now():
+    """configs/context.yaml's check (`--check-sizes --limit 2`: short contexts, every method, stored responses)
+    recomputed on smollm2 and compared with ctxmix/benchmark/shipped/context.check.csv by
+    `shipped.context_check_moves` (tolerances derived there: the float32 bound of smollm2's forward pass for
+    what a pass measures and the one-pass scores, the LASSO's stopping-rule bound for ContextCite's weights,
+    rank metrics only where no near-tie could reorder them, LDS within the Spearman bound of the pairs that could
+    swap). Under 2 minutes on one thread."""
+    import torch
+
+    from ctxmix.engine.models import load_model
+
+    path = cb.Path(cb.__file__).parent / "configs" / "context.yaml"
+    cfg = cb.load_context_config(path)
+    want = shipped.load_context_check("context")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = cb.run_context_benchmark(cfg, model=load_model(cfg["model"]), limit=shipped.CHECK_LIMIT, check=True)
+    finally:
+        torch.set_num_threads(before)
+    assert not any(table.attrs["dropped"].values()), table.attrs["dropped"]
+    # every check example explains its stored response (a near-tie in greedy decoding changes nothing)
+    assert all(cfg["responses"].get(k) == v for k, v in table.attrs["responses"].items())
+    now = table.attrs["check"]
+    bad, skipped = shipped.context_check_moves(now, want, int(cfg["n_ablations"]), int(cfg["seed"]))
+    assert bad.empty, (
+        f"the shipped context results are stale: {len(bad)} check rows moved beyond their tolerance; run python "
+        f"bench/ship_results.py --context\n{bad.head(20).to_string()}"
+    )
+    # what was compared: every measured quantity and score, and most rank metrics (the skipped ones are named)
+    compared = len(want) - len(skipped)
+    assert compared >= 0.8 * len(want), skipped.to_string()

@@ -293,7 +293,7 @@ def write_tables(table: pd.DataFrame, out: Path) -> list[Path]:
     paths = [out / "aggregates.csv", out / "examples.csv", out / "check.csv"]
     table.to_csv(paths[0], index=False, float_format="%.10g")
     table.attrs["examples"].to_csv(paths[1], index=False, float_format="%.10g")
-    table.attrs["check"].to_csv(paths[2], index=False, float_format="%.10g")
+    table.attrs["check"].to_csv(paths[2], index=False, float_format="%.17g")  # float64 exactly (the shipped check)
     for name in ("responses", "dropped"):
         paths.append(out / f"{name}.yaml")
         paths[-1].write_text(yaml.safe_dump(table.attrs[name], sort_keys=False, allow_unicode=True), encoding="utf-8")
@@ -368,3 +368,44 @@ def cmd_context_bench(args) -> None:
     print(f"dropped (response lacks the answer): {dropped}; {table.attrs['seconds']:.0f} s")
     for p in write_tables(table, out):
         print(f"wrote {p}")
+
+
+def generate_responses(config: dict, model, *, check: bool = False, limit: int | None = None, log=None) -> dict:
+    """Every example's greedy response, as `attribute_context` would generate it (same prompt, same
+    `max_new_tokens`, end-of-sequence dropped), with no attribution: {key: response}. `check`: the check
+    sizes' examples ("check/..." keys). Cheap next to a run: one generation per example."""
+    from ctxmix.methods.context_prompt import PromptBuilder, make_response
+    from ctxmix.methods.sources import make_sources
+
+    config = validate_context_config(config)
+    out = {}
+    for task in run_tasks(config, check):
+        for ex in task_examples(task, model, limit):
+            src = make_sources(ex.context, ex.sources)
+            builder = PromptBuilder(model, ex.query, None, False)
+            prompt = builder.encode(src)
+            resp = make_response(model, builder, src, prompt, None, int(config.get("max_new_tokens", 64)), False)
+            key = example_key(ex, check)
+            out[key] = resp.text
+            if log is not None:
+                ok = ex.answer is None or contains_answer(resp.text, ex.answer)
+                log(
+                    f"{key}: {len(prompt.ids)} prompt tokens, {len(src)} sources, "
+                    f"{'' if ok else 'DROPPED '}{resp.text!r}"
+                )
+    return out
+
+
+def store_responses(path: str | Path, responses: dict) -> None:
+    """Rewrite the `responses:` block that ends a config file (comments above it kept) with `responses`."""
+    import yaml
+
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    head, sep, _ = text.partition("\nresponses:")
+    if not sep:
+        raise BadInput(f"{p} has no final `responses:` block to fill")
+    body = yaml.safe_dump(responses, sort_keys=False, allow_unicode=True, width=1000)
+    block = "\n".join("  " + line for line in body.splitlines())
+    p.write_text(f"{head}\nresponses:   # example id -> greedy response (bench/context_responses.py)\n{block}\n")
+    validate_context_config(yaml.safe_load(p.read_text(encoding="utf-8")))
