@@ -32,12 +32,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_context_config(args.config)
     model = load_model(cfg["model"])
-    responses = {}
-    for check in (False, True):
-        responses.update(generate_responses(cfg, model, check=check, log=lambda s: print(s, flush=True)))
-    if not args.dry_run:
-        store_responses(args.config, responses)
-        print(f"stored {len(responses)} responses in {args.config}")
+    from ctxmix.benchmark.shipped import CHECK_LIMIT
+
+    responses = dict(cfg["responses"])
+    # the full run's examples, then the check's (--check-sizes --limit CHECK_LIMIT), each stored when done
+    for check, limit in ((False, None), (True, CHECK_LIMIT)):
+        responses.update(generate_responses(cfg, model, check=check, limit=limit, log=lambda s: print(s, flush=True)))
+        if not args.dry_run:
+            store_responses(args.config, responses)
+            print(f"stored {len(responses)} responses in {args.config}", flush=True)
 
 
 if __name__ == "__main__":

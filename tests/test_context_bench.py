@@ -131,6 +131,7 @@ def test_runner_on_a_tiny_model(tokenizer):
 def _check_config(responses):
     cfg = _config(responses)
     cfg["check"] = {"tasks": {"needles": {"min_tokens": 20, "max_tokens": 30}}, "evaluate": {"n_ablations": 5}}
+    cfg["tasks"][1]["methods"] = ["logit"]  # a task's own subset of the methods
     return cfg
 
 
@@ -144,6 +145,10 @@ def test_check_sizes_prefix_ids_and_a_resumed_run_recomputes_nothing(tokenizer, 
     ex, chk = table.attrs["examples"], table.attrs["check"]
     assert set(ex["example"]) >= {"check/needle-0", "check/needle-1", "check/summary-0"}
     assert len(lines) == 4 and all(" in " in line for line in lines)
+    assert set(ex[ex.task == "summaries"].method) == {"logit"} and set(ex[ex.task == "needles"].method) == {
+        "logit",
+        "contextcite",
+    }
     # the check's overrides: shorter needles, 5 held-out ablations
     assert len(chk[(chk.example == "check/needle-0") & (chk.metric == "heldout")]) == 5
     count = lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731

@@ -95,7 +95,7 @@ def task_examples(task: dict, model, limit: int | None = None) -> list[ContextEx
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
-    args = {k: v for k, v in task.items() if k != "id"}
+    args = {k: v for k, v in task.items() if k not in ("id", "methods")}
     if limit is not None:
         args["n"] = min(int(args.get("n", limit)), limit)
     return TASKS[task["id"]](count_tokens=count, **args)
@@ -259,7 +259,10 @@ def run_context_benchmark(
 def _one_example(
     model, config: dict, methods: list, ex: ContextExample, response, ev: dict, progress: bool, attribute
 ) -> dict:
-    """One example attributed and (unless dropped) evaluated: {response, dropped, rows, check}."""
+    """One example attributed and (unless dropped) evaluated: {response, dropped, rows, check}. A stored response
+    that lacks the needle's answer is dropped before any pass."""
+    if response is not None and ex.answer is not None and not contains_answer(response, ex.answer):
+        return {"response": response, "dropped": True, "rows": [], "check": []}
     ca = attribute(
         model,
         ex.context,

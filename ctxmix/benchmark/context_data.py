@@ -103,8 +103,10 @@ def _words(text: str) -> int:
 def _sentences(text: str) -> list[str]:
     from ctxmix.methods.sources import make_sources
 
-    src = make_sources(text, "sentence")
-    return src.texts
+    try:
+        return make_sources(text, "sentence").texts
+    except BadInput:  # one sentence (a short document): make_sources refuses it as a context, not as text here
+        return [text.strip()] if text.strip() else []
 
 
 def _check_lengths(n: int, min_tokens: int, max_tokens: int) -> None:
