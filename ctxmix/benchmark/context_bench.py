@@ -143,9 +143,9 @@ def check_rows(ca, table: pd.DataFrame) -> list[dict]:
     return rows
 
 
-def _load_done(path: Path | None, stamp: str) -> dict[str, dict]:
-    """Finished examples of an interrupted run (one JSON object per line, keyed by example id) made by the
-    same config (`stamp`; a record of another config, e.g. before its responses were stored, is ignored)."""
+def _load_done(path: Path | None) -> dict[tuple[str, str], dict]:
+    """Finished examples of an interrupted run (one JSON object per line), keyed by (example id, stamp): a
+    record made under another config (`config_stamp`: e.g. before its response was stored) is not reused."""
     import json
 
     if path is None or not path.is_file():
@@ -156,17 +156,19 @@ def _load_done(path: Path | None, stamp: str) -> dict[str, dict]:
             rec = json.loads(line)
         except ValueError:  # a line cut by a kill: that example is recomputed
             continue
-        if rec.get("stamp") == stamp:
-            done[rec["key"]] = rec
+        done[(rec["key"], rec.get("stamp", ""))] = rec
     return done
 
 
-def config_stamp(config: dict, check: bool) -> str:
-    """A hash of everything that changes an example's numbers (the config's content and the check switch)."""
+def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:
+    """A hash of everything that changes one example's numbers: the config but its other examples' responses,
+    the check switch, the task (with its check overrides) and the example's stored response."""
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps([config, check], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    rest = {k: v for k, v in config.items() if k != "responses"}
+    raw = json.dumps([rest, check, task, response], sort_keys=True, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def run_context_benchmark(
@@ -202,15 +204,15 @@ def run_context_benchmark(
         ev.update((config.get("check") or {}).get("evaluate") or {})
     stored = config["responses"]
     resume = Path(resume) if resume is not None else None
-    stamp = config_stamp(config, check)
-    done = _load_done(resume, stamp)
+    done = _load_done(resume)
     rows, crows, dropped, responses, secs = [], [], {}, {}, {}
     t0 = time.perf_counter()
     for task in run_tasks(config, check):
         dropped[task["id"]] = []
         for ex in task_examples(task, model, limit):
             key = example_key(ex, check)
-            rec = done.get(key)
+            stamp = config_stamp(config, check, task, stored.get(key))
+            rec = done.get((key, stamp))
             if rec is None:
                 t1 = time.perf_counter()
                 methods = task.get("methods") or config["methods"]
