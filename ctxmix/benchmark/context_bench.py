@@ -41,7 +41,7 @@ CONFIG_KEYS = {
     "check",
 }
 TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents", "methods", "split", "query"}
-CHECK_KEYS = {"tasks", "evaluate"}
+CHECK_KEYS = {"tasks", "evaluate", "max_new_tokens"}
 CHECK_PREFIX = "check/"  # a check example's id in `responses` and the tables: "check/needle-0"
 
 
@@ -99,6 +99,12 @@ def task_examples(task: dict, model, limit: int | None = None) -> list[ContextEx
     if limit is not None:
         args["n"] = min(int(args.get("n", limit)), limit)
     return TASKS[task["id"]](count_tokens=count, **args)
+
+
+def with_check(config: dict, check: bool) -> dict:
+    """The config a check run uses: `check.max_new_tokens` (shorter responses) over the config's."""
+    c = config.get("check") or {}
+    return {**config, "max_new_tokens": c["max_new_tokens"]} if check and "max_new_tokens" in c else config
 
 
 def run_tasks(config: dict, check: bool = False) -> list[dict]:
@@ -194,7 +200,7 @@ def run_context_benchmark(
     from ctxmix.engine.models import load_model
     from ctxmix.methods.context import attribute_context
 
-    config = validate_context_config(config)
+    config = with_check(validate_context_config(config), check)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise BadInput(f"limit must be a whole number of at least 1, got {limit!r}")
     if model is None:
@@ -382,7 +388,7 @@ def generate_responses(config: dict, model, *, check: bool = False, limit: int |
     from ctxmix.methods.context_prompt import PromptBuilder, make_response
     from ctxmix.methods.sources import make_sources
 
-    config = validate_context_config(config)
+    config = with_check(validate_context_config(config), check)
     out = {}
     for task in run_tasks(config, check):
         for ex in task_examples(task, model, limit):
