@@ -12,8 +12,11 @@ kernels torch picked, since minilm-sentiment is fine-tuned on the machine that r
 
 Context attribution (configs/context.yaml, kind: context; about 35 minutes on one thread of a 2-core CPU):
 
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python bench/ship_results.py --context
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python bench/ship_results.py --context   # check run, then the full run
     python bench/ship_results.py --context --from results/context      # from a finished full run's folder
+    python bench/ship_results.py --context --check-only                # context.check.csv alone (~2.5 min)
+
+After changing the config's examples or methods, first store the new responses: python bench/context_responses.py.
 
 The full run is `python -m ctxmix bench --config configs/context.yaml --threads 1` (resumable: its finished
 examples stay in results/context.jsonl); the check run is the same with `--check-sizes --limit 2` (the
