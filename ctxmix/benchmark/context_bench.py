@@ -332,7 +332,7 @@ def format_table(table: pd.DataFrame) -> str:
             cell=[f"{m:.3f} ± {s:.3f} (n={n})" for m, s, n in zip(t["mean"], t["std"], t["n"])],
             head=[f"{k} {'↑' if h else '↓'}" for k, h in zip(t["metric"], t["higher_is_better"])],
         )
-        wide = cell.pivot(index="method", columns="head", values="cell")
+        wide = cell.pivot(index="method", columns="head", values="cell").rename_axis(columns=None)
         blocks.append(f"== {task} ==\n{wide.to_string()}")
     return "\n\n".join(blocks)
 
