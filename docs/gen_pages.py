@@ -2,6 +2,8 @@
 
 - docs/methods/<name>.md: one page per method, from the method registry (what `ctxmix methods`
   prints): its formula and choices, its paper, how it is aggregated, its caveats;
+- docs/methods/context/<name>.md: one page per context-attribution method (`attribute_context`), from the
+  registry's context group and CONTEXT_DOCS below (formula, options, snippet);
 - docs/families.md: the families table (what `ctxmix models` prints);
 - docs/analyses/*.md: one page per analysis, each with a figure the code makes on the embedded
   MiniLM and a few Wikipedia sentences (SVG through kaleido when Chromium is there, else HTML).
@@ -26,7 +28,12 @@ import ctxmix.methods.flow  # noqa: E402,F401
 import ctxmix.methods.prediction  # noqa: E402,F401
 from ctxmix.engine.arch import families_table  # noqa: E402
 from ctxmix.export import plots  # noqa: E402
-from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS  # noqa: E402
+from ctxmix.methods.registry import (  # noqa: E402
+    CONTEXT_METHODS,
+    MIXING_METHODS,
+    PREDICTION_METHODS,
+    SALIENCY_METHODS,
+)
 
 PREDICTION_MODULES = {
     "logit": "ctxmix.methods.prediction",
@@ -135,6 +142,148 @@ def method_pages() -> list[str]:
     return names
 
 
+# Per context method: (paper, formula, options, extra caveats). The registry gives the title, the short doc and
+# the cost; docs/context.md the shared parts (prompt, sources, targets, evaluation). A method without an entry
+# here (at2_exact: its own page comes with it) gets no generated page.
+CONTEXT_DOCS: dict[str, dict[str, str]] = {
+    "contextcite": {
+        "paper": "Benjamin Cohen-Wang, Harshay Shah, Kristian Georgiev, Aleksander Mądry, *ContextCite: Attributing "
+        "Model Generation to Context*, NeurIPS 2024, arXiv 2409.00729; official code MadryLab/context-cite.",
+        "formula": "Masks v_1..v_n ∈ {0,1}^d (1 = keep), mask i from `RandomState(seed + i)`, keep probability "
+        "0.5. For each, the context is rebuilt from the kept sources, re-templated and re-tokenised, and the fixed "
+        "response is scored: per-token logit-probabilities ℓ_t = log p_t − log(1 − p_t), aggregated to "
+        "y_i = logit P(span) = log P − log(1 − P), log P = Σ_t log σ(ℓ_t). A LASSO (alpha 0.01) is fitted on the "
+        "standardised masks to y / T; its weights, rescaled to the masks' scale and multiplied by T, are the "
+        "scores (the intercept is `ca.intercepts['contextcite']`).",
+        "options": "`n_ablations` (default 32; at least 2, at most the stated cap), `seed` (first mask's seed), "
+        "`keep_prob` (0.5), `alpha` (0.01), `batch_size` (forward passes per batch), `compat=True` (the official "
+        "package's choices exactly: float32 aggregation that overflows on a confident span, its rebuild rule, "
+        "the response re-tokenised with its end-of-sequence token).",
+        "caveats": "The surrogate is linear: interactions (two sources that matter only together) are "
+        "averaged away. A sub-span of the response refits the LASSO on the stored per-token values "
+        "(`scores_for(..., span=)`), no new pass. `ca.ablations['contextcite']` holds the masks and the "
+        "per-token logit-probabilities, so anyone can refit with the official solver.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["contextcite"], n_ablations=32)\n'
+        'ca.top("contextcite", 3)\nca.scores_for("contextcite", span=(0, 20))  # refit on the span, no pass',
+    },
+    "leave_one_out": {
+        "paper": "The classical reference (ContextCite's and AttriBoT's baseline: Fengyuan Liu, Nikhil Kandpal, "
+        "Colin Raffel, *AttriBoT*, ICLR 2025, arXiv 2411.15102, makes it cheap).",
+        "formula": "score_i = log P(span | context) − log P(span | context without source i), natural log, "
+        "teacher-forced on the fixed response (d + 1 passes: every source, then each one removed, text removal "
+        "as ContextCite's).",
+        "options": "`batch_size`; refused above `ctxmix.methods.context_ablation.MAX_LOO_SOURCES` (256) sources.",
+        "caveats": "Misses redundancy: a fact stated twice loses nothing when one copy goes. Cost grows with "
+        "d × context length, so long contexts with many sentences are better served by `contextcite` or coarser "
+        "sources (`sources='paragraph'`).",
+        "snippet": 'ca = ctxmix.attribute_context(m, docs, query, sources="document", methods=["leave_one_out"])',
+    },
+    "logit": {
+        "paper": "Javier Ferrando, Gerard I. Gállego, Ioannis Tsiamas, Marta R. Costa-jussà, *Explaining How "
+        "Transformers Use Context to Build Predictions*, ACL 2023 (Logit); per-source scores: ctxmix.",
+        "formula": "For response token r_t, explained at the row q_t that predicts it: each layer's attention "
+        "update of that row split over the positions j it reads (heads summed), projected on the target's "
+        "readout through the final norm frozen at its real scale: c_{t,j} = Σ_l ⟨r_w, Σ_h A^{l,h}_{q_t j} "
+        "W_O^{l,h} v^{l,h}_j⟩ (plus the predicted position's embedding). score_s = Σ_{t ∈ span} Σ_{j ∈ s} c_{t,j}. "
+        "Target (T1, default): log p = (z_r − Σ_v p_v z_v) − H(p), the centred logit split exactly, −H(p) "
+        "unattributed; `target='logit_prob'` (T2) or `'logit'` (raw).",
+        "options": "`target` ('log_prob', 'logit_prob', 'logit').",
+        "caveats": "MLPs are not attributed; context relayed through earlier response positions stays on those "
+        "positions (`ca.buckets('logit')['response']`). The sources plus the buckets add up to the span's summed "
+        "target exactly.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["logit"])\nca.buckets("logit")',
+    },
+    "alti_logit": {
+        "paper": "Ferrando, Gállego, Tsiamas, Costa-jussà, ACL 2023 (ALTI-Logit); per-source scores: ctxmix.",
+        "formula": "Logit's layer-l contributions D^l traced to the input tokens through ALTI's layer maps of the "
+        "layers below: Σ_l D^l C^{l−1} ⋯ C^0, evaluated top-down as acc ← acc C^l + D^l; a source sums its "
+        "tokens' entries over the span's tokens. Same targets as `logit`.",
+        "options": "`target` ('log_prob', 'logit_prob', 'logit').",
+        "caveats": "Needs every row of (L − 1) ALTI layer maps, O((L − 1) n² d): the costliest one-pass method. "
+        "Mass reaching a position whose ALTI row is all clipped is `terms['untraced']`.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["alti_logit"])',
+    },
+    "attention": {
+        "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
+        "Attention* (AT2), arXiv 2504.13752, 2025: its untrained (uniform-weight) baseline.",
+        "formula": "score_s = mean_{t ∈ span} mean_{l, h} Σ_{j ∈ s} A^{l,h}_{q_t j}: the attention of the row "
+        "predicting each response token, averaged over layers and heads, summed over the source's tokens.",
+        "options": "none.",
+        "caveats": "Shares, not signed effects; attention sinks (BOS) take much of the mass; no notion of what "
+        "the attended values carry.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["attention"])',
+    },
+    "grad_x_input": {
+        "paper": "Misha Denil, Alban Demiraj, Nando de Freitas 2014; Avanti Shrikumar et al. 2017 (gradient × "
+        "input); signed per-source form: the note's §6.1.",
+        "formula": "score_s = Σ_{t ∈ span} Σ_{j ∈ s} ⟨∂ log p(r_t) / ∂e_j, e_j⟩, e_j the word embedding: the "
+        "first-order effect of scaling the source's embeddings, d/dλ log P(span) at λ = 1.",
+        "options": "none (the pass switches to SDPA attention where eager attention's n × n probabilities would "
+        "not fit the memory budget).",
+        "caveats": "First order only: saturated tokens get small gradients whatever their role; not a "
+        "decomposition (`terms['first_order_gap']` closes the buckets). Cost: one forward and T backward passes.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["grad_x_input"])\n'
+        'ca.cost["grad_x_input"]  # forward 1, backward T, seconds, attention',
+    },
+}
+
+
+def context_method_pages() -> list[str]:
+    """docs/methods/context/<name>.md for each context method with a CONTEXT_DOCS entry."""
+    out = DOCS / "methods" / "context"
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    for name, info in CONTEXT_METHODS.items():
+        extra = CONTEXT_DOCS.get(name)
+        if extra is None:
+            continue
+        token_level = name in {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}
+        there = "is the token-level method of the same name" if token_level else "is refused"
+        lines = [
+            f"# {info.title} (`{name}`, context attribution)",
+            "",
+            f"**Paper:** {extra['paper']}  ",
+            "**Used by:** `ctxmix.attribute_context(..., methods=[...])` (not `explain`: there "
+            f"`{name}` {there}). "
+            "Shared parts (prompt, sources, targets, evaluation): [Context attribution](../../context.md).",
+            "",
+            "## What it computes",
+            "",
+            info.doc,
+            "",
+            extra["formula"],
+            "",
+            "## Cost and caveats",
+            "",
+            info.caveat,
+            "",
+            extra["caveats"],
+            "",
+            "## Options",
+            "",
+            extra["options"],
+            "",
+            "## Use",
+            "",
+            "```python",
+            "import ctxmix",
+            "",
+            'm = ctxmix.load_model("smollm2")',
+            'context = "The code for the staff entrance is 4817. The canteen opens at noon."',
+            'query = "What is the code for the staff entrance?"',
+            'docs = ["The code is 4817.", "The canteen opens at noon."]',
+            extra["snippet"],
+            "```",
+            "",
+            "Measured on your model: `ca.evaluate(m)` (top-k drop, LDS; `gold=` adds recall), and the shipped "
+            "`configs/context.yaml` results on the dashboard's Benchmarks page.",
+            "",
+        ]
+        (out / f"{name}.md").write_text("\n".join(lines))
+        names.append(name)
+    return names
+
+
 def families_page() -> None:
     rows = families_table()
     lines = [
@@ -235,6 +384,7 @@ def analysis_pages() -> None:
 
 if __name__ == "__main__":
     method_pages()
+    context_method_pages()
     families_page()
     if "--no-figures" not in sys.argv:
         analysis_pages()

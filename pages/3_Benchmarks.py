@@ -208,3 +208,34 @@ if papers:
         )
         with st.expander("Every published value with its std"):
             st.dataframe(shipped.paper_values(papers[name]), width="stretch", hide_index=True)
+
+
+st.divider()
+st.subheader("Context attribution (configs/context.yaml)")
+with common.errors_as_messages():
+    from ctxmix.benchmark.context_bench import context_table
+
+    ctx = shipped.load_context_shipped("context")
+    if ctx is None:
+        st.info(
+            "No shipped context-attribution results in this install. Make them with "
+            "`python bench/ship_results.py --context` (about 35 minutes on 2 CPU cores), or run "
+            "`python -m ctxmix bench --config configs/context.yaml` to see them in the terminal and results/context/."
+        )
+    else:
+        cagg, cmeta = ctx
+        st.caption(
+            f"Shipped results: computed by `{cmeta['command']}` with ctxmix {cmeta['ctxmix_version']} on "
+            f"{cmeta['date'][:10]} ({cmeta.get('cpu', cmeta.get('machine', ''))}); {cmeta.get('counts', '')} "
+            "Which sources of a context made smollm2 answer as it did, each method scored against removal "
+            "ablations: topk_drop@k (log P(response) minus log P(response) without the method's top-k sources), "
+            "lds (Spearman over held-out random ablations), recall@k (the gold source among the top k). "
+            "Means over examples; ↑ higher is better, ↓ lower."
+        )
+        for why in shipped.stale_reasons("context", ROOT):
+            st.warning(f"These shipped results may be stale: {why}.")
+        for task in dict.fromkeys(cagg["task"]):
+            ct = context_table(cagg, task)
+            st.markdown(f"**{task}**")
+            st.dataframe(ct.style.format(precision=3, subset=[c for c in ct.columns if c != "n"]), width="stretch")
+            common.export_table(ct, f"context_{task}", caption=f"context attribution on {task}: methods x metrics")

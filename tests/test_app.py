@@ -98,6 +98,60 @@ def test_benchmarks_page_without_results(tmp_path, monkeypatch):
     assert not at.exception
 
 
+@pytest.mark.parametrize("with_context", [True, False])
+def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, with_context):
+    """The Benchmarks page's context-attribution section: a method x metric table per task from a small fake
+    shipped result (each metric's direction in its header), or, without one, how to make it."""
+    import json
+    import shutil
+
+    import pandas as pd
+
+    from ctxmix.benchmark import shipped
+
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    for f in shipped.SHIPPED.glob("embedded*"):  # the runner's shipped results stay, so the page runs as usual
+        shutil.copy(f, folder)
+    if with_context:
+        rows = [
+            ("needles", m, k, mean, 1)
+            for m, mean in (("logit", 0.5), ("contextcite", 0.7))
+            for k in ("topk_drop@1", "lds", "recall@1")
+        ] + [("summaries", "logit", "lds", 0.25, 1)]
+        agg = pd.DataFrame(rows, columns=["task", "method", "metric", "mean", "higher_is_better"])
+        agg = agg.assign(std=0.1, n=3, nan=0)
+        agg.to_csv(folder / "context.aggregates.csv", index=False)
+        meta = {
+            "name": "context",
+            "kind": "context",
+            "config": "configs/context.yaml",
+            "ctxmix_version": "0.0.0-fake",
+            "config_sha256": "0",
+            "date": "2026-01-01T00:00:00+00:00",
+            "command": "python -m ctxmix bench --config configs/context.yaml --threads 1",
+            "counts": "examples kept per task: needles 3 (1 dropped).",
+        }
+        (folder / "context.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(shipped, "SHIPPED", folder)
+    monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
+    at = _run("pages/3_Benchmarks.py")
+    assert any(h.value == "Context attribution (configs/context.yaml)" for h in at.subheader)
+    if not with_context:
+        assert any("python bench/ship_results.py --context" in i.value for i in at.info)
+        assert not any("needles" in m.value for m in at.markdown)
+        return
+    assert [m.value for m in at.markdown if m.value in ("**needles**", "**summaries**")] == [
+        "**needles**",
+        "**summaries**",
+    ]
+    tables = [d.value for d in at.dataframe if "lds ↑" in getattr(d.value, "columns", [])]
+    needles = tables[0].data if hasattr(tables[0], "data") else tables[0]
+    assert list(needles.columns) == ["topk_drop@1 ↑", "lds ↑", "recall@1 ↑", "n"]
+    assert needles.at["contextcite", "lds ↑"] == 0.7 and needles.at["logit", "n"] == 3
+    assert any("configs/context.yaml changed" in w.value or "made by ctxmix 0.0.0-fake" in w.value for w in at.warning)
+
+
 def test_hosted_mode_asks_for_a_password(monkeypatch):
     monkeypatch.setenv("CTXMIX_HOSTED", "1")
     monkeypatch.setenv("CTXMIX_PASSWORD", "s3cret")

@@ -61,7 +61,7 @@ def test_bad_input():
 
 def test_shipped_config_is_valid():
     cfg = cb.load_context_config(cb.Path(cb.__file__).parent / "configs" / "context.yaml")
-    assert {t["id"] for t in cfg["tasks"]} == set(cd.TASKS)
+    assert {t["id"] for t in cfg["tasks"]} == {"needles", "summaries", "documents"}  # the offline ones
 
 
 EVAL = {"k": [1], "n_ablations": 6}
@@ -122,3 +122,248 @@ def test_runner_on_a_tiny_model(tokenizer):
     for m in ("logit", "contextcite"):
         for k in ("topk_drop@1", "lds", "recall@1", "recall@3"):
             assert np.isclose(got.loc[m, k], direct.loc[m, k], rtol=0, atol=0, equal_nan=True), (m, k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# check sizes, resume, the CLI, the shipped check's tolerances, the papers' dataset configs (offline)
+
+
+def _check_config(responses):
+    cfg = _config(responses)
+    cfg["check"] = {"tasks": {"needles": {"min_tokens": 20, "max_tokens": 30}}, "evaluate": {"n_ablations": 5}}
+    cfg["tasks"][1]["methods"] = ["logit"]  # a task's own subset of the methods
+    return cfg
+
+
+def test_check_sizes_prefix_ids_and_a_resumed_run_recomputes_nothing(tokenizer, tmp_path, monkeypatch):
+    llama = tiny_model("llama", tokenizer)
+    responses = {"check/needle-0": cd.NEEDLES[0].fact, "check/needle-1": cd.NEEDLES[1].fact}
+    cfg = _check_config(responses)
+    lines = []
+    db = tmp_path / "r.jsonl"
+    table = cb.run_context_benchmark(cfg, model=llama, limit=2, check=True, resume=db, log=lines.append)
+    ex, chk = table.attrs["examples"], table.attrs["check"]
+    assert set(ex["example"]) >= {"check/needle-0", "check/needle-1", "check/summary-0"}
+    assert len(lines) == 4 and all(" in " in line for line in lines)
+    assert set(ex[ex.task == "summaries"].method) == {"logit"} and set(ex[ex.task == "needles"].method) == {
+        "logit",
+        "contextcite",
+    }
+    # the check's overrides: shorter needles, 5 held-out ablations
+    assert len(chk[(chk.example == "check/needle-0") & (chk.metric == "heldout")]) == 5
+    count = lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    short = cd.needle_examples(2, 20, 30, seed=0, count_tokens=count)
+    assert [count(e.context) <= 31 for e in short] == [True, True]
+    # every method's scores, the measured quantities and the metrics are in the check rows
+    one = chk[chk.example == "check/needle-0"]
+    assert {"score", "log_prob_full", "heldout", "heldout_seed", "cc_target", "lds", "topk_drop@1"} <= set(one.metric)
+    assert len(one[(one.metric == "cc_target")]) == cfg["n_ablations"]
+    # resumed from the file: no model pass at all, the same tables
+    monkeypatch.setattr(cb, "_one_example", lambda *a, **k: pytest.fail("recomputed a finished example"))
+    again = cb.run_context_benchmark(cfg, model=llama, limit=2, check=True, resume=db)
+    assert again.equals(table) and again.attrs["check"].equals(chk)
+    # another config (a changed response) does not reuse them
+    cfg2 = _check_config({**responses, "check/needle-0": cd.NEEDLES[0].fact + " Yes."})
+    with pytest.raises(pytest.fail.Exception):
+        cb.run_context_benchmark(cfg2, model=llama, limit=2, check=True, resume=db)
+
+
+def test_bench_command_runs_a_context_config(tmp_path, monkeypatch, capsys):
+    """`ctxmix bench --config <kind: context>` goes to the context runner, prints one line per example and the
+    tables (directions in the headers), and writes the CSVs where --out says."""
+    import argparse
+
+    import pandas as pd
+    import yaml
+
+    from ctxmix.benchmark import command
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_config({})))
+    seen = {}
+
+    def fake(config, *, limit=None, check=False, resume=None, log=None, **_):
+        seen.update(limit=limit, check=check, resume=resume)
+        log("needles needle-0: done in 1.0 s")
+        agg = pd.DataFrame(
+            [("needles", "logit", "lds", 0.5, 0.1, 2, 0, 1), ("needles", "logit", "recall@1", 1.0, 0.0, 2, 0, 1)],
+            columns=["task", "method", "metric", "mean", "std", "n", "nan", "higher_is_better"],
+        )
+        agg.attrs.update(
+            examples=pd.DataFrame(columns=["task", "example", "method", "metric", "value"]),
+            check=pd.DataFrame(columns=["task", "example", "method", "metric", "index", "value"]),
+            dropped={"needles": []},
+            responses={"needle-0": "x"},
+            seconds=1.0,
+        )
+        return agg
+
+    monkeypatch.setattr(cb, "run_context_benchmark", fake)
+    p = argparse.ArgumentParser()
+    command.add_bench_arguments(p)
+    args = p.parse_args(["--config", str(path), "--limit", "1", "--out", str(tmp_path / "o"), "--check-sizes"])
+    command.cmd_bench(args)
+    out = capsys.readouterr().out
+    assert "needles needle-0: done" in out and "lds ↑" in out and "recall@1 ↑" in out
+    assert seen == {"limit": 1, "check": True, "resume": cb.Path("results") / "context-check.jsonl"} or (
+        seen["limit"] == 1 and seen["check"] is True
+    )
+    assert (tmp_path / "o" / "aggregates.csv").is_file() and (tmp_path / "o" / "responses.yaml").is_file()
+
+
+def _fake_check(d=6, n_cc=32, m=20, seed=0):
+    """Check rows of one example: scores spread apart (no near-ties), targets, metrics."""
+    from ctxmix.methods.context_ablation import contextcite_masks, lasso_fit
+
+    rng = np.random.default_rng(seed)
+    rows = [("-", "log_prob_full", -1, -12.0), ("-", "heldout_seed", -1, 10_032.0)]
+    w = np.array([3.1, -1.07, 0.53, 2.29, -2.61, 1.37])[:d]  # no two mask sums equal
+    hm = contextcite_masks(m, d, 10_032)
+    rows += [("-", "heldout", j, float(v)) for j, v in enumerate(hm @ w + rng.normal(0, 0.01, m) - 10)]
+    masks = contextcite_masks(n_cc, d, seed)
+    y = masks @ w + rng.normal(0, 0.3, n_cc) - 10
+    rows += [("contextcite", "cc_target", j, float(v)) for j, v in enumerate(y)]
+    cc, _ = lasso_fit(masks, y, 5)
+    for meth, s in (("logit", w), ("contextcite", cc)):
+        rows += [(meth, "score", i, float(v)) for i, v in enumerate(s)]
+        rows += [(meth, "topk_drop@1", -1, 2.5), (meth, "lds", -1, 0.8), (meth, "recall@1", -1, 1.0)]
+    df = pd.DataFrame(rows, columns=["method", "metric", "index", "value"])
+    return df.assign(task="needles", example="check/needle-0")[
+        ["task", "example", "method", "metric", "index", "value"]
+    ]
+
+
+import pandas as pd  # noqa: E402
+
+from ctxmix.benchmark import shipped  # noqa: E402
+
+
+def test_context_check_tolerances_pass_float32_moves_and_fail_a_one_percent_change():
+    want = _fake_check()
+    bad, skipped = shipped.context_check_moves(want, want, 32, 0)
+    assert bad.empty and skipped.empty
+    # measured quantities moved by 1/4 of the float32 bound: holds; by 1%: fails, naming those rows
+    meas = want.metric.isin(shipped.CONTEXT_MEASURED)
+    scale = want["value"].abs().groupby([want.task, want.method, want.metric]).transform("max")
+    near = want.assign(value=np.where(meas, want["value"] + 0.25 * shipped.FIXED_WEIGHTS_RTOL * scale, want["value"]))
+    assert shipped.context_check_moves(near, want, 32, 0)[0].empty
+    far = want.assign(value=np.where(want.metric == "heldout", want["value"] * 1.01, want["value"]))
+    bad, _ = shipped.context_check_moves(far, want, 32, 0)
+    assert len(bad) and set(bad.metric) == {"heldout"}
+    # logit's scores scaled by 1.01 fail; a missing row fails; the seed must match exactly
+    s = want.assign(
+        value=np.where((want.method == "logit") & (want.metric == "score"), want["value"] * 1.01, want.value)
+    )
+    assert set(shipped.context_check_moves(s, want, 32, 0)[0].method) == {"logit"}
+    assert len(shipped.context_check_moves(want.iloc[1:], want, 32, 0)[0]) == 1
+    seed = want.assign(value=np.where(want.metric == "heldout_seed", want["value"] + 1, want["value"]))
+    assert set(shipped.context_check_moves(seed, want, 32, 0)[0].metric) == {"heldout_seed"}
+    # a near-tie at the top: the rank metrics of that method are skipped (said), not compared
+    tie = want.copy()
+    sel = (tie.method == "logit") & (tie.metric == "score")
+    tie.loc[sel & (tie["index"] == 3), "value"] = 3.1  # ties the top score
+    bad, skipped = shipped.context_check_moves(tie.assign(value=tie.value), tie, 32, 0)
+    assert bad.empty and {("logit", "topk_drop@1"), ("logit", "recall@1"), ("logit", "lds")} <= set(
+        zip(skipped.method, skipped.metric)
+    )
+
+
+def test_lasso_bound_holds_for_a_refit_on_moved_targets():
+    """`shipped.lasso_bound`: the official LASSO refitted on targets moved by at most y_move stays within the
+    bound of the first fit (random moves, several seeds); and the bound is finite on well-posed masks."""
+    from ctxmix.methods.context_ablation import contextcite_masks, lasso_fit
+
+    rng = np.random.default_rng(1)
+    for seed in range(5):
+        masks = contextcite_masks(32, 6, seed)
+        y = masks @ rng.normal(0, 2, 6) + rng.normal(0, 0.5, 32) - 30
+        move = 1e-3 * np.abs(y).max()
+        b = shipped.lasso_bound(masks, y, move)
+        assert np.isfinite(b) and b > 0
+        w0, _ = lasso_fit(masks, y, 7)
+        w1, _ = lasso_fit(masks, y + rng.uniform(-move, move, 32), 7)
+        assert np.abs(w1 - w0).max() <= b, seed
+    assert shipped.lasso_bound(contextcite_masks(4, 6, 0), np.zeros(4), 0.0) == float("inf")  # d > n
+
+
+PAPER_CONFIGS = ["context-cnn_dm.yaml", "context-hotpotqa.yaml", "context-tydiqa.yaml"]
+
+
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_paper_dataset_configs_are_valid_offline(name):
+    cfg = cb.load_context_config(cb.Path(cb.__file__).parent / "configs" / name)
+    (task,) = cfg["tasks"]
+    assert task["id"] in cd.HUB and task["n"] == 1000 and task["split"] == "validation"
+    assert cfg["model"] == "smollm2" and "contextcite" in cfg["methods"]
+
+
+def test_hub_loaders_fail_clearly_offline_and_read_rows(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("datasets")
+
+    def offline(path, name=None, split=None):
+        raise ConnectionError("Couldn't reach the Hugging Face Hub (offline mode is enabled)")
+
+    fake.load_dataset = offline
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(BadInput, match=r"cnn_dm task could not load abisee/cnn_dailymail/3\.0\.0 split validation"):
+        cd.cnn_dm_examples(2)
+    with pytest.raises(BadInput, match="hotpotqa/hotpot_qa.*network access"):
+        cd.hotpotqa_examples(2)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(BadInput, match="pip install datasets"):
+        cd.tydiqa_examples(2)
+    # rows as the hub gives them (mocked): gold passages from the supporting facts' titles
+    row = {
+        "question": "Which?",
+        "context": {"title": ["A", "B", "C"], "sentences": [["a1.", " a2."], ["b1."], ["c1."]]},
+        "supporting_facts": {"title": ["C", "A"], "sent_id": [0, 1]},
+    }
+    fake.load_dataset = lambda path, name=None, split=None: [row]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    (ex,) = cd.hotpotqa_examples(1)
+    assert ex.context == ["a1.  a2.", "b1.", "c1."] and ex.gold == [0, 2] and ex.sources == "document"
+    fake.load_dataset = lambda path, name=None, split=None: [
+        {"language": "finnish", "document_plaintext": "x", "question_text": "q"},
+        {"language": "english", "document_plaintext": "One. Two. Three.", "question_text": "Q?"},
+    ]
+    (ex,) = cd.tydiqa_examples(5, max_tokens=2)
+    assert ex.query == "Q?" and ex.context == "One. Two."
+
+
+@pytest.mark.slow
+@pytest.mark.stored_numbers
+def test_shipped_context_check_is_what_the_code_computes_now():
+    """configs/context.yaml's check (`--check-sizes --limit 2`: short contexts, every method, stored responses)
+    recomputed on smollm2 and compared with ctxmix/benchmark/shipped/context.check.csv by
+    `shipped.context_check_moves` (tolerances derived there: the float32 bound of smollm2's forward pass for
+    what a pass measures and the one-pass scores, the LASSO's stopping-rule bound for ContextCite's weights,
+    rank metrics only where no near-tie could reorder them, LDS within the Spearman bound of the pairs that could
+    swap). Under 2 minutes on one thread."""
+    import torch
+
+    from ctxmix.engine.models import load_model
+
+    path = cb.Path(cb.__file__).parent / "configs" / "context.yaml"
+    cfg = cb.load_context_config(path)
+    want = shipped.load_context_check("context")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = cb.run_context_benchmark(cfg, model=load_model(cfg["model"]), limit=shipped.CHECK_LIMIT, check=True)
+    finally:
+        torch.set_num_threads(before)
+    assert sum(map(len, table.attrs["dropped"].values())) <= 1, table.attrs["dropped"]  # check/document-1, stored
+    # every check example explains its stored response (a near-tie in greedy decoding changes nothing)
+    assert all(cfg["responses"].get(k) == v for k, v in table.attrs["responses"].items())
+    now = table.attrs["check"]
+    bad, skipped = shipped.context_check_moves(now, want, int(cfg["n_ablations"]), int(cfg["seed"]))
+    assert bad.empty, (
+        f"the shipped context results are stale: {len(bad)} check rows moved beyond their tolerance; run python "
+        f"bench/ship_results.py --context\n{bad.head(20).to_string()}"
+    )
+    # what was compared: every measured quantity and score, and most rank metrics (the skipped ones are named)
+    compared = len(want) - len(skipped)
+    assert compared >= 0.8 * len(want), skipped.to_string()

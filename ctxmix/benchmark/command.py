@@ -176,9 +176,30 @@ def add_bench_arguments(s: argparse.ArgumentParser) -> None:
         help="torch threads (local) or per Ray worker; 1 is fastest on a busy machine",
     )
     s.add_argument("--check", action="store_true", help="validate the config and exit")
+    s.add_argument(
+        "--check-sizes",
+        action="store_true",
+        help="kind: context only: the config's `check` sizes (short contexts; what the shipped check recomputes)",
+    )
+
+
+def _config_kind(path) -> str | None:
+    """The `kind` of a YAML config (None when it is not a readable mapping: `load_config` says why)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return raw.get("kind") if isinstance(raw, dict) else None
 
 
 def cmd_bench(args) -> None:
+    if _config_kind(args.config) == "context":
+        from ctxmix.benchmark.context_bench import cmd_context_bench
+
+        cmd_context_bench(args)
+        return
     plan = load_config(args.config, limit=args.limit)
     if args.check:
         print(

@@ -103,8 +103,10 @@ def _words(text: str) -> int:
 def _sentences(text: str) -> list[str]:
     from ctxmix.methods.sources import make_sources
 
-    src = make_sources(text, "sentence")
-    return src.texts
+    try:
+        return make_sources(text, "sentence").texts
+    except BadInput:  # one sentence (a short document): make_sources refuses it as a context, not as text here
+        return [text.strip()] if text.strip() else []
 
 
 def _check_lengths(n: int, min_tokens: int, max_tokens: int) -> None:
@@ -234,8 +236,133 @@ def document_examples(
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the papers' datasets (note §5), from the Hugging Face hub: need network access (or the `datasets` cache)
+
+CNN_DM_QUERY = "Summarize the article in up to three sentences."  # AT2's notebooks and tests (note §5)
+# task -> (hub id, config, default split): the note's §5 table (its ids cnn_dailymail, hotpot_qa and tydiqa, as the
+# hub now spells them under their owners; the bare names were script datasets, which datasets >= 3 no longer runs)
+HUB = {
+    "cnn_dm": ("abisee/cnn_dailymail", "3.0.0", "validation"),
+    "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation"),
+    "tydiqa": ("google-research-datasets/tydiqa", "primary_task", "validation"),
+}
+
+
+def hub_rows(task: str, split: str | None = None):
+    """The rows of a hub dataset (`HUB[task]`), loaded lazily with `datasets`; BadInput naming the dataset
+    when `datasets` is missing or the hub is unreachable (offline: HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)."""
+    path, name, default = HUB[task]
+    split = split or default
+    try:
+        import datasets
+    except ImportError:
+        raise BadInput(f"the {task} task reads {path}/{name} from the Hugging Face hub: pip install datasets") from None
+    try:
+        return datasets.load_dataset(path, name, split=split)
+    except Exception as e:  # noqa: BLE001  (offline, missing split, hub errors: all say the same to the user)
+        raise BadInput(
+            f"the {task} task could not load {path}/{name} split {split} from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); it needs network access or a cached copy of that dataset. Offline "
+            "context tasks: needles, summaries, documents (configs/context.yaml)"
+        ) from None
+
+
+def _sample(rows, n: int, seed: int, keep=None) -> list:
+    """n rows drawn without replacement (`random.Random(seed)` over the row order), those `keep` accepts."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for i in order:
+        if len(out) >= n:
+            break
+        rec = rows[i]
+        if keep is None or keep(rec):
+            out.append((i, rec))
+    return out
+
+
+def _cut_text(text: str, max_tokens: int | None, count: Callable[[str], int]) -> str:
+    """The longest run of whole leading sentences within `max_tokens` (None: the whole text)."""
+    if max_tokens is None:
+        return text
+    return " ".join(_cut(_sentences(text), max_tokens, max_tokens, count))
+
+
+def cnn_dm_examples(
+    n: int,
+    seed: int = 0,
+    split: str | None = None,
+    max_tokens: int | None = None,
+    query: str = CNN_DM_QUERY,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[ContextExample]:
+    """CNN/DailyMail (cnn_dailymail 3.0.0, validation): n drawn articles (sources: sentences; cut to
+    max_tokens at a sentence end when given), query CNN_DM_QUERY; no gold."""
+    count = count_tokens or _words
+    rows = hub_rows("cnn_dm", split)
+    return [
+        ContextExample(f"cnn_dm-{i}", "cnn_dm", _cut_text(r["article"], max_tokens, count), query, "sentence")
+        for i, r in _sample(rows, n, seed)
+    ]
+
+
+def hotpotqa_examples(
+    n: int,
+    seed: int = 0,
+    split: str | None = None,
+    max_tokens: int | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[ContextExample]:
+    """HotpotQA (hotpot_qa distractor, validation): the 10 passages (2 gold, 8 distractors; a passage is its
+    sentences joined by spaces) as documents, the question as query; gold = the passages whose title has a
+    supporting fact. max_tokens: examples whose passages exceed it are skipped."""
+    count = count_tokens or _words
+    rows = hub_rows("hotpotqa", split)
+
+    def passages(r) -> list[str]:
+        return [" ".join(s).strip() for s in r["context"]["sentences"]]
+
+    def fits(r) -> bool:
+        return max_tokens is None or count("\n\n".join(passages(r))) <= max_tokens
+
+    out = []
+    for i, r in _sample(rows, n, seed, fits):
+        titles = set(r["supporting_facts"]["title"])
+        gold = [k for k, t in enumerate(r["context"]["title"]) if t in titles]
+        out.append(ContextExample(f"hotpotqa-{i}", "hotpotqa", passages(r), r["question"], "document", gold))
+    return out
+
+
+def tydiqa_examples(
+    n: int,
+    seed: int = 0,
+    split: str | None = None,
+    max_tokens: int | None = 4000,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[ContextExample]:
+    """TyDi QA (tydiqa primary_task, validation), English only: the Wikipedia article's plain text (sources:
+    sentences; cut to max_tokens at a sentence end: smollm2's window is 8,192), the question as query; no
+    gold (the annotated passage is not mapped onto sentences)."""
+    count = count_tokens or _words
+    rows = hub_rows("tydiqa", split)
+    return [
+        ContextExample(
+            f"tydiqa-{i}",
+            "tydiqa",
+            _cut_text(r["document_plaintext"], max_tokens, count),
+            r["question_text"],
+            "sentence",
+        )
+        for i, r in _sample(rows, n, seed, lambda r: r["language"] == "english")
+    ]
+
+
 TASKS: dict[str, Callable[..., list[ContextExample]]] = {
     "needles": needle_examples,
     "summaries": summary_examples,
     "documents": document_examples,
+    "cnn_dm": cnn_dm_examples,
+    "hotpotqa": hotpotqa_examples,
+    "tydiqa": tydiqa_examples,
 }

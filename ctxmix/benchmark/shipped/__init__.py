@@ -55,12 +55,30 @@ def config_sha256(path: str | Path) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def shipped_names() -> list[str]:
+def _kind(json_path: Path) -> str | None:
+    return json.loads(json_path.read_text(encoding="utf-8")).get("kind")
+
+
+def shipped_names(kind: str | None = None) -> list[str]:
+    """Names of the shipped results of the runner's configs (kind None), or of `kind` ("context")."""
     return sorted(
         p.name[: -len(".json")]
         for p in SHIPPED.glob("*.json")
-        if (SHIPPED / p.name.replace(".json", ".aggregates.csv")).exists()
+        if (SHIPPED / p.name.replace(".json", ".aggregates.csv")).exists() and _kind(p) == kind
     )
+
+
+def load_context_shipped(name: str = "context") -> tuple[pd.DataFrame, dict] | None:
+    """(aggregates: task, method, metric, mean, std, n, nan, higher_is_better; metadata) of a shipped context
+    benchmark result (`bench/ship_results.py --context`), None when it is not shipped."""
+    if name not in shipped_names("context"):
+        return None
+    meta = json.loads((SHIPPED / f"{name}.json").read_text(encoding="utf-8"))
+    return pd.read_csv(SHIPPED / f"{name}.aggregates.csv"), meta
+
+
+def load_context_check(name: str = "context") -> pd.DataFrame:
+    return pd.read_csv(SHIPPED / f"{name}.check.csv", dtype={"example": str})
 
 
 def load_shipped(name: str = "embedded") -> tuple[pd.DataFrame, dict]:
@@ -146,3 +164,161 @@ def paper_table(cfg: dict) -> pd.DataFrame:
     out = df.pivot_table(index="paper row", columns="column", values="mean", sort=False, aggfunc="first")
     out.columns.name = None
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# context attribution (configs/context.yaml: ctxmix.benchmark.context_bench.check_rows)
+
+CONTEXT_CHECK_KEYS = ["task", "example", "method", "metric", "index"]
+# What a float32 forward (or backward) pass measures: within FIXED_WEIGHTS_RTOL of its group's scale (smollm2's
+# weights are the same bits everywhere; see above).
+CONTEXT_MEASURED = ("log_prob_full", "heldout", "cc_target")
+RANK_METRICS = ("topk_drop@", "recall@", "lds")
+LASSO_TOL = 1e-4  # sklearn's Lasso default, which the official solver (and ctxmix's) keeps
+
+
+def lasso_bound(masks, y, y_move: float) -> float:
+    """How far two runs of `ctxmix.methods.context_ablation.lasso_fit` (StandardScaler -> sklearn Lasso, tol
+    LASSO_TOL, weights rescaled) can put any weight apart, when their targets y (n,) differ by at most `y_move`
+    each (masks (n, d) bool, the same seeded masks on both sides). inf where the bound does not exist.
+
+    Derivation. sklearn's coordinate descent minimises F(c) = 1/2 |Y - X c|^2 + n alpha |c|_1 (X the standardised
+    masks, Y = y / T centred) and stops when the duality gap is below tol |Y|^2, so F(c) - F(c*) <= tol |Y|^2;
+    F is 1-strongly convex along X c, so |X (c - c*)|^2 <= 2 tol |Y|^2, and X^T X = n C (C the masks' correlation
+    matrix, smallest eigenvalue lam): |c - c*| <= sqrt(2 tol / lam) std(Y). The optimum's fitted values
+    Y - proj_K(Y) are 1-Lipschitz in Y (K = {u: |X^T u|_inf <= n alpha} is convex), so two targets move the
+    optimum by |c* - c*'| <= |dY| / sqrt(n lam) <= rms(dY) / sqrt(lam). A weight is c_i T / sigma_i (sigma_i the
+    mask column's std), so T cancels: bound = (2 sqrt(2 tol / lam) std(y) + y_move / sqrt(lam)) / min sigma."""
+    import numpy as np
+
+    X = np.asarray(masks, dtype=np.float64)
+    sigma = X.std(0)
+    if len(X) < 2 or (sigma == 0).any():
+        return float("inf")
+    Z = (X - X.mean(0)) / sigma
+    lam = float(np.linalg.eigvalsh(Z.T @ Z / len(X))[0])
+    if lam <= 1e-12:  # collinear masks (or more sources than masks): the LASSO's weights are not unique
+        return float("inf")
+    std_y = float(np.std(np.asarray(y, dtype=np.float64)))
+    return (2.0 * np.sqrt(2.0 * LASSO_TOL / lam) * std_y + y_move / np.sqrt(lam)) / float(sigma.min())
+
+
+def spearman_bound(pred, f, pred_tol: float, f_tol: float, masks) -> float:
+    """How far Spearman(pred, f) (m values each) can move when every pred moves by less than pred_tol / 2 and
+    every f by less than f_tol / 2 (so a pair can swap only if its gap is within pred_tol or f_tol). Rows of
+    identical masks (m, d) are the same measurement on both sides and never swap. inf when two distinct masks
+    tie exactly (average ranks: the formula below is for distinct ranks).
+
+    With distinct ranks rho = 1 - 6 sum(D_i^2) / (m (m^2 - 1)), D_i = rank(pred)_i - rank(f)_i. Item i's rank
+    can change by at most the number of its near partners (c_i in pred, e_i in f), so |dD_i| <= c_i + e_i = q_i
+    and |d rho| <= 6 sum(2 |D_i| q_i + q_i^2) / (m (m^2 - 1))."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    pred, f = np.asarray(pred, dtype=np.float64), np.asarray(f, dtype=np.float64)
+    m = len(pred)
+    same = (masks[:, None, :] == masks[None, :, :]).all(-1)
+    dp, df = np.abs(pred[:, None] - pred[None, :]), np.abs(f[:, None] - f[None, :])
+    if ((dp == 0) & ~same).any() or ((df == 0) & ~same).any() or m < 3:
+        return float("inf")
+    q = ((dp <= pred_tol) & ~same).sum(1) + ((df <= f_tol) & ~same).sum(1)
+    D = rankdata(pred) - rankdata(f)
+    return float(6 * np.sum(2 * np.abs(D) * q + q**2) / (m * (m * m - 1)))
+
+
+def _kth_gap(scores, k: int) -> float:
+    """The gap between the k-th and (k+1)-th largest scores (inf when k >= d): the top-k set cannot change
+    while every score moves by less than half of it."""
+    import numpy as np
+
+    s = np.sort(np.asarray(scores, dtype=np.float64))[::-1]
+    return float("inf") if k >= len(s) else float(s[k - 1] - s[k])
+
+
+def context_check_moves(
+    now: pd.DataFrame, shipped: pd.DataFrame, n_ablations: int, seed: int, keep_prob: float = 0.5
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The context benchmark's check rows recomputed now against the shipped ones (columns CONTEXT_CHECK_KEYS +
+    "value"). Returns (bad: rows beyond their tolerance, with "shipped", "now", "allowed"; skipped: rank
+    metrics not compared because a near-tie could flip them, with "why"). n_ablations, seed, keep_prob:
+    ContextCite's (its masks are `contextcite_masks(n_ablations, d, seed)`).
+
+    Tolerances (what moves between CPUs is the order of float32 reductions, as above):
+    - measured quantities (log P(response | context), held-out and ContextCite targets logit P) and the
+      scores of every method but contextcite: FIXED_WEIGHTS_RTOL x the largest |shipped value| of their
+      (task, method, metric);
+    - contextcite's scores: `lasso_bound` of each example, its targets' move being the bound above;
+    - topk_drop@k and recall@k: compared only where the method's k-th and (k+1)-th shipped scores are more
+      than twice their score tolerance apart (else skipped: a near-tie may select other sources on another
+      CPU, a real difference, not an error); then recall exactly and topk_drop within twice the log P bound
+      (a difference of two measured log-probabilities);
+    - lds: within `spearman_bound` (held-out predictions, sums of d kept scores, move by at most d x the score
+      tolerance; the measured targets by their bound): 0 when no pair is that close; skipped where two distinct
+      masks tie exactly.
+    A row present on one side only, or NaN on one side, is bad."""
+    import numpy as np
+
+    from ctxmix.methods.context_ablation import contextcite_masks
+
+    key = CONTEXT_CHECK_KEYS
+    j = pd.concat(
+        [shipped.set_index(key)["value"].rename("shipped"), now.set_index(key)["value"].rename("now")],
+        axis=1,
+        join="outer",
+    ).reset_index()
+    j["scale"] = j["shipped"].abs().groupby([j["task"], j["method"], j["metric"]]).transform("max").fillna(0.0)
+    j["allowed"] = FIXED_WEIGHTS_RTOL * j["scale"]
+    j["compare"] = True
+    j["why"] = ""
+    sh = shipped.set_index(key)["value"]
+    for (task, ex), rows in j.groupby(["task", "example"]):
+        idx = rows.index
+
+        def rows_of(method, metric, _rows=rows):
+            r = _rows[(_rows["method"] == method) & (_rows["metric"] == metric)].sort_values("index")
+            return r
+
+        lp_tol = float(rows_of("-", "log_prob_full")["allowed"].max())
+        score_tol: dict[str, float] = {}
+        scores: dict[str, np.ndarray] = {}
+        for m in rows.loc[rows["metric"] == "score", "method"].unique():
+            r = rows_of(m, "score")
+            scores[m] = r["shipped"].to_numpy(dtype=np.float64)
+            score_tol[m] = float(r["allowed"].max())
+        d = len(next(iter(scores.values()))) if scores else 0
+        if "contextcite" in scores:
+            y = rows_of("contextcite", "cc_target")
+            masks = contextcite_masks(n_ablations, d, seed, keep_prob)
+            b = lasso_bound(masks, y["shipped"].to_numpy(), float(y["allowed"].max()))
+            score_tol["contextcite"] = b
+            j.loc[rows_of("contextcite", "score").index, "allowed"] = b
+        held = rows_of("-", "heldout")
+        first = int(sh.get((task, ex, "-", "heldout_seed", -1), -1))
+        hmasks = contextcite_masks(len(held), d, first, keep_prob) if first >= 0 and d else None
+        for i in idx[rows.loc[idx, "metric"].str.startswith(RANK_METRICS)]:
+            m, metric = j.at[i, "method"], j.at[i, "metric"]
+            s, tol = scores.get(m), score_tol.get(m, float("inf"))
+            why = ""
+            if s is None:
+                why = "no shipped scores"
+            elif metric.startswith(("topk_drop@", "recall@")):
+                k = int(metric.split("@")[1])
+                if not _kth_gap(s, k) > 2 * tol:
+                    why = f"scores {k} and {k + 1} are within twice their tolerance {tol:.3g}"
+                j.at[i, "allowed"] = 2 * lp_tol if metric.startswith("topk") else 0.0
+            elif hmasks is None:
+                why = "no held-out masks"
+            else:
+                pred = hmasks.astype(np.float64) @ s
+                f = held["shipped"].to_numpy(dtype=np.float64)
+                bound = spearman_bound(pred, f, 2 * d * tol, 2 * float(held["allowed"].max()), hmasks)
+                if not np.isfinite(bound):
+                    why = "two held-out predictions or targets tie exactly (distinct masks)"
+                j.at[i, "allowed"] = bound + 1e-9  # + float64 rounding of the Spearman itself
+            if why:
+                j.at[i, "compare"], j.at[i, "why"] = False, why
+    j.loc[j["metric"] == "heldout_seed", "allowed"] = 0.0  # a seed is compared exactly
+    both_nan = j["shipped"].isna() & j["now"].isna()
+    bad = j["compare"] & ~both_nan & ~((j["now"] - j["shipped"]).abs() <= j["allowed"])
+    cols = key + ["shipped", "now", "allowed"]
+    return j.loc[bad, cols].reset_index(drop=True), j.loc[~j["compare"], key + ["why"]].reset_index(drop=True)
