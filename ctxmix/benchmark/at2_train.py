@@ -326,7 +326,7 @@ def train(
 ) -> dict:
     """`ctxmix at2-train`: builds (or resumes) the training set under out/examples/, fits every feature kind and
     writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance)."""
-    import ctxmix
+    from ctxmix import __version__
     from ctxmix.methods.context_at2 import save_weights
 
     out = Path(out)
@@ -372,7 +372,7 @@ def train(
         "training_loss": losses,
         "build_seconds": build_s,
         "date": datetime.date.today().isoformat(),
-        "ctxmix_version": getattr(ctxmix, "__version__", "unknown"),
+        "ctxmix_version": __version__,
         "shape": [L, H],
     }
     save_weights(out / "at2_weights.npz", weights, L, H, meta)
@@ -397,7 +397,7 @@ def add_at2_arguments(s) -> None:
 def cmd_at2_train(args) -> None:
     import torch
 
-    from ctxmix.cli import _load
+    from ctxmix.engine.models import load_model
 
     if args.threads is not None:
         if args.threads < 1:
@@ -406,7 +406,7 @@ def cmd_at2_train(args) -> None:
     for name in ("examples", "masks", "min_tokens", "max_tokens", "steps"):
         if getattr(args, name) < (2 if name == "masks" else 1):
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
-    model = _load(args)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
     meta = train(
         model,
         args.out,
