@@ -154,7 +154,8 @@ def build_example(
     batch_size: int = 8,
 ) -> dict:
     """Everything AT2's trainer needs for one example, as arrays: features_<kind> (U, d, L H) float32,
-    masks (m, d) bool (True = kept), logit_probs (m, T) float64 (removal ablations), units (U, 2), and "meta"
+    masks (m, d) bool (True = kept), logit_probs (m, T) float64 (removal ablations), units (U, 2), response_ids
+    (T,), and "meta"
     (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds)."""
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.context_ablation import _ablated, contextcite_masks
@@ -198,6 +199,7 @@ def build_example(
         "masks": masks,
         "logit_probs": ab["logit_probs"],
         "units": np.array(us, dtype=np.int64),
+        "response_ids": np.array(resp.ids, dtype=np.int64),
         "meta": np.array(json.dumps(meta)),
     }
 
