@@ -238,7 +238,7 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
 
 def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, target: str = "log_prob") -> dict:
     """at2_exact on prompt + response ids: {"per_token" (T, n) float64 = sum_{l,h} w F^{l,h}, "terms": {},
-    "target": (T,) ones (shares, no explained quantity), "cost"} from one traced pass."""
+    "target": (T,) the per-token total (a scale-free score explains no quantity), "cost"} from one traced pass."""
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.prediction import check_logit_model
 
@@ -250,4 +250,5 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     tr = trace_ids(model, ids)
     per_token = weighted_features(model, tr, rows, list(ids[P:]), kind, w, target)
     cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
-    return {"per_token": per_token, "terms": {}, "target": np.ones(T), "cost": cost}
+    # no explained quantity: the per-token total of the estimator, so `buckets` add up to it
+    return {"per_token": per_token, "terms": {}, "target": per_token.sum(1), "cost": cost}
