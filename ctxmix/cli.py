@@ -393,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_cite_arguments(s)
     s.set_defaults(func=cmd_cite)
 
+    s = sub.add_parser("at2-train", help="train at2_exact's per-head weights for context attribution (resumable)")
+    from ctxmix.benchmark.at2_train import add_at2_arguments, cmd_at2_train
+
+    model_args(s)
+    add_at2_arguments(s)
+    s.set_defaults(func=cmd_at2_train)
+
     s = sub.add_parser("serve", help="start the dashboard (local: 127.0.0.1; --hosted: login, caps, no error details)")
     from ctxmix.service.serve import add_serve_arguments, cmd_serve
 

@@ -114,11 +114,13 @@ class ContextAttribution:
         self._check_method(method)
         a, b = self.token_range(span)
         if method in self.per_token:
+            from ctxmix.methods.context_at2 import SPAN_AGGREGATION as AT2_AGGREGATION
             from ctxmix.methods.context_onepass import SPAN_AGGREGATION
 
             M = self.per_token[method][a:b]
             per_source = np.stack([M[:, toks].sum(1) for toks in self.source_tokens], 1)  # (b - a, d)
-            return per_source.mean(0) if SPAN_AGGREGATION[method] == "mean" else per_source.sum(0)
+            agg = {**SPAN_AGGREGATION, **AT2_AGGREGATION}[method]
+            return per_source.mean(0) if agg == "mean" else per_source.sum(0)
         if method == "contextcite":
             from ctxmix.methods.context_ablation import contextcite_scores
 
@@ -313,6 +315,8 @@ def attribute_context(
     compat: bool = False,
     batch_size: int = 8,
     progress: bool = True,
+    at2_features: str = "logit",
+    at2_weights=None,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
@@ -336,7 +340,10 @@ def attribute_context(
     baseline), "grad_x_input" (gradient x input of each token's log-probability: one forward and T
     backward passes, `ctxmix.methods.context_grad`), "contextcite" (n_ablations random ablations, seed,
     keep_prob, LASSO alpha), and
-    "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES). compat=True reproduces the
+    "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
+    estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context_at2`: at2_features
+    "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model), a file
+    from `ctxmix at2-train`, or "untrained" (uniform)). compat=True reproduces the
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
     aggregation that overflows on confident spans); the default differs there as the note's §7
@@ -374,6 +381,10 @@ def attribute_context(
         raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
+    if "at2_exact" in methods:  # the weights checked before any pass
+        from ctxmix.methods.context_at2 import resolve_weights
+
+        at2_w, at2_info = resolve_weights(model, at2_features, at2_weights)
     from ctxmix.methods.prediction import check_logit_model
 
     for m in ("logit", "alti_logit"):
@@ -446,7 +457,7 @@ def attribute_context(
         ca.warnings.append(note)
     if empty:
         ca.warnings.append(f"source(s) {empty} have no token of their own (merged into a neighbour's token)")
-    one_pass = [m for m in methods if m not in ABLATION_METHODS]
+    one_pass = [m for m in methods if m not in ABLATION_METHODS and m != "at2_exact"]
     if one_pass:
         for m, res in run_one_pass(model, one_pass, prompt.ids + resp.ids, P, target).items():
             ca.per_token[m] = res["per_token"]
@@ -456,6 +467,14 @@ def attribute_context(
             ca.scores[m] = ca.scores_for(m)
             if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
                 ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
+    if "at2_exact" in methods:
+        from ctxmix.methods.context_at2 import run_at2
+
+        res = run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target)
+        ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]
+        ca.cost["at2_exact"] = res["cost"]
+        ca.scores["at2_exact"] = ca.scores_for("at2_exact")
+        ca.options["at2"] = at2_info
     if "contextcite" in methods:
         ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
         t0 = time.perf_counter()

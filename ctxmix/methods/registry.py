@@ -353,5 +353,20 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             caveat="Cost: d + 1 near-full-length forward passes; refused above 256 sources. Misses sources that "
             "matter only together (redundant facts).",
         ),
+        MethodInfo(
+            "at2_exact",
+            "context",
+            "AT2 on exact per-head features",
+            "Cohen-Wang, Chuang, Madry 2025 (AT2); ctxmix exact features (note §6.2)",
+            doc="AT2's learned linear estimator, w . f(unit, source) over the L x H heads, with ctxmix's exact "
+            "per-head contributions as features: 'logit' (default: each head's logit contribution towards the "
+            "response token's log-probability), 'attn' (AT2's raw attention), 'norm' (attention x value-vector norm) "
+            "or 'alti' (the routes' per-head ALTI proximity); summed over a source's tokens, averaged over the span's "
+            "tokens. Weights trained on removal ablations of Wikipedia texts (`ctxmix at2-train`), shipped for "
+            "smollm2.",
+            caveat="Cost: one forward pass plus the per-head features of the response rows ('alti': one ALTI layer "
+            "pass over those rows). Scores are scale-free (L1-normalised weights); weights are per model: others need "
+            "`ctxmix at2-train` (or at2_weights='untrained'). Trained on few examples (see the weights' JSON).",
+        ),
     ]
 }

@@ -1,0 +1,425 @@
+"""Training `at2_exact`'s per-head weights (`papers/notes/context-attribution.md` §3.4, §6.2; `ctxmix at2-train`).
+
+Training set, offline and disjoint from the evaluation's texts (the benchmark and the held-out comparison use
+gensim's Lee background news; training uses the English Wikipedia extract shipped in gensim's test data,
+`wiki_paragraphs`): needles (a fact sentence written for training, `TRAIN_NEEDLES`, none of them the
+benchmark's, inserted at a drawn sentence boundary of Wikipedia sentences, and its question) and summaries
+("Summarize the article in one sentence."), alternating, contexts of a drawn length in [min, max] tokens. Per
+example (`build_example`): the response generated greedily; one traced pass over prompt + response gives
+every feature kind (`ctxmix.methods.context_at2.head_features`), aggregated per (unit, source) as AT2's (A1),
+the units being the response's sentences; n_masks masks (ContextCite's seeds 0..n-1, True = kept) labelled by
+REMOVAL: the sources deleted from the text, the prompt re-tokenised, the fixed response ids appended
+(`context_ablation._ablated`, the path of ContextCite and the metrics), the per-token logit-probabilities
+stored. AT2's own "remove" path reads the wrong rows (note §3.6) and AT2 trains on attention-masking labels;
+these labels are the counterfactual the benchmark's LDS measures. One .npz per example: a killed run resumes
+and skips finished examples.
+
+Fit (`fit`), per feature kind, as AT2's trainer: mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) (A3),
+prediction w . X, loss -Pearson over the masks (population std, 1e-8 in the denominator) averaged over a batch
+of up to 512 examples drawn without replacement, one random target unit each; Adam lr 1e-3,
+CosineAnnealingLR(T_max=steps), gradient norm clipped at 1.0, w initialised at 1/(L H), float32; seeded (AT2's
+trainer has no seed); w L1-normalised at the end. The target of a unit is ContextCite's logit P(unit) (stable
+aggregation, `context_ablation.aggregate`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from ctxmix.benchmark.context_data import SUMMARY_QUERY, ContextExample, Needle, _cut, _insert, _sentences
+from ctxmix.errors import BadInput
+from ctxmix.methods.context_at2 import KINDS
+
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+MIN_WORDS = 25  # a paragraph kept for training has at least this many words (prose, not lists or captions)
+BATCH = 512  # AT2's batch: examples per step, drawn without replacement
+
+TRAIN_NEEDLES: tuple[Needle, ...] = (
+    Needle("The password for the archive room is maple731.", "What is the password for the archive room?", "maple731"),
+    Needle("The expedition's cook was a man named Oskar Lind.", "What was the name of the expedition's cook?", "Lind"),
+    Needle(
+        "The observatory opens to visitors on 9 October.", "When does the observatory open to visitors?", "9 October"
+    ),
+    Needle(
+        "The committee's chairwoman drives a green tractor.", "What does the committee's chairwoman drive?", "tractor"
+    ),
+    Needle("The ferry to the island leaves from Pier 52.", "Which pier does the ferry to the island leave from?", "52"),
+    Needle("The old mill's cat is called Pepper.", "What is the old mill's cat called?", "Pepper"),
+    Needle("The professor's favourite fruit is the quince.", "What is the professor's favourite fruit?", "quince"),
+    Needle("The team's mascot is a blue heron named Wade.", "What is the name of the team's mascot?", "Wade"),
+    Needle("The vault combination is 2951.", "What is the vault combination?", "2951"),
+    Needle("The first prize was won by a baker from Dunmore.", "Where was the first prize winner from?", "Dunmore"),
+)
+
+
+@lru_cache(maxsize=1)
+def wiki_paragraphs() -> tuple[str, ...]:
+    """Prose paragraphs of gensim's shipped English Wikipedia extract (206 pages; markup removed by gensim's
+    `filter_wiki`, lines with leftover markup, lists and headings dropped, at least MIN_WORDS words each)."""
+    import bz2
+    from importlib import resources
+
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = resources.files("gensim") / "test" / "test_data" / WIKI_FILE
+    out = []
+    with bz2.open(str(path)) as f:
+        for _, text, _ in extract_pages(f):
+            for line in filter_wiki(text).replace("'''", "").replace("''", "").splitlines():
+                line = re.sub(r"\s+", " ", line).strip()
+                if len(line.split()) < MIN_WORDS or re.search(r"[|{}\[\]<>=*#]|https?:", line) or line[0] in ":;!":
+                    continue
+                out.append(line)
+    return tuple(out)
+
+
+def _split(paragraph: str) -> list[str]:
+    """A paragraph's sentences (itself when the splitter finds one)."""
+    try:
+        return _sentences(paragraph)
+    except BadInput:
+        return [paragraph]
+
+
+def training_examples(
+    n: int,
+    min_tokens: int = 200,
+    max_tokens: int = 400,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[ContextExample]:
+    """n examples from Wikipedia paragraphs: even i a needle (TRAIN_NEEDLES[(i // 2) % 10]), odd i a summary;
+    contexts of whole sentences from consecutive paragraphs from a drawn one on, a drawn length in
+    [min_tokens, max_tokens]."""
+    count = count_tokens or (lambda s: len(s.split()))
+    paras = wiki_paragraphs()
+    out = []
+    for i in range(n):
+        rng = random.Random(f"at2-train:{seed}:{i}")
+        start = rng.randrange(len(paras))  # consecutive paragraphs: mostly one article, as a summary needs
+        sents = (s for k in range(start, start + len(paras)) for s in _split(paras[k % len(paras)]))
+        if i % 2 == 0:
+            nd = TRAIN_NEEDLES[(i // 2) % len(TRAIN_NEEDLES)]
+            extra = count(nd.fact) + 1
+            hay = _cut(sents, rng.randint(min_tokens, max_tokens) - extra, max_tokens - extra, count)
+            text, gold = _insert(rng, hay, nd.fact)
+            out.append(ContextExample(f"train-needle-{i}", "needles", text, nd.question, "sentence", [gold], nd.answer))
+        else:
+            text = " ".join(_cut(sents, rng.randint(min_tokens, max_tokens), max_tokens, count))
+            out.append(ContextExample(f"train-summary-{i}", "summaries", text, SUMMARY_QUERY, "sentence"))
+    return out
+
+
+# ---------------------------------------------------------------- one example
+
+
+def response_units(resp, how: str) -> list[tuple[int, int]]:
+    """Target units (a, b) of response tokens: "response" the whole response; "sentences" each sentence of it
+    (the offline splitter; every token touching the sentence), the whole response when it has one."""
+    T = len(resp.ids)
+    if how == "response":
+        return [(0, T)]
+    from ctxmix.methods.sources import make_sources
+
+    try:
+        spans = make_sources(resp.text, "sentence").spans
+    except BadInput:
+        return [(0, T)]
+    off = np.asarray(resp.offsets)
+    units = []
+    for s, e in spans:
+        hit = np.nonzero((off[:, 1] > s) & (off[:, 0] < e))[0]
+        if len(hit):
+            units.append((int(hit[0]), int(hit[-1]) + 1))
+    return units or [(0, T)]
+
+
+def build_example(
+    model,
+    ex: ContextExample,
+    n_masks: int = 32,
+    mask_seed: int = 0,
+    units: str = "sentences",
+    max_new_tokens: int = 48,
+    batch_size: int = 8,
+) -> dict:
+    """Everything AT2's trainer needs for one example, as arrays: features_<kind> (U, d, L H) float32,
+    masks (m, d) bool (True = kept), logit_probs (m, T) float64 (removal ablations), units (U, 2), response_ids
+    (T,), and "meta"
+    (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds)."""
+    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.context_ablation import _ablated, contextcite_masks
+    from ctxmix.methods.context_at2 import head_features, unit_features
+    from ctxmix.methods.context_prompt import PromptBuilder, make_response
+    from ctxmix.methods.sources import make_sources
+
+    t0 = time.perf_counter()
+    src = make_sources(ex.context, ex.sources)
+    builder = PromptBuilder(model, ex.query)
+    prompt = builder.encode(src)
+    resp = make_response(model, builder, src, prompt, ex.response, max_new_tokens, False)
+    P, T, d = len(prompt.ids), len(resp.ids), len(src)
+    source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(d)]
+    us = response_units(resp, units)
+    t1 = time.perf_counter()
+    ids = prompt.ids + resp.ids
+    tr = trace_ids(model, ids)
+    feats = head_features(model, tr, list(range(P - 1, P + T - 1)), list(resp.ids), KINDS)
+    out = {f"features_{k}": unit_features(F, source_tokens, us) for k, F in feats.items()}
+    del feats, tr
+    t2 = time.perf_counter()
+    masks = contextcite_masks(n_masks, d, mask_seed)
+    ab = _ablated(model, builder, src, masks, resp.ids, batch_size, False, False, "at2")
+    t3 = time.perf_counter()
+    meta = {
+        "id": ex.id,
+        "kind": ex.kind,
+        "gold": list(ex.gold),
+        "answer": ex.answer,
+        "query": ex.query,
+        "prompt_tokens": P,
+        "response_tokens": T,
+        "sources": d,
+        "response": resp.text,
+        "mask_seed": mask_seed,
+        "seconds": {"generate": t1 - t0, "features": t2 - t1, "ablations": t3 - t2},
+    }
+    return {
+        **out,
+        "masks": masks,
+        "logit_probs": ab["logit_probs"],
+        "units": np.array(us, dtype=np.int64),
+        "response_ids": np.array(resp.ids, dtype=np.int64),
+        "meta": np.array(json.dumps(meta)),
+    }
+
+
+def build_set(
+    model,
+    examples: list[ContextExample],
+    folder,
+    n_masks: int = 32,
+    mask_seed: int = 0,
+    units: str = "sentences",
+    max_new_tokens: int = 48,
+    progress: bool = True,
+) -> list[Path]:
+    """One <id>.npz per example in `folder` (written whole, then renamed: a killed run leaves no partial file);
+    examples whose file exists are skipped. Returns the files in the examples' order."""
+    from ctxmix.progress import progress_bar
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{ex.id}.npz" for ex in examples]
+    with progress_bar(len(examples), "at2 examples", enabled=bool(progress), unit="example") as bar:
+        for ex, p in zip(examples, paths):
+            if not p.exists():
+                arrays = build_example(model, ex, n_masks, mask_seed, units, max_new_tokens)
+                tmp = p.with_suffix(".tmp.npz")
+                np.savez(tmp, **arrays)
+                tmp.replace(p)
+            bar.update(1)
+    return paths
+
+
+def load_set(paths) -> list[dict]:
+    """The stored examples (features, masks, logit_probs, units, meta as a dict)."""
+    out = []
+    for p in paths:
+        with np.load(p, allow_pickle=False) as z:
+            e = {k: z[k] for k in z.files}
+        e["meta"] = json.loads(str(e["meta"]))
+        out.append(e)
+    return out
+
+
+# ---------------------------------------------------------------- fit
+
+
+def pearson_loss(pred, y):
+    """-(mean over the batch) of Pearson's rho between pred (B, m) and y (B, m) across the masks: population
+    std, 1e-8 added to the product of the stds (AT2's `PearsonCorrelationLoss`)."""
+    pc = pred - pred.mean(1, keepdim=True)
+    yc = y - y.mean(1, keepdim=True)
+    cov = (pc * yc).mean(1)
+    rho = cov / (pred.std(1, unbiased=False) * y.std(1, unbiased=False) + 1e-8)
+    return -rho.mean()
+
+
+@dataclass
+class FitData:
+    """Per example, its units' mask-level features X (U, m, K) and targets y (U, m), float32."""
+
+    X: list[np.ndarray]
+    y: list[np.ndarray]
+
+
+def fit_data(examples: list[dict], kind: str) -> FitData:
+    """(A3) X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v)."""
+    from ctxmix.methods.context_ablation import aggregate
+
+    Xs, ys = [], []
+    for e in examples:
+        f = e[f"features_{kind}"].astype(np.float64)  # (U, d, K)
+        pm = 2.0 * e["masks"].astype(np.float64) - 1.0  # (m, d)
+        Xs.append(np.einsum("md,udk->umk", pm, f).astype(np.float32))
+        ys.append(np.stack([aggregate(e["logit_probs"][:, a:b]) for a, b in e["units"]]).astype(np.float32))
+    return FitData(Xs, ys)
+
+
+def fit(data: FitData, steps: int = 1000, lr: float = 1e-3, batch: int = BATCH, seed: int = 0) -> dict:
+    """AT2's trainer on `data`: returns {"w" (K,) float64 L1-normalised, "loss_start", "loss_final" (the batch
+    losses of the first and last step), "losses" (steps,)}."""
+    import torch
+
+    if not data.X:
+        raise BadInput("no training examples to fit")
+    K = data.X[0].shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    w = torch.nn.Parameter(torch.full((K,), 1.0 / K))
+    opt = torch.optim.Adam([w], lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    X = [torch.from_numpy(x) for x in data.X]
+    Y = [torch.from_numpy(y) for y in data.y]
+    N = len(X)
+    losses = []
+    for _ in range(steps):
+        pick = torch.randperm(N, generator=gen)[: min(batch, N)].tolist()
+        units = [int(rng.integers(len(Y[i]))) for i in pick]
+        xb = torch.stack([X[i][u] for i, u in zip(pick, units)])  # (B, m, K)
+        yb = torch.stack([Y[i][u] for i, u in zip(pick, units)])  # (B, m)
+        loss = pearson_loss(xb @ w, yb)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([w], 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    wf = w.detach().double().numpy()
+    wf = wf / max(np.abs(wf).sum(), 1e-300)
+    return {"w": wf, "loss_start": losses[0], "loss_final": losses[-1], "losses": losses}
+
+
+# ---------------------------------------------------------------- the command
+
+
+def train(
+    model,
+    out,
+    n_examples: int = 120,
+    n_masks: int = 32,
+    min_tokens: int = 200,
+    max_tokens: int = 400,
+    steps: int = 1000,
+    seed: int = 0,
+    max_new_tokens: int = 48,
+    progress: bool = True,
+) -> dict:
+    """`ctxmix at2-train`: builds (or resumes) the training set under out/examples/, fits every feature kind and
+    writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance)."""
+    from ctxmix import __version__
+    from ctxmix.methods.context_at2 import save_weights
+
+    out = Path(out)
+    tok = model.tokenizer
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    t0 = time.perf_counter()
+    exs = training_examples(n_examples, min_tokens, max_tokens, seed, count)
+    paths = build_set(model, exs, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress)
+    build_s = time.perf_counter() - t0
+    data = load_set(paths)
+    weights, losses = {}, {}
+    for k in KINDS:
+        r = fit(fit_data(data, k), steps=steps, seed=seed)
+        weights[k] = r["w"]
+        losses[k] = {"start": r["loss_start"], "final": r["loss_final"]}
+    L, H = len(model.layers), model.layers[0].n_heads
+    meta = {
+        "model": model.name,
+        "texts": f"gensim test data {WIKI_FILE} (English Wikipedia extract); the evaluation uses Lee background news",
+        "tasks": {
+            "needles": sum(e["meta"]["kind"] == "needles" for e in data),
+            "summaries": sum(e["meta"]["kind"] == "summaries" for e in data),
+        },
+        "examples": len(data),
+        "units": int(sum(len(e["units"]) for e in data)),
+        "masks": n_masks,
+        "mask_seeds": [0, n_masks - 1],
+        "labels": "removal ablation (sources deleted, prompt re-tokenised, response ids fixed); logit P(unit) stable",
+        "context_tokens": [min_tokens, max_tokens],
+        "prompt_tokens": [
+            int(min(e["meta"]["prompt_tokens"] for e in data)),
+            int(max(e["meta"]["prompt_tokens"] for e in data)),
+        ],
+        "response_tokens": [
+            int(min(e["meta"]["response_tokens"] for e in data)),
+            int(max(e["meta"]["response_tokens"] for e in data)),
+        ],
+        "max_new_tokens": max_new_tokens,
+        "steps": steps,
+        "lr": 1e-3,
+        "batch": BATCH,
+        "seed": seed,
+        "training_loss": losses,
+        "build_seconds": build_s,
+        "date": datetime.date.today().isoformat(),
+        "ctxmix_version": __version__,
+        "shape": [L, H],
+    }
+    save_weights(out / "at2_weights.npz", weights, L, H, meta)
+    (out / "at2_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def add_at2_arguments(s) -> None:
+    """`ctxmix at2-train`'s options (the model's come from the CLI's model_args)."""
+    s.add_argument("--out", required=True, help="folder: examples/ (one file each, resumable) and at2_weights.npz/json")
+    s.add_argument("--examples", type=int, default=120, help="training examples (needles and summaries alternate)")
+    s.add_argument("--masks", type=int, default=32, help="removal ablations per example (ContextCite's seeds 0..n-1)")
+    s.add_argument("--min-tokens", type=int, default=200, help="shortest context (tokens)")
+    s.add_argument("--max-tokens", type=int, default=400, help="longest context (tokens; the issue's bound is ~400)")
+    s.add_argument("--max-new-tokens", type=int, default=48, help="longest greedy response")
+    s.add_argument("--steps", type=int, default=1000, help="optimiser steps per feature kind")
+    s.add_argument("--seed", type=int, default=0, help="examples' draws and the trainer's sampler")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared CPU)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_at2_train(args) -> None:
+    import torch
+
+    from ctxmix.engine.models import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BadInput(f"--threads must be a positive whole number, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    for name in ("examples", "masks", "min_tokens", "max_tokens", "steps"):
+        if getattr(args, name) < (2 if name == "masks" else 1):
+            raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
+    model = load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
+    meta = train(
+        model,
+        args.out,
+        args.examples,
+        args.masks,
+        args.min_tokens,
+        args.max_tokens,
+        args.steps,
+        args.seed,
+        args.max_new_tokens,
+        not args.quiet,
+    )
+    print(json.dumps({k: meta[k] for k in ("examples", "units", "masks", "training_loss", "build_seconds")}, indent=2))
+    print(f"weights: {Path(args.out) / 'at2_weights.npz'}")

@@ -1,0 +1,254 @@
+"""`at2_exact`: AT2's learned linear estimator (Cohen-Wang, Chuang, Madry 2025) with ctxmix's exact per-head
+source contributions as features in place of raw attention weights (`papers/notes/context-attribution.md`
+§3.2-3.4, §6.2).
+
+Features. For head (l, h), the row q_t that predicts response token t and a position j, from one traced pass
+(shapes: T response rows, L layers, H query heads, n positions):
+
+- "attn": A^{l,h}_{q_t j}, AT2's own feature (parity; uniform weights give the `attention` method);
+- "norm": A^{l,h}_{q_t j} ||W_O^h (W_V^h n(x_j) + b_V^h)||_2, the value-weighted norm per head (grouped-query
+  attention: the value of h's KV group, `ctxmix.engine.layer.head_values`);
+- "logit" (default): A^{l,h}_{q_t j} <W_O^h (W_V^h n(x_j) + b_V^h), rho_t>, ctxmix's per-head `logit`
+  contribution towards the same per-token target as the `logit` context method (T1 log-probability by
+  default; the readout rho_t of `context_onepass._readout`, sandwich layers through their post-attention norm);
+  summed over heads and layers it is the `logit` method's per_token without the embedding column;
+- "alti": the per-head ALTI proximity of the sub-edge alpha^h_{q_t j} f^h(x_j) into the attention node of row
+  q_t, normalised per node, as information-flow routes compute it (`ctxmix.methods.routes.attention_importance`,
+  p = 1, eps = 1e-5, b_V unattributed), at the response rows only.
+
+Aggregation (AT2's (A1)): f(u, s)_{l,h} = (1/|u|) sum_{t in u} sum_{j in s} F^{l,h}(t, j): the mean over the
+target unit's tokens, the sum over the source's tokens. Estimator (A2): score(u, s) = w . f(u, s), w in R^{L H},
+no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_exact's per_token (T, P + T) is
+sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens of the per-source sums
+(`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
+
+Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.at2_train`) for each feature kind; those for smollm2
+ship with the package (ctxmix/methods/at2_weights/). Scores are scale-free (the weights are L1-normalised).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ctxmix.engine.models import Model
+from ctxmix.errors import BadInput
+
+KINDS = ("attn", "norm", "logit", "alti")
+DEFAULT_KIND = "logit"
+SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (context.py reads it)
+TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
+WEIGHTS_PACKAGE = "ctxmix.methods.at2_weights"
+
+
+# ---------------------------------------------------------------- per-head features
+
+
+def _attn_rows(st, Q: torch.Tensor) -> torch.Tensor:
+    """(T, H, n): the attention of each explained row."""
+    return st.alpha[:, Q, :].transpose(0, 1)
+
+
+def _norm_rows(lw, st, Q: torch.Tensor) -> torch.Tensor:
+    """(T, H, n): A^h_{q_t j} ||f^h(x_j)||, f^h the head's value vector with b_V through W_O^h."""
+    from ctxmix.engine.layer import head_vectors
+
+    src = st.x if lw.position == "post" else st.x1
+    size = torch.linalg.vector_norm(head_vectors(lw, src, with_bias=True), dim=-1)  # (H, n)
+    return _attn_rows(st, Q) * size.unsqueeze(0)
+
+
+def _logit_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """(T, H, n): head h's attention update from position j projected on row t's readout R (T, d), as
+    `context_onepass._layer_rows` forms it before its head sum (sandwich layers: R through the post-attention
+    norm at the real attention output's scale)."""
+    from ctxmix.engine.layer import head_values
+    from ctxmix.methods.readout import norm_adjoint
+
+    src = st.x if lw.position == "post" else st.x1
+    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
+    R_attn = norm_adjoint(lw.post_attn_norm, R, lw.post_attn_norm.scale(st.attn[Q])) if lw.position == "sandwich" else R
+    w = torch.einsum("hed,td->the", Wo, R_attn)  # (T, H, dh): W_O^h rho_t
+    vw = torch.einsum("hje,the->thj", v, w)  # (T, H, n)
+    return _attn_rows(st, Q) * vw
+
+
+def _alti_rows(model: Model, lw, st, rows: list[int]) -> torch.Tensor:
+    """(T, H, n): the routes' per-head sub-edge importance into each explained row's attention node."""
+    from ctxmix.methods.routes import CHUNK_ELEMENTS, EPS, attention_importance, layer_parts
+
+    P = layer_parts(lw, st, "unattributed", st.x.dtype)
+    sub, _, _ = attention_importance(P, rows, model.spec.causal, 1, EPS, CHUNK_ELEMENTS)  # (T, n, H)
+    return sub.transpose(1, 2)
+
+
+def _layers(model: Model, tr, rows: list[int], targets: list[int], kinds, target: str):
+    """Yields (l, {kind: (T, H, n) tensor}) for every layer, top-down (a streamed trace rebuilds each once)."""
+    from ctxmix.methods.context_onepass import TARGETS, _readout
+
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise BadInput(f"feature kind(s) must be among {', '.join(KINDS)}, got {list(kinds)!r}")
+    if target not in TARGETS:
+        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    dev = tr.states[-1].y.device
+    Q = torch.tensor(rows, device=dev)
+    if "logit" in kinds:
+        R, _, _ = _readout(model, tr, Q, torch.tensor(targets, device=dev), target)
+    for l in reversed(range(len(model.layers))):
+        st, lw = tr.states[l], model.layers[l]
+        out = {}
+        for k in kinds:
+            if k == "attn":
+                out[k] = _attn_rows(st, Q)
+            elif k == "norm":
+                out[k] = _norm_rows(lw, st, Q)
+            elif k == "logit":
+                out[k] = _logit_rows(lw, st, Q, R)
+            else:
+                out[k] = _alti_rows(model, lw, st, rows)
+        yield l, out
+
+
+@torch.no_grad()
+def head_features(
+    model: Model, tr, rows: list[int], targets: list[int], kinds=KINDS, target: str = "log_prob"
+) -> dict[str, np.ndarray]:
+    """{kind: (T, L, H, n) float32}: the per-head features of the rows q_t (T,) (predicting `targets` (T,))
+    from one trace."""
+    T, n, L, H = len(rows), tr.n, len(model.layers), model.layers[0].n_heads
+    out = {k: np.zeros((T, L, H, n), dtype=np.float32) for k in kinds}
+    for l, feats in _layers(model, tr, rows, targets, kinds, target):
+        for k, F in feats.items():
+            out[k][:, l] = F.float().cpu().numpy()
+    return out
+
+
+@torch.no_grad()
+def weighted_features(
+    model: Model, tr, rows: list[int], targets: list[int], kind: str, w: np.ndarray, target: str = "log_prob"
+) -> np.ndarray:
+    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j), accumulated one layer at a time (never (T, L, H, n))."""
+    L, H = len(model.layers), model.layers[0].n_heads
+    W = torch.tensor(np.asarray(w, dtype=np.float64).reshape(L, H))
+    acc = None
+    for l, feats in _layers(model, tr, rows, targets, (kind,), target):
+        F = feats[kind].double()
+        part = torch.einsum("thn,h->tn", F, W[l].to(F.device))
+        acc = part if acc is None else acc + part
+    return acc.cpu().numpy()
+
+
+def source_matrix(source_tokens: list[list[int]], n: int) -> np.ndarray:
+    """(n, d) float32 indicator: position j belongs to source s."""
+    S = np.zeros((n, len(source_tokens)), dtype=np.float32)
+    for s, toks in enumerate(source_tokens):
+        S[toks, s] = 1.0
+    return S
+
+
+def unit_features(F: np.ndarray, source_tokens: list[list[int]], units: list[tuple[int, int]]) -> np.ndarray:
+    """AT2's (A1): F (T, L, H, n) -> (U, d, L H) float32, the mean over each unit's rows a..b-1 of the sum
+    over each source's positions."""
+    T, L, H, n = F.shape
+    per_row = F.reshape(T, L * H, n) @ source_matrix(source_tokens, n)  # (T, LH, d)
+    return np.stack([per_row[a:b].mean(0).T for a, b in units]).astype(np.float32)
+
+
+def weighted_rows(F: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j), F (T, L, H, n), w (L H,)."""
+    T, L, H, n = F.shape
+    return np.einsum("tkn,k->tn", F.reshape(T, L * H, n).astype(np.float64), np.asarray(w, dtype=np.float64))
+
+
+# ---------------------------------------------------------------- weights
+
+
+def uniform_weights(n_layers: int, n_heads: int) -> np.ndarray:
+    """AT2's initialisation: 1 / (L H) everywhere (head- and layer-averaged features)."""
+    return np.full(n_layers * n_heads, 1.0 / (n_layers * n_heads))
+
+
+def shipped_weights_path(model_name: str) -> Path | None:
+    """The package's weights file for a model (ctxmix/methods/at2_weights/<name>.npz), or None."""
+    p = resources.files(WEIGHTS_PACKAGE) / f"{model_name}.npz"
+    return Path(str(p)) if p.is_file() else None
+
+
+def save_weights(path, weights: dict[str, np.ndarray], n_layers: int, n_heads: int, meta: dict) -> Path:
+    """weights {kind: (L H,)} into an .npz (allow_pickle=False) with "shape" (L, H) and the JSON `meta`."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    arrays.update(shape=np.array([n_layers, n_heads]), meta=np.array(json.dumps(meta)))
+    np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub reads ** as its allow_pickle flag
+    return path
+
+
+def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
+    """({kind: (L H,)}, (L, H), meta) from a file written by `save_weights`."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"AT2 weights file not found: {str(p)!r}")
+    with np.load(p, allow_pickle=False) as z:
+        L, H = (int(x) for x in z["shape"])
+        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+        return {k: z[k].astype(np.float64) for k in z.files if k in KINDS}, (L, H), meta
+
+
+def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
+    """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file), a path, or
+    "untrained" (uniform 1/(L H)). Raises BadInput, naming the training command, when the model has no shipped
+    weights and none are given, and when the file's shape or kinds do not fit the model."""
+    if kind not in KINDS:
+        raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
+    L, H = len(model.layers), model.layers[0].n_heads
+    if isinstance(weights, str) and weights == "untrained":
+        return uniform_weights(L, H), {"weights": "untrained", "kind": kind}
+    if weights is None:
+        path = shipped_weights_path(model.name)
+        if path is None:
+            raise BadInput(
+                f"at2_exact has no trained weights for {model.name}: train them with "
+                f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2_weights='DIR/at2_weights.npz', "
+                "or at2_weights='untrained' for uniform weights (head-averaged features)"
+            )
+        how = f"shipped:{path.name}"
+    elif isinstance(weights, (str, Path)):
+        path, how = Path(weights), str(weights)
+    else:
+        raise BadInput(f"at2_weights must be None (shipped), a file path or 'untrained', got {weights!r}")
+    ws, shape, meta = load_weights(path)
+    if shape != (L, H):
+        raise BadInput(
+            f"the AT2 weights in {str(path)!r} are for {shape[0]} layers x {shape[1]} heads; {model.name} has {L} x {H}"
+        )
+    if kind not in ws:
+        raise BadInput(f"the AT2 weights in {str(path)!r} hold no {kind!r} weights (they hold {', '.join(ws)})")
+    return ws[kind], {"weights": how, "kind": kind, "trained_on": meta.get("model")}
+
+
+# ---------------------------------------------------------------- the method
+
+
+def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, target: str = "log_prob") -> dict:
+    """at2_exact on prompt + response ids: {"per_token" (T, n) float64 = sum_{l,h} w F^{l,h}, "terms": {},
+    "target": (T,) the per-token total (a scale-free score explains no quantity), "cost"} from one traced pass."""
+    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.prediction import check_logit_model
+
+    if kind == "logit":
+        check_logit_model(model, "logit")
+    t0 = time.perf_counter()
+    T = len(ids) - P
+    rows = list(range(P - 1, P - 1 + T))
+    tr = trace_ids(model, ids)
+    per_token = weighted_features(model, tr, rows, list(ids[P:]), kind, w, target)
+    cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
+    # no explained quantity: the per-token total of the estimator, so `buckets` add up to it
+    return {"per_token": per_token, "terms": {}, "target": per_token.sum(1), "cost": cost}

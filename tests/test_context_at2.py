@@ -1,0 +1,257 @@
+"""`at2_exact` (`ctxmix.methods.context_at2`) and its trainer (`ctxmix.benchmark.at2_train`): the per-head
+features against the one-pass methods and direct computations from the HF weights, AT2's Pearson loss and fit,
+the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+import ctxmix
+from ctxmix.benchmark import at2_train
+from ctxmix.benchmark.context_data import ContextExample
+from ctxmix.engine.trace import trace_ids
+from ctxmix.errors import BadInput
+from ctxmix.methods import context_at2 as at2
+
+CONTEXT = "The cat sat on the mat. The code is 4817. Birds fly south in winter. The shop opens at nine."
+QUERY = "What is the code?"
+RESPONSE = "the code is 4817. Birds fly."
+# float64 models; HF computes RMSNorm and some softmaxes in float32 inside (test_context_onepass's FLOAT32_INSIDE):
+# features built from the same trace agree to float64 rounding, those from HF's own tensors to float32 rounding
+FAMILIES = ["llama", "gpt2", "gemma2"]
+
+
+def _ca(m, methods, **kw):
+    return ctxmix.attribute_context(m, CONTEXT, QUERY, response=RESPONSE, methods=methods, progress=False, **kw)
+
+
+def _rows(ca):
+    P, T = len(ca.prompt_ids), len(ca.response_ids)
+    return ca.prompt_ids + ca.response_ids, P, list(range(P - 1, P + T - 1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_untrained_attn_is_the_attention_method(tokenizer, family):
+    """Uniform weights on F-attn give the attention method's per_token, scores and span scores (AT2's step 0)."""
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["attention", "at2_exact"], at2_features="attn", at2_weights="untrained")
+    # both average L H float64 attention weights of the same trace: rounding ~1e-16 x L H terms
+    assert np.allclose(ca.per_token["at2_exact"], ca.per_token["attention"], rtol=0, atol=1e-13)
+    assert np.allclose(ca.scores["at2_exact"], ca.scores["attention"], rtol=0, atol=1e-13)
+    assert np.allclose(ca.scores_for("at2_exact", (4, 16)), ca.scores_for("attention", (4, 16)), rtol=0, atol=1e-13)
+    assert ca.options["at2"] == {"weights": "untrained", "kind": "attn"}
+    assert ca.cost["at2_exact"]["forward"] == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logit_features_sum_to_the_logit_method(tokenizer, family):
+    """F-logit summed over heads and layers (w = 1) is the logit method's per_token without the predicted
+    position's embedding column: every other column equal, and column q_t differs by <x^0_{q_t}, rho_t>."""
+    from ctxmix.methods.context_onepass import _readout
+
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["logit"])
+    ids, P, rows = _rows(ca)
+    K = len(m.layers) * m.layers[0].n_heads
+    got = at2.run_at2(m, ids, P, "logit", np.ones(K))["per_token"]
+    want = ca.per_token["logit"].copy()
+    T = len(rows)
+    tr = trace_ids(m, ids)
+    Q = torch.tensor(rows)
+    with torch.no_grad():
+        R, _, _ = _readout(m, tr, Q, torch.tensor(ids[P:]), "log_prob")
+        emb = (tr.hidden[0][Q] * R).sum(-1).double().numpy()
+    want[np.arange(T), rows] -= emb
+    scale = np.abs(want).max()
+    # the same float64 products summed in another order (heads before or after layers): rounding only
+    assert np.allclose(got, want, rtol=0, atol=1e-12 * scale)
+    assert np.abs(emb).max() > 1e-3 * scale  # the embedding column is really there (the check can fail)
+    # a mean-aggregated span of at2_exact is w . f(unit, source) as AT2's (A1) forms it
+    F = at2.head_features(m, tr, rows, ids[P:], ("logit",))["logit"]
+    a, b = ca.token_range((4, 16))
+    f = at2.unit_features(F, ca.source_tokens, [(a, b)])[0]  # (d, K)
+    ca2 = _ca(m, ["at2_exact"], at2_features="logit", at2_weights="untrained")
+    # float32 features (unit_features stores float32): relative 2^-24 per term, K d terms
+    assert np.allclose(
+        ca2.scores_for("at2_exact", (4, 16)),
+        f.astype(np.float64) @ np.full(K, 1 / K),
+        rtol=1e-5,
+        atol=1e-6 * np.abs(f).max(),
+    )
+
+
+def _hf_layer_inputs(m, ids):
+    """HF's own hidden states (input of each layer) and attention probabilities (eager)."""
+    with torch.no_grad():
+        out = m.hf(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+    return out.hidden_states, out.attentions
+
+
+def test_norm_features_against_a_direct_computation(tokenizer):
+    """F-norm = A^{l,h}_{q j} ||(LN1(x_j) W_V^{g(h)}) W_O^h||, from the HF weights of a GQA Llama (4 query heads
+    sharing 2 value heads), every head, layer, row and position."""
+    m = tiny_model("llama", tokenizer)
+    ids = tokenizer(CONTEXT, add_special_tokens=False)["input_ids"][:14]
+    rows = [9, 10, 12]
+    F = at2.head_features(m, trace_ids(m, ids), rows, [ids[r + 1] for r in rows], ("norm",))["norm"]  # (T, L, H, n)
+    hs, att = _hf_layer_inputs(m, ids)
+    cfg = m.hf.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = cfg.hidden_size // H
+    want = np.zeros_like(F, dtype=np.float64)
+    for l, layer in enumerate(m.hf.model.layers):
+        with torch.no_grad():
+            x = layer.input_layernorm(hs[l][0])  # (n, d)
+            Wv = layer.self_attn.v_proj.weight  # (Hkv dh, d)
+            Wo = layer.self_attn.o_proj.weight  # (d, H dh)
+            for h in range(H):
+                g = h // (H // Hkv)
+                v = x @ Wv[g * dh : (g + 1) * dh].T  # (n, dh)
+                f = v @ Wo[:, h * dh : (h + 1) * dh].T  # (n, d)
+                for t, q in enumerate(rows):
+                    want[t, l, h] = (att[l][0, h, q] * f.norm(dim=-1)).numpy()
+    # HF's RMSNorm runs in float32 inside (FLOAT32_INSIDE): relative ~2^-24 x d through the norms
+    assert np.allclose(F, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.all(F[:, :, :, max(rows) + 1 :] == 0)  # causal: later positions get nothing
+
+
+def test_alti_features_against_ifr(tokenizer):
+    """F-alti rows = the information-flow-routes importance (IFR Eq. 1-2, p = 1, eps = 1e-5) of each head's
+    sub-edge alpha^h_{qj} LN1(x_j) W_V W_O^h into the attention node y = x_q + sum of the sub-edges, normalised
+    over every part (sub-edges, the residual x_q, and each masked sub-edge j > q worth eps): written here from
+    the HF weights of a Llama (no biases)."""
+    m = tiny_model("llama", tokenizer)
+    ids = tokenizer(CONTEXT, add_special_tokens=False)["input_ids"][:14]
+    n = len(ids)
+    rows = [5, 11, 12]
+    F = at2.head_features(m, trace_ids(m, ids), rows, [ids[r + 1] for r in rows], ("alti",))["alti"]
+    hs, att = _hf_layer_inputs(m, ids)
+    cfg = m.hf.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = cfg.hidden_size // H
+    eps = 1e-5
+    want = np.zeros_like(F, dtype=np.float64)
+    for l, layer in enumerate(m.hf.model.layers):
+        with torch.no_grad():
+            x0 = hs[l][0]
+            x = layer.input_layernorm(x0)
+            Wv, Wo = layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight
+            f = torch.stack(
+                [
+                    (x @ Wv[(h // (H // Hkv)) * dh : (h // (H // Hkv) + 1) * dh].T) @ Wo[:, h * dh : (h + 1) * dh].T
+                    for h in range(H)
+                ]
+            )  # (H, n, d)
+            for t, q in enumerate(rows):
+                parts = att[l][0, :, q, : q + 1, None] * f[:, : q + 1]  # (H, q+1, d)
+                y = x0[q] + parts.sum((0, 1))
+                prox = lambda z, y=y: max(float(y.abs().sum() - (y - z).abs().sum()), eps)  # noqa: E731
+                sub = np.array([[prox(parts[h, j]) for j in range(q + 1)] for h in range(H)])
+                z = sub.sum() + prox(x0[q]) + (n - q - 1) * H * eps
+                want[t, l, :, : q + 1] = sub / z
+    # HF's float32 RMSNorm inside: relative ~2^-24 x d in y and the parts, amplified by the 1-norm differences
+    assert np.allclose(F, want, rtol=1e-5, atol=1e-7)
+    assert F.max() > 0.01
+
+
+def test_pearson_loss_is_minus_scipy():
+    from scipy import stats
+
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(5, 32, generator=g, dtype=torch.float64)
+    y = 0.3 * pred + torch.randn(5, 32, generator=g, dtype=torch.float64)
+    want = -np.mean([stats.pearsonr(pred[i].numpy(), y[i].numpy()).statistic for i in range(5)])
+    # the 1e-8 added to the stds' product (~1) moves rho by ~1e-8 relative
+    assert float(at2_train.pearson_loss(pred, y)) == pytest.approx(want, rel=1e-7, abs=1e-9)
+
+
+def test_fit_recovers_a_planted_estimator():
+    """Synthetic mask-level features X (N, m, K) and labels w* . X + small noise: the fit's L1-normalised w
+    predicts held-out labels with correlation > 0.99 and points along w*."""
+    rng = np.random.default_rng(0)
+    N, U, m, K = 200, 2, 32, 12
+    w_star = rng.normal(size=K)
+    X = [rng.normal(size=(U, m, K)).astype(np.float32) for _ in range(N)]
+    y = [(x @ w_star + 0.05 * rng.normal(size=(U, m))).astype(np.float32) for x in X]
+    r = at2_train.fit(at2_train.FitData(X, y), steps=1000, batch=64, seed=0)
+    assert r["loss_final"] < r["loss_start"]
+    assert np.abs(r["w"]).sum() == pytest.approx(1.0)
+    Xt = rng.normal(size=(500, K))
+    assert np.corrcoef(Xt @ r["w"], Xt @ w_star)[0, 1] > 0.99
+    assert r["loss_final"] < -0.99
+
+
+def test_training_set_resumes_without_recomputing(tokenizer, tmp_path):
+    """build_set writes one file per example; a rerun makes no forward pass for finished examples, and a
+    deleted example costs exactly its own passes again (1 trace + 4 ablation batches of 8 masks... counted)."""
+    m = tiny_model("llama", tokenizer)
+    exs = [
+        ContextExample("a", "needles", CONTEXT, QUERY, "sentence", [1], None, RESPONSE),
+        ContextExample(
+            "b",
+            "needles",
+            "Snow fell all day. The road was closed. The code is 12.",
+            QUERY,
+            "sentence",
+            [2],
+            None,
+            "it is 12",
+        ),
+    ]
+    calls = []
+    m.hf.register_forward_pre_hook(lambda mod, a: calls.append(1))
+    folder = tmp_path / "ex"
+    at2_train.build_set(m, exs, folder, n_masks=4, progress=False)
+    first = len(calls)
+    assert first > 0 and sorted(p.name for p in folder.iterdir()) == ["a.npz", "b.npz"]
+    at2_train.build_set(m, exs, folder, n_masks=4, progress=False)
+    assert len(calls) == first  # nothing recomputed
+    (folder / "b.npz").unlink()
+    at2_train.build_set(m, exs, folder, n_masks=4, progress=False)
+    # example b alone: one trace and one batch of its 4 ablations (batch_size 8)
+    assert len(calls) - first == 2
+    data = at2_train.load_set(sorted(folder.iterdir()))
+    e = data[0]
+    d = e["masks"].shape[1]
+    assert e["features_alti"].shape == (len(e["units"]), d, len(m.layers) * m.layers[0].n_heads)
+    assert e["logit_probs"].shape == (4, e["meta"]["response_tokens"])
+    assert not (folder / "b.tmp.npz").exists()
+
+
+def test_missing_weights_name_the_training_command(tokenizer):
+    m = tiny_model("llama", tokenizer)
+    with pytest.raises(BadInput, match="ctxmix at2-train --model tiny-llama"):
+        _ca(m, ["at2_exact"])
+    with pytest.raises(BadInput, match="at2_features must be one of"):
+        _ca(m, ["at2_exact"], at2_features="grad", at2_weights="untrained")
+
+
+def test_explain_refuses_at2_exact(tokenizer):
+    m = tiny_model("llama", tokenizer)
+    with pytest.raises(BadInput, match="attribute_context"):
+        ctxmix.explain(m, "the keys to the cabinet", ["at2_exact"])
+
+
+def test_weights_file_round_trip(tokenizer, tmp_path):
+    m = tiny_model("llama", tokenizer)
+    L, H = len(m.layers), m.layers[0].n_heads
+    w = {k: np.arange(L * H, dtype=float) + i for i, k in enumerate(at2.KINDS)}
+    p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": "tiny-llama"})
+    got, info = at2.resolve_weights(m, "norm", p)
+    assert np.array_equal(got, w["norm"]) and info["kind"] == "norm"
+    at2.save_weights(tmp_path / "bad.npz", w, L + 1, H, {})
+    with pytest.raises(BadInput, match="layers x"):
+        at2.resolve_weights(m, "norm", tmp_path / "bad.npz")
+
+
+def test_shipped_smollm2_weights():
+    """The package ships smollm2's weights: every kind, L H = 30 x 9 entries, L1-normalised, with provenance."""
+    path = at2.shipped_weights_path("smollm2")
+    assert path is not None
+    ws, shape, meta = at2.load_weights(path)
+    assert shape == (30, 9)
+    assert sorted(ws) == sorted(at2.KINDS)
+    for w in ws.values():
+        assert w.shape == (270,) and np.abs(w).sum() == pytest.approx(1.0)
+    assert meta["model"] == "smollm2" and meta["examples"] > 0 and "heldout" in meta
