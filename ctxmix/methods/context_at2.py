@@ -65,18 +65,10 @@ def _norm_rows(lw, st, Q: torch.Tensor) -> torch.Tensor:
 
 def _logit_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """(T, H, n): head h's attention update from position j projected on row t's readout R (T, d), as
-    `context_onepass._layer_rows` forms it before its head sum (sandwich layers: R through the post-attention
-    norm at the real attention output's scale)."""
-    from ctxmix.engine.layer import head_values
-    from ctxmix.methods.readout import norm_adjoint
+    the `logit` method forms it before its head sum (`context_onepass.head_logit_rows`)."""
+    from ctxmix.methods.context_onepass import head_logit_rows
 
-    src = st.x if lw.position == "post" else st.x1
-    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
-    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
-    R_attn = norm_adjoint(lw.post_attn_norm, R, lw.post_attn_norm.scale(st.attn[Q])) if lw.position == "sandwich" else R
-    w = torch.einsum("hed,td->the", Wo, R_attn)  # (T, H, dh): W_O^h rho_t
-    vw = torch.einsum("hje,the->thj", v, w)  # (T, H, n)
-    return _attn_rows(st, Q) * vw
+    return head_logit_rows(lw, st, Q, R)
 
 
 def _alti_rows(model: Model, lw, st, rows: list[int]) -> torch.Tensor:
@@ -97,8 +89,11 @@ def _layers(model: Model, tr, rows: list[int], targets: list[int], kinds, target
         raise BadInput(f"feature kind(s) must be among {', '.join(KINDS)}, got {list(kinds)!r}")
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if "alti" in kinds and getattr(tr, "rows", None) is not None:
+        raise ValueError("F-alti needs every row's state: a full trace (trace_ids), not trace_rows")
     dev = tr.states[-1].y.device
     Q = torch.tensor(rows, device=dev)
+    Ql = tr.local(Q)  # the rows in the states (a RowsTrace holds only them)
     if "logit" in kinds:
         R, _, _ = _readout(model, tr, Q, torch.tensor(targets, device=dev), target)
     for l in reversed(range(len(model.layers))):
@@ -106,11 +101,11 @@ def _layers(model: Model, tr, rows: list[int], targets: list[int], kinds, target
         out = {}
         for k in kinds:
             if k == "attn":
-                out[k] = _attn_rows(st, Q)
+                out[k] = _attn_rows(st, Ql)
             elif k == "norm":
-                out[k] = _norm_rows(lw, st, Q)
+                out[k] = _norm_rows(lw, st, Ql)
             elif k == "logit":
-                out[k] = _logit_rows(lw, st, Q, R)
+                out[k] = _logit_rows(lw, st, Ql, R)
             else:
                 out[k] = _alti_rows(model, lw, st, rows)
         yield l, out
@@ -239,7 +234,7 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
 def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, target: str = "log_prob") -> dict:
     """at2_exact on prompt + response ids: {"per_token" (T, n) float64 = sum_{l,h} w F^{l,h}, "terms": {},
     "target": (T,) the per-token total (a scale-free score explains no quantity), "cost"} from one traced pass."""
-    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.context_onepass import _trace
     from ctxmix.methods.prediction import check_logit_model
 
     if kind == "logit":
@@ -247,7 +242,7 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     t0 = time.perf_counter()
     T = len(ids) - P
     rows = list(range(P - 1, P - 1 + T))
-    tr = trace_ids(model, ids)
+    tr = _trace(model, ids, rows, None, full=kind == "alti")  # F-alti reads every row; the others the response's
     per_token = weighted_features(model, tr, rows, list(ids[P:]), kind, w, target)
     cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
     # no explained quantity: the per-token total of the estimator, so `buckets` add up to it

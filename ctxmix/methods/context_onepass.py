@@ -104,24 +104,33 @@ def _layer_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor,
     source position (heads summed, b_V and LN1's beta spread through alpha as explain's), and the attention
     output bias and the MLP update projected (T,) each. Q indexes the state's rows (`Trace.local`)."""
     T = len(Q)
-    src = st.x if lw.position == "post" else st.x1
-    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
-    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
     if lw.position == "sandwich":  # through LNa with the real attention output's scale at each row
         na = lw.post_attn_norm
         s_a = na.scale(st.attn[Q])  # (T, 1)
-        R_attn = norm_adjoint(na, R, s_a)
         bo = lw.bo if lw.bo is not None else torch.zeros_like(st.attn[0])
         attn_bias = (na.decompose_bias(bo.expand(T, -1), s_a) * R).sum(-1)
         ff_vec = lw.post_ff_norm(st.ff[Q])
     else:
-        R_attn = R
         attn_bias = lw.bo @ R.T if lw.bo is not None else torch.zeros(T, dtype=R.dtype, device=R.device)
         ff_vec = st.ff[Q]
-    w = torch.einsum("hed,td->the", Wo, R_attn)  # (T, H, dh): W_O^h rho_t
+    D = head_logit_rows(lw, st, Q, R).sum(1)
+    return D.double(), attn_bias.double(), (ff_vec * R).sum(-1).double()
+
+
+def head_logit_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """(T, H, n): head h's attention update of row Q_t from position j projected on the row's readout R_t,
+    alpha^h_{q_t j} <W_O^h (W_V^h src_j + b_V^h), rho_t> (sandwich layers: rho through the post-attention norm
+    at the real attention output's scale); `_layer_rows` sums it over heads, at2_exact weighs each head.
+    Q indexes the state's rows (`Trace.local`)."""
+    src = st.x if lw.position == "post" else st.x1
+    v = head_values(lw, src, with_bias=True)  # (H, n, dh)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
+    if lw.position == "sandwich":
+        na = lw.post_attn_norm
+        R = norm_adjoint(na, R, na.scale(st.attn[Q]))
+    w = torch.einsum("hed,td->the", Wo, R)  # (T, H, dh): W_O^h rho_t
     vw = torch.einsum("hje,the->thj", v, w)  # (T, H, n)
-    A = st.alpha[:, Q, :].transpose(0, 1)  # (T, H, n): the explained rows only
-    return (A * vw).sum(1).double(), attn_bias.double(), (ff_vec * R).sum(-1).double()
+    return st.alpha[:, Q, :].transpose(0, 1) * vw  # the explained rows' attention only
 
 
 def _times_alti(model: Model, lw, st, acc: torch.Tensor) -> torch.Tensor:
