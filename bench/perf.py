@@ -74,6 +74,7 @@ from perf_common import (  # noqa: E402
     table_text,
     timed,
     timed_pair,
+    timed_peak,
     tokenizer,
     user_row,
     value_zeroing_loop,
@@ -721,12 +722,9 @@ def long_model(device: str):
 
 def long_child(n: int, workload: str, device: str) -> dict:
     """One long-input measurement in this fresh process: seconds and peak memory over the loaded model."""
-    import gc
-
     import ctxmix
 
     m = long_model(device)
-    cuda = m.device.type == "cuda"
     vocab = min(len(m.tokenizer), int(m.config.vocab_size))
     ids = [(7919 * i + 11) % (vocab - 200) + 100 for i in range(n)]  # ordinary ids, deterministic
     methods = LONG_WORKLOADS[workload]
@@ -740,19 +738,7 @@ def long_child(n: int, workload: str, device: str) -> dict:
 
     budget = memory_budget(m.device) / 2**20  # the share one job may use, read before the run
     streamed = streams(m, n)
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        reset_peak_rss()
-        base = rss_mb()
-    t0 = time.perf_counter()
-    res = run()
-    sync(device)
-    sec = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
+    res, sec, extra = timed_peak(run, device)
     L = m.n_layers
     returned = 0.0  # the maps the call hands back (routes: a graph of a few thousand rows, counted as 0)
     if methods is not None:
@@ -760,7 +746,7 @@ def long_child(n: int, workload: str, device: str) -> dict:
     return {
         "n": n,
         "seconds": sec,
-        "extra_MB": peak - base,
+        "extra_MB": extra,
         "model": m.name,
         "layers": L,
         "maps_MB": L * n * n * 8 / 2**20,

@@ -238,3 +238,25 @@ def table_text(df) -> str:
 
 def log(msg: str) -> None:
     print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def timed_peak(run, device) -> tuple:
+    """(run()'s result, seconds, peak memory over the start in MB) in this process: CUDA's peak allocation,
+    else the peak RSS (reset first), after a garbage collection."""
+    import gc
+
+    cuda = torch.device(device).type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        reset_peak_rss()
+        base = rss_mb()
+    t0 = time.perf_counter()
+    res = run()
+    sync(device)
+    sec = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
+    return res, sec, peak - base

@@ -35,16 +35,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from perf_common import log, peak_rss_mb, reset_peak_rss, row, rss_mb, sync, timed_pair, user_row
+from perf_common import log, row, timed_pair, timed_peak, user_row
 
-CONTEXT_METHODS = ["contextcite", "logit", "alti_logit", "attention", "grad_x_input", "leave_one_out"]
+CONTEXT_METHODS = ["contextcite", "logit", "alti_logit", "attention", "at2_exact", "grad_x_input", "leave_one_out"]
 CONTEXT_SIZES = [512, 1024, 2048, 4096]
 QUERY = "Summarize the first article in one sentence."
 RESPONSE_TOKENS = 32
 N_ABLATIONS = 32  # ContextCite's budget the ratios are taken against
 QUARTER_FROM = 1024  # the 1/4 target applies from this many context tokens up
-QUARTER_METHODS = ("logit", "attention")
+QUARTER_METHODS = ("logit", "attention", "at2_exact")
 MOONSHOT_GAP, MOONSHOT_RATIO = 0.05, 1 / 8
 ROW_SECONDS = 900  # a row longer than this is stopped and reported as such
 
@@ -105,14 +104,11 @@ def _load(device: str):
 
 def context_child(size: int, method: str, device: str, save: str | None) -> dict:
     """One method (or "generation") at one size in this fresh process."""
-    import gc
-
     import ctxmix
 
     m = _load(device)
     ctx, resp = context_example(m.tokenizer, size)
     small, _ = context_example(m.tokenizer, 96)
-    cuda = m.device.type == "cuda"
     out: dict = {"size": size, "method": method}
     if method == "generation":
         from ctxmix.engine.generate import generate
@@ -128,19 +124,7 @@ def context_child(size: int, method: str, device: str, save: str | None) -> dict
         kw = dict(response=resp, methods=[method], n_ablations=N_ABLATIONS, progress=False)
         ctxmix.attribute_context(m, small, QUERY, **{**kw, "n_ablations": 2})  # warm-up (imports, kernels)
         run = lambda: ctxmix.attribute_context(m, ctx, QUERY, **kw)  # noqa: E731
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        reset_peak_rss()
-        base = rss_mb()
-    t0 = time.perf_counter()
-    res = run()
-    sync(device)
-    out["seconds"] = time.perf_counter() - t0
-    out["extra_MB"] = (torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()) - base
+    res, out["seconds"], out["extra_MB"] = timed_peak(run, device)
     if method != "generation":
         ca = res
         P, T = len(ca.prompt_ids), len(ca.response_ids)
