@@ -255,3 +255,12 @@ def test_shipped_smollm2_weights():
     for w in ws.values():
         assert w.shape == (270,) and np.abs(w).sum() == pytest.approx(1.0)
     assert meta["model"] == "smollm2" and meta["examples"] > 0 and "heldout" in meta
+
+
+def test_at2_train_command_checks_its_options(tmp_path, capsys):
+    """`ctxmix at2-train` exists and refuses bad counts before loading any model."""
+    from ctxmix.cli import main
+
+    assert main(["at2-train", "--model", "no-such-model", "--out", str(tmp_path), "--masks", "1"]) == 2
+    assert "--masks" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
