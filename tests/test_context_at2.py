@@ -264,3 +264,28 @@ def test_at2_train_command_checks_its_options(tmp_path, capsys):
     assert main(["at2-train", "--model", "no-such-model", "--out", str(tmp_path), "--masks", "1"]) == 2
     assert "--masks" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypatch):
+    """at2_weights=None takes the model's shipped file, except a kind whose trained weights scored below uniform
+    ones on the file's held-out table: uniform then, with a note naming both LDS values; an explicit path forces
+    the trained weights."""
+    m = tiny_model("llama", tokenizer)
+    L, H = len(m.layers), m.layers[0].n_heads
+    w = {k: np.arange(L * H, dtype=float) + i for i, k in enumerate(at2.KINDS)}
+    rows = [
+        {"features": "logit", "weights": "trained", "lds": 0.6},
+        {"features": "logit", "weights": "untrained", "lds": 0.8},
+        {"features": "attn", "weights": "trained", "lds": 0.8},
+        {"features": "attn", "weights": "untrained", "lds": 0.6},
+    ]
+    p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": m.name, "heldout": {"rows": rows}})
+    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: p)
+    got, info = at2.resolve_weights(m, "logit", None)
+    assert np.array_equal(got, at2.uniform_weights(L, H)) and "0.600 against 0.800" in info["note"]
+    got, info = at2.resolve_weights(m, "attn", None)
+    assert np.array_equal(got, w["attn"]) and "note" not in info
+    got, _ = at2.resolve_weights(m, "norm", None)  # no held-out rows for the kind: the trained weights
+    assert np.array_equal(got, w["norm"])
+    got, _ = at2.resolve_weights(m, "logit", p)
+    assert np.array_equal(got, w["logit"])

@@ -342,7 +342,8 @@ def attribute_context(
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context_at2`: at2_features
-    "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model), a file
+    "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model, or
+    uniform ones where their held-out table scores the trained ones lower, with a warning), a file
     from `ctxmix at2-train`, or "untrained" (uniform)). compat=True reproduces the
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
@@ -475,6 +476,8 @@ def attribute_context(
         ca.cost["at2_exact"] = res["cost"]
         ca.scores["at2_exact"] = ca.scores_for("at2_exact")
         ca.options["at2"] = at2_info
+        if at2_info.get("note"):
+            ca.warnings.append(at2_info["note"])
     if "contextcite" in methods:
         ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
         t0 = time.perf_counter()

@@ -197,8 +197,9 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
 
 
 def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
-    """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file), a path, or
-    "untrained" (uniform 1/(L H)). Raises BadInput, naming the training command, when the model has no shipped
+    """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file; uniform
+    1/(L H) instead where that file's held-out table shows its trained weights of `kind` below uniform ones,
+    said in the info's "note"), a path, or "untrained" (uniform 1/(L H)). Raises BadInput, naming the training command, when the model has no shipped
     weights and none are given, and when the file's shape or kinds do not fit the model."""
     if kind not in KINDS:
         raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -225,7 +226,26 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
         )
     if kind not in ws:
         raise BadInput(f"the AT2 weights in {str(path)!r} hold no {kind!r} weights (they hold {', '.join(ws)})")
+    if weights is None:
+        worse = _below_uniform(meta, kind)
+        if worse is not None:  # the default follows the shipped held-out evidence, and says so
+            note = (
+                f"at2_exact ({kind}): the shipped trained weights scored below uniform weights on held-out texts "
+                f"(LDS {worse[0]:.3f} against {worse[1]:.3f}), so uniform weights are used; "
+                f"at2_weights='{path}' forces the trained ones"
+            )
+            return uniform_weights(L, H), {"weights": "untrained (auto)", "kind": kind, "note": note}
     return ws[kind], {"weights": how, "kind": kind, "trained_on": meta.get("model")}
+
+
+def _below_uniform(meta: dict, kind: str) -> tuple[float, float] | None:
+    """(trained LDS, uniform LDS) for `kind` from a weights file's held-out table when trained is lower; else None
+    (no table, or trained at least as good)."""
+    rows = {(r.get("features"), r.get("weights")): r.get("lds") for r in (meta.get("heldout") or {}).get("rows", [])}
+    t, u = rows.get((kind, "trained")), rows.get((kind, "untrained"))
+    if isinstance(t, (int, float)) and isinstance(u, (int, float)) and t < u:
+        return float(t), float(u)
+    return None
 
 
 # ---------------------------------------------------------------- the method
