@@ -199,8 +199,9 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
 def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
     """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file; uniform
     1/(L H) instead where that file's held-out table shows its trained weights of `kind` below uniform ones,
-    said in the info's "note"), a path, or "untrained" (uniform 1/(L H)). Raises BadInput, naming the training command, when the model has no shipped
-    weights and none are given, and when the file's shape or kinds do not fit the model."""
+    said in the info's "note"), a path, or "untrained" (uniform 1/(L H)). Raises BadInput, naming the training
+    command, when the model has no shipped weights and none are given, and when the file's shape or kinds do not
+    fit the model."""
     if kind not in KINDS:
         raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
     L, H = len(model.layers), model.layers[0].n_heads
