@@ -318,7 +318,8 @@ with common.errors_as_messages():
     with st.expander("Export the shaded context (figure for a paper, HTML)", icon=":material/download:"):
         width_name = st.selectbox("Width", list(WIDTHS), key="ctx_fig_width")
         fig = plots.context_figure(ca, view, span, width_px=WIDTHS[width_name])
-        st.plotly_chart(fig, key="chart_context_figure", config={"displaylogo": False})
+        # at the chosen paper width, not stretched: a preview of the exported size (and no re-layout on resize)
+        st.plotly_chart(fig, key="chart_context_figure", width="content", config={"displaylogo": False})
         common.export_figure(fig, f"context_{view}", data=top, key="context_fig", presets=False)
         prov = common._provenance()
         st.download_button(
