@@ -144,7 +144,7 @@ def method_pages() -> list[str]:
 
 # Per context method: (paper, formula, options, extra caveats). The registry gives the title, the short doc and
 # the cost; docs/context.md the shared parts (prompt, sources, targets, evaluation). A method without an entry
-# here (at2_exact: its own page comes with it) gets no generated page.
+# here gets no generated page (a test could catch that: every context method has an entry today).
 CONTEXT_DOCS: dict[str, dict[str, str]] = {
     "contextcite": {
         "paper": "Benjamin Cohen-Wang, Harshay Shah, Kristian Georgiev, Aleksander Mądry, *ContextCite: Attributing "
@@ -224,6 +224,24 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "decomposition (`terms['first_order_gap']` closes the buckets). Cost: one forward and T backward passes.",
         "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["grad_x_input"])\n'
         'ca.cost["grad_x_input"]  # forward 1, backward T, seconds, attention',
+    },
+    "at2_exact": {
+        "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
+        "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix "
+        "(the note's §6.2).",
+        "formula": "score(U, s) = w · f(U, s), f(U, s)_{l,h} = mean_{t ∈ U} Σ_{j ∈ s} F^{l,h}(t, j), w ∈ R^{L·H}, no "
+        "bias. F: `attn` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` (default) "
+        "A ⟨W_O^h(W_V^h n(x_j) + b_V^h), ρ_t⟩ (head h's share of the `logit` method), `alti` the per-head ALTI "
+        "proximity (as routes). w trained as AT2: −Pearson over 32 removal ablations per example, Adam, cosine, "
+        "L1-normalised.",
+        "options": "`at2_features` ('logit', 'attn', 'norm', 'alti'); `at2_weights` (None: the weights shipped "
+        "for the model, uniform where their held-out table scores the trained ones lower, with a warning; a file "
+        "from `ctxmix at2-train --model M --out DIR`; 'untrained': uniform 1/(L·H)).",
+        "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 only, trained on 56 "
+        "examples: on held-out texts they help raw attention (LDS 0.64 → 0.81) but not the exact features, and "
+        "F-logit's trained weights overfit (0.85 → 0.67), so its default is uniform (docs: Context attribution).",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["at2_exact"])\n'
+        'ca.options["at2"], ca.warnings  # which weights, and why',
     },
 }
 
