@@ -144,7 +144,7 @@ def method_pages() -> list[str]:
 
 # Per context method: (paper, formula, options, extra caveats). The registry gives the title, the short doc and
 # the cost; docs/context.md the shared parts (prompt, sources, targets, evaluation). A method without an entry
-# here gets no generated page (a test could catch that: every context method has an entry today).
+# here gets no generated page (tests/test_context_bench.py checks every context method has one).
 CONTEXT_DOCS: dict[str, dict[str, str]] = {
     "contextcite": {
         "paper": "Benjamin Cohen-Wang, Harshay Shah, Kristian Georgiev, Aleksander Mądry, *ContextCite: Attributing "

@@ -3,6 +3,7 @@ runner (`ctxmix.benchmark.context_bench.run_context_benchmark`) on a tiny random
 (tests/conftest.py), checked against a direct `attribute_context` + `evaluate` of the same example."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -367,3 +368,19 @@ def test_shipped_context_check_is_what_the_code_computes_now():
     # what was compared: every measured quantity and score, and most rank metrics (the skipped ones are named)
     compared = len(want) - len(skipped)
     assert compared >= 0.8 * len(want), skipped.to_string()
+
+
+def test_every_context_method_has_a_docs_page():
+    """docs/gen_pages.py writes one page per context method from CONTEXT_DOCS; a method added to the registry
+    without an entry would silently get none (and mkdocs.yml's nav must name it)."""
+    import importlib.util
+
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_pages", root / "docs" / "gen_pages.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert sorted(gen.CONTEXT_DOCS) == sorted(CONTEXT_METHODS)
+    nav = (root / "mkdocs.yml").read_text()
+    assert all(f"methods/context/{m}.md" in nav for m in CONTEXT_METHODS)
