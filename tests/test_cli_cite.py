@@ -19,7 +19,7 @@ from conftest import tiny_model
 import ctxmix
 from ctxmix.cli import main
 from ctxmix.engine import models as engine_models
-from ctxmix.export.context_json import load_context_attribution_json
+from ctxmix.export.context_load import load_context_attribution as load_context_attribution_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["The cat sat on the mat. The code is 4817.", "Birds fly south in winter. Rain fell all day."]

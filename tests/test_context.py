@@ -410,7 +410,7 @@ def test_generated_response_drops_eos_by_default(llama, monkeypatch):
 
     real = gen.generate
 
-    def fake(model, input_ids, max_new_tokens, greedy, new=(2003, 2004, 102)):
+    def fake(model, input_ids, max_new_tokens, greedy, new=(2003, 2004, 102), progress=None):
         g = real(model, input_ids=input_ids, max_new_tokens=1)
         g.input_ids = list(input_ids) + list(new)
         return g

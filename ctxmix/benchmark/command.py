@@ -189,7 +189,7 @@ def _config_kind(path) -> str | None:
 
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     return raw.get("kind") if isinstance(raw, dict) else None
 

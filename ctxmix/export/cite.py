@@ -21,7 +21,7 @@ from pathlib import Path
 from ctxmix.errors import BadInput
 
 OUT_FORMATS = {
-    ".json": "the whole result (ctxmix.export.context_json.load_context_attribution_json reopens it)",
+    ".json": "the whole result (ctxmix.load_context_attribution reopens it)",
     ".npz": "the whole result (ctxmix.load_context_attribution reopens it)",
     ".html": "the context shaded by each method's scores",
     ".csv": "one row per source, one score column per method",

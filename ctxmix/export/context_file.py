@@ -26,6 +26,7 @@ import numpy as np
 from ctxmix.errors import BadInput
 
 FORMAT = "ctxmix-context-attribution"
+JSON_FORMAT = FORMAT + "-json"  # the same contents as JSON (`ctxmix.export.context_json`)
 VERSION = 2
 KINDS = ("scores", "per_token", "targets", "terms", "masks", "logit_probs", "evaluation")  # the arrays' prefixes
 

@@ -5,7 +5,8 @@ object, parsed rather than a string) and `arrays`, each entry by its .npz name a
 "data"} with `data` flattened in C order. Floats are written by Python's `repr` (the shortest string that
 reads back to the same float64, and float32 values widened exactly), so the scores reload bit for bit;
 NaN and infinities use JSON's common extension (`NaN`, `Infinity`), as `json` reads and writes them. The
-reader rebuilds the arrays and hands them to the .npz reader's parser (`context_load`), so both formats
+reader (`ctxmix.load_context_attribution`, in `context_load`) rebuilds the arrays and hands them to the .npz
+parser, so both formats
 open through one code path. JSON is for reading and diffing; the .npz is smaller.
 """
 
@@ -17,11 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ctxmix.errors import BadInput
-from ctxmix.export.context_file import FORMAT, _arrays
-from ctxmix.export.context_load import context_attribution_from_parts
-from ctxmix.methods.context import ContextAttribution
-
-JSON_FORMAT = FORMAT + "-json"
+from ctxmix.export.context_file import JSON_FORMAT, _arrays
 
 
 def context_attribution_json(ca, indent: int | None = None) -> str:
@@ -45,28 +42,3 @@ def save_context_attribution_json(ca, path) -> Path:
     tmp.write_text(context_attribution_json(ca), encoding="utf-8")
     tmp.replace(p)
     return p
-
-
-def load_context_attribution_json(path) -> ContextAttribution:
-    """Reopen what `save_context_attribution_json` wrote (no model needed)."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"no such file: {str(p)!r}")
-    return context_attribution_from_json(p.read_bytes(), p.name)
-
-
-def context_attribution_from_json(data: bytes, label: str) -> ContextAttribution:
-    """A `ContextAttribution` from the JSON text (bytes) `context_attribution_json` wrote."""
-    try:
-        doc = json.loads(data.decode("utf-8"))
-        ok = isinstance(doc, dict) and doc.get("format") == JSON_FORMAT
-        arrays = (
-            {k: np.asarray(v["data"], dtype=v["dtype"]).reshape(v["shape"]) for k, v in doc["arrays"].items()}
-            if ok
-            else {}
-        )
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
-        raise BadInput(f"{label} could not be read as a context attribution's JSON: {type(e).__name__}: {e}") from None
-    if not ok:
-        raise BadInput(f"{label} is not a ctxmix context attribution's JSON (format {JSON_FORMAT!r})")
-    return context_attribution_from_parts(doc["meta"], arrays, label)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from ctxmix.errors import BadInput
-from ctxmix.export.context_file import FORMAT, KINDS, VERSION
+from ctxmix.export.context_file import FORMAT, JSON_FORMAT, KINDS, VERSION
 from ctxmix.methods.context import ContextAttribution
 
 
@@ -98,8 +98,6 @@ def _load_json(path, limits, name: str | None) -> ContextAttribution:
     """The JSON form, its size checked against the archive cap first when `limits` is given."""
     from pathlib import Path
 
-    from ctxmix.export.context_json import context_attribution_from_json
-
     if isinstance(path, (bytes, bytearray)):
         data, label = bytes(path), name or "the file"
     else:
@@ -112,3 +110,20 @@ def _load_json(path, limits, name: str | None) -> ContextAttribution:
             f"{label} is {len(data) / 2**20:.1f} MB; saved files may be at most {limits.max_archive_mb:g} MB here"
         )
     return context_attribution_from_json(data, label)
+
+
+def context_attribution_from_json(data: bytes, label: str) -> ContextAttribution:
+    """A `ContextAttribution` from the JSON text (bytes) `ctxmix.export.context_json` writes."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+        ok = isinstance(doc, dict) and doc.get("format") == JSON_FORMAT
+        arrays = (
+            {k: np.asarray(v["data"], dtype=v["dtype"]).reshape(v["shape"]) for k, v in doc["arrays"].items()}
+            if ok
+            else {}
+        )
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file gets one message
+        raise BadInput(f"{label} could not be read as a context attribution's JSON: {type(e).__name__}: {e}") from None
+    if not ok:
+        raise BadInput(f"{label} is not a ctxmix context attribution's JSON (format {JSON_FORMAT!r})")
+    return context_attribution_from_parts(doc["meta"], arrays, label)
