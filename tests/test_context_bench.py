@@ -384,3 +384,20 @@ def test_every_context_method_has_a_docs_page():
     assert sorted(gen.CONTEXT_DOCS) == sorted(CONTEXT_METHODS)
     nav = (root / "mkdocs.yml").read_text()
     assert all(f"methods/context/{m}.md" in nav for m in CONTEXT_METHODS)
+
+
+def test_the_page_default_is_the_best_one_pass_method_of_the_shipped_results():
+    """The Context attribution page's default one-pass method is the one with the best mean LDS (the mean of the
+    tasks' means) in the shipped context results, as the page issue asks."""
+    import re
+
+    import pandas as pd
+
+    from ctxmix.methods.context_onepass import ONE_PASS_METHODS
+
+    root = Path(__file__).resolve().parents[1]
+    agg = pd.read_csv(root / "ctxmix" / "benchmark" / "shipped" / "context.aggregates.csv")
+    lds = agg[(agg.metric == "lds") & agg.method.isin([*ONE_PASS_METHODS, "at2_exact"])]
+    best = lds.groupby("method")["mean"].mean().idxmax()
+    page = (root / "pages" / "0_Context_attribution.py").read_text()
+    assert re.search(r'^ONE_PASS_DEFAULT = "(\w+)"', page, re.M).group(1) == best
