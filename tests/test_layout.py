@@ -310,6 +310,10 @@ def test_wheel_carries_the_command_the_dashboard_and_the_data(tmp_path):
         "ctxmix/engine/layer.py",
         "ctxmix/benchmark/configs/embedded.yaml",
         "ctxmix/benchmark/shipped/embedded.aggregates.csv",
+        "ctxmix/benchmark/shipped/context.aggregates.csv",
+        "ctxmix/benchmark/configs/context.yaml",
+        "ctxmix/methods/at2_weights/smollm2.npz",  # at2_exact's default weights and their held-out table
+        "ctxmix/methods/at2_weights/smollm2.json",
         "ctxmix_dashboard/toplevel/app.py",
         "ctxmix_dashboard/toplevel/pages/3_Benchmarks.py",
         "ctxmix_dashboard/ui/common.py",
