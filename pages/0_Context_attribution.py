@@ -173,29 +173,35 @@ def _bar(what: str):
     return bar, report
 
 
+def _attribute(ca, todo: list[str], what: str):
+    """The cached attribution with `todo` added (a new one when there is none), behind a progress bar."""
+    bar, report = _bar(what)
+    if ca is None:
+        ca = ctxmix.attribute_context(
+            model,
+            context,
+            query_arg,
+            response=response_arg,
+            sources=unit,
+            methods=todo,
+            max_new_tokens=int(n_new),
+            n_ablations=int(n_abl),
+            progress=report,
+        )
+    else:
+        extend_attribution(ca, model, todo, n_ablations=int(n_abl), progress=report)
+    cache.clear()  # one attribution per session: the latest inputs
+    cache[key] = ca
+    bar.empty()
+    return ca
+
+
 one_pass = [m for m in methods if m not in ABLATION]
 ablation = [m for m in methods if m in ABLATION]
 with common.errors_as_messages():
     todo = [m for m in one_pass if ca is None or m not in ca.methods]
     if todo:
-        bar, report = _bar("Tracing…")
-        if ca is None:
-            ca = ctxmix.attribute_context(
-                model,
-                context,
-                query_arg,
-                response=response_arg,
-                sources=unit,
-                methods=todo,
-                max_new_tokens=int(n_new),
-                n_ablations=int(n_abl),
-                progress=report,
-            )
-        else:
-            extend_attribution(ca, model, todo, progress=report)
-        cache.clear()  # one attribution per session: the latest inputs
-        cache[key] = ca
-        bar.empty()
+        ca = _attribute(ca, todo, "Tracing…")
     pending = [
         m
         for m in ablation
@@ -208,24 +214,7 @@ with common.errors_as_messages():
             f"Run {label} ({passes} forward passes)", key="run_ablations", type="primary"
         )
         if run:
-            bar, report = _bar("Ablations…")
-            if ca is None:
-                ca = ctxmix.attribute_context(
-                    model,
-                    context,
-                    query_arg,
-                    response=response_arg,
-                    sources=unit,
-                    methods=pending,
-                    max_new_tokens=int(n_new),
-                    n_ablations=int(n_abl),
-                    progress=report,
-                )
-            else:
-                extend_attribution(ca, model, pending, n_ablations=int(n_abl), progress=report)
-            cache.clear()
-            cache[key] = ca
-            bar.empty()
+            ca = _attribute(ca, pending, "Ablations…")
             common.set_qp(abl=1)
         else:
             st.caption(f"{label}: not run yet (one forward pass per ablation; the button runs it).")
