@@ -358,14 +358,13 @@ def attribute_context(
     end-of-sequence-only response, a prompt + response over the model's window, bad spans, an encoder or
     encoder-decoder model, and n_ablations outside 2..MAX_ABLATIONS.
     """
-    import time
 
     from ctxmix.methods.context_ablation import (
         LASSO_ALPHA,
-        contextcite_scores,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
+        store_contextcite,
     )
     from ctxmix.methods.context_onepass import TARGETS, run_one_pass
     from ctxmix.methods.context_prompt import PromptBuilder, make_response
@@ -480,11 +479,7 @@ def attribute_context(
             ca.warnings.append(at2_info["note"])
     if "contextcite" in methods:
         ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
-        t0 = time.perf_counter()
-        ca.ablations["contextcite"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
-        w, b = contextcite_scores(ab, 0, T, compat, alpha)
-        ca.scores["contextcite"], ca.intercepts["contextcite"] = w, b
-        ca.cost["contextcite"] = {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0}
+        store_contextcite(ca, ab, compat, alpha)
         y = ab["logit_probs"]
         if np.ptp(y.sum(1)) == 0:
             ca.warnings.append("contextcite: the target is the same under every ablation; the scores are all zero")

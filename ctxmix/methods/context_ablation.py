@@ -229,3 +229,13 @@ def leave_one_out_scores(ablation: dict, a: int, b: int) -> np.ndarray:
     """log P(span | all) - log P(span | without source i), (d,)."""
     lp = log_probs(ablation["logit_probs"][:, a:b])
     return lp[0] - lp[1:]
+
+
+def store_contextcite(ca, ab: dict, compat: bool, alpha: float) -> None:
+    """Fit ContextCite's LASSO on the ablations `ab` (`run_contextcite`'s) for the whole response and store the
+    ablations, scores, intercept and cost (the fit's seconds added) in `ca` (a `ContextAttribution`)."""
+    t0 = time.perf_counter()
+    ca.ablations["contextcite"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
+    w, b = contextcite_scores(ab, 0, len(ca.response_ids), compat, alpha)
+    ca.scores["contextcite"], ca.intercepts["contextcite"] = w, b
+    ca.cost["contextcite"] = {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0}

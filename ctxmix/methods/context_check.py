@@ -65,10 +65,10 @@ def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None
     progress: as attribute_context's (a callable gets progress(stage, done, total))."""
     from ctxmix.methods.context_ablation import (
         check_n_ablations,
-        contextcite_scores,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
+        store_contextcite,
     )
     from ctxmix.methods.context_onepass import ONE_PASS_METHODS, run_one_pass
     from ctxmix.methods.registry import CONTEXT_METHODS
@@ -102,11 +102,7 @@ def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None
     if "contextcite" in todo:
         seed, keep, alpha = int(ca.options["seed"]), float(ca.options["keep_prob"]), float(ca.options["alpha"])
         ab = run_contextcite(model, builder, src, ca.response_ids, n, seed, keep, batch, compat, progress)
-        t0 = time.perf_counter()
-        ca.ablations["contextcite"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
-        w, b = contextcite_scores(ab, 0, T, compat, alpha)
-        ca.scores["contextcite"], ca.intercepts["contextcite"] = w, b
-        ca.cost["contextcite"] = {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0}
+        store_contextcite(ca, ab, compat, alpha)
         ca.options["n_ablations"] = n
         _add(ca, "contextcite")
     if "leave_one_out" in todo:
