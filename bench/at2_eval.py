@@ -3,7 +3,7 @@
     python bench/at2_eval.py --model smollm2 --weights out/at2/at2_weights.npz --out out/at2_eval \
         --needles 10 --summaries 10 --masks 32 --threads 1
 
-Examples: the benchmark's needles and summaries (`ctxmix.benchmark.context_data`, gensim's Lee background news:
+Examples: the benchmark's needles and summaries (`ctxmix.benchmark.context.data`, gensim's Lee background news:
 texts disjoint from the Wikipedia training set), 200-400 tokens, responses generated greedily. Per example
 (`at2_train.build_example`, one file each, resumable): every feature kind from one traced pass, the whole
 response as the target unit, and `--masks` held-out removal ablations drawn with ContextCite's generator at
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 
 def table(examples: list[dict], weights: dict[str, np.ndarray]) -> list[dict]:
-    from ctxmix.benchmark.context_metrics import lds, recall_at
-    from ctxmix.methods.context_ablation import aggregate
-    from ctxmix.methods.context_at2 import KINDS
+    from ctxmix.benchmark.context.metrics import lds, recall_at
+    from ctxmix.methods.context.ablation import aggregate
+    from ctxmix.methods.context.at2 import KINDS
 
     rows = []
     for kind in KINDS:
@@ -74,11 +74,11 @@ def topk_drops(model, exs, examples: list[dict], weights: dict[str, np.ndarray],
     """{(kind, "trained"/"untrained"): {k: mean over examples of log P(response | context) - log P(response |
     context without the top-k sources)}}: removal ablations (`context_ablation.response_logit_probs`), each
     distinct mask of an example once."""
-    from ctxmix.benchmark.context_metrics import topk_drop, without_top
-    from ctxmix.methods.context_ablation import log_probs, response_logit_probs
-    from ctxmix.methods.context_at2 import KINDS
-    from ctxmix.methods.context_prompt import PromptBuilder
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.benchmark.context.metrics import topk_drop, without_top
+    from ctxmix.methods.context.ablation import log_probs, response_logit_probs
+    from ctxmix.methods.context.at2 import KINDS
+    from ctxmix.methods.context.prompt import PromptBuilder
+    from ctxmix.methods.context.sources import make_sources
 
     out: dict = {(k, t): {kk: [] for kk in ks} for k in KINDS for t in ("untrained", "trained")}
     for ex, e in zip(exs, examples):
@@ -134,10 +134,10 @@ def main(argv=None) -> None:
     import torch
 
     import ctxmix
-    from ctxmix.benchmark.at2_train import build_set, load_set
-    from ctxmix.benchmark.context_data import contains_answer, needle_examples, summary_examples
-    from ctxmix.benchmark.context_metrics import LDS_SEED
-    from ctxmix.methods.context_at2 import load_weights, shipped_weights_path
+    from ctxmix.benchmark.context.at2_train import build_set, load_set
+    from ctxmix.benchmark.context.data import contains_answer, needle_examples, summary_examples
+    from ctxmix.benchmark.context.metrics import LDS_SEED
+    from ctxmix.methods.context.at2 import load_weights, shipped_weights_path
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -185,9 +185,9 @@ def main(argv=None) -> None:
 
 
 def ship(wpath, info: dict) -> None:
-    """ctxmix/methods/at2_weights/<model>.npz and .json: the trained weights, their provenance and the held-out
+    """ctxmix/methods/context/at2_weights/<model>.npz and .json: the trained weights, their provenance and the held-out
     table (package data: pyproject's [tool.setuptools.package-data])."""
-    from ctxmix.methods.context_at2 import load_weights, save_weights
+    from ctxmix.methods.context.at2 import load_weights, save_weights
 
     weights, (L, H), meta = load_weights(wpath)
     meta["heldout"] = {k: v for k, v in info.items() if k not in ("training", "weights")}

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     import torch
 
-    from ctxmix.benchmark.context_bench import generate_responses, load_context_config, store_responses
+    from ctxmix.benchmark.context.bench import generate_responses, load_context_config, store_responses
     from ctxmix.engine.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -112,8 +112,8 @@ def context_child(size: int, method: str, device: str, save: str | None) -> dict
     out: dict = {"size": size, "method": method}
     if method == "generation":
         from ctxmix.engine.generate import generate
-        from ctxmix.methods.context_prompt import PromptBuilder
-        from ctxmix.methods.sources import make_sources
+        from ctxmix.methods.context.prompt import PromptBuilder
+        from ctxmix.methods.context.sources import make_sources
 
         b = PromptBuilder(m, QUERY, None, False)
         ids = b.encode(make_sources(ctx, "sentence")).ids
@@ -133,7 +133,7 @@ def context_child(size: int, method: str, device: str, save: str | None) -> dict
         if save:
             ca.save(save)
         if method == "logit":  # the user's call against the engine function on the same ids
-            from ctxmix.methods.context_onepass import run_one_pass
+            from ctxmix.methods.context.onepass import run_one_pass
 
             ids = list(ca.prompt_ids) + list(ca.response_ids)
             te, tu, _, _ = timed_pair(lambda: run_one_pass(m, ["logit"], ids, P, "log_prob"), run, device, repeat=1)

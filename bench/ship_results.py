@@ -80,7 +80,7 @@ def ship_context(config: Path, finished: Path | None, check_only: bool = False) 
     import pandas as pd
     import yaml
 
-    from ctxmix.benchmark.context_bench import load_context_config
+    from ctxmix.benchmark.context.bench import load_context_config
 
     cfg = load_context_config(config)
     name = cfg.get("name") or config.stem

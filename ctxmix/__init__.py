@@ -44,9 +44,9 @@ _API = {
     "PREDICTION_METHODS": "methods.registry",
     "METHODS": "methods.registry",
     "CONTEXT_METHODS": "methods.registry",
-    "attribute_context": "methods.context",
-    "ContextAttribution": "methods.context",
-    "load_context_attribution": "export.context_load",
+    "attribute_context": "methods.context.attribution",
+    "ContextAttribution": "methods.context.attribution",
+    "load_context_attribution": "export.context.load",
     "rollout": "methods.mixing",
     "Explanation": "methods.explanation",
     "explain": "methods.explain",
@@ -116,10 +116,10 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     from .engine.models import EMBEDDED, Model, load_model, model_from_hf  # noqa: F401
     from .engine.trace import Trace, trace  # noqa: F401
     from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture  # noqa: F401
-    from .export.context_load import load_context_attribution  # noqa: F401
+    from .export.context.load import load_context_attribution  # noqa: F401
     from .export.saved import load_explanation  # noqa: F401
     from .methods.alti_plus import source_contribution  # noqa: F401
-    from .methods.context import ContextAttribution, attribute_context  # noqa: F401
+    from .methods.context.attribution import ContextAttribution, attribute_context  # noqa: F401
     from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
     from .methods.explanation import Explanation  # noqa: F401
     from .methods.mixing import rollout  # noqa: F401

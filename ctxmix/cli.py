@@ -387,14 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "cite", help="which sources of text files made a causal LM give its answer (context attribution)"
     )
-    from ctxmix.export.cite import add_cite_arguments, cmd_cite
+    from ctxmix.export.context.cite import add_cite_arguments, cmd_cite
 
     model_args(s)
     add_cite_arguments(s)
     s.set_defaults(func=cmd_cite)
 
     s = sub.add_parser("at2-train", help="train at2_exact's per-head weights for context attribution (resumable)")
-    from ctxmix.benchmark.at2_train import add_at2_arguments, cmd_at2_train
+    from ctxmix.benchmark.context.at2_train import add_at2_arguments, cmd_at2_train
 
     model_args(s)
     add_at2_arguments(s)

@@ -172,7 +172,7 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "formula": "score_i = log P(span | context) − log P(span | context without source i), natural log, "
         "teacher-forced on the fixed response (d + 1 passes: every source, then each one removed, text removal "
         "as ContextCite's).",
-        "options": "`batch_size`; refused above `ctxmix.methods.context_ablation.MAX_LOO_SOURCES` (256) sources.",
+        "options": "`batch_size`; refused above `ctxmix.methods.context.ablation.MAX_LOO_SOURCES` (256) sources.",
         "caveats": "Misses redundancy: a fact stated twice loses nothing when one copy goes. Cost grows with "
         "d × context length, so long contexts with many sentences are better served by `contextcite` or coarser "
         "sources (`sources='paragraph'`).",

@@ -1,18 +1,18 @@
 """Context attribution: paste (or upload) documents, ask a question, see which sources the model's answer
 rests on, for the whole answer or a span of it, then check it by removing them. Layout only: the numbers
-come from `ctxmix.attribute_context` and `ctxmix.methods.context_check`, the views from
-`ctxmix.export.context_view` and `ctxmix.export.plots.context_figure`."""
+come from `ctxmix.attribute_context` and `ctxmix.methods.context.check`, the views from
+`ctxmix.export.context.view` and `ctxmix.export.plots.context_figure`."""
 
 import shlex
 
 import streamlit as st
 
 import ctxmix
-from ctxmix.export import context_view as cv
 from ctxmix.export import plots
-from ctxmix.export.context_file import context_attribution_bytes
-from ctxmix.export.context_json import context_attribution_json
-from ctxmix.methods.context_check import extend_attribution, prompt_token_count
+from ctxmix.export.context import view as cv
+from ctxmix.export.context.json_file import context_attribution_json
+from ctxmix.export.context.npz_file import context_attribution_bytes
+from ctxmix.methods.context.check import extend_attribution, prompt_token_count
 from ctxmix.methods.registry import CONTEXT_METHODS
 from ctxmix.service.limits import check_context_request
 from ctxmix_dashboard.ui import common

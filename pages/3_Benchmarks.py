@@ -213,7 +213,7 @@ if papers:
 st.divider()
 st.subheader("Context attribution (configs/context.yaml)")
 with common.errors_as_messages():
-    from ctxmix.benchmark.context_bench import context_table
+    from ctxmix.benchmark.context.bench import context_table
 
     ctx = shipped.load_context_shipped("context")
     if ctx is None:

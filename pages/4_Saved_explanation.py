@@ -5,11 +5,11 @@ context attribution (the Context attribution page's download, `ContextAttributio
 import streamlit as st
 
 import ctxmix
-from ctxmix.export.context_load import load_context_attribution
+from ctxmix.export.context.load import load_context_attribution
 from ctxmix.export.saved import load_explanation
 from ctxmix.service.limits import load_limits
 from ctxmix_dashboard.ui import common, views
-from ctxmix_dashboard.ui.context_views import show_saved_context
+from ctxmix_dashboard.ui.context import show_saved_context
 
 common.page_setup()
 

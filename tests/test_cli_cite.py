@@ -1,4 +1,4 @@
-"""`ctxmix cite` (ctxmix/export/cite.py): the command end to end on a tiny random Llama (in process, the model
+"""`ctxmix cite` (ctxmix/export/context/cite.py): the command end to end on a tiny random Llama (in process, the model
 loader replaced so loads can be counted), every --out format reopened to the scores `attribute_context`
 gives directly, every bad input answered with its message and exit code 2 before any model load (or, for
 what needs the model, before any pass); and, slow, on smollm2 with a shipped Lee news text and a needle."""
@@ -19,7 +19,7 @@ from conftest import tiny_model
 import ctxmix
 from ctxmix.cli import main
 from ctxmix.engine import models as engine_models
-from ctxmix.export.context_load import load_context_attribution as load_context_attribution_json
+from ctxmix.export.context.load import load_context_attribution as load_context_attribution_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["The cat sat on the mat. The code is 4817.", "Birds fly south in winter. Rain fell all day."]
@@ -263,7 +263,7 @@ def test_smollm2_finds_the_needle(tmp_path):
     (`needle_examples(1, 60, 100, seed=2)`), the response stored (so greedy decoding cannot vary between
     CPUs): the needle is the top source for logit and alti_logit, and the JSON reloads to the printed order.
     About 21 s on 2 shared cores (the model load and one traced pass per method)."""
-    from ctxmix.benchmark.context_data import NEEDLES, needle_examples
+    from ctxmix.benchmark.context.data import NEEDLES, needle_examples
 
     e = needle_examples(1, 60, 100, seed=2)[0]
     assert e.gold == [3] and NEEDLES[0].question == e.query

@@ -179,7 +179,7 @@ def test_shipped_configs_still_load(tmp_path, monkeypatch):
     assert len(paths) >= 6
     for p in paths:
         if yaml.safe_load(p.read_text()).get("kind") == "context":  # context attribution's own runner
-            from ctxmix.benchmark.context_bench import load_context_config
+            from ctxmix.benchmark.context.bench import load_context_config
 
             assert load_context_config(p)["name"] == p.stem
             continue

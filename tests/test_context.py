@@ -11,8 +11,8 @@ from conftest import tiny_model
 
 import ctxmix
 from ctxmix.errors import BadInput
-from ctxmix.methods import context_ablation as cab
-from ctxmix.methods.sources import TEMPLATE, Sources, make_sources, paragraph_spans, sentence_spans
+from ctxmix.methods.context import ablation as cab
+from ctxmix.methods.context.sources import TEMPLATE, Sources, make_sources, paragraph_spans, sentence_spans
 
 CONTEXT = "The cat sat on the mat. The code is 4817. Birds fly south in winter."
 QUERY = "What is the code?"
@@ -134,7 +134,7 @@ def test_lasso_near_zero_alpha_is_least_squares_and_constant_columns_get_zero():
 
 
 def test_prompt_labels_sources_template_and_query(chat_llama):
-    from ctxmix.methods.context_prompt import PromptBuilder
+    from ctxmix.methods.context.prompt import PromptBuilder
 
     src = make_sources(CONTEXT)
     pr = PromptBuilder(chat_llama, QUERY).encode(src)
@@ -151,7 +151,7 @@ def test_prompt_labels_sources_template_and_query(chat_llama):
 
 def test_special_token_text_is_kept_as_text(chat_llama):
     """A context that spells [SEP] is read as text (not id 102) by default, and refused by compat=True."""
-    from ctxmix.methods.context_prompt import PromptBuilder
+    from ctxmix.methods.context.prompt import PromptBuilder
 
     src = make_sources("The [SEP] marker is text. Another sentence here.")
     b = PromptBuilder(chat_llama, QUERY)
@@ -272,7 +272,7 @@ def test_contextcite_compat_differs_from_default_around_the_sources(chat_llama):
 def test_logit_prob_is_log_p_minus_log_1_minus_p(chat_llama, cc_pair):
     """(C1) for every ablation: the stored value equals log p - log(1 - p) from the model's own softmax over an
     unbatched, unpadded pass (float64; p ~ 1e-5 here, so log1p(-p) is exact to rounding)."""
-    from ctxmix.methods.context_prompt import PromptBuilder
+    from ctxmix.methods.context.prompt import PromptBuilder
 
     _, ca = cc_pair
     src = make_sources(CONTEXT)

@@ -1,4 +1,4 @@
-"""`at2_exact` (`ctxmix.methods.context_at2`) and its trainer (`ctxmix.benchmark.at2_train`): the per-head
+"""`at2_exact` (`ctxmix.methods.context.at2`) and its trainer (`ctxmix.benchmark.context.at2_train`): the per-head
 features against the one-pass methods and direct computations from the HF weights, AT2's Pearson loss and fit,
 the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 
@@ -8,11 +8,11 @@ import torch
 from conftest import tiny_model
 
 import ctxmix
-from ctxmix.benchmark import at2_train
-from ctxmix.benchmark.context_data import ContextExample
+from ctxmix.benchmark.context import at2_train
+from ctxmix.benchmark.context.data import ContextExample
 from ctxmix.engine.trace import trace_ids
 from ctxmix.errors import BadInput
-from ctxmix.methods import context_at2 as at2
+from ctxmix.methods.context import at2
 
 CONTEXT = "The cat sat on the mat. The code is 4817. Birds fly south in winter. The shop opens at nine."
 QUERY = "What is the code?"
@@ -48,7 +48,7 @@ def test_untrained_attn_is_the_attention_method(tokenizer, family):
 def test_logit_features_sum_to_the_logit_method(tokenizer, family):
     """F-logit summed over heads and layers (w = 1) is the logit method's per_token without the predicted
     position's embedding column: every other column equal, and column q_t differs by <x^0_{q_t}, rho_t>."""
-    from ctxmix.methods.context_onepass import _readout
+    from ctxmix.methods.context.onepass import _readout
 
     m = tiny_model(family, tokenizer)
     ca = _ca(m, ["logit"])

@@ -1,5 +1,5 @@
-"""Context attribution's offline benchmark: the seeded examples (`ctxmix.benchmark.context_data`) and the
-runner (`ctxmix.benchmark.context_bench.run_context_benchmark`) on a tiny random float64 Llama
+"""Context attribution's offline benchmark: the seeded examples (`ctxmix.benchmark.context.data`) and the
+runner (`ctxmix.benchmark.context.bench.run_context_benchmark`) on a tiny random float64 Llama
 (tests/conftest.py), checked against a direct `attribute_context` + `evaluate` of the same example."""
 
 import math
@@ -10,10 +10,10 @@ import pytest
 from conftest import tiny_model
 
 import ctxmix
-from ctxmix.benchmark import context_bench as cb
-from ctxmix.benchmark import context_data as cd
+from ctxmix.benchmark.context import bench as cb
+from ctxmix.benchmark.context import data as cd
 from ctxmix.errors import BadInput
-from ctxmix.methods.sources import make_sources
+from ctxmix.methods.context.sources import make_sources
 
 
 def test_needles_are_seeded_whole_sentences_within_their_lengths():
@@ -61,7 +61,7 @@ def test_bad_input():
 
 
 def test_shipped_config_is_valid():
-    cfg = cb.load_context_config(cb.Path(cb.__file__).parent / "configs" / "context.yaml")
+    cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml")
     assert {t["id"] for t in cfg["tasks"]} == {"needles", "summaries", "documents"}  # the offline ones
 
 
@@ -214,7 +214,7 @@ def test_bench_command_runs_a_context_config(tmp_path, monkeypatch, capsys):
 
 def _fake_check(d=6, n_cc=32, m=20, seed=0):
     """Check rows of one example: scores spread apart (no near-ties), targets, metrics."""
-    from ctxmix.methods.context_ablation import contextcite_masks, lasso_fit
+    from ctxmix.methods.context.ablation import contextcite_masks, lasso_fit
 
     rng = np.random.default_rng(seed)
     rows = [("-", "log_prob_full", -1, -12.0), ("-", "heldout_seed", -1, 10_032.0)]
@@ -272,7 +272,7 @@ def test_context_check_tolerances_pass_float32_moves_and_fail_a_one_percent_chan
 def test_lasso_bound_holds_for_a_refit_on_moved_targets():
     """`shipped.lasso_bound`: the official LASSO refitted on targets moved by at most y_move stays within the
     bound of the first fit (random moves, several seeds); and the bound is finite on well-posed masks."""
-    from ctxmix.methods.context_ablation import contextcite_masks, lasso_fit
+    from ctxmix.methods.context.ablation import contextcite_masks, lasso_fit
 
     rng = np.random.default_rng(1)
     for seed in range(5):
@@ -292,7 +292,7 @@ PAPER_CONFIGS = ["context-cnn_dm.yaml", "context-hotpotqa.yaml", "context-tydiqa
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_paper_dataset_configs_are_valid_offline(name):
-    cfg = cb.load_context_config(cb.Path(cb.__file__).parent / "configs" / name)
+    cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / name)
     (task,) = cfg["tasks"]
     assert task["id"] in cd.HUB and task["n"] == 1000 and task["split"] == "validation"
     assert cfg["model"] == "smollm2" and "contextcite" in cfg["methods"]
@@ -347,7 +347,7 @@ def test_shipped_context_check_is_what_the_code_computes_now():
 
     from ctxmix.engine.models import load_model
 
-    path = cb.Path(cb.__file__).parent / "configs" / "context.yaml"
+    path = cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml"
     cfg = cb.load_context_config(path)
     want = shipped.load_context_check("context")
     before = torch.get_num_threads()
@@ -393,7 +393,7 @@ def test_the_page_default_is_the_best_one_pass_method_of_the_shipped_results():
 
     import pandas as pd
 
-    from ctxmix.methods.context_onepass import ONE_PASS_METHODS
+    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
 
     root = Path(__file__).resolve().parents[1]
     agg = pd.read_csv(root / "ctxmix" / "benchmark" / "shipped" / "context.aggregates.csv")

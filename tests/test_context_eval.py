@@ -1,6 +1,6 @@
-"""Context attribution's evaluation (`ContextAttribution.evaluate`, `ctxmix.benchmark.context_metrics`), its
-notebook view (`show`, `_repr_html_`, `ctxmix.export.context_html`) and its file
-(`ctxmix.export.context_file`, `context_load`).
+"""Context attribution's evaluation (`ContextAttribution.evaluate`, `ctxmix.benchmark.context.metrics`), its
+notebook view (`show`, `_repr_html_`, `ctxmix.export.context.html`) and its file
+(`ctxmix.export.context.npz_file`, `context_load`).
 Top-k drops and held-out ablations against direct, unbatched recomputation with a tiny random float64 Llama
 (tests/conftest.py), LDS against scipy, recall and the HTML on hand-made cases."""
 
@@ -17,9 +17,9 @@ from conftest import tiny_model
 from scipy import stats
 
 import ctxmix
-from ctxmix.benchmark import context_metrics as cm
+from ctxmix.benchmark.context import metrics as cm
 from ctxmix.errors import BadInput
-from ctxmix.methods.context import ContextAttribution
+from ctxmix.methods.context.attribution import ContextAttribution
 
 PARTS = [
     "The cat sat on the mat.",
@@ -218,7 +218,7 @@ def test_metrics_declare_their_direction():
     ],
 )
 def test_bad_input_refused_before_any_pass(llama, ca, monkeypatch, kwargs, match):
-    from ctxmix.methods import context_ablation
+    from ctxmix.methods.context import ablation as context_ablation
 
     monkeypatch.setattr(context_ablation, "response_logit_probs", lambda *a, **k: pytest.fail("a pass ran"))
     c = copy.deepcopy(ca)
@@ -251,7 +251,7 @@ def test_save_load_keeps_the_evaluation(tmp_path, ca):
     import dataclasses
     import json
 
-    from ctxmix.export.context_file import _arrays
+    from ctxmix.export.context.npz_file import _arrays
     from ctxmix.service.limits import LOCAL
 
     arrays = dict(_arrays(bare))

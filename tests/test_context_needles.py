@@ -1,5 +1,5 @@
 """Issue 27's needle check on smollm2 (SmolLM2-135M-Instruct, offline): in 10 fixed needles of
-`ctxmix.benchmark.context_data` (200-400-token shipped news texts, a fact sentence inserted at a seeded
+`ctxmix.benchmark.context.data` (200-400-token shipped news texts, a fact sentence inserted at a seeded
 boundary), the needle's sentence ranks first for `contextcite` (32 ablations) and for `alti_logit` in at
 least 9 of 10.
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ctxmix
-from ctxmix.benchmark.context_data import NEEDLES, contains_answer, needle_examples
+from ctxmix.benchmark.context.data import NEEDLES, contains_answer, needle_examples
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""One-pass context attribution beyond `logit` (`ctxmix.methods.context_onepass`, `context_grad`):
+"""One-pass context attribution beyond `logit` (`ctxmix.methods.context.onepass`, `context_grad`):
 `alti_logit` against explain's per-token `alti_logit` towards the same target on every decoder family,
 streamed against stored traces, `grad_x_input` against direct autograd, and explain's `target_kind`.
 Tiny random float64 models of the real HF classes (tests/conftest.py)."""
@@ -99,7 +99,7 @@ def test_target_kinds_match_explain_and_the_model(tokenizer, kind):
 
 def test_streamed_alti_logit_equals_the_stored_trace(tokenizer):
     """Above the memory share the trace is streamed (layers rebuilt one at a time, top-down): the same numbers."""
-    from ctxmix.methods.context_onepass import run_one_pass
+    from ctxmix.methods.context.onepass import run_one_pass
 
     m = tiny_model("llama", tokenizer)
     ca = _ca(m, ["attention"])
@@ -137,7 +137,7 @@ def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family, attn, 
     """grad_x_input of a span equals grad x input of the span's summed log-probability, recomputed here with one
     eager backward pass; the stored per-token rows add up to it with no new pass (scores_for). Both attention
     implementations of the gradient pass (a long context gets SDPA)."""
-    from ctxmix.methods import context_grad
+    from ctxmix.methods.context import grad as context_grad
 
     monkeypatch.setattr(context_grad, "gradient_attention", lambda model, n: attn)
     m = tiny_model(family, tokenizer)
@@ -191,7 +191,7 @@ def test_grad_x_input_runs_with_sdpa_beyond_the_budget_and_restores_eager(tokeni
     """Where eager's attention probabilities would take over half the memory budget, the gradient pass runs with
     SDPA attention (no n x n probabilities held for the backward); the model is eager again after it (ctxmix's
     traces need the probabilities). Within the budget, eager."""
-    from ctxmix.methods import context_grad
+    from ctxmix.methods.context import grad as context_grad
 
     m = tiny_model("llama", tokenizer)
     seen = []
@@ -291,7 +291,7 @@ def test_rows_trace_equals_the_full_trace(tokenizer, family, monkeypatch):
     reconstruction error no larger than the full trace's (its rows are a subset of the full rebuild's)."""
     from ctxmix.engine import rows as rows_mod
     from ctxmix.engine.trace import trace_ids
-    from ctxmix.methods.context_onepass import run_one_pass
+    from ctxmix.methods.context.onepass import run_one_pass
 
     m = tiny_model(family, tokenizer)
     ca = _ca(m, ["attention"])
@@ -314,6 +314,6 @@ def test_rows_trace_equals_the_full_trace(tokenizer, family, monkeypatch):
     rt = real(m, ids, rows)
     assert rt.reconstruction_error <= full_tr.reconstruction_error * (1 + 1e-6) + 1e-12
     with pytest.raises(ValueError, match="full trace"):
-        from ctxmix.methods.context_onepass import decompose_rows
+        from ctxmix.methods.context.onepass import decompose_rows
 
         decompose_rows(m, rt, rows, ids[P:], "log_prob", ("alti_logit",))

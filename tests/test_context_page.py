@@ -11,8 +11,8 @@ from streamlit.testing.v1 import AppTest
 
 import ctxmix
 from ctxmix.errors import BadInput
-from ctxmix.export import context_view as cv
-from ctxmix.methods.context_check import ablate, extend_attribution, prompt_token_count
+from ctxmix.export.context import view as cv
+from ctxmix.methods.context.check import ablate, extend_attribution, prompt_token_count
 from ctxmix.service.limits import HOSTED, LOCAL, check_context_request, load_limits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +70,8 @@ def test_ablate_equals_evaluate_and_a_direct_recomputation(llama, ca):
     from the model's softmax; the regenerated answer is generate's greedy answer on the reduced prompt."""
     import torch
 
-    from ctxmix.methods.context_prompt import PromptBuilder
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.prompt import PromptBuilder
+    from ctxmix.methods.context.sources import make_sources
 
     for k in (1, 2):
         chk = ca.ablate(llama, "logit", k)
@@ -159,7 +159,8 @@ def test_low_runs_fold_and_escape(ca):
     html = cv.context_view_html(ca, np.array([1.0, 0.0, 0.0, 0.0]))
     assert 'data-folded="1-3"' in html and html.count('data-source="') == 4  # folded, still all there
     assert "data-folded" not in cv.context_view_html(ca, np.array([1.0, 0.0, 0.0, 0.0]), collapse=False)
-    odd = ctxmix.methods.context.ContextAttribution(**{**ca.__dict__, "context": ca.context.replace("cat", "<b>")})
+    cls = ctxmix.methods.context.attribution.ContextAttribution
+    odd = cls(**{**ca.__dict__, "context": ca.context.replace("cat", "<b>")})
     assert "<b>" not in cv.context_view_html(odd, np.ones(4)) and "&lt;b&gt;" in cv.context_view_html(odd, np.ones(4))
 
 
@@ -178,8 +179,8 @@ def test_exports_open(ca, tmp_path):
     import io
 
     from ctxmix.export import plots
-    from ctxmix.export.context_file import context_attribution_bytes
-    from ctxmix.export.context_load import load_context_attribution
+    from ctxmix.export.context.load import load_context_attribution
+    from ctxmix.export.context.npz_file import context_attribution_bytes
 
     prov = {"model": "tiny", "ctxmix_version": ctxmix.__version__}
     fig = plots.context_figure(ca, "logit", width_px=291)
@@ -189,7 +190,7 @@ def test_exports_open(ca, tmp_path):
     t = cv.top_table(ca, "logit")
     assert b"ctxmix provenance" in plots.table_bytes(t, "csv", provenance=prov)
     assert b"\\toprule" in plots.table_bytes(t, "tex", "Top sources", prov)
-    from ctxmix.export.context_json import context_attribution_json
+    from ctxmix.export.context.json_file import context_attribution_json
 
     for data, name in ((context_attribution_bytes(ca), "x.npz"), (context_attribution_json(ca).encode(), "x.json")):
         back = load_context_attribution(data, name=name)
@@ -345,8 +346,8 @@ def test_hosted_caps_refuse_a_long_context_before_any_model_call(_env, monkeypat
 
 @pytest.mark.parametrize("fmt", ["npz", "json"])
 def test_saved_page_reopens_a_context_attribution(_env, ca, fmt):
-    from ctxmix.export.context_file import context_attribution_bytes
-    from ctxmix.export.context_json import context_attribution_json
+    from ctxmix.export.context.json_file import context_attribution_json
+    from ctxmix.export.context.npz_file import context_attribution_bytes
 
     data = context_attribution_bytes(ca) if fmt == "npz" else context_attribution_json(ca).encode()
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
@@ -371,7 +372,7 @@ def test_page_on_smollm2_with_a_needle(_env):
     log P and regenerates without the code; the link reopens the same table."""
     from test_context_needles import RESPONSES
 
-    from ctxmix.benchmark.context_data import NEEDLES, needle_examples
+    from ctxmix.benchmark.context.data import NEEDLES, needle_examples
 
     m = ctxmix.load_model("smollm2")
 

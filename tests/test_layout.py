@@ -215,8 +215,8 @@ def test_the_stage_check_sees_what_it_must(tmp_path):
         "    def other(self):\n"
         "        from ctxmix.export.plots import maps\n"  # 9: not a presentation method
         "    def evaluate(self):\n"
-        "        from ctxmix.benchmark.context_metrics import evaluate_context\n"  # 11: allowed
-        "        from ctxmix.export.context_file import save_context_attribution\n"  # 12: not benchmark
+        "        from ctxmix.benchmark.context.metrics import evaluate_context\n"  # 11: allowed
+        "        from ctxmix.export.context.npz_file import save_context_attribution\n"  # 12: not benchmark
         "    def save(self):\n"
         "        from ctxmix.benchmark import metrics\n"  # 14: not export
     )
@@ -312,8 +312,8 @@ def test_wheel_carries_the_command_the_dashboard_and_the_data(tmp_path):
         "ctxmix/benchmark/shipped/embedded.aggregates.csv",
         "ctxmix/benchmark/shipped/context.aggregates.csv",
         "ctxmix/benchmark/configs/context.yaml",
-        "ctxmix/methods/at2_weights/smollm2.npz",  # at2_exact's default weights and their held-out table
-        "ctxmix/methods/at2_weights/smollm2.json",
+        "ctxmix/methods/context/at2_weights/smollm2.npz",  # at2_exact's default weights and their held-out table
+        "ctxmix/methods/context/at2_weights/smollm2.json",
         "ctxmix_dashboard/toplevel/app.py",
         "ctxmix_dashboard/toplevel/pages/3_Benchmarks.py",
         "ctxmix_dashboard/ui/common.py",

@@ -152,7 +152,7 @@ def test_shipped_configs_are_valid(monkeypatch, tmp_path):
     for p in paths:
         raw = yaml.safe_load(p.read_text())
         if raw.get("kind") == "context":  # context attribution's own runner (tests/test_context_bench.py)
-            from ctxmix.benchmark.context_bench import load_context_config
+            from ctxmix.benchmark.context.bench import load_context_config
 
             load_context_config(p)
             continue

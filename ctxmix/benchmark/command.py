@@ -196,7 +196,7 @@ def _config_kind(path) -> str | None:
 
 def cmd_bench(args) -> None:
     if _config_kind(args.config) == "context":
-        from ctxmix.benchmark.context_bench import cmd_context_bench
+        from ctxmix.benchmark.context.bench import cmd_context_bench
 
         cmd_context_bench(args)
         return

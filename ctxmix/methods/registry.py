@@ -341,7 +341,7 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "on the stored per-token logit-probabilities. compat=True reproduces the official package.",
             caveat="Cost: n_ablations forward passes (no backward), about half the context each. Default differs "
             "from the official package in the aggregation's overflow, the text kept around the sources, and the "
-            "response ids (no end-of-sequence): ctxmix.methods.context_ablation.",
+            "response ids (no end-of-sequence): ctxmix.methods.context.ablation.",
         ),
         MethodInfo(
             "leave_one_out",

@@ -167,7 +167,7 @@ def paper_table(cfg: dict) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# context attribution (configs/context.yaml: ctxmix.benchmark.context_bench.check_rows)
+# context attribution (configs/context.yaml: ctxmix.benchmark.context.bench.check_rows)
 
 CONTEXT_CHECK_KEYS = ["task", "example", "method", "metric", "index"]
 # What a float32 forward (or backward) pass measures: within FIXED_WEIGHTS_RTOL of its group's scale (smollm2's
@@ -178,7 +178,7 @@ LASSO_TOL = 1e-4  # sklearn's Lasso default, which the official solver (and ctxm
 
 
 def lasso_bound(masks, y, y_move: float) -> float:
-    """How far two runs of `ctxmix.methods.context_ablation.lasso_fit` (StandardScaler -> sklearn Lasso, tol
+    """How far two runs of `ctxmix.methods.context.ablation.lasso_fit` (StandardScaler -> sklearn Lasso, tol
     LASSO_TOL, weights rescaled) can put any weight apart, when their targets y (n,) differ by at most `y_move`
     each (masks (n, d) bool, the same seeded masks on both sides). inf where the bound does not exist.
 
@@ -258,7 +258,7 @@ def context_check_moves(
     A row present on one side only, or NaN on one side, is bad."""
     import numpy as np
 
-    from ctxmix.methods.context_ablation import contextcite_masks
+    from ctxmix.methods.context.ablation import contextcite_masks
 
     key = CONTEXT_CHECK_KEYS
     j = pd.concat(

@@ -9,14 +9,14 @@ labels on the axes):
     saliency    per-token saliency rows, ALTI+'s source share, rank agreement between methods
     prediction  signed logit parts per token, the layer-by-token table of ALTI-Logit / Logit
     routes      information-flow routes over tokens and layers
-    context     a context attribution's shaded sources, sized for a paper's column
     corpus      contextualization change, dynamics, cross-segment mixing, residual norms, outliers
     files       PNG/SVG/PDF/HTML with provenance, figure data and tables as files, paper presets
 
-Every figure is importable from here (`ctxmix.export.plots.map_heatmap`), as before the split.
+Every figure is importable from here (`ctxmix.export.plots.map_heatmap`), as before the split; a context
+attribution's paper figure lives with the rest of context attribution's views (`ctxmix.export.context.figure`)
+and is forwarded on first use (it draws with `style`, so importing it here at the top would be a cycle).
 """
 
-from ctxmix.export.plots.context import context_figure
 from ctxmix.export.plots.corpus import (
     change_bars,
     correlation_bars,
@@ -94,3 +94,11 @@ __all__ = [
     "table_bytes",
     "toolbar_title",
 ]
+
+
+def __getattr__(name: str):
+    if name == "context_figure":
+        from ctxmix.export.context.figure import context_figure
+
+        return context_figure
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,11 @@
 """A context attribution as one JSON document (`ctxmix cite --out x.json`), reopened to the same numbers.
 
-The document holds exactly what the .npz of `ctxmix.export.context_file` holds: `meta` (the same metadata
+The document holds exactly what the .npz of `ctxmix.export.context.npz_file` holds: `meta` (the same metadata
 object, parsed rather than a string) and `arrays`, each entry by its .npz name as {"dtype", "shape",
 "data"} with `data` flattened in C order. Floats are written by Python's `repr` (the shortest string that
 reads back to the same float64, and float32 values widened exactly), so the scores reload bit for bit;
 NaN and infinities use JSON's common extension (`NaN`, `Infinity`), as `json` reads and writes them. The
-reader (`ctxmix.load_context_attribution`, in `context_load`) rebuilds the arrays and hands them to the .npz
+reader (`ctxmix.load_context_attribution`, in `export.context.load`) rebuilds the arrays and hands them to the .npz
 parser, so both formats
 open through one code path. JSON is for reading and diffing; the .npz is smaller.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ctxmix.errors import BadInput
-from ctxmix.export.context_file import JSON_FORMAT, _arrays
+from ctxmix.export.context.npz_file import JSON_FORMAT, _arrays
 
 
 def context_attribution_json(ca, indent: int | None = None) -> str:

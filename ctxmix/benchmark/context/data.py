@@ -101,7 +101,7 @@ def _words(text: str) -> int:
 
 
 def _sentences(text: str) -> list[str]:
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.sources import make_sources
 
     try:
         return make_sources(text, "sentence").texts

@@ -23,8 +23,8 @@ def prompt_token_count(model: Model, context, query: str | None, sources="senten
     """The number of prompt tokens (template, context, query) `attribute_context` would build: tokenising
     only, no model call (the dashboard's caps are checked on it). Raises BadInput where attribute_context
     would (an empty context, one source, special-token text under compat)."""
-    from ctxmix.methods.context_prompt import PromptBuilder
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.prompt import PromptBuilder
+    from ctxmix.methods.context.sources import make_sources
 
     src = make_sources(context, sources)
     builder = PromptBuilder(model, query, template)
@@ -44,8 +44,8 @@ def _check_model(ca, model: Model) -> None:
 
 def _rebuild(ca, model: Model):
     """(Sources, PromptBuilder) of the attribution, checked to give its prompt ids exactly."""
-    from ctxmix.methods.context_prompt import PromptBuilder
-    from ctxmix.methods.sources import Sources
+    from ctxmix.methods.context.prompt import PromptBuilder
+    from ctxmix.methods.context.sources import Sources
 
     src = Sources(text=ca.context, spans=[tuple(s) for s in ca.source_spans], kind=str(ca.options.get("sources")))
     compat = bool(ca.options.get("compat"))
@@ -63,14 +63,14 @@ def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None
     A method already computed is recomputed only when asked again with another n_ablations (contextcite).
     The scores equal those of one `attribute_context` call with every method (tests/test_context_page.py).
     progress: as attribute_context's (a callable gets progress(stage, done, total))."""
-    from ctxmix.methods.context_ablation import (
+    from ctxmix.methods.context.ablation import (
         check_n_ablations,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
         store_contextcite,
     )
-    from ctxmix.methods.context_onepass import ONE_PASS_METHODS, run_one_pass
+    from ctxmix.methods.context.onepass import ONE_PASS_METHODS, run_one_pass
     from ctxmix.methods.registry import CONTEXT_METHODS
 
     names = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods or []))
@@ -155,8 +155,8 @@ def ablate(ca, model: Model, method: str, k: int = 3, span=None, max_new_tokens:
     (max_new_tokens: the response's own length by default, at least 1). Returns an `AblationCheck`.
     progress(stage, done, total): "generate" as tokens are generated."""
     from ctxmix.engine.generate import MAX_NEW_TOKENS, generate
-    from ctxmix.methods.context_ablation import log_probs, response_logit_probs
-    from ctxmix.methods.context_prompt import eos_ids
+    from ctxmix.methods.context.ablation import log_probs, response_logit_probs
+    from ctxmix.methods.context.prompt import eos_ids
 
     ca._check_method(method)
     d = ca.n_sources

@@ -6,7 +6,7 @@ Arrays go in as `scores/<method>`, `per_token/<method>`, `targets/<method>`, `te
 sources, spans, ids, options, cost, provenance, the evaluation's table) as one JSON string entry,
 `meta`, so the file opens with `numpy.load(..., allow_pickle=False)` and can run no code.
 
-The writer (here) and the reader (`ctxmix.export.context_load`) of the format live in `export`, the
+The writer (here) and the reader (`ctxmix.export.context.load`) of the format live in `export`, the
 stage of files: the reader takes the hosted archive limits of `ctxmix.service.limits` for an upload (the
 dashboard's page), which `methods` could not import. `ContextAttribution.save` calls
 `save_context_attribution` from inside the method (tests/test_layout.py's PRESENTATION); so this module
@@ -26,7 +26,7 @@ import numpy as np
 from ctxmix.errors import BadInput
 
 FORMAT = "ctxmix-context-attribution"
-JSON_FORMAT = FORMAT + "-json"  # the same contents as JSON (`ctxmix.export.context_json`)
+JSON_FORMAT = FORMAT + "-json"  # the same contents as JSON (`ctxmix.export.context.json_file`)
 VERSION = 2
 KINDS = ("scores", "per_token", "targets", "terms", "masks", "logit_probs", "evaluation")  # the arrays' prefixes
 

@@ -42,7 +42,7 @@ the mean over its tokens (AT2's (A1)), a source's the sum over its tokens. Share
 
 All three are read in one loop over the layers (top-down) of one trace: methods asked together share it,
 and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`.
-`grad_x_input` is in `ctxmix.methods.context_grad`.
+`grad_x_input` is in `ctxmix.methods.context.grad`.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def run_one_pass(
     model: Model, methods: list[str], ids: list[int], P: int, target: str, streamed: bool | None = None
 ) -> dict:
     """{method: {"per_token", "terms", "target", "cost"}} from one traced pass over ids (prompt + response)
-    for the decomposed methods, and `grad_x_input`'s own pass (`ctxmix.methods.context_grad`).
+    for the decomposed methods, and `grad_x_input`'s own pass (`ctxmix.methods.context.grad`).
     streamed: trace_ids' choice (None: streamed above its memory share)."""
     from ctxmix.methods.prediction import check_logit_model
 
@@ -286,7 +286,7 @@ def run_one_pass(
             r["cost"] = {"forward": 1, "backward": 0, "seconds": secs, "streamed": bool(tr.streamed)}
             out[m] = r
     if "grad_x_input" in methods:
-        from ctxmix.methods.context_grad import grad_x_input_rows
+        from ctxmix.methods.context.grad import grad_x_input_rows
 
         out["grad_x_input"] = grad_x_input_rows(model, ids, P)
     return out

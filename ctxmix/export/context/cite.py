@@ -146,9 +146,9 @@ def check_out(out: str | None) -> Path | None:
 def check_args(args) -> tuple[list[str], list[str], Path | None]:
     """(documents, methods, output path), or BadInput before any model is loaded."""
     from ctxmix.engine.generate import MAX_NEW_TOKENS
-    from ctxmix.methods.context import DEFAULT_METHODS, check_span
-    from ctxmix.methods.context_ablation import check_n_ablations
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.ablation import check_n_ablations
+    from ctxmix.methods.context.attribution import DEFAULT_METHODS, check_span
+    from ctxmix.methods.context.sources import make_sources
 
     methods = check_methods(list(DEFAULT_METHODS) if args.method is None else args.method)
     out = check_out(args.out)
@@ -224,7 +224,7 @@ def html_page(ca, span=None) -> str:
     """A standalone HTML page: the context shaded by each method (ContextAttribution.show), the summary."""
     import html
 
-    from ctxmix.export.context_html import context_html, summary_html
+    from ctxmix.export.context.html import context_html, summary_html
 
     title = html.escape(f"ctxmix cite: {ca.model_name}, {ca.n_sources} sources")
     return (
@@ -239,7 +239,7 @@ def write_out(ca, p: Path, span=None) -> Path:
     if suffix == ".npz":
         return ca.save(p)
     if suffix == ".json":
-        from ctxmix.export.context_json import save_context_attribution_json
+        from ctxmix.export.context.json_file import save_context_attribution_json
 
         return save_context_attribution_json(ca, p)
     if suffix == ".html":
@@ -254,7 +254,7 @@ def write_out(ca, p: Path, span=None) -> Path:
 
 def cmd_cite(args) -> None:
     from ctxmix.engine import models
-    from ctxmix.methods.context import attribute_context
+    from ctxmix.methods.context.attribution import attribute_context
 
     docs, methods, out = check_args(args)
     model = models.load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)

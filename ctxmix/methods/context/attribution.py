@@ -6,9 +6,9 @@
     ca.scores_for("logit", span=(0, 12))  # a span of the response: no new pass
     ca.save("ca.npz"); ctxmix.load_context_attribution("ca.npz")
 
-The prompt, the sources and the response are described in `ctxmix.methods.context_prompt` and
-`ctxmix.methods.sources`; the methods in `ctxmix.methods.context_ablation` (contextcite,
-leave_one_out) and `ctxmix.methods.context_onepass` (logit, alti_logit, attention), `ctxmix.methods.context_grad`
+The prompt, the sources and the response are described in `ctxmix.methods.context.prompt` and
+`ctxmix.methods.context.sources`; the methods in `ctxmix.methods.context.ablation` (contextcite,
+leave_one_out) and `ctxmix.methods.context.onepass` (logit, alti_logit, attention), `ctxmix.methods.context.grad`
 (grad_x_input), and in the registry's
 context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
-from ctxmix.methods.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE, make_sources
+from ctxmix.methods.context.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE, make_sources
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -114,21 +114,21 @@ class ContextAttribution:
         self._check_method(method)
         a, b = self.token_range(span)
         if method in self.per_token:
-            from ctxmix.methods.context_at2 import SPAN_AGGREGATION as AT2_AGGREGATION
-            from ctxmix.methods.context_onepass import SPAN_AGGREGATION
+            from ctxmix.methods.context.at2 import SPAN_AGGREGATION as AT2_AGGREGATION
+            from ctxmix.methods.context.onepass import SPAN_AGGREGATION
 
             M = self.per_token[method][a:b]
             per_source = np.stack([M[:, toks].sum(1) for toks in self.source_tokens], 1)  # (b - a, d)
             agg = {**SPAN_AGGREGATION, **AT2_AGGREGATION}[method]
             return per_source.mean(0) if agg == "mean" else per_source.sum(0)
         if method == "contextcite":
-            from ctxmix.methods.context_ablation import contextcite_scores
+            from ctxmix.methods.context.ablation import contextcite_scores
 
             w, _ = contextcite_scores(
                 self.ablations[method], a, b, bool(self.options.get("compat")), self.options["alpha"]
             )
             return w
-        from ctxmix.methods.context_ablation import leave_one_out_scores
+        from ctxmix.methods.context.ablation import leave_one_out_scores
 
         return leave_one_out_scores(self.ablations[method], a, b)
 
@@ -218,8 +218,8 @@ class ContextAttribution:
         with `gold` (a source index or a list of them), `recall@1` and `recall@3`. span: a character span
         of the response (the statement evaluated; None: all of it). Kept in `.evaluation` (the table, the
         held-out masks and logit-probabilities, options, cost, notes) and saved with the attribution;
-        `to_frame()` stays per source. See `ctxmix.benchmark.context_metrics`."""
-        from ctxmix.benchmark.context_metrics import evaluate_context
+        `to_frame()` stays per source. See `ctxmix.benchmark.context.metrics`."""
+        from ctxmix.benchmark.context.metrics import evaluate_context
 
         return evaluate_context(self, model, k, n_ablations, gold, span, seed, batch_size, progress)
 
@@ -228,34 +228,34 @@ class ContextAttribution:
     ):
         """Check `method` by ablation: remove its k highest-scoring sources (for a character span of the
         response, or all of it), measure log P(response) with and without them (the top-k drop) and
-        regenerate the answer without them. Returns a `ctxmix.methods.context_check.AblationCheck`."""
-        from ctxmix.methods.context_check import ablate
+        regenerate the answer without them. Returns a `ctxmix.methods.context.check.AblationCheck`."""
+        from ctxmix.methods.context.check import ablate
 
         return ablate(self, model, method, k, span, max_new_tokens, progress)
 
     def show(self, method: str | None = None, span=None):
         """The context with each source shaded by `method`'s score (every method when None): blue raises
         the response, red lowers it, white 0, scaled by the method's largest |score|; hover for the value.
-        Returns an HTML string a notebook renders (`ctxmix.export.context_html`)."""
-        from ctxmix.export.context_html import context_html
+        Returns an HTML string a notebook renders (`ctxmix.export.context.html`)."""
+        from ctxmix.export.context.html import context_html
 
         return context_html(self, method, span)
 
     def _repr_html_(self) -> str:
-        from ctxmix.export.context_html import summary_html
+        from ctxmix.export.context.html import summary_html
 
         return summary_html(self)
 
     def save(self, path) -> Path:
         """One compressed .npz (metadata as a JSON string entry, opened with allow_pickle=False), or, for a
-        .json name, the same contents as JSON (`ctxmix.export.context_json`, floats exact); the evaluation
+        .json name, the same contents as JSON (`ctxmix.export.context.json_file`, floats exact); the evaluation
         included once computed; reopen either with `ctxmix.load_context_attribution`
-        (`ctxmix.export.context_file`)."""
+        (`ctxmix.export.context.npz_file`)."""
         if str(path).lower().endswith(".json"):
-            from ctxmix.export.context_json import save_context_attribution_json
+            from ctxmix.export.context.json_file import save_context_attribution_json
 
             return save_context_attribution_json(self, path)
-        from ctxmix.export.context_file import save_context_attribution
+        from ctxmix.export.context.npz_file import save_context_attribution
 
         return save_context_attribution(self, path)
 
@@ -265,7 +265,7 @@ class ContextAttribution:
 
 def _check_call(model: Model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query) -> list[str]:
     from ctxmix.engine.generate import MAX_NEW_TOKENS
-    from ctxmix.methods.context_ablation import check_n_ablations
+    from ctxmix.methods.context.ablation import check_n_ablations
     from ctxmix.methods.registry import CONTEXT_METHODS
 
     if model.kind != "causal_lm" or model.spec.encoder_decoder:
@@ -338,17 +338,17 @@ def attribute_context(
     streamed one layer at a time; target="log_prob" (T1) explains each token's log-probability exactly,
     "logit_prob" (T2) its log p - log(1 - p), "logit" its raw logit), "attention" (AT2's raw-attention
     baseline), "grad_x_input" (gradient x input of each token's log-probability: one forward and T
-    backward passes, `ctxmix.methods.context_grad`), "contextcite" (n_ablations random ablations, seed,
+    backward passes, `ctxmix.methods.context.grad`), "contextcite" (n_ablations random ablations, seed,
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
-    estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context_at2`: at2_features
+    estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
     "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model, or
     uniform ones where their held-out table scores the trained ones lower, with a warning), a file
     from `ctxmix at2-train`, or "untrained" (uniform)). compat=True reproduces the
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
     aggregation that overflows on confident spans); the default differs there as the note's §7
-    recommends (`ctxmix.methods.context_ablation`).
+    recommends (`ctxmix.methods.context.ablation`).
 
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
@@ -359,15 +359,15 @@ def attribute_context(
     encoder-decoder model, and n_ablations outside 2..MAX_ABLATIONS.
     """
 
-    from ctxmix.methods.context_ablation import (
+    from ctxmix.methods.context.ablation import (
         LASSO_ALPHA,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
         store_contextcite,
     )
-    from ctxmix.methods.context_onepass import TARGETS, run_one_pass
-    from ctxmix.methods.context_prompt import PromptBuilder, make_response
+    from ctxmix.methods.context.onepass import TARGETS, run_one_pass
+    from ctxmix.methods.context.prompt import PromptBuilder, make_response
     from ctxmix.methods.explanation import provenance
 
     methods = _check_call(model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query)
@@ -382,7 +382,7 @@ def attribute_context(
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
     if "at2_exact" in methods:  # the weights checked before any pass
-        from ctxmix.methods.context_at2 import resolve_weights
+        from ctxmix.methods.context.at2 import resolve_weights
 
         at2_w, at2_info = resolve_weights(model, at2_features, at2_weights)
     from ctxmix.methods.prediction import check_logit_model
@@ -468,7 +468,7 @@ def attribute_context(
             if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
                 ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
     if "at2_exact" in methods:
-        from ctxmix.methods.context_at2 import run_at2
+        from ctxmix.methods.context.at2 import run_at2
 
         res = run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target)
         ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]

@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 
 from ctxmix.errors import BadInput
-from ctxmix.export.context_html import _scaled
+from ctxmix.export.context.figure import COLLAPSE_BELOW, COLLAPSE_RUN, low_runs, span_scores  # noqa: F401 - the pages' too
+from ctxmix.export.context.html import _scaled
 from ctxmix.export.notebook import _cell_style
-from ctxmix.export.plots.context import COLLAPSE_BELOW, COLLAPSE_RUN, low_runs, span_scores  # noqa: F401 - the pages' too
 
 SPAN_UNITS = ("response", "sentence", "word")
 
@@ -33,7 +33,7 @@ def response_pieces(response: str, unit: str) -> list[tuple[int, int, str]]:
         return [(0, len(response), response)]
     if unit == "word":
         return [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+", response)]
-    from ctxmix.methods.sources import sentence_spans
+    from ctxmix.methods.context.sources import sentence_spans
 
     return [(a, b, response[a:b]) for a, b in sentence_spans(response)]
 
@@ -61,7 +61,7 @@ def _source_span(ca, i: int, s: float, scaled: float) -> str:
 
 
 def context_view_html(ca, scores, collapse: bool = True, below: float = COLLAPSE_BELOW, run: int = COLLAPSE_RUN) -> str:
-    """The context with each source shaded by its score (d,) (`ctxmix.export.context_html`'s scale: blue
+    """The context with each source shaded by its score (d,) (`ctxmix.export.context.html`'s scale: blue
     raises, red lowers, scaled by the largest |score|), runs of low-score sources (`low_runs`) folded into a
     <details> element that opens on a click, so a 2,000-token context reads at a glance. HTML-escaped."""
     s = np.asarray(scores, dtype=np.float64)

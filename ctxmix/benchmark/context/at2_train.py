@@ -6,10 +6,10 @@ gensim's Lee background news; training uses the English Wikipedia extract shippe
 benchmark's, inserted at a drawn sentence boundary of Wikipedia sentences, and its question) and summaries
 ("Summarize the article in one sentence."), alternating, contexts of a drawn length in [min, max] tokens. Per
 example (`build_example`): the response generated greedily; one traced pass over prompt + response gives
-every feature kind (`ctxmix.methods.context_at2.head_features`), aggregated per (unit, source) as AT2's (A1),
+every feature kind (`ctxmix.methods.context.at2.head_features`), aggregated per (unit, source) as AT2's (A1),
 the units being the response's sentences; n_masks masks (ContextCite's seeds 0..n-1, True = kept) labelled by
 REMOVAL: the sources deleted from the text, the prompt re-tokenised, the fixed response ids appended
-(`context_ablation._ablated`, the path of ContextCite and the metrics), the per-token logit-probabilities
+(`methods.context.ablation._ablated`, the path of ContextCite and the metrics), the per-token logit-probabilities
 stored. AT2's own "remove" path reads the wrong rows (note §3.6) and AT2 trains on attention-masking labels;
 these labels are the counterfactual the benchmark's LDS measures. One .npz per example: a killed run resumes
 and skips finished examples.
@@ -19,7 +19,7 @@ prediction w . X, loss -Pearson over the masks (population std, 1e-8 in the deno
 of up to 512 examples drawn without replacement, one random target unit each; Adam lr 1e-3,
 CosineAnnealingLR(T_max=steps), gradient norm clipped at 1.0, w initialised at 1/(L H), float32; seeded (AT2's
 trainer has no seed); w L1-normalised at the end. The target of a unit is ContextCite's logit P(unit) (stable
-aggregation, `context_ablation.aggregate`).
+aggregation, `methods.context.ablation.aggregate`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ctxmix.benchmark.context_data import SUMMARY_QUERY, ContextExample, Needle, _cut, _insert, _sentences
+from ctxmix.benchmark.context.data import SUMMARY_QUERY, ContextExample, Needle, _cut, _insert, _sentences
 from ctxmix.errors import BadInput
-from ctxmix.methods.context_at2 import KINDS
+from ctxmix.methods.context.at2 import KINDS
 
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 MIN_WORDS = 25  # a paragraph kept for training has at least this many words (prose, not lists or captions)
@@ -129,7 +129,7 @@ def response_units(resp, how: str) -> list[tuple[int, int]]:
     T = len(resp.ids)
     if how == "response":
         return [(0, T)]
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.sources import make_sources
 
     try:
         spans = make_sources(resp.text, "sentence").spans
@@ -158,10 +158,10 @@ def build_example(
     (T,), and "meta"
     (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds)."""
     from ctxmix.engine.trace import trace_ids
-    from ctxmix.methods.context_ablation import _ablated, contextcite_masks
-    from ctxmix.methods.context_at2 import head_features, unit_features
-    from ctxmix.methods.context_prompt import PromptBuilder, make_response
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.ablation import _ablated, contextcite_masks
+    from ctxmix.methods.context.at2 import head_features, unit_features
+    from ctxmix.methods.context.prompt import PromptBuilder, make_response
+    from ctxmix.methods.context.sources import make_sources
 
     t0 = time.perf_counter()
     src = make_sources(ex.context, ex.sources)
@@ -266,7 +266,7 @@ class FitData:
 
 def fit_data(examples: list[dict], kind: str) -> FitData:
     """(A3) X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v)."""
-    from ctxmix.methods.context_ablation import aggregate
+    from ctxmix.methods.context.ablation import aggregate
 
     Xs, ys = [], []
     for e in examples:
@@ -329,7 +329,7 @@ def train(
     """`ctxmix at2-train`: builds (or resumes) the training set under out/examples/, fits every feature kind and
     writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance)."""
     from ctxmix import __version__
-    from ctxmix.methods.context_at2 import save_weights
+    from ctxmix.methods.context.at2 import save_weights
 
     out = Path(out)
     tok = model.tokenizer

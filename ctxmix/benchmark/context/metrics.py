@@ -20,7 +20,7 @@ one `ContextAttribution` (`ContextAttribution.evaluate`).
   measured target is constant over the masks (scipy's NaN).
 - ``recall@k`` (higher is better), with gold sources G known: |top-k ∩ G| / |G|.
 
-Every pass is one of ContextCite's removal ablations (`ctxmix.methods.context_ablation`: the source's
+Every pass is one of ContextCite's removal ablations (`ctxmix.methods.context.ablation`: the source's
 text and its separator removed, the prompt re-tokenised, the fixed response ids appended, batched, only
 the response rows' logits formed), always with ctxmix's rebuild rule (the text outside the sources kept,
 so the full mask rebuilds the prompt exactly; a compat=True attribution is evaluated the same way). The
@@ -39,7 +39,7 @@ import pandas as pd
 
 from ctxmix.benchmark.metrics import Metric
 from ctxmix.errors import BadInput
-from ctxmix.methods.context_ablation import aggregate, check_n_ablations, contextcite_masks, log_probs
+from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contextcite_masks, log_probs
 
 DEFAULT_K = (1, 3, 5)
 RECALL_K = (1, 3)
@@ -199,9 +199,9 @@ def evaluate_context(
     `table.attrs`: directions {metric: "higher"}, options (ks, held-out seeds, keep_prob, span's tokens,
     rule, log P(S | context)), cost (forward passes run, reused, seconds), notes (why a value is NaN).
     Also kept in `ca.evaluation` with the held-out masks (m, d) and logit-probabilities (m, T)."""
-    from ctxmix.methods.context_ablation import response_logit_probs
-    from ctxmix.methods.context_prompt import PromptBuilder
-    from ctxmix.methods.sources import Sources
+    from ctxmix.methods.context.ablation import response_logit_probs
+    from ctxmix.methods.context.prompt import PromptBuilder
+    from ctxmix.methods.context.sources import Sources
     from ctxmix.progress import progress_bar
 
     ks, gold = _check(ca, model, k, gold, seed, n_ablations)

@@ -1,10 +1,10 @@
 """Context attribution's offline benchmark (issue 27, Evaluation point 3): `configs/context.yaml` read by
 `load_context_config`, run by `run_context_benchmark`.
 
-    from ctxmix.benchmark.context_bench import load_context_config, run_context_benchmark
+    from ctxmix.benchmark.context.bench import load_context_config, run_context_benchmark
     table = run_context_benchmark(load_context_config("configs/context.yaml"), limit=2)
 
-Each task's examples come from `ctxmix.benchmark.context_data` (lengths counted by the model's tokenizer);
+Each task's examples come from `ctxmix.benchmark.context.data` (lengths counted by the model's tokenizer);
 each is attributed with `ctxmix.attribute_context` (every method of the config, the stored response when
 the config has one, else generated greedily) and measured by `ContextAttribution.evaluate`. Needles and
 documents whose response lacks the needle's answer are dropped (and counted). The result: the mean,
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ctxmix.benchmark.context_data import TASKS, ContextExample, contains_answer
+from ctxmix.benchmark.context.data import TASKS, ContextExample, contains_answer
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -126,7 +126,7 @@ def check_rows(ca, table: pd.DataFrame) -> list[dict]:
     own ablation targets ("cc_target", index = mask: what its LASSO is fitted to); the first held-out seed
     ("heldout_seed": the masks are `contextcite_masks(m, d, seed)`, the same on any machine); and the metrics
     of `evaluate` (index -1)."""
-    from ctxmix.methods.context_ablation import aggregate
+    from ctxmix.methods.context.ablation import aggregate
 
     ev = ca.evaluation
     rows = [{"method": "-", "metric": "log_prob_full", "index": -1, "value": float(ev["options"]["log_prob_full"])}]
@@ -198,7 +198,7 @@ def run_context_benchmark(
     import json
 
     from ctxmix.engine.models import load_model
-    from ctxmix.methods.context import attribute_context
+    from ctxmix.methods.context.attribution import attribute_context
 
     config = with_check(validate_context_config(config), check)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -250,7 +250,7 @@ def run_context_benchmark(
         )
         .reset_index()
     )
-    from ctxmix.benchmark.context_metrics import context_metric
+    from ctxmix.benchmark.context.metrics import context_metric
 
     agg["higher_is_better"] = [int(bool(context_metric(m).higher_is_better)) for m in agg["metric"]]
     agg.attrs.update(
@@ -385,8 +385,8 @@ def generate_responses(config: dict, model, *, check: bool = False, limit: int |
     """Every example's greedy response, as `attribute_context` would generate it (same prompt, same
     `max_new_tokens`, end-of-sequence dropped), with no attribution: {key: response}. `check`: the check
     sizes' examples ("check/..." keys). Cheap next to a run: one generation per example."""
-    from ctxmix.methods.context_prompt import PromptBuilder, make_response
-    from ctxmix.methods.sources import make_sources
+    from ctxmix.methods.context.prompt import PromptBuilder, make_response
+    from ctxmix.methods.context.sources import make_sources
 
     config = with_check(validate_context_config(config), check)
     out = {}

@@ -1,13 +1,13 @@
 """The views of a saved context attribution on the Saved explanation page (no model: only what the file
 holds): the response, the context shaded by a chosen method, its top sources, the evaluation when it was
-run. Layout only; the numbers come from the ContextAttribution and `ctxmix.export.context_view`."""
+run. Layout only; the numbers come from the ContextAttribution and `ctxmix.export.context.view`."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 import ctxmix
-from ctxmix.export import context_view as cv
+from ctxmix.export.context import view as cv
 from ctxmix.methods.registry import CONTEXT_METHODS
 from ctxmix_dashboard.ui import common
 

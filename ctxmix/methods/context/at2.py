@@ -10,7 +10,7 @@ Features. For head (l, h), the row q_t that predicts response token t and a posi
   attention: the value of h's KV group, `ctxmix.engine.layer.head_values`);
 - "logit" (default): A^{l,h}_{q_t j} <W_O^h (W_V^h n(x_j) + b_V^h), rho_t>, ctxmix's per-head `logit`
   contribution towards the same per-token target as the `logit` context method (T1 log-probability by
-  default; the readout rho_t of `context_onepass._readout`, sandwich layers through their post-attention norm);
+  default; the readout rho_t of `methods.context.onepass._readout`, sandwich layers through their post-attention norm);
   summed over heads and layers it is the `logit` method's per_token without the embedding column;
 - "alti": the per-head ALTI proximity of the sub-edge alpha^h_{q_t j} f^h(x_j) into the attention node of row
   q_t, normalised per node, as information-flow routes compute it (`ctxmix.methods.routes.attention_importance`,
@@ -22,8 +22,8 @@ no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_exact's per_tok
 sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens of the per-source sums
 (`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
 
-Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.at2_train`) for each feature kind; those for smollm2
-ship with the package (ctxmix/methods/at2_weights/). Scores are scale-free (the weights are L1-normalised).
+Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for smollm2
+ship with the package (ctxmix/methods/context/at2_weights/). Scores are scale-free (the weights are L1-normalised).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from ctxmix.errors import BadInput
 
 KINDS = ("attn", "norm", "logit", "alti")
 DEFAULT_KIND = "logit"
-SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (context.py reads it)
+SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (attribution.py reads it)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
-WEIGHTS_PACKAGE = "ctxmix.methods.at2_weights"
+WEIGHTS_PACKAGE = "ctxmix.methods.context.at2_weights"
 
 
 # ---------------------------------------------------------------- per-head features
@@ -65,8 +65,8 @@ def _norm_rows(lw, st, Q: torch.Tensor) -> torch.Tensor:
 
 def _logit_rows(lw, st, Q: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """(T, H, n): head h's attention update from position j projected on row t's readout R (T, d), as
-    the `logit` method forms it before its head sum (`context_onepass.head_logit_rows`)."""
-    from ctxmix.methods.context_onepass import head_logit_rows
+    the `logit` method forms it before its head sum (`methods.context.onepass.head_logit_rows`)."""
+    from ctxmix.methods.context.onepass import head_logit_rows
 
     return head_logit_rows(lw, st, Q, R)
 
@@ -82,7 +82,7 @@ def _alti_rows(model: Model, lw, st, rows: list[int]) -> torch.Tensor:
 
 def _layers(model: Model, tr, rows: list[int], targets: list[int], kinds, target: str):
     """Yields (l, {kind: (T, H, n) tensor}) for every layer, top-down (a streamed trace rebuilds each once)."""
-    from ctxmix.methods.context_onepass import TARGETS, _readout
+    from ctxmix.methods.context.onepass import TARGETS, _readout
 
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -171,7 +171,7 @@ def uniform_weights(n_layers: int, n_heads: int) -> np.ndarray:
 
 
 def shipped_weights_path(model_name: str) -> Path | None:
-    """The package's weights file for a model (ctxmix/methods/at2_weights/<name>.npz), or None."""
+    """The package's weights file for a model (ctxmix/methods/context/at2_weights/<name>.npz), or None."""
     p = resources.files(WEIGHTS_PACKAGE) / f"{model_name}.npz"
     return Path(str(p)) if p.is_file() else None
 
@@ -255,7 +255,7 @@ def _below_uniform(meta: dict, kind: str) -> tuple[float, float] | None:
 def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, target: str = "log_prob") -> dict:
     """at2_exact on prompt + response ids: {"per_token" (T, n) float64 = sum_{l,h} w F^{l,h}, "terms": {},
     "target": (T,) the per-token total (a scale-free score explains no quantity), "cost"} from one traced pass."""
-    from ctxmix.methods.context_onepass import _trace
+    from ctxmix.methods.context.onepass import _trace
     from ctxmix.methods.prediction import check_logit_model
 
     if kind == "logit":

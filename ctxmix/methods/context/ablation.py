@@ -22,7 +22,7 @@ default differs from the official package (`compat=True` reproduces it):
   LASSO then fails (compat reproduces the float32 arithmetic and refuses an infinite target, saying so);
 - the text before the first source and after the last is kept (the note's A7; the official rebuild
   drops it even for the full context): `Sources.rebuild`;
-- the response ids are the generated ids without the end-of-sequence token (A3): `context_prompt`;
+- the response ids are the generated ids without the end-of-sequence token (A3): `methods.context.prompt`;
 - masks, logit-probabilities and the fit are float64 (the official code fits float32 masks and targets).
 
 Leave-one-out: one pass with every source and one per removed source (d + 1 passes); a source's score

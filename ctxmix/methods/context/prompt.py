@@ -27,7 +27,7 @@ import numpy as np
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
-from ctxmix.methods.sources import TEMPLATE, Sources, token_labels
+from ctxmix.methods.context.sources import TEMPLATE, Sources, token_labels
 
 PLAIN_FORMAT = "Context: {context}\n\nQuery: {query}"
 MARKER = "CTXMIXMESSAGEMARKER"
@@ -35,7 +35,7 @@ MARKER = "CTXMIXMESSAGEMARKER"
 
 @dataclass
 class Prompt:
-    """A tokenised prompt: ids (P,), labels (P,) (a source index or a bucket of `ctxmix.methods.sources`)."""
+    """A tokenised prompt: ids (P,), labels (P,) (a source index or a bucket of `ctxmix.methods.context.sources`)."""
 
     ids: list[int]
     labels: np.ndarray

@@ -1,4 +1,4 @@
-"""Reopen a saved context attribution (`ctxmix.export.context_file` writes it; the format is described
+"""Reopen a saved context attribution (`ctxmix.export.context.npz_file` writes it; the format is described
 there), from a path or an upload's bytes, optionally under the hosted archive limits."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import numpy as np
 
 from ctxmix.errors import BadInput
-from ctxmix.export.context_file import FORMAT, JSON_FORMAT, KINDS, VERSION
-from ctxmix.methods.context import ContextAttribution
+from ctxmix.export.context.npz_file import FORMAT, JSON_FORMAT, KINDS, VERSION
+from ctxmix.methods.context.attribution import ContextAttribution
 
 
 def load_context_attribution(path, limits=None, name: str | None = None) -> ContextAttribution:
     """Reopen a saved `ContextAttribution` (no model needed) from a path or the file's bytes (an upload):
-    the .npz `ContextAttribution.save` writes, or its JSON (`ctxmix.export.context_json`; a .json name, or
+    the .npz `ContextAttribution.save` writes, or its JSON (`ctxmix.export.context.json_file`; a .json name, or
     bytes that open with "{"). `limits` (a `ctxmix.service.limits.Limits`) checks it as an upload first:
     size, and for an .npz its members and decompressed size."""
     from ctxmix.export.saved import archive_source
@@ -33,7 +33,7 @@ def load_context_attribution(path, limits=None, name: str | None = None) -> Cont
 
 def context_attribution_from_parts(meta: dict, arrays: dict, label: str) -> ContextAttribution:
     """A `ContextAttribution` from the saved format's parts: `meta` (the JSON entry, parsed) and `arrays` (every
-    other entry by name); shared by the .npz reader above and the JSON one (`ctxmix.export.context_json`)."""
+    other entry by name); shared by the .npz reader above and the JSON one (`ctxmix.export.context.json_file`)."""
     if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
         raise BadInput(f"{label} is not a saved ctxmix context attribution this version can read")
     ca = ContextAttribution(
@@ -113,7 +113,7 @@ def _load_json(path, limits, name: str | None) -> ContextAttribution:
 
 
 def context_attribution_from_json(data: bytes, label: str) -> ContextAttribution:
-    """A `ContextAttribution` from the JSON text (bytes) `ctxmix.export.context_json` writes."""
+    """A `ContextAttribution` from the JSON text (bytes) `ctxmix.export.context.json_file` writes."""
     try:
         doc = json.loads(data.decode("utf-8"))
         ok = isinstance(doc, dict) and doc.get("format") == JSON_FORMAT
