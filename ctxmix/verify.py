@@ -47,8 +47,8 @@ def _value_columns(model: Model, width: int) -> torch.Tensor:
         return torch.arange(width, device=model.device)
     from ctxmix.engine.arch import value_columns
 
-    lw = model.layers[0]
-    return value_columns(model.spec, lw.n_heads, lw.n_kv_heads, lw.head_dim, model.device)
+    w = model.widths
+    return value_columns(model.spec, w["heads"], w["kv_heads"], w["head_dim"], model.device)
 
 
 @torch.no_grad()

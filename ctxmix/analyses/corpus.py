@@ -397,7 +397,7 @@ class _FFStats:
     ||FF output|| and ||RES2 bypass|| per layer, and the token count."""
 
     def __init__(self, model: Model):
-        L, d = model.n_layers, model.layers[0].Wo.shape[1]
+        L, d = model.n_layers, model.widths["d"]
         dev = model.device
         self.model = model
         self.s_in = torch.zeros(L, d, dtype=torch.float64, device=dev)

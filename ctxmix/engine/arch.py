@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -462,28 +463,64 @@ class LayerWeights:
         return self.next_norm
 
 
-def _linear(mod: Any, conv1d: bool, d_out_hint: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    W = mod.weight.detach()
-    W = W if conv1d else W.T
-    b = (
-        mod.bias.detach()
-        if getattr(mod, "bias", None) is not None
-        else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
-    )
-    return W, b
+class WeightReader:
+    """Reads a module's tensors for the engine (`ctxmix.engine.weights`): through the offload hook, dequantized,
+    and as views where the stored tensor already is what the engine computes with. With `device` / `dtype`
+    set, every tensor comes back there (a copy only where it is not there already); a tensor loaded from the
+    offload is always copied, as the hook sends it back to `meta` afterwards."""
+
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        self.device, self.dtype = device, dtype
+
+    def own(self, t: torch.Tensor, must_copy: bool = False) -> torch.Tensor:
+        out = t.to(
+            device=self.device if self.device is not None else t.device,
+            dtype=self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype,
+        )
+        return out.clone() if (must_copy and out is t) else out
+
+    def linear(self, mod: Any, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W (in, out), b (out,)) of a linear layer, W the matrix its kernel multiplies by."""
+        from ctxmix.engine.weights import linear_matrix, materialized, offloaded
+
+        with materialized(mod):
+            copy = offloaded(mod)
+            W = self.own(linear_matrix(mod), copy)
+            W = W if conv1d else W.T
+            bias = getattr(mod, "bias", None)
+            b = (
+                self.own(bias.detach(), copy)
+                if bias is not None
+                else torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+            )
+        return W, b
+
+    def norm(self, mod: Any, kind: str, offset: float = 0.0) -> Norm:
+        from ctxmix.engine.weights import materialized, offloaded
+
+        if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
+            return Norm("identity", None, None, 0.0)
+        eps = getattr(mod, "eps", None)
+        if eps is None:
+            eps = mod.variance_epsilon
+        with materialized(mod):
+            copy = offloaded(mod)
+            gamma = self.own(mod.weight.detach(), copy)
+            beta = self.own(mod.bias.detach(), copy) if getattr(mod, "bias", None) is not None else None
+        if kind == "layernorm" and beta is None:
+            beta = torch.zeros_like(gamma)
+        return Norm(kind, gamma + offset if offset else gamma, beta, float(eps))
+
+
+VIEWS = WeightReader()  # the stored tensors as they are (views, no copies)
+
+
+def _linear(mod: Any, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return VIEWS.linear(mod, conv1d)
 
 
 def _norm(mod: Any, kind: str, offset: float = 0.0) -> Norm:
-    if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
-        return Norm("identity", None, None, 0.0)
-    eps = getattr(mod, "eps", None)
-    if eps is None:
-        eps = mod.variance_epsilon
-    beta = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
-    if kind == "layernorm" and beta is None:
-        beta = torch.zeros_like(mod.weight)
-    gamma = mod.weight.detach()
-    return Norm(kind, gamma + offset if offset else gamma, beta, float(eps))
+    return VIEWS.norm(mod, kind, offset)
 
 
 def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
@@ -508,50 +545,65 @@ def value_columns(spec: ArchSpec, H: int, Hkv: int, dh: int, device=None) -> tor
     return torch.arange(v0, v0 + Hkv * dh, device=device)
 
 
-def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
-    """Read every layer's parameters once (views, no copies) through the spec's names."""
+def final_norm(base: nn.Module, spec: ArchSpec, reader: WeightReader = VIEWS) -> Norm | None:
+    """The norm after the last layer of a pre-LN / sandwich / parallel model, or None (post-LN, or none)."""
+    if spec.position == "post" or not spec.final_norm:
+        return None
+    return reader.norm(_get(base, spec.final_norm), spec.norm, spec.norm_offset)
+
+
+def read_layer(base: nn.Module, config, spec: ArchSpec, li: int, reader: WeightReader = VIEWS) -> LayerWeights:
+    """Layer `li`'s parameters through `reader`, `next_norm` included (the next layer's LN1, or the final
+    norm): one layer's tensors, whatever the model's size."""
     layers = _get(base, spec.layers)
+    layer = layers[li]
     H, Hkv = _config_heads(config, spec)
-    final = _norm(_get(base, spec.final_norm), spec.norm, spec.norm_offset) if spec.final_norm else None
-    out: list[LayerWeights] = []
-    for li, layer in enumerate(layers):
-        Wv, bv = _linear(_get(layer, spec.value), spec.conv1d)
-        Wo, bo = _linear(_get(layer, spec.out_proj), spec.conv1d)
-        dh = Wo.shape[0] // H
-        if spec.fused_qkv:
-            cols = value_columns(spec, H, Hkv, dh, Wv.device)
-            Wv, bv = Wv[:, cols], bv[cols]
-        W2, b2 = _linear(_get(layer, spec.ff_out), spec.conv1d)
-        lw = LayerWeights(
-            index=li,
-            position=spec.position,
-            n_heads=H,
-            n_kv_heads=Hkv,
-            head_dim=dh,
-            Wv=Wv,
-            bv=bv,
-            Wo=Wo,
-            bo=bo,
-            ln1=_norm(_get(layer, spec.ln1), spec.norm, spec.norm_offset),
-            ln2=_norm(_get(layer, spec.ln2), spec.norm, spec.norm_offset),
-            act=_get(layer, spec.act),
-            W2=W2,
-            b2=b2,
-        )
-        if spec.post_attn_norm:
-            lw.post_attn_norm = _norm(_get(layer, spec.post_attn_norm), spec.norm, spec.norm_offset)
-            lw.post_ff_norm = _norm(_get(layer, spec.post_ff_norm), spec.norm, spec.norm_offset)
-        if spec.fused_gate_up:
-            W, b = _linear(_get(layer, spec.ff_gate), spec.conv1d)
-            half = W.shape[1] // 2
-            lw.Wg, lw.bg, lw.Wu, lw.bu = W[:, :half], b[:half], W[:, half:], b[half:]
-        elif spec.gated:
-            lw.Wg, lw.bg = _linear(_get(layer, spec.ff_gate), spec.conv1d)
-            lw.Wu, lw.bu = _linear(_get(layer, spec.ff_up), spec.conv1d)
-        else:
-            lw.W1, lw.b1 = _linear(_get(layer, spec.ff_in), spec.conv1d)
-        out.append(lw)
+    Wv, bv = reader.linear(_get(layer, spec.value), spec.conv1d)
+    Wo, bo = reader.linear(_get(layer, spec.out_proj), spec.conv1d)
+    dh = Wo.shape[0] // H
+    if spec.fused_qkv:
+        cols = value_columns(spec, H, Hkv, dh, Wv.device)
+        Wv, bv = Wv[:, cols], bv[cols]
+    W2, b2 = reader.linear(_get(layer, spec.ff_out), spec.conv1d)
+    norm = partial(reader.norm, kind=spec.norm, offset=spec.norm_offset)
+    lw = LayerWeights(
+        index=li,
+        position=spec.position,
+        n_heads=H,
+        n_kv_heads=Hkv,
+        head_dim=dh,
+        Wv=Wv,
+        bv=bv,
+        Wo=Wo,
+        bo=bo,
+        ln1=norm(_get(layer, spec.ln1)),
+        ln2=norm(_get(layer, spec.ln2)),
+        act=_get(layer, spec.act),
+        W2=W2,
+        b2=b2,
+    )
+    if spec.post_attn_norm:
+        lw.post_attn_norm = norm(_get(layer, spec.post_attn_norm))
+        lw.post_ff_norm = norm(_get(layer, spec.post_ff_norm))
+    if spec.fused_gate_up:
+        W, b = reader.linear(_get(layer, spec.ff_gate), spec.conv1d)
+        half = W.shape[1] // 2
+        lw.Wg, lw.bg, lw.Wu, lw.bu = W[:, :half], b[:half], W[:, half:], b[half:]
+    elif spec.gated:
+        lw.Wg, lw.bg = reader.linear(_get(layer, spec.ff_gate), spec.conv1d)
+        lw.Wu, lw.bu = reader.linear(_get(layer, spec.ff_up), spec.conv1d)
+    else:
+        lw.W1, lw.b1 = reader.linear(_get(layer, spec.ff_in), spec.conv1d)
     if spec.position != "post":
-        for lw, nxt in zip(out, out[1:] + [None]):
-            lw.next_norm = nxt.ln1 if nxt is not None else final
+        lw.next_norm = norm(_get(layers[li + 1], spec.ln1)) if li + 1 < len(layers) else final_norm(base, spec, reader)
+    return lw
+
+
+def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
+    """Every layer's parameters at once, as views of the stored tensors (no copies): for models whose weights
+    are all plain tensors where the engine computes (`ctxmix.engine.models.LayerList` decides)."""
+    out = [read_layer(base, config, spec, li) for li in range(len(_get(base, spec.layers)))]
+    if spec.position != "post":
+        for lw, nxt in zip(out, out[1:]):
+            lw.next_norm = nxt.ln1  # one Norm object, as the model has one module
     return out

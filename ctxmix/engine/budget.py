@@ -64,8 +64,8 @@ def sequence_bytes(model, n: int, n_maps: int = 6) -> int:
     """Memory one sequence of n tokens holds during a corpus pass: its traced layer states
     (8 vectors of width d and 2 of width d' per token, H x n x n attention per layer), and
     `n_maps` float64 maps per layer with their ranks and sort indices."""
-    lw = model.layers[0]
-    d, dff, H, L = lw.Wo.shape[1], lw.W2.shape[0], lw.n_heads, model.n_layers
+    w = model.widths
+    d, dff, H, L = w["d"], w["d_ff"], w["heads"], model.n_layers
     elem = torch.finfo(model.work_dtype).bits // 8
     states = L * (n * (8 * d + 2 * dff) + H * n * n) * elem
     maps = 3 * n_maps * L * n * n * 8

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,7 +18,17 @@ from typing import Any
 
 import torch
 
-from ctxmix.engine.arch import ArchSpec, LayerWeights, layer_weights, spec_for
+from ctxmix.engine.arch import (
+    ArchSpec,
+    LayerWeights,
+    WeightReader,
+    _config_heads,
+    _get,
+    final_norm,
+    layer_weights,
+    read_layer,
+    spec_for,
+)
 from ctxmix.errors import BadInput, ModelLoadError, checked_arguments
 
 EMBEDDED = {
@@ -119,16 +130,75 @@ class Model:
         return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
 
     @cached_property
-    def layers(self) -> list[LayerWeights]:
-        lws = layer_weights(self.hf.base_model, self.hf.config, self.spec)
-        if self.work_dtype != self.dtype:
-            for lw in lws:
-                _upcast(lw, self.work_dtype)
-        return lws
+    def layers(self) -> LayerList:
+        """Every layer's weights as the engine reads them (`LayerList`): views of a plain model's tensors,
+        or one layer at a time, copied where the model keeps them otherwise (offloaded, quantized, half)."""
+        return LayerList(self)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    @cached_property
+    def n_heads(self) -> int:
+        """Query heads per layer (from the config: no weights read)."""
+        return _config_heads(self.hf.config, self.spec)[0]
+
+    @cached_property
+    def widths(self) -> dict[str, int]:
+        """{"d", "d_ff", "heads", "kv_heads", "head_dim"} of the layers, read from layer 0 once, apart from the
+        layer the engine holds (`LayerList` keeps one; reading layer 0 through it mid-pass would free that one)."""
+        lw = (
+            self.layers[0]
+            if self.layers.resident
+            else read_layer(self.hf.base_model, self.hf.config, self.spec, 0, WeightReader())
+        )
+        return {
+            "d": int(lw.Wo.shape[1]),
+            "d_ff": int(lw.W2.shape[0]),
+            "heads": lw.n_heads,
+            "kv_heads": lw.n_kv_heads,
+            "head_dim": lw.head_dim,
+        }
+
+    @cached_property
+    def final_norm(self):
+        """The norm after the last layer (pre-LN, sandwich and parallel models), or None: what
+        `layers[-1].next_norm` is, read alone (a few vectors, not the last layer's weights)."""
+        return final_norm(self.hf.base_model, self.spec, self.layers.reader)
+
+    @cached_property
+    def quantization_schemes(self) -> dict[str, int]:
+        """{scheme: number of layers} of the model's quantized layers (`ctxmix.engine.weights`); empty for a
+        float model. Raises UnsupportedArchitecture, naming the class, for a quantized layer ctxmix cannot read."""
+        from ctxmix.engine.weights import is_quantized_tensor, quantization_scheme
+
+        spec = self.spec
+        read = [p for p in (spec.value, spec.out_proj, spec.ff_in, spec.ff_gate, spec.ff_up, spec.ff_out) if p]
+        engine_linears = {id(_get(layer, p)) for layer in self.layers.modules for p in read}
+        out: dict[str, int] = {}
+        for mod in self.hf.modules():
+            w = getattr(mod, "weight", None)
+            if id(mod) in engine_linears or (isinstance(w, torch.Tensor) and is_quantized_tensor(w)):
+                scheme = quantization_scheme(mod)  # what the engine reads must be readable: refused by name
+                if scheme:
+                    out[scheme] = out.get(scheme, 0) + 1
+        return out
+
+    def quantization_notes(self, error: float) -> list[str]:
+        """The warning an explanation carries when the model's kernels also round their inputs (LLM.int8):
+        the decomposition, built from the dequantized weights, is then exact only up to that rounding, which
+        the reconstruction error measures."""
+        from ctxmix.engine.weights import ACTIVATION_QUANTIZING
+
+        acts = [ACTIVATION_QUANTIZING[s] for s in self.quantization_schemes if s in ACTIVATION_QUANTIZING]
+        if not acts:
+            return []
+        return [
+            f"{self.name} runs {', '.join(acts)}: the decompositions use its dequantized weights, so they are "
+            f"exact only up to the kernels' rounding of their inputs; measured reconstruction error {error:.3g} "
+            "(largest |difference| from the model's own hidden states). Weight-only schemes (4bit, int8) are exact."
+        ]
 
     @property
     def max_length(self) -> int:
@@ -289,16 +359,77 @@ def types_from_segments(segments: list[int]) -> list[int]:
     return [0 if i < first_b else 1 for i in range(len(segments))]
 
 
-def _upcast(lw: LayerWeights, dtype: torch.dtype) -> None:
-    """Copy one half-precision layer's weights to `dtype` in place (its norms included)."""
-    for k, v in list(lw.__dict__.items()):
-        if isinstance(v, torch.Tensor):
-            setattr(lw, k, v.to(dtype))
-    for norm in {
-        id(n): n for n in (lw.ln1, lw.ln2, lw.next_norm, lw.post_attn_norm, lw.post_ff_norm) if n is not None
-    }.values():
-        norm.gamma = None if norm.gamma is None else norm.gamma.to(dtype)
-        norm.beta = None if norm.beta is None else norm.beta.to(dtype)
+class LayerList(Sequence):
+    """`Model.layers`: layer l's `LayerWeights` on the engine's device, in the engine's dtype.
+
+    A model whose weights all are plain tensors of the engine's dtype on its device (a float32 or float64 model
+    on one device) is read once, as views: no copies, kept for the model's life, as before. Any other model
+    (half precision, quantized, spread over devices, offloaded to CPU or disk) is read one layer at a time when
+    a layer is asked for: its tensors loaded from the offload, dequantized, copied to the engine's device in the
+    engine's dtype; only the layer read last is kept, so a pass over the layers holds one layer's copies, never
+    the model's (a bf16 8B model in float32 copies would cost 25 GB more). `len` reads no weights."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.modules = _get(model.hf.base_model, model.spec.layers)
+        self.resident = weights_resident(model)
+        self.reader = WeightReader() if self.resident else WeightReader(model.device, model.work_dtype)
+        self._all: list[LayerWeights] | None = None
+        self._last: LayerWeights | None = None
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"layer {i} of {n}")
+        i %= n
+        if self.resident:
+            if self._all is None:
+                self._all = layer_weights(self.model.hf.base_model, self.model.hf.config, self.model.spec)
+            return self._all[i]
+        if self._last is None or self._last.index != i:
+            self.release()
+            self._last = read_layer(self.model.hf.base_model, self.model.hf.config, self.model.spec, i, self.reader)
+        return self._last
+
+    def __iter__(self):
+        # not Sequence's mixin: it keeps the item it yielded in a local until the next one is read, which would
+        # hold two layers' copies at once
+        for i in range(len(self)):
+            yield self[i]
+
+    def release(self) -> None:
+        """Free the one layer kept (a non-resident model's copies) before another is read. Its tensors are
+        dropped from the object itself, not only from this list: a loop's `enumerate` / `zip` keeps the tuple
+        it last yielded (so the previous layer) alive while the next item is read, which would hold two
+        layers' copies at once. A layer read from a non-resident model is therefore valid until the next
+        layer is read; using it after that fails loudly (its weights are None), never silently."""
+        lw, self._last = self._last, None
+        if lw is not None:
+            for k, v in list(vars(lw).items()):
+                if isinstance(v, torch.Tensor):
+                    setattr(lw, k, None)
+            lw.extra.clear()
+
+
+def weights_resident(model: Model) -> bool:
+    """Whether every parameter of the model's layers is a plain tensor of the engine's dtype on the engine's
+    device, not offloaded: then the engine reads them as views and keeps nothing of its own."""
+    from ctxmix.engine.weights import is_quantized_tensor, offloaded
+
+    for mod in model.hf.modules():
+        if offloaded(mod):
+            return False
+        for p in mod.parameters(recurse=False):
+            if p.device != model.device or is_quantized_tensor(p):
+                return False
+            if p.is_floating_point() and p.dtype != model.work_dtype:
+                return False
+    return True
 
 
 _FILE_SHA: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
@@ -344,15 +475,47 @@ def weights_sha256(model: Model) -> str:
     if files:
         for f in files:
             h.update(f.name.encode() + _file_sha256(f).encode())
-    else:  # built in memory: names, shapes and two sums per tensor, reduced where the tensor lives
-        # (hashing the bytes would copy every weight to the host: gigabytes for a large model on a GPU)
-        for name, t in sorted(model.hf.state_dict().items()):
-            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-            if t.is_floating_point():
-                sums = torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
-                h.update(sums.cpu().numpy().tobytes())
+    else:
+        h.update(tensors_fingerprint(model.hf).encode())
     model._weights_sha256 = h.hexdigest()
     return model._weights_sha256
+
+
+def tensors_fingerprint(hf: Any) -> str:
+    """SHA-256 of a model built in memory: each parameter's and persistent buffer's name, shape, dtype and two
+    sums, reduced where the tensor lives (hashing the bytes would copy every weight to the host: gigabytes for
+    a large model on a GPU). Offloaded weights are loaded one leaf module at a time, so a model dispatched
+    over devices, CPU and disk hashes like the same model in one place, without ever being whole in memory;
+    torchao's tensor subclasses are summed dequantized, bitsandbytes' packed integers with their scales."""
+    import hashlib
+
+    from ctxmix.engine.weights import module_tensors, tensor_for_hash
+
+    h = hashlib.sha256()
+    rows = []
+    for name, t in module_tensors(hf):
+        t = tensor_for_hash(t)
+        parts = [t] + [getattr(getattr(t, "quant_state", None), "absmax", None), getattr(t, "SCB", None)]
+        sums = [_two_sums(x.detach()) for x in parts if isinstance(x, torch.Tensor)]
+        rows.append((name, f"{name}{tuple(t.shape)}{t.dtype}".encode(), torch.cat(sums).numpy().tobytes()))
+    for _, head, data in sorted(rows):
+        h.update(head + data)
+    return h.hexdigest()
+
+
+HASH_CHUNK = 2**22  # elements summed at a time: a float64 copy of a 128k x 4,096 embedding would be 4.2 GB
+
+
+def _two_sums(x: torch.Tensor) -> torch.Tensor:
+    """(sum, sum of |x|) of a tensor, float64 (int64 for integers, then widened), in chunks: temporaries of
+    HASH_CHUNK elements, never a widened copy of the whole tensor."""
+    acc = torch.float64 if x.is_floating_point() else torch.int64
+    flat = x.reshape(-1)
+    out = torch.zeros(2, dtype=acc, device=x.device)
+    for a in range(0, flat.numel(), HASH_CHUNK):
+        c = flat[a : a + HASH_CHUNK]
+        out += torch.stack([c.sum(dtype=acc), c.abs().sum(dtype=acc)])
+    return out.double().cpu()
 
 
 def _kind_and_class(config):
@@ -371,10 +534,16 @@ def _kind_and_class(config):
 
 
 def _from_folder_or_hub(
-    src: str, name: str, device: torch.device, dtype: torch.dtype, info: dict | None = None
+    src: str,
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    info: dict | None = None,
+    placement: dict | None = None,
 ) -> Model:
     import transformers as T
 
+    placement = placement or {}
     try:
         config = T.AutoConfig.from_pretrained(src, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - turned into one clear message
@@ -393,6 +562,7 @@ def _from_folder_or_hub(
             trust_remote_code=False,
             dtype=dtype,
             output_loading_info=True,
+            **placement,
         )
         tok = T.AutoTokenizer.from_pretrained(src)
     except Exception as e:  # noqa: BLE001
@@ -406,8 +576,13 @@ def _from_folder_or_hub(
             "ctxmix reads safetensors weights only (never pickle files, never remote code)."
         ) from None
     check_loaded(name, hf, loading, tok)
-    hf.eval().to(device).requires_grad_(False)  # gradients are taken w.r.t. inputs only
+    hf.eval().requires_grad_(False)  # gradients are taken w.r.t. inputs only
+    if not placement:  # a dispatched or quantized model stays where transformers put it
+        hf.to(device)
+    else:
+        device = engine_device(hf)
     model = Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+    model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     weights_sha256(model)  # now, while the files are the ones just read
     return model
 
@@ -435,7 +610,13 @@ def check_loaded(name: str, hf: Any, loading: dict, tokenizer) -> list[str]:
         problems.append(f"tensors of the wrong shape: {_listing(mismatched)}")
     if loading.get("error_msgs"):
         problems.append("; ".join(map(str, loading["error_msgs"]))[:500])
-    bad = [n for n, p in hf.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    from ctxmix.engine.weights import module_tensors, tensor_for_hash
+
+    # each offloaded leaf loaded in turn (never the whole model at once); packed quantized tensors are integers,
+    # torchao's subclasses are checked dequantized
+    bad = [
+        n for n, p in module_tensors(hf) if p.is_floating_point() and not bool(torch.isfinite(tensor_for_hash(p)).all())
+    ]
     if bad:
         problems.append(f"non-finite weights (NaN or inf) in: {_listing(bad)}")
     rows = hf.get_input_embeddings().weight.shape[0]
@@ -494,7 +675,7 @@ def verify_weights(folder: Path, meta: dict) -> None:
             raise ModelLoadError(f"{folder / fname}: the weights changed since the model was built")
 
 
-def _cached_build(folder: Path, build, name: str, device, dtype) -> Model:
+def _cached_build(folder: Path, build, name: str, device, dtype, placement: dict | None = None) -> Model:
     """Load a model built once into the cache; rebuild when missing, corrupt or altered."""
     for attempt in range(2):
         if not (folder / "ctxmix_meta.json").exists():
@@ -502,7 +683,7 @@ def _cached_build(folder: Path, build, name: str, device, dtype) -> Model:
         try:
             meta = json.loads((folder / "ctxmix_meta.json").read_text())
             verify_weights(folder, meta)
-            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta)
+            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta, placement=placement)
         except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt, once
             if attempt:
                 raise
@@ -569,23 +750,97 @@ def _build_sentiment(folder: Path) -> None:
     build_minilm_sentiment(folder)
 
 
+QUANTIZATION_NAMES = {
+    "4bit": "bitsandbytes nf4 weights (4-bit NormalFloat, double quantization off), computed in the model's dtype",
+    "8bit": "bitsandbytes LLM.int8 (8-bit weights; inputs quantized too, outliers kept in 16 bits)",
+    "int8": "torchao int8 weight-only (per-row scales; activations untouched)",
+}
+
+
+def quantization_config(quantization: Any, dtype: torch.dtype):
+    """A transformers quantization config from a short name (QUANTIZATION_NAMES) or passed through as given
+    (`BitsAndBytesConfig`, `TorchAoConfig`, ...). None stays None."""
+    if quantization is None or not isinstance(quantization, str):
+        return quantization
+    import transformers as T
+
+    if quantization == "4bit":
+        return T.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    if quantization == "8bit":
+        return T.BitsAndBytesConfig(load_in_8bit=True)
+    if quantization == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return T.TorchAoConfig(Int8WeightOnlyConfig())
+    raise BadInput(
+        f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} or a transformers config, got {quantization!r}"
+    )
+
+
 @checked_arguments
 def load_model(
-    name_or_path: str, device: str = "auto", dtype: str | torch.dtype = "float32", precision: str = "float32"
+    name_or_path: str,
+    device: str = "auto",
+    dtype: str | torch.dtype = "float32",
+    precision: str = "float32",
+    *,
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
+    quantization: Any = None,
 ) -> Model:
     """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
     or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
-    unless `dtype` says otherwise ("float64" for exactness tests). `precision` ("float32",
-    "tf32", "bf16") is the engine's default for this model's large products (ctxmix.engine.precision)."""
+    unless `dtype` says otherwise ("bfloat16" / "float16" for large models: the engine decomposes one layer
+    at a time in float32; "float64" for exactness tests). `precision` ("float32", "tf32", "bf16") is the
+    engine's default for this model's large products (ctxmix.engine.precision).
+
+    Where the model lives (accelerate and transformers do the placing; ctxmix reads each layer where it is):
+    `device_map` ("auto" spreads it over the GPUs, then the CPU, then disk; or a dict of module name ->
+    device / "cpu" / "disk"), `max_memory` (per device, e.g. {0: "20GiB", "cpu": "60GiB"}), `offload_folder`
+    (for the layers mapped to "disk"); `quantization` ("4bit", "8bit", "int8" or a transformers quantization
+    config: `BitsAndBytesConfig`, `TorchAoConfig`, ...). With any of these the model is not moved to
+    `device`: the engine computes on the device its inputs go to (`Model.device`)."""
     from ctxmix.engine.precision import check_precision
 
     check_precision(precision)
-    model = _load_model(name_or_path, device, dtype)
+    placement = load_placement(device_map, max_memory, offload_folder, quantization, dtype)
+    model = _load_model(name_or_path, device, dtype, placement)
     model.precision = precision
+    if quantization is not None:
+        model.info = {
+            **model.info,
+            "quantization": quantization if isinstance(quantization, str) else type(quantization).__name__,
+        }
     return model
 
 
-def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype) -> Model:
+def load_placement(device_map, max_memory, offload_folder, quantization, dtype) -> dict:
+    """The `from_pretrained` keywords for where a model lives, checked before anything is loaded."""
+    out: dict[str, Any] = {}
+    if device_map is not None:
+        if not isinstance(device_map, (str, dict)) or (isinstance(device_map, str) and not device_map.strip()):
+            raise BadInput(
+                f"device_map must be 'auto', 'balanced', 'sequential', a device or a dict, got {device_map!r}"
+            )
+        out["device_map"] = device_map
+    if max_memory is not None:
+        if not isinstance(max_memory, dict):
+            raise BadInput("max_memory must be a dict of device -> size, e.g. {0: '20GiB', 'cpu': '60GiB'}")
+        out["max_memory"] = max_memory
+        out.setdefault("device_map", "auto")
+    if offload_folder is not None:
+        out["offload_folder"] = str(offload_folder)
+    if quantization is not None:
+        dt = _DTYPES.get(dtype, torch.float32) if isinstance(dtype, str) else dtype
+        out["quantization_config"] = quantization_config(quantization, dt)
+        out.setdefault("device_map", "auto" if torch.cuda.is_available() else "cpu")
+    if "offload_folder" in out and "device_map" not in out:
+        raise BadInput("offload_folder needs a device_map that puts some layers on 'disk' (or device_map='auto')")
+    return out
+
+
+def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype, placement: dict | None = None) -> Model:
     dev = resolve_device(device)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -595,15 +850,17 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype) -> Mod
         raise BadInput("give a model name: one of " + ", ".join(EMBEDDED) + ", a Hugging Face id or a local folder")
     name = name_or_path.strip()
     if name == "minilm":
-        return _from_folder_or_hub(minilm_path(), name, dev, dtype, info={"source": EMBEDDED[name]})
+        return _from_folder_or_hub(
+            minilm_path(), name, dev, dtype, info={"source": EMBEDDED[name]}, placement=placement
+        )
     if name == "minilm-sentiment":
-        return _cached_build(cache_dir() / "minilm-sentiment", _build_sentiment, name, dev, dtype)
+        return _cached_build(cache_dir() / "minilm-sentiment", _build_sentiment, name, dev, dtype, placement)
     if name == "smollm2":
-        return _cached_build(cache_dir() / "smollm2", _build_smollm2, name, dev, dtype)
+        return _cached_build(cache_dir() / "smollm2", _build_smollm2, name, dev, dtype, placement)
     if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ModelLoadError(f"no such folder: {name!r}")
     name = os.path.expanduser(name)
-    return _from_folder_or_hub(name, name, dev, dtype)
+    return _from_folder_or_hub(name, name, dev, dtype, placement=placement)
 
 
 def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
@@ -623,17 +880,42 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
     )
     if getattr(hf.config, "_attn_implementation", "eager") != "eager":
         hf.set_attn_implementation("eager")
-    p = next(hf.parameters())
     hf.eval().requires_grad_(False)
     from ctxmix.engine.precision import check_precision
 
-    return Model(
+    model = Model(
         hf=hf,
         tokenizer=tokenizer,
         name=name,
-        device=p.device,
+        device=engine_device(hf),
         spec=spec,
         kind=kind,
-        dtype=p.dtype,
+        dtype=model_dtype(hf),
         precision=check_precision(precision),
     )
+    model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
+    return model
+
+
+def engine_device(hf: Any) -> torch.device:
+    """Where ctxmix computes for this model: where its inputs go. A model dispatched by accelerate
+    (`device_map`) has a main device on its top hook (its first layers' device, or the GPU that runs the
+    offloaded ones); otherwise the device of its first parameter that is not on `meta`."""
+    hook = getattr(hf, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    for p in hf.parameters():
+        if p.device.type != "meta":
+            return p.device
+    raise BadInput("every weight of this model is on the 'meta' device: load it (or dispatch it) first")
+
+
+def model_dtype(hf: Any) -> torch.dtype:
+    """The dtype the model computes in: its config's (a quantized model's compute dtype), else its first
+    floating-point parameter's."""
+    for p in hf.parameters():
+        if p.is_floating_point() and type(p) in (torch.Tensor, torch.nn.Parameter):
+            return p.dtype
+    dt = getattr(hf.config, "dtype", None) or getattr(hf.config, "torch_dtype", None)
+    return dt if isinstance(dt, torch.dtype) else torch.float32

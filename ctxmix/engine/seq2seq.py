@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ctxmix.engine.arch import ArchSpec, LayerWeights, layer_weights
+from ctxmix.engine.arch import ArchSpec, LayerWeights, _get, read_layer
 from ctxmix.engine.layer import ff_forward, head_vectors
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
@@ -35,15 +35,13 @@ def decoder_weights(model: Model) -> list[tuple[LayerWeights, LayerWeights]]:
         raise BadInput(f"{model.name} is not an encoder-decoder model")
     cached = getattr(model, "_decoder_weights", None)
     if cached is None:
-        from ctxmix.engine.models import _upcast
-
         own, cross = decoder_specs(model.spec)
-        base, config = model.hf.base_model, model.hf.config
-        cached = list(zip(layer_weights(base, config, own), layer_weights(base, config, cross)))
-        if model.work_dtype != model.dtype:
-            for sw, cw in cached:
-                _upcast(sw, model.work_dtype)
-                _upcast(cw, model.work_dtype)
+        base, config, reader = model.hf.base_model, model.hf.config, model.layers.reader
+        n = len(_get(base, own.layers))
+        # views of a plain model's tensors; a half-precision model's decoder in the engine's dtype (copies)
+        cached = [
+            (read_layer(base, config, own, i, reader), read_layer(base, config, cross, i, reader)) for i in range(n)
+        ]
         model._decoder_weights = cached
     return cached
 

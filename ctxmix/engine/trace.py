@@ -232,8 +232,9 @@ def _kept_logits(out, n: int, logits_from: int | None) -> tuple[torch.Tensor | N
 
 
 def _activations(model: Model, t: torch.Tensor) -> torch.Tensor:
-    """The model's activations in the dtype the decompositions run in (its layer weights' dtype)."""
-    return t if t.dtype == model.work_dtype else t.to(model.work_dtype)
+    """The model's activations on the engine's device, in the dtype the decompositions run in (its layer
+    weights' dtype). A model spread over devices hands each layer's states back where that layer ran."""
+    return t.to(device=model.device, dtype=model.work_dtype)
 
 
 @torch.no_grad()

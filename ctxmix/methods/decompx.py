@@ -324,10 +324,10 @@ def head_parts(
     if kind == "distilbert":
         return _dense_head_parts(x_last[0], V[0], hf.pre_classifier, torch.relu, hf.classifier, o).T, []
     # a causal LM: the unembedding rows of the target (and foil) at the explained position
-    U, ub = unembedding(model)
-    parts = V[position] @ U[tokens].T  # (n_k, K)
+    U, ub = unembedding(model, tokens)
+    parts = V[position] @ U.T  # (n_k, K)
     if ub is not None:  # one AbsDot weight per token over the explained rows, as the classifier's bias
-        parts = spread(parts.unsqueeze(0), ub[tokens], o.bias)[0]
+        parts = spread(parts.unsqueeze(0), ub, o.bias)[0]
     notes = []
     if softcap(model):
         notes.append(f"{model.name} soft-caps its logits: decompx decomposes the pre-cap logits")
@@ -361,7 +361,7 @@ def decompx(model: Model, tr: Trace, position: int, tokens: list[int] | None, o:
         norms.append(V.norm(dim=-1))
         comp.append(float((V.sum(1) - st.y).abs().max() / st.y.abs().max().clamp(min=1e-30)))
     x_last = tr.states[-1].y
-    final = model.layers[-1].next_norm
+    final = model.final_norm
     if final is not None and model.spec.position != "post":
         V = norm_pieces(final, V, x_last, o.bias)
         x_last = final(x_last)

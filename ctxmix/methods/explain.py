@@ -456,6 +456,7 @@ def _explanations(
             if m in heads:
                 ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
         ex.warnings += call_notes(methods, per_head, saliency_options.get("foil"), target_kind)
+        ex.warnings += model.quantization_notes(tr.reconstruction_error)
         sal = [m for m in methods if m not in MIXING_METHODS and m not in PREDICTION_METHODS]
         pred = [m for m in methods if m in PREDICTION_METHODS]
         if "attention_flow" in pred:

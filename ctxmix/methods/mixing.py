@@ -292,7 +292,7 @@ def head_maps_batch(tb: TraceBatch, methods: list[str]) -> dict[str, torch.Tenso
     (PER_HEAD_METHODS; see each MethodInfo.per_head). Norm per head is alpha^h_ij ||f^h(x_j)||:
     alpha is a non-negative scalar, so the norm of head h's piece needs no n^2 x d tensor."""
     want: list[str] = [m for m in ("attention", "norm") if m in methods]
-    H = tb.model.layers[0].n_heads
+    H = tb.model.n_heads
     out = {m: map_buffer(tb, torch.float64, H) for m in want}
     for l, (lw, st) in enumerate(zip(tb.model.layers, tb.states)):
         if "attention" in out:

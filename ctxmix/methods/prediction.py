@@ -54,6 +54,7 @@ from ctxmix.methods.readout import (
     readout,
     softcap,
     target_readout,
+    unembed,
     unembedding,
 )
 
@@ -114,10 +115,10 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int], kind:
     """Decompose the logits of `tokens` (K ids) at `position` over layers, heads and source tokens; kind
     ("logit", "log_prob", "logit_prob"; the last two for one token): the quantity explained
     (`ctxmix.methods.readout.target_readout`)."""
-    U, ub = unembedding(model)
+    U_t, ub_t = unembedding(model, tokens)
     own = tr.logits[position] if tr.logits is not None and tr.logits.dim() == 2 else None
     if kind == "logit":
-        rows, ro = U[tokens], None
+        rows, ro = U_t, None
     else:
         if own is None or len(tokens) != 1:
             raise ValueError("a target kind other than the logit needs the model's logits and one token")
@@ -151,9 +152,9 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int], kind:
     cap = softcap(model)
     if ro is not None:  # the centred logit is decomposed; -H (and the cap's part) are left over
         assert own is not None
-        norm = model.layers[-1].next_norm
+        norm = model.final_norm
         final = norm(x_last) if norm is not None else x_last
-        z_pre = (U @ final + (ub if ub is not None else 0))[None].to(torch.float64)  # (1, V) recomputed, pre-cap
+        z_pre = unembed(model, final)[None].to(torch.float64)  # (1, V) recomputed, pre-cap
         tg = torch.tensor(tokens, device=z_pre.device)
         leftover = dict(ro["leftover"])
         if cap is not None:
@@ -186,7 +187,7 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int], kind:
         attention_bias=torch.stack(attn_bias, 1),
         mlp=torch.stack(mlp, 1),
         final_norm_bias=beta,
-        unembedding_bias=ub[tokens] if ub is not None else torch.zeros(K, dtype=r.dtype, device=r.device),
+        unembedding_bias=ub_t if ub_t is not None else torch.zeros(K, dtype=r.dtype, device=r.device),
         logits=logits.to(r.dtype),
         recomputed=recomputed,
         notes=notes,

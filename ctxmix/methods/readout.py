@@ -4,20 +4,68 @@ its scale frozen at the real value (so a logit is a dot product with one readout
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
+VOCAB_CHUNK = 8192  # unembedding rows cast to the engine's dtype at a time (128 MB at d = 4,096 in float32)
 
-def unembedding(model: Model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unembedding U (V, d) and its bias (V,) or None, in the engine's dtype."""
+
+@contextlib.contextmanager
+def _stored_unembedding(model: Model):
+    """The unembedding as the model stores it ((V, d), dequantized if quantized, loaded from the offload for
+    the duration) and its bias, or BadInput when the model has none."""
+    from ctxmix.engine.weights import linear_matrix, materialized
+
     head = model.hf.get_output_embeddings()
     if head is None:
         raise BadInput(f"{model.name} has no unembedding (output embeddings) to explain")
-    W = head.weight.detach().to(model.work_dtype)
-    b = getattr(head, "bias", None)
-    return W, None if b is None else b.detach().to(model.work_dtype)
+    with materialized(head):
+        b = getattr(head, "bias", None)
+        yield linear_matrix(head), None if b is None else b.detach()
+
+
+def _engine(model: Model, t: torch.Tensor) -> torch.Tensor:
+    return t.to(device=model.device, dtype=model.work_dtype)
+
+
+def unembedding(model: Model, tokens=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows `tokens` of the unembedding U (K, d) and of its bias (K,) or None, in the engine's dtype on its
+    device, indexed before any cast (a bf16 model's 128k x 4,096 unembedding would be 2.1 GB in float32).
+    tokens=None: the whole (V, d) matrix (a copy where the stored one is in another dtype or place)."""
+    with _stored_unembedding(model) as (W, b):
+        if tokens is not None:
+            idx = torch.as_tensor(tokens, device=W.device)
+            W, b = W[idx], None if b is None else b[idx]
+        return _engine(model, W), None if b is None else _engine(model, b)
+
+
+def unembed(model: Model, x: torch.Tensor) -> torch.Tensor:
+    """x (..., d) -> x U^T + b (..., V), the unembedding cast VOCAB_CHUNK rows at a time."""
+    with _stored_unembedding(model) as (W, b):
+        out = torch.empty(*x.shape[:-1], W.shape[0], dtype=x.dtype, device=x.device)
+        for a in range(0, W.shape[0], VOCAB_CHUNK):
+            out[..., a : a + VOCAB_CHUNK] = x @ _engine(model, W[a : a + VOCAB_CHUNK]).T
+            if b is not None:
+                out[..., a : a + VOCAB_CHUNK] += _engine(model, b[a : a + VOCAB_CHUNK])
+    return out
+
+
+def unembedding_mean(model: Model, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(w U (K, d), w b (K,) or None) for weights w (K, V) over the vocabulary, in the engine's dtype, the
+    unembedding cast VOCAB_CHUNK rows at a time."""
+    with _stored_unembedding(model) as (W, b):
+        w = w.to(device=model.device, dtype=model.work_dtype)
+        mean = torch.zeros(w.shape[0], W.shape[1], dtype=w.dtype, device=w.device)
+        bias = None if b is None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        for a in range(0, W.shape[0], VOCAB_CHUNK):
+            mean += w[:, a : a + VOCAB_CHUNK] @ _engine(model, W[a : a + VOCAB_CHUNK])
+            if bias is not None:
+                bias += w[:, a : a + VOCAB_CHUNK] @ _engine(model, b[a : a + VOCAB_CHUNK])
+    return mean, bias
 
 
 def softcap(model: Model) -> float | None:
@@ -40,7 +88,7 @@ def norm_adjoint(norm, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def readout(model: Model, x_last: torch.Tensor, U_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Readout vectors r (K, d) and the final norm's beta terms <beta_f, u> (K,) for unembedding rows
     U_rows (K, d), the final norm's scale frozen at its value on x_last (d,), the real pre-norm state."""
-    norm = model.layers[-1].next_norm
+    norm = model.final_norm
     zeros = torch.zeros(len(U_rows), dtype=U_rows.dtype, device=U_rows.device)
     if norm is None:  # no final norm: the state is read as it is
         return U_rows.clone(), zeros
@@ -59,12 +107,12 @@ def explained_logits(model: Model, x_last: torch.Tensor, tokens: list[int], own:
     (|z| / c above about 9 in float32, 19 in float64) has tanh = 1 exactly, and atanh gives inf (or,
     clamped, an arbitrary 17.6 c in float64), and near saturation atanh multiplies the rounding of
     `own` by 1 / (1 - tanh^2) (bfloat16's 2^-8 becomes order one)."""
-    U, ub = unembedding(model)
     if own is not None and softcap(model) is None:
         return own[tokens].to(model.work_dtype)
-    norm = model.layers[-1].next_norm
+    U, ub = unembedding(model, tokens)
+    norm = model.final_norm
     final = norm(x_last) if norm is not None else x_last
-    return U[tokens] @ final + (ub[tokens] if ub is not None else 0)
+    return U @ final + (ub if ub is not None else 0)
 
 
 TARGET_KINDS = ("logit", "log_prob", "logit_prob")
@@ -86,13 +134,12 @@ def target_readout(model: Model, logits: torch.Tensor, tokens: torch.Tensor, kin
     logits (the capped ones on a soft-capped model)}."""
     if kind not in TARGET_KINDS:
         raise BadInput(f"the target kind must be one of {', '.join(TARGET_KINDS)}, got {kind!r}")
-    U, ub = unembedding(model)
     z = logits.to(torch.float64)
     tg = tokens.to(z.device)
     K = len(tg)
-    zeros = torch.zeros(K, dtype=U.dtype, device=U.device)
-    u_r = U[tg.to(U.device)]
-    b_r = ub[tg.to(U.device)] if ub is not None else zeros
+    u_r, ub_r = unembedding(model, tg)
+    zeros = torch.zeros(K, dtype=u_r.dtype, device=u_r.device)
+    b_r = ub_r if ub_r is not None else zeros
     z_r = z.gather(-1, tg[:, None])[:, 0]
     if kind == "logit":
         return {"rows": u_r, "bias": b_r, "weights": None, "leftover": {}, "value": z_r}
@@ -103,8 +150,9 @@ def target_readout(model: Model, logits: torch.Tensor, tokens: torch.Tensor, kin
         logw = torch.log_softmax(z.scatter(-1, tg[:, None], -torch.inf), -1)
         value = z_r - torch.logsumexp(z.scatter(-1, tg[:, None], -torch.inf), -1)
     w = logw.exp()
-    rows = u_r - (w.to(U.dtype) @ U)
-    bias = b_r - (w.to(U.dtype) @ ub) if ub is not None else zeros
+    mean, mean_b = unembedding_mean(model, w)
+    rows = u_r - mean
+    bias = b_r - mean_b if mean_b is not None else zeros
     # 0 * log 0 = 0 (q_r = 0 exactly; far tails of p underflow)
     neg_entropy = torch.where(w > 0, w * logw, torch.zeros_like(w)).sum(-1)
     return {"rows": rows, "bias": bias, "weights": w, "leftover": {"entropy": neg_entropy}, "value": value}

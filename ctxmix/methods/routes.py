@@ -394,7 +394,7 @@ def dense_rows(model: Model, n: int) -> int:
     """Rows of each of the routes' tables (edges, incoming parts) when every edge is kept: one per layer,
     head, target and source, L * H * n(n+1)/2 under causal attention, L * H * n^2 otherwise."""
     pairs = n * (n + 1) // 2 if model.spec.causal else n * n
-    return model.n_layers * model.layers[0].n_heads * pairs
+    return model.n_layers * model.n_heads * pairs
 
 
 def check_dense(model: Model, n: int, threshold: float, dense) -> None:
@@ -406,7 +406,7 @@ def check_dense(model: Model, n: int, threshold: float, dense) -> None:
         return
     raise BadInput(
         f"routes with threshold {threshold:g} on {n} tokens keep nearly every edge: up to about "
-        f"{dense_rows(model, n):,} rows in each table ({model.n_layers} layers x {model.layers[0].n_heads} heads x "
+        f"{dense_rows(model, n):,} rows in each table ({model.n_layers} layers x {model.n_heads} heads x "
         f"{'n(n+1)/2' if model.spec.causal else 'n^2'} token pairs), which can take hours and tens of GB; "
         f"a threshold below {DENSE_THRESHOLD} is allowed up to {DENSE_MAX_TOKENS} tokens. Use threshold >= "
         f"{DENSE_THRESHOLD} (the default 0.04), or pass dense=True (CLI: --dense) to build the dense graph anyway"
@@ -535,7 +535,7 @@ def routes_from_trace(
     dtype = torch.float64 if model.work_dtype == torch.float64 else torch.float32  # norms never in half (P9)
     causal = model.spec.causal
     L = model.n_layers
-    H = model.layers[0].n_heads
+    H = model.n_heads
     chunk = chunk_elements(model.device, CHUNK_ELEMENTS)
     col = _Collector()
     frontier = {position}

@@ -344,7 +344,7 @@ def train(
         r = fit(fit_data(data, k), steps=steps, seed=seed)
         weights[k] = r["w"]
         losses[k] = {"start": r["loss_start"], "final": r["loss_final"]}
-    L, H = len(model.layers), model.layers[0].n_heads
+    L, H = model.n_layers, model.n_heads
     meta = {
         "model": model.name,
         "texts": f"gensim test data {WIKI_FILE} (English Wikipedia extract); the evaluation uses Lee background news",

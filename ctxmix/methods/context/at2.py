@@ -117,7 +117,7 @@ def head_features(
 ) -> dict[str, np.ndarray]:
     """{kind: (T, L, H, n) float32}: the per-head features of the rows q_t (T,) (predicting `targets` (T,))
     from one trace."""
-    T, n, L, H = len(rows), tr.n, len(model.layers), model.layers[0].n_heads
+    T, n, L, H = len(rows), tr.n, model.n_layers, model.n_heads
     out = {k: np.zeros((T, L, H, n), dtype=np.float32) for k in kinds}
     for l, feats in _layers(model, tr, rows, targets, kinds, target):
         for k, F in feats.items():
@@ -130,7 +130,7 @@ def weighted_features(
     model: Model, tr, rows: list[int], targets: list[int], kind: str, w: np.ndarray, target: str = "log_prob"
 ) -> np.ndarray:
     """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j), accumulated one layer at a time (never (T, L, H, n))."""
-    L, H = len(model.layers), model.layers[0].n_heads
+    L, H = model.n_layers, model.n_heads
     W = torch.tensor(np.asarray(w, dtype=np.float64).reshape(L, H))
     acc = None
     for l, feats in _layers(model, tr, rows, targets, (kind,), target):
@@ -204,7 +204,7 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
     fit the model."""
     if kind not in KINDS:
         raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
-    L, H = len(model.layers), model.layers[0].n_heads
+    L, H = model.n_layers, model.n_heads
     if isinstance(weights, str) and weights == "untrained":
         return uniform_weights(L, H), {"weights": "untrained", "kind": kind}
     if weights is None:

@@ -73,7 +73,7 @@ def attention_implementation(model: Model, impl: str):
 def gradient_attention(model: Model, n: int) -> str:
     """ "eager" where its backward's attention probabilities (L x H x n^2 in the model's dtype, counted twice:
     the softmax's output and its float32 copy on some families) fit in half of the memory budget, else "sdpa"."""
-    H, L = model.layers[0].n_heads, model.n_layers
+    H, L = model.n_heads, model.n_layers
     elem = torch.finfo(model.dtype).bits // 8
     return "eager" if 2 * L * H * n * n * elem <= memory_budget(model.device) // 2 else "sdpa"
 

@@ -56,7 +56,7 @@ from ctxmix.engine.layer import head_values, head_vectors, norm_family_row_maps
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import trace_ids
 from ctxmix.errors import BadInput
-from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readout, unembedding
+from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readout, unembed
 
 TARGETS = ("log_prob", "logit_prob", "logit")
 DECOMPOSED = ("logit", "alti_logit", "attention")  # read from the traced layers (`decompose_rows`)
@@ -74,16 +74,15 @@ def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -
     ro = target_readout(model, logits, tg, target)
     ubar = ro["rows"]
     x_last = tr.states[-1].y[tr.local(Q)]  # (T, d) the real pre-norm states
-    norm = model.layers[-1].next_norm
+    norm = model.final_norm
     zeros = torch.zeros(T, dtype=dt, device=ubar.device)
     if norm is None:
         R, beta = ubar.clone(), zeros
     else:
         R = norm_adjoint(norm, ubar, norm.scale(x_last))
         beta = ubar @ norm.beta if norm.beta is not None else zeros
-    U, ub = unembedding(model)
     final = norm(x_last) if norm is not None else x_last
-    z_pre = (final @ U.T + (ub if ub is not None else 0)).to(torch.float64)  # (T, V) recomputed pre-cap logits
+    z_pre = unembed(model, final).to(torch.float64)  # (T, V) recomputed pre-cap logits
     terms = {"final_norm_bias": beta.double(), "unembedding_bias": ro["bias"].double(), **ro["leftover"]}
     cap = softcap(model)
     if target == "logit":

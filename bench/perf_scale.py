@@ -1,0 +1,143 @@
+"""`bench/perf.py --only scale`: ctxmix at the widths of the models its users study, each row in a fresh
+process (peak memory read from /proc/self/status's VmHWM, reset after the model is built; CUDA's peak
+allocation on a GPU).
+
+Rows so far:
+- half precision, one layer at a time: a bf16 Llama with Llama-3-8B's widths (d 4,096, d' 14,336, 32 heads,
+  8 KV heads, vocabulary 128,256) and 4 layers, built on `meta` then `to_empty` and filled in bf16 (never
+  float32-then-cast): the peak over the loaded model during `explain(["logit"])` on 16 tokens, against one
+  layer's float32 V/O/FF (the goal: about one layer's, not four; the old `Model.layers` held every layer's
+  float32 copy for the model's life, 4.85 GiB over the model here).
+
+    python bench/perf_scale.py                 # the rows, on CUDA when there is one
+    python bench/perf.py --only scale          # the same rows in perf.py's table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE.parent), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+from perf_common import log, row, timed_peak  # noqa: E402
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def random_llama(n_layers: int, dtype: torch.dtype, device: str, **widths):
+    """A random Llama of the given widths built on `meta`, then materialised on `device` in `dtype` (no float32
+    copy at any point): weights N(0, 0.02), norms 1, the rotary buffers computed anew."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(num_hidden_layers=n_layers, **{**LLAMA3_8B, **widths})
+    with torch.device("meta"):
+        hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager", dtype=dtype)
+    hf = hf.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    with torch.device(device):  # the rotary frequencies are a computed buffer: to_empty left it garbage
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    return hf.eval()
+
+
+def one_layer_float32_bytes(cfg: dict) -> int:
+    """One layer's V, O and FF matrices in float32: what the engine copies when it reaches a bf16 layer."""
+    d, dff, H, Hkv = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+    )
+    dh = d // H
+    return 4 * (d * Hkv * dh + H * dh * d + 3 * d * dff)
+
+
+def half_child(device: str, n_layers: int, n_tokens: int) -> dict:
+    import transformers as T
+
+    import ctxmix
+
+    hf = random_llama(n_layers, torch.bfloat16, device)
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b-widths")
+    words = "the cat sat on the mat and looked at the door for a long while".split()
+    text = " ".join(words[: n_tokens - 2])
+    assert len(model.encode(text)[0]) == n_tokens
+    ex, sec, peak_mb = timed_peak(lambda: ctxmix.explain(model, text, ["logit"]), device)
+    return {"seconds": sec, "peak_mb": peak_mb, "reconstruction_error": ex.reconstruction_error}
+
+
+def _child(kind: str, *args) -> dict:
+    """One row in a fresh process (its peak memory is its own)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps([kind, *args])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_scale(a, dev) -> list[dict]:
+    rows = []
+    n_layers, n_tokens = 4, 16
+    log(f"scale: bf16 Llama-3-8B widths, {n_layers} layers, explain(['logit']) on {n_tokens} tokens")
+    r = _child("half", str(dev), n_layers, n_tokens)
+    goal_mb = one_layer_float32_bytes(LLAMA3_8B) / 2**20
+    rows.append(
+        row(
+            f"bf16 Llama-3-8B widths x{n_layers} layers: explain(logit) {n_tokens} tok, peak over model",
+            f"{r['peak_mb']:.0f} MB in {r['seconds']:.1f} s",
+            f"one layer's float32 V/O/FF {goal_mb:.0f} MB",
+            r["peak_mb"] / goal_mb,
+            "<= ~1 layer (ratio <= 1.3)",
+            r["peak_mb"] <= 1.3 * goal_mb,
+        )
+    )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, *args = json.loads(a.child)
+        print(json.dumps({"half": half_child}[kind](*args)))
+        return
+    import pandas as pd
+    from perf_common import table_text
+
+    dev = torch.device(
+        "cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device)
+    )
+    print(table_text(pd.DataFrame(bench_scale(a, dev))))
+
+
+if __name__ == "__main__":
+    main()
