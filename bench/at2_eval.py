@@ -1,4 +1,4 @@
-"""Held-out comparison of at2_exact's feature kinds, untrained and trained (issue 27, note §6.2).
+"""Held-out comparison of at2_exact's feature kinds, untrained and trained (docs/context.md, "`at2_exact`").
 
     python bench/at2_eval.py --model smollm2 --weights out/at2/at2_weights.npz --out out/at2_eval \
         --needles 10 --summaries 10 --masks 32 --threads 1
@@ -8,7 +8,7 @@ texts disjoint from the Wikipedia training set), 200-400 tokens, responses gener
 (`at2_train.build_example`, one file each, resumable): every feature kind from one traced pass, the whole
 response as the target unit, and `--masks` held-out removal ablations drawn with ContextCite's generator at
 seeds from LDS_SEED = 10,000 (disjoint from the training masks' 0..31). For each kind x {untrained (1/(L H)),
-trained (the weights file)}: a source's score is w . f(response, source) (AT2's (A1)-(A2)); LDS is
+trained (the weights file)}: a source's score is w . f(response, source) (AT2's estimator); LDS is
 `context_metrics.lds` (Spearman of masks @ scores against the measured logit P(response)), averaged over
 examples; recall@1 on the needles; top-1 and top-3 log-probability drops (removal, natural log, higher is
 better). untrained "attn" is the `attention` method; untrained "logit" ranks sources

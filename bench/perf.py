@@ -14,14 +14,14 @@ the comparisons with other tools in perf_compare.py.)
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
-and ctxmix / sum of parts for `explain`. "pass" is "-" where the issue asks only for a report.
+and ctxmix / sum of parts for `explain`. "pass" is "-" where a row has no goal, only a report.
 
 Everything runs offline on random models built from configs (BERT-base sizes: d=768, d'=3072,
 12 heads, 12 layers), on CUDA when there is one (`--device auto`), else on CPU.
 
 Baselines written here:
 - `value_zeroing_loop`: the official value-zeroing algorithm (Mohebbi et al. 2023, code in
-  hmohebbi/ValueZeroing; notes value-zeroing.md §2.2 and §2.5): one Hugging Face layer call per
+  hmohebbi/ValueZeroing, `scoring/value_zeroing.py`): one Hugging Face layer call per
   zeroed token and layer, a forward hook on the value projection zeroing v_t (bias included) in
   every head, float64 cosine distance to the real layer output, rows normalised.
 - captum's IntegratedGradients called directly on the word embeddings with the same target

@@ -1,4 +1,4 @@
-"""`bench/perf.py --only context`: context attribution's speed and memory on smollm2 (issue 27, point 4).
+"""`bench/perf.py --only context`: context attribution's speed and memory on smollm2.
 (A module of its own: perf.py is over 1,000 lines already; perf.py imports this section from here.)
 
 A fixed ~32-token response (the first words of the first article, given as `response=`, so no

@@ -215,7 +215,7 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
     },
     "grad_x_input": {
         "paper": "Misha Denil, Alban Demiraj, Nando de Freitas 2014; Avanti Shrikumar et al. 2017 (gradient × "
-        "input); signed per-source form: the note's §6.1.",
+        "input); signed per-source form: ctxmix.",
         "formula": "score_s = Σ_{t ∈ span} Σ_{j ∈ s} ⟨∂ log p(r_t) / ∂e_j, e_j⟩, e_j the word embedding: the "
         "first-order effect of scaling the source's embeddings, d/dλ log P(span) at λ = 1.",
         "options": "none (the pass switches to SDPA attention where eager attention's n × n probabilities would "
@@ -227,8 +227,7 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
     },
     "at2_exact": {
         "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
-        "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix "
-        "(the note's §6.2).",
+        "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix.",
         "formula": "score(U, s) = w · f(U, s), f(U, s)_{l,h} = mean_{t ∈ U} Σ_{j ∈ s} F^{l,h}(t, j), w ∈ R^{L·H}, no "
         "bias. F: `attn` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` (default) "
         "A ⟨W_O^h(W_V^h n(x_j) + b_V^h), ρ_t⟩ (head h's share of the `logit` method), `alti` the per-head ALTI "

@@ -1,5 +1,5 @@
-"""Attention flow (ctxmix.methods.flow) against the note's toy oracle, a networkx reference and the
-two-layer closed form (papers/notes/flow-routes.md §2.3-2.5)."""
+"""Attention flow (ctxmix.methods.flow; Abnar & Zuidema 2020, §3) against a toy case worked by hand, a
+networkx reference and the two-layer closed form."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def softmax_attention(L: int, H: int, n: int, seed: int, causal: bool = False, s
 
 
 def nx_flows(ahat: np.ndarray, layer: int, pos: int) -> np.ndarray:
-    """The note's §2.5 reference: the graph written edge by edge, one networkx max-flow per input token."""
+    """A reference: the graph written edge by edge, one networkx max-flow per input token."""
     G = nx.DiGraph()
     n = ahat.shape[-1]
     for l in range(1, layer + 1):
@@ -73,7 +73,7 @@ def test_toy_oracle():
 
 
 def test_super_sink_is_not_attention_flow():
-    """One max-flow to a super-sink joined to every input token is NOT the per-pair flow (§2.2)."""
+    """One max-flow to a super-sink joined to every input token is NOT the per-pair flow."""
     ahat = np.array(TOY_AHAT)
     G = nx.DiGraph()
     for l in (1, 2):
@@ -175,7 +175,7 @@ def test_bad_input(bad, kwargs, match):
 
 
 # ---------------------------------------------------------------------------------------------
-# attention flow on causal models (P-AF6): a caveat on the explanation, left out of the runner's "all"
+# attention flow on causal models (the paper's §5): a caveat on the explanation, left out of the runner's "all"
 # ---------------------------------------------------------------------------------------------
 
 

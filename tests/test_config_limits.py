@@ -1,4 +1,4 @@
-"""Benchmark configs refuse alias bombs and unbounded text before any work (issue 19, item 3): YAML
+"""Benchmark configs refuse alias bombs and unbounded text before any work: YAML
 anchors and aliases are refused on the parser's events, and `validate_config` bounds every string,
 list and mapping of any config, YAML or not, so `bench --check` accepts exactly what a run accepts."""
 

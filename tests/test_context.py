@@ -85,8 +85,8 @@ def test_paragraphs_documents_and_explicit_spans():
 
 
 def test_rebuild_rules():
-    """§1.2: each kept part keeps its own separator, the first kept loses its own; the default keeps the text
-    before the first source and after the last (A7) so that keeping everything gives the context."""
+    """ContextCite's rebuild: each kept part keeps its own separator, the first kept loses its own; the default
+    keeps the text before the first source and after the last so that keeping everything gives the context."""
     s = Sources(text="\nA. B.\n\nC. tail", spans=[(1, 3), (4, 6), (8, 10)], kind="spans")
     assert s.separators == ["\n", " ", "\n\n"] and s.trail == " tail"
     assert s.rebuild([1, 0, 1], "contextcite") == "A.\n\nC."
@@ -98,7 +98,8 @@ def test_rebuild_rules():
 
 
 def test_masks_match_the_official_seeds():
-    """§1.3's test vectors (legacy RandomState, seeds 0..3, d = 10), and the prefix property across d."""
+    """The official `_create_mask`'s vectors (legacy RandomState, seeds 0..3, d = 10), and the prefix property
+    across d."""
     m = cab.contextcite_masks(4, 10)
     rows = ["".join("1" if v else "0" for v in r) for r in m]
     assert rows == ["1111010110", "0100000001", "0010000100", "1101110000"]
@@ -106,8 +107,8 @@ def test_masks_match_the_official_seeds():
 
 
 def test_aggregation_is_stable_where_the_official_overflows():
-    """(C2): logit P from the per-token logit-probs; at log P = -2e-9 the official float32 formula gives +inf
-    (§1.4), the default stays finite and equals -log(-log P) to first order."""
+    """ContextCite's target logit P from the per-token logit-probs; at log P = -2e-9 the official float32
+    formula gives +inf, the default stays finite and equals -log(-log P) to first order."""
     lp = np.array([[-1.0, 0.5, 2.0]])
     P = np.prod(1 / (1 + np.exp(-lp)))
     assert cab.aggregate(lp)[0] == pytest.approx(np.log(P / (1 - P)), rel=1e-12)
@@ -120,7 +121,7 @@ def test_aggregation_is_stable_where_the_official_overflows():
 
 
 def test_lasso_near_zero_alpha_is_least_squares_and_constant_columns_get_zero():
-    """§6.5 item 3: with alpha -> 0 and a full-rank design the rescaled weights are OLS on the raw masks."""
+    """With alpha -> 0 and a full-rank design the rescaled weights are OLS on the raw masks."""
     rng = np.random.RandomState(0)
     X = rng.rand(40, 3) < 0.5
     X = np.concatenate([X, np.ones((40, 1), bool)], 1)
@@ -167,7 +168,7 @@ def test_special_token_text_is_kept_as_text(chat_llama):
 
 def _official_contextcite(model, parts, query, response_text, n_ablations):
     """An independent transcription of MadryLab/context-cite (0e646f5) for given sentence parts: prompt,
-    re-tokenised response, masks, logit-probs, aggregation and LASSO (note §1.1-1.5)."""
+    re-tokenised response, masks, logit-probs, aggregation and LASSO."""
     from sklearn.linear_model import Lasso
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -242,10 +243,10 @@ def test_contextcite_compat_equals_the_official_algorithm(chat_llama, cc_pair):
     assert np.ptp(ref["weights"]) > 0.01  # the fit found something to compare
 
 
-def test_contextcite_default_differs_only_where_the_note_says(cc_pair):
-    """Same masks, prompts, response ids and per-token logit-probs (no text outside the sources, a given
-    response: nothing for A3 / A7 to change); only the aggregation's precision and stability differ, so
-    refitting compat's ablations in the default mode gives the default's scores, and the two fits agree
+def test_contextcite_default_differs_only_in_the_aggregation(cc_pair):
+    """Same masks, prompts, response ids and per-token logit-probs (no text outside the sources, a given response:
+    neither the kept outside text nor the response ids can differ); only the aggregation's precision and stability
+    differ, so refitting compat's ablations in the default mode gives the default's scores, and the two fits agree
     to the float32 rounding of the targets and the LASSO's own tolerance (tol=1e-4 on the duality gap)."""
     compat, default = cc_pair
     assert default.prompt_ids == compat.prompt_ids and default.response_ids == compat.response_ids
@@ -258,8 +259,8 @@ def test_contextcite_default_differs_only_where_the_note_says(cc_pair):
 
 
 def test_contextcite_compat_differs_from_default_around_the_sources(chat_llama):
-    """A7: with text before the first source, compat's rebuild drops it (even with every source kept), the
-    default keeps it; the unablated prompts then differ."""
+    """Text outside the sources: with text before the first source, compat's rebuild drops it (even with every
+    source kept), the default keeps it; the unablated prompts then differ."""
     ctx = "1.\n" + CONTEXT + "\n2."  # "1." and "2." hold no letter: not sources, text around them
     kw = dict(response=RESPONSE, methods=["leave_one_out"], progress=False)
     c = ctxmix.attribute_context(chat_llama, ctx, QUERY, compat=True, **kw)
@@ -270,8 +271,9 @@ def test_contextcite_compat_differs_from_default_around_the_sources(chat_llama):
 
 
 def test_logit_prob_is_log_p_minus_log_1_minus_p(chat_llama, cc_pair):
-    """(C1) for every ablation: the stored value equals log p - log(1 - p) from the model's own softmax over an
-    unbatched, unpadded pass (float64; p ~ 1e-5 here, so log1p(-p) is exact to rounding)."""
+    """ContextCite's per-token logit-probability for every ablation: the stored value equals log p - log(1 - p)
+    from the model's own softmax over an unbatched, unpadded pass (float64; p ~ 1e-5 here, so log1p(-p) is exact to
+    rounding)."""
     from ctxmix.methods.context.prompt import PromptBuilder
 
     _, ca = cc_pair
@@ -405,7 +407,7 @@ def test_save_load_and_frame(tmp_path, cc_pair):
 
 
 def test_generated_response_drops_eos_by_default(llama, monkeypatch):
-    """A3: the generated ids without the end-of-sequence token (default); only EOS -> refused."""
+    """The response ids: the generated ids without the end-of-sequence token (default); only EOS -> refused."""
     from ctxmix.engine import generate as gen
 
     real = gen.generate

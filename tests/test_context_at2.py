@@ -67,7 +67,7 @@ def test_logit_features_sum_to_the_logit_method(tokenizer, family):
     # the same float64 products summed in another order (heads before or after layers): rounding only
     assert np.allclose(got, want, rtol=0, atol=1e-12 * scale)
     assert np.abs(emb).max() > 1e-3 * scale  # the embedding column is really there (the check can fail)
-    # a mean-aggregated span of at2_exact is w . f(unit, source) as AT2's (A1) forms it
+    # a mean-aggregated span of at2_exact is w . f(unit, source) as AT2 aggregates (mean over the unit's tokens)
     F = at2.head_features(m, tr, rows, ids[P:], ("logit",))["logit"]
     a, b = ca.token_range((4, 16))
     f = at2.unit_features(F, ca.source_tokens, [(a, b)])[0]  # (d, K)

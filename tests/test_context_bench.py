@@ -388,7 +388,7 @@ def test_every_context_method_has_a_docs_page():
 
 def test_the_page_default_is_the_best_one_pass_method_of_the_shipped_results():
     """The Context attribution page's default one-pass method is the one with the best mean LDS (the mean of the
-    tasks' means) in the shipped context results, as the page issue asks."""
+    tasks' means) in the shipped context results."""
     import re
 
     import pandas as pd

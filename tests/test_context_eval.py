@@ -160,7 +160,7 @@ def test_lds_is_scipy_spearman_of_summed_kept_scores(ca):
     rng = np.random.default_rng(0)
     masks, s, y = rng.random((30, 5)) < 0.5, np.array([1.0, 1.0, 2.0, 0.0, -1.0]), rng.normal(size=30)
     assert cm.lds(s, masks, y) == pytest.approx(stats.spearmanr(masks @ s, y).statistic, abs=1e-15)
-    # a linear truth: its own weights have LDS 1 (note §6.5 item 8)
+    # a linear truth: its own weights have LDS 1
     w = rng.normal(size=5)
     assert cm.lds(w, masks, masks @ w) == pytest.approx(1.0)
 

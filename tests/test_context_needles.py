@@ -1,4 +1,4 @@
-"""Issue 27's needle check on smollm2 (SmolLM2-135M-Instruct, offline): in 10 fixed needles of
+"""The needle check on smollm2 (SmolLM2-135M-Instruct, offline): in 10 fixed needles of
 `ctxmix.benchmark.context.data` (200-400-token shipped news texts, a fact sentence inserted at a seeded
 boundary), the needle's sentence ranks first for `contextcite` (32 ablations) and for `alti_logit` in at
 least 9 of 10.

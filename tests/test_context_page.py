@@ -1,4 +1,4 @@
-"""Issue 28, the Context attribution page: its ctxmix pieces (extending an attribution, the ablation check,
+"""The Context attribution page: its ctxmix pieces (extending an attribution, the ablation check,
 the views, the figure and the caps) on a tiny random Llama, the page itself in AppTest (tiny model: fast;
 smollm2 on a stored needle: slow), and its exports."""
 

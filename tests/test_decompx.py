@@ -1,6 +1,6 @@
 """DecompX (Modarressi et al., ACL 2023): the parts sum to every layer's real hidden states and to the
 logits on every family with a head rule; the post-LN path equals an independent transcription of the
-official algorithm (the note's reference, on the Hugging Face modules' own weights); the options do
+official algorithm (mohsenfayyaz/DecompX, on the Hugging Face modules' own weights); the options do
 what they say; batched, float32, saved files and refusals."""
 
 import copy
@@ -55,8 +55,8 @@ def test_roberta_classification_head(tokenizer):
 
 
 def _reference_bert(hf, ids) -> np.ndarray:
-    """The official algorithm for BertForSequenceClassification transcribed from the note (§1.3, 1.4,
-    2.1; its reference §1.9) on the Hugging Face modules' own weights: (n_k, C) parts of the logits."""
+    """The official algorithm for BertForSequenceClassification transcribed (its layer rule, its first layer
+    and the classification head) on the Hugging Face modules' own weights: (n_k, C) parts of the logits."""
     emb = hf.bert.embeddings(input_ids=ids)[0]
     X, V = emb, None
     N = X.shape[0]
@@ -111,7 +111,7 @@ def _reference_bert(hf, ids) -> np.ndarray:
 
 
 def test_post_ln_path_equals_the_official_algorithm(tokenizer):
-    """Two layers of BERT, by the note's transcription of the official code: the same (n, C) parts."""
+    """Two layers of BERT, by the transcription of the official code: the same (n, C) parts."""
     m = tiny_model("bert", tokenizer)
     ids = torch.tensor([m.encode_input(TEXT).ids])
     with torch.no_grad():
@@ -325,7 +325,7 @@ def test_the_memory_check_counts_the_measured_peak(tokenizer, monkeypatch, famil
 
 
 def _spread(P, b):
-    """AbsDot (the note's §1.2), written out again: b over each row's pieces P (c, n, D) by |<b, P_k>|."""
+    """AbsDot (DecompX's bias spread), written out again: b over each row's pieces P (c, n, D) by |<b, P_k>|."""
     if b is None:
         return P
     w = torch.einsum("ckd,d->ck", P, b).abs()
@@ -333,7 +333,7 @@ def _spread(P, b):
 
 
 def _norm(P, real, w, b, eps, rms, one_plus=False):
-    """A norm on pieces P (c, n, d) of rows whose real input is `real` (c, d), beta spread (§1.3)."""
+    """A norm on pieces P (c, n, d) of rows whose real input is `real` (c, d), beta spread as DecompX spreads it."""
     gamma = 1 + w if one_plus else w
     if rms:
         return _spread(P / (real.pow(2).mean(-1, keepdim=True) + eps).sqrt()[:, None] * gamma, b)
@@ -342,12 +342,12 @@ def _norm(P, real, w, b, eps, rms, one_plus=False):
 
 
 def _reference_layer(family, layer, cfg, x, A, V):
-    """One pre-LN / sandwich layer by the note's §1.8 rule, from the Hugging Face module's own weights:
-    input pieces V (n, n, d) of the real input x (n, d), attention probabilities A (H, n, n) -> output
-    pieces. LN1 on every attended position's pieces; b_att = sum_h (sum_j alpha) b_V^h W_O^h + b_O spread
-    on attention + residual (the code's prior term; Gemma 2's sandwich: on the attention pieces, before
-    LNa); LN2's beta, the FF's input biases and its output bias each spread where the FF adds them; a
-    gated FF by the zero-baseline IG of act(g) * u (64-node Gauss-Legendre)."""
+    """One pre-LN / sandwich layer by ctxmix's rule for those shapes (`ctxmix.methods.decompx`), from the
+    Hugging Face module's own weights: input pieces V (n, n, d) of the real input x (n, d), attention
+    probabilities A (H, n, n) -> output pieces. LN1 on every attended position's pieces;
+    b_att = sum_h (sum_j alpha) b_V^h W_O^h + b_O spread on attention + residual (the code's prior term; Gemma 2's
+    sandwich: on the attention pieces, before LNa); LN2's beta, the FF's input biases and its output bias each
+    spread where the FF adds them; a gated FF by the zero-baseline IG of act(g) * u (64-node Gauss-Legendre)."""
     at = layer.self_attn
     H, Hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     lin = lambda m, z: z @ m.weight.T + (m.bias if m.bias is not None else 0)  # noqa: E731
@@ -421,7 +421,7 @@ def _spread_rows(P, b):
 )
 def test_where_the_biases_go_beyond_bert(tokenizer, family, changes):
     """Pre-LN (OPT: LayerNorm, every bias), gated pre-LN (Llama with attention and MLP biases, GQA) and
-    sandwich (Gemma 2 with attention biases): layer 2 from given input pieces equals the note's rule
+    sandwich (Gemma 2 with attention biases): layer 2 from given input pieces equals that rule
     transcribed from the Hugging Face modules' own weights, token by token. Completeness holds wherever
     a bias is spread; this pins where: a bias spread on other pieces (the attention alone instead of
     attention + residual, after LNa instead of before, a forgotten spread) moves single tokens' parts."""

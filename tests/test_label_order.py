@@ -1,6 +1,6 @@
-"""The runner checks a dataset's label numbering against a classifier's id2label before any work
-(issue 26, finding 12): accuracy_mask and target: gold read the dataset's label index as the model's
-class index, and MNLI checkpoints, for one, order their classes differently."""
+"""The runner checks a dataset's label numbering against a classifier's id2label before any work:
+accuracy_mask and target: gold read the dataset's label index as the model's class index, and MNLI
+checkpoints, for one, order their classes differently."""
 
 import json
 import sqlite3

@@ -36,7 +36,7 @@ def _hf_layers(model):
 
 
 def _reference_value_zeroing(model, ids):
-    """The official algorithm (Mohebbi et al. code, as in the notes §2.5): one HF layer call
+    """The official algorithm (Mohebbi et al. code, hmohebbi/ValueZeroing): one HF layer call
     per zeroed token, value output hooked to zero v_t (bias included), float64 cosine."""
     with torch.no_grad():
         out = model.hf(torch.tensor([ids]), output_hidden_states=True)
@@ -67,7 +67,8 @@ def test_value_zeroing_matches_official_loop(tokenizer, family):
 
 
 def _reference_alti(model, ids):
-    """ALTI from the notes' reference code (hooks on value and LN1, BERT only)."""
+    """ALTI from a reference after the official code (mt-upc/transformer-contributions): hooks on value and
+    LN1, BERT only."""
     enc = model.hf.base_model.encoder
     cfg = model.hf.config
     Hh, d = cfg.num_attention_heads, cfg.hidden_size
@@ -120,7 +121,7 @@ def test_alti_matches_reference(tokenizer):
 
 
 def test_globenc_matches_reference_formula(tokenizer):
-    """N_Enc from the GlobEnc code's recipe (notes §4), written independently with einsum."""
+    """N_Enc from the GlobEnc code's recipe (its `modeling_bert.py`), written independently with einsum."""
     m = tiny_model("bert", tokenizer)
     ex = ctxmix.explain(m, None, ["norm", "norm_res", "globenc"], input_ids=IDS)
     with torch.no_grad():

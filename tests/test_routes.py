@@ -1,9 +1,9 @@
-"""Information flow routes (Ferrando & Voita 2024): the LM Transparency Tool's value tests (transcribed in
-flow-routes.md §1.11) and the note's derived cases R1/R2; on a tiny random model of every family, the lazy
-top-down routes equal a dense reference written here (every part of every node built one position at a
-time, checked against the node's real vector, then the full graph and its reachability, as the tool);
-at threshold 0 each residual node's incoming weights sum to one; the outputs (frames, networkx, JSON,
-figure) and the refusals."""
+"""Information flow routes (Ferrando & Voita 2024): the LM Transparency Tool's value tests
+(`routes/test_contributions.py`, transcribed) and two cases worked by hand, R1/R2; on a tiny random model of
+every family, the lazy top-down routes equal a dense reference written here (every part of every node built
+one position at a time, checked against the node's real vector, then the full graph and its reachability, as
+the tool); at threshold 0 each residual node's incoming weights sum to one; the outputs (frames, networkx,
+JSON, figure) and the refusals."""
 
 import json
 
@@ -115,7 +115,7 @@ def test_tool_renormalizing_threshold():
     np.testing.assert_allclose(r.numpy(), [0.842105, 1.0], atol=1e-4)
 
 
-# ---------------------------------------------------------------- the note's derived cases
+# ---------------------------------------------------------------- cases worked by hand
 
 
 def _node(P, t, tau, mode):
@@ -127,7 +127,7 @@ def _node(P, t, tau, mode):
 
 
 def test_r1_node_contributions_and_both_modes():
-    """R1 (T = 2, H = 2): dec[pos, key, head] = alpha * vo with the note's vectors."""
+    """R1 (T = 2, H = 2): dec[pos, key, head] = alpha * vo (the paper's Eq. 4)."""
     alpha = [[[1.0, 0.0], [5.0, 1.0]], [[1.0, 0.0], [-1.5, 1.0]]]  # [head][pos][key]
     vo = [[[0.1, 0.1], [0.2, 0.0]], [[0.0, 0.2], [0.1, 0.4]]]  # [head][key]
     P = _attn_parts(alpha, vo, [[0.3, -0.2], [1.0, 0.0]], [[0.4, 0.1], [1.8, 0.6]])

@@ -72,10 +72,10 @@ def test_shipped_embedded_lm_results_rank_the_prediction_methods():
 
 @pytest.mark.parametrize("name", ["embedded", "embedded-lm"])
 def test_check_tolerance_passes_machine_moves_and_fails_a_one_percent_change(name):
-    """`shipped.check_moves`, the end-to-end tests' comparison, on the shipped check scores themselves.
-    Passes: every score moved by 5x the worst move measured between kernel sets (3.2e-5 of its (model,
-    method, metric)'s scale, either sign), and every score moved by 1e-4 of itself (beyond the old rtol, as in
-    issue 26). Fails: each method's numbers scaled by 1.01 (a real regression), for every method with a
+    """`shipped.check_moves`, the end-to-end tests' comparison, on the shipped check scores themselves. Passes:
+    every score moved by 5x the worst move measured between kernel sets (3.2e-5 of its (model, method, metric)'s
+    scale, either sign), and every score moved by 1e-4 of itself (beyond the old rtol, as a rerun on another
+    machine moved one). Fails: each method's numbers scaled by 1.01 (a real regression), for every method with a
     nonzero score, and a score that went missing or became NaN."""
     want = shipped.load_check(name)
     assert shipped.check_moves(want, want).empty

@@ -23,7 +23,7 @@ scales each piece by theta = f(u)/u of the real pre-activation u (the zero-basel
 Gradients closed form; ctxmix takes f'(0) at u = 0 where the code divides by u + 1e-12); "tangent"
 (GeLU_LA) uses the slope f'(u) and spreads the intercept f(u) - f'(u) u by AbsDot.
 
-Other shapes follow the same rules (derived, the note's §1.8; each has its completeness test):
+Other shapes follow the same rules (derived here, not in the paper; each has its completeness test):
 pre-LN h = x + ATTN(LN1 x), y = h + FF(LN2 h): LN1 acts on every attended position's pieces with its
 real scale; parallel (GPT-NeoX, Phi-1/2) y = x + ATTN(LN1 x) + FF(LN2 x); sandwich (Gemma 2/3) with
 LNa and LNf on the blocks' outputs; RMSNorm is LayerNorm without centring and without beta (Gemma's

@@ -4,7 +4,7 @@ The layered attention graph has a node (l, i) for every layer l = 0..L (0 = inpu
 position i, and an edge (l, i) -> (l-1, j) of capacity Â^l[i, j] = r·δ_ij + (1-r)·mean_h A^{l,h}[i, j]
 (r = `residual`, 0.5 in the paper). The attention flow from node (l, i) to input token j is the
 value of ONE maximum flow from (l, i) to (0, j), computed separately for every j, then normalised
-over j (the official code's `compute_flows`; papers/notes/flow-routes.md §2.1-2.2). One max-flow to a
+over j (the paper's §3, "Attention flow"; the official code's `compute_flows`). One max-flow to a
 super-sink joined to all the inputs is a different quantity (its total is 1, the per-pair flows
 sum to more, and its per-sink shares are not unique): do not "optimise" the per-pair flows into one.
 
@@ -46,9 +46,9 @@ _COST_EXP = 3.04
 _COST_L_EXP = 1.90
 FLOW_ROW_SECONDS = 60.0  # what "too slow" means for pages and the benchmark runner
 
-# P-AF6 (papers/notes/flow-routes.md): the paper defines and evaluates attention flow on encoders
-# only, and warns (§5) that on decoders flow and rollout favour early tokens, asking for a
-# normalisation "based on the receptive field" without a formula; ctxmix shows the raw values.
+# The paper defines and evaluates attention flow on encoders only, and warns (§5) that on decoders
+# flow and rollout favour early tokens, asking for a normalisation "based on the receptive field"
+# without a formula; ctxmix shows the raw values.
 CAUSAL_CAVEAT = (
     "attention flow on a causal model: Abnar & Zuidema define and evaluate it on encoders only. Under a "
     "causal mask token i reaches only tokens 0..i, so flow (like rollout) is biased towards early tokens, "
@@ -65,7 +65,8 @@ def augmented_attention(attention: np.ndarray, residual: float = 0.5) -> np.ndar
 
     attention: post-softmax weights (L, H, n, n) or already head-averaged (L, n, n); row i = query
     (output position), column j = key; rows must sum to 1 (within ROW_SUM_TOL: crop padding first).
-    residual: weight of the identity (the paper's 0.5, P-AF8), in [0, 1].
+    residual: weight of the identity (the paper's 0.5, a heuristic: identity and attention weighed
+    equally), in [0, 1].
 
     The official code computes (Ā + I) / rowsum(Ā + I), which equals 0.5·Ā + 0.5·I exactly when the
     rows of Ā sum to 1 (post-softmax attention); this function uses the paper's formula and does not
@@ -157,13 +158,13 @@ def attention_flow(
     """Attention flow (L, n, n): [l, i, j] = max-flow from node (layer l+1, position i) to input token j.
 
     attention: (L, H, n, n) post-softmax (rows = query) or head-averaged (L, n, n); see
-    `augmented_attention` for the capacities and `residual`. Each value is ONE maximum flow per
-    (source node, input token) pair in the graph of layers 1..l+1 (not a super-sink flow: §2.2 of
-    papers/notes/flow-routes.md), then, with normalise=True, each row is divided by its sum over j (the
-    official code's normalisation). normalise=False returns the raw flows (each <= 1; many saturate
-    at 1 in deep models, P-AF3: report them beside the normalised ones). With rows summing to 1 every
-    row of raw flows sums to at least 1 (the super-sink flow: pushing each node's inflow down in
-    proportion to Â fits every capacity), so normalising never divides by 0.
+    `augmented_attention` for the capacities and `residual`. Each value is ONE maximum flow per (source
+    node, input token) pair in the graph of layers 1..l+1 (not a super-sink flow: see the module
+    docstring), then, with normalise=True, each row is divided by its sum over j (the official code's
+    normalisation). normalise=False returns the raw flows (each <= 1; many saturate at 1 in deep models,
+    so ranks tie: report them beside the normalised ones). With rows summing to 1 every row of raw flows
+    sums to at least 1 (the super-sink flow: pushing each node's inflow down in proportion to Â fits
+    every capacity), so normalising never divides by 0.
 
     rows: the output positions i to compute (negative counts from the end); default None = every
     position. Entries of rows (and layers) not computed are NaN. By default ctxmix computes only the
@@ -212,7 +213,7 @@ def attention_flow(
 
 
 def flow_warnings(causal: bool) -> list[str]:
-    """The caveats an explanation by attention flow carries: the paper's one for causal models (P-AF6)."""
+    """The caveats an explanation by attention flow carries: the paper's one for causal models (its §5)."""
     return [CAUSAL_CAVEAT] if causal else []
 
 

@@ -277,7 +277,7 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
 METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}  # every method
 
 
-# Context attribution (`ctxmix.attribute_context`, papers/notes/context-attribution.md): which sources of a
+# Context attribution (`ctxmix.attribute_context`, docs/context.md): which sources of a
 # context made a causal LM generate its response. Its own group, never merged into METHODS: `logit` and
 # `attention` here are the one-pass source scores built from explain's methods of the same names.
 CONTEXT_METHODS: dict[str, MethodInfo] = {
@@ -313,7 +313,7 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "grad_x_input",
             "context",
             "Gradient x input (per source)",
-            "Shrikumar et al. 2017; Denil et al. 2014 (signed, the note's §6.1)",
+            "Shrikumar et al. 2017; Denil et al. 2014 (signed)",
             doc="<d log p(r_t) / d e_j, e_j> for each response token and word embedding e_j, signed, summed over "
             "a source's tokens and the span's tokens (stored per token: a span needs no new pass). A source's score "
             "is the first-order effect of scaling its embeddings towards zero; not a decomposition of log p.",
@@ -357,7 +357,7 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "at2_exact",
             "context",
             "AT2 on exact per-head features",
-            "Cohen-Wang, Chuang, Madry 2025 (AT2); ctxmix exact features (note §6.2)",
+            "Cohen-Wang, Chuang, Madry 2025 (AT2); ctxmix exact features",
             doc="AT2's learned linear estimator, w . f(unit, source) over the L x H heads, with ctxmix's exact "
             "per-head contributions as features: 'logit' (default: each head's logit contribution towards the "
             "response token's log-probability), 'attn' (AT2's raw attention), 'norm' (attention x value-vector norm) "

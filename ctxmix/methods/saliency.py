@@ -4,11 +4,11 @@ The target scalar is the softmax probability of the target class (classifiers) o
 target token at `position` (language models), as the ALTI and GlobEnc code use; CAT and
 AttCAT use the logit, as the AttCAT code does. Gradients are taken with respect to the word
 embeddings (`get_input_embeddings()`, grad_at="word", the default: position and segment embeddings
-stay fixed; GlobEnc's notes recommend it) or, with grad_at="embedding_output", with respect to
-layer 0's input (after BERT's embedding LayerNorm), where the ALTI code differentiates and value
-zeroing's code reads its input (configs alti-table2 and value-zeroing-table3 use it). Every
-forward pass reads the sequence's token_type_ids (`Trace.type_ids_kwargs`), so a sentence pair
-is explained as the model reads it.
+stay fixed; GlobEnc's Eq. 17 does not say which embedding e_i is) or, with
+grad_at="embedding_output", with respect to layer 0's input (after BERT's embedding LayerNorm),
+where the ALTI code differentiates and value zeroing's code reads its input (configs alti-table2 and
+value-zeroing-table3 use it). Every forward pass reads the sequence's token_type_ids
+(`Trace.type_ids_kwargs`), so a sentence pair is explained as the model reads it.
 """
 
 from __future__ import annotations

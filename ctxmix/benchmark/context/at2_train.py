@@ -1,22 +1,23 @@
-"""Training `at2_exact`'s per-head weights (`papers/notes/context-attribution.md` §3.4, §6.2; `ctxmix at2-train`).
+"""Training `at2_exact`'s per-head weights as AT2 trains its estimator (Cohen-Wang et al. 2025, "Learning to
+Attribute with Attention"; docs/context.md, "`at2_exact`"; `ctxmix at2-train`).
 
 Training set, offline and disjoint from the evaluation's texts (the benchmark and the held-out comparison use
 gensim's Lee background news; training uses the English Wikipedia extract shipped in gensim's test data,
-`wiki_paragraphs`): needles (a fact sentence written for training, `TRAIN_NEEDLES`, none of them the
-benchmark's, inserted at a drawn sentence boundary of Wikipedia sentences, and its question) and summaries
-("Summarize the article in one sentence."), alternating, contexts of a drawn length in [min, max] tokens. Per
-example (`build_example`): the response generated greedily; one traced pass over prompt + response gives
-every feature kind (`ctxmix.methods.context.at2.head_features`), aggregated per (unit, source) as AT2's (A1),
-the units being the response's sentences; n_masks masks (ContextCite's seeds 0..n-1, True = kept) labelled by
-REMOVAL: the sources deleted from the text, the prompt re-tokenised, the fixed response ids appended
-(`methods.context.ablation._ablated`, the path of ContextCite and the metrics), the per-token logit-probabilities
-stored. AT2's own "remove" path reads the wrong rows (note §3.6) and AT2 trains on attention-masking labels;
-these labels are the counterfactual the benchmark's LDS measures. One .npz per example: a killed run resumes
-and skips finished examples.
+`wiki_paragraphs`): needles (a fact sentence written for training, `TRAIN_NEEDLES`, none of them the benchmark's,
+inserted at a drawn sentence boundary of Wikipedia sentences, and its question) and summaries ("Summarize the
+article in one sentence."), alternating, contexts of a drawn length in [min, max] tokens. Per example
+(`build_example`): the response generated greedily; one traced pass over prompt + response gives every feature kind
+(`ctxmix.methods.context.at2.head_features`), aggregated per (unit, source) as AT2 aggregates (the mean over the
+unit's tokens of the sum over the source's tokens), the units being the response's sentences; n_masks masks
+(ContextCite's seeds 0..n-1, True = kept) labelled by REMOVAL: the sources deleted from the text, the prompt
+re-tokenised, the fixed response ids appended (`methods.context.ablation._ablated`, the path of ContextCite and the
+metrics), the per-token logit-probabilities stored. AT2's own "remove" path reads the original target rows of the
+shortened sequence (the wrong rows) and AT2 trains on attention-masking labels; removal labels are the counterfactual
+the benchmark's LDS measures. One .npz per example: a killed run resumes and skips finished examples.
 
-Fit (`fit`), per feature kind, as AT2's trainer: mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) (A3),
-prediction w . X, loss -Pearson over the masks (population std, 1e-8 in the denominator) averaged over a batch
-of up to 512 examples drawn without replacement, one random target unit each; Adam lr 1e-3,
+Fit (`fit`), per feature kind, as AT2's trainer: mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) (AT2's +-1
+coding of the masks), prediction w . X, loss -Pearson over the masks (population std, 1e-8 in the denominator)
+averaged over a batch of up to 512 examples drawn without replacement, one random target unit each; Adam lr 1e-3,
 CosineAnnealingLR(T_max=steps), gradient norm clipped at 1.0, w initialised at 1/(L H), float32; seeded (AT2's
 trainer has no seed); w L1-normalised at the end. The target of a unit is ContextCite's logit P(unit) (stable
 aggregation, `methods.context.ablation.aggregate`).
@@ -265,7 +266,7 @@ class FitData:
 
 
 def fit_data(examples: list[dict], kind: str) -> FitData:
-    """(A3) X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v)."""
+    """AT2's mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v)."""
     from ctxmix.methods.context.ablation import aggregate
 
     Xs, ys = [], []
@@ -388,7 +389,7 @@ def add_at2_arguments(s) -> None:
     s.add_argument("--examples", type=int, default=120, help="training examples (needles and summaries alternate)")
     s.add_argument("--masks", type=int, default=32, help="removal ablations per example (ContextCite's seeds 0..n-1)")
     s.add_argument("--min-tokens", type=int, default=200, help="shortest context (tokens)")
-    s.add_argument("--max-tokens", type=int, default=400, help="longest context (tokens; the issue's bound is ~400)")
+    s.add_argument("--max-tokens", type=int, default=400, help="longest context (tokens; ~400 keeps a CPU run short)")
     s.add_argument("--max-new-tokens", type=int, default=48, help="longest greedy response")
     s.add_argument("--steps", type=int, default=1000, help="optimiser steps per feature kind")
     s.add_argument("--seed", type=int, default=0, help="examples' draws and the trainer's sampler")

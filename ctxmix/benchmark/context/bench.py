@@ -1,5 +1,5 @@
-"""Context attribution's offline benchmark (issue 27, Evaluation point 3): `configs/context.yaml` read by
-`load_context_config`, run by `run_context_benchmark`.
+"""Context attribution's offline benchmark: `configs/context.yaml` read by `load_context_config`, run by
+`run_context_benchmark`.
 
     from ctxmix.benchmark.context.bench import load_context_config, run_context_benchmark
     table = run_context_benchmark(load_context_config("configs/context.yaml"), limit=2)

@@ -1,5 +1,5 @@
-"""Offline examples for context attribution's benchmark (issue 27, `papers/notes/context-attribution.md` §5):
-needles, summaries and documents built from gensim's shipped Lee background news texts, seeded and fixed.
+"""Offline examples for context attribution's benchmark (docs/context.md, "The benchmark"): needles,
+summaries and documents built from gensim's shipped Lee background news texts, seeded and fixed.
 
 - **needles** (`needle_examples`): a fact sentence written for the example ("The code for the staff
   entrance is 4817.") inserted at a seeded sentence boundary of news texts joined to a seeded length; the
@@ -237,11 +237,13 @@ def document_examples(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the papers' datasets (note §5), from the Hugging Face hub: need network access (or the `datasets` cache)
+# the papers' datasets (ContextCite's Fig. 4), from the Hugging Face hub: they need network access (or the
+# `datasets` cache)
 
-CNN_DM_QUERY = "Summarize the article in up to three sentences."  # AT2's notebooks and tests (note §5)
-# task -> (hub id, config, default split): the note's §5 table (its ids cnn_dailymail, hotpot_qa and tydiqa, as the
-# hub now spells them under their owners; the bare names were script datasets, which datasets >= 3 no longer runs)
+CNN_DM_QUERY = "Summarize the article in up to three sentences."  # AT2's notebooks and tests
+# task -> (hub id, config, default split): the datasets the papers' code loads (cnn_dailymail, hotpot_qa, tydiqa),
+# as the hub now spells them under their owners (the bare names were script datasets, which datasets >= 3 no
+# longer runs)
 HUB = {
     "cnn_dm": ("abisee/cnn_dailymail", "3.0.0", "validation"),
     "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation"),

@@ -1,19 +1,20 @@
-"""Faithfulness of context attribution (`papers/notes/context-attribution.md` §2, A1, A4): each metric a
-`Metric` with its direction, the pure functions behind them, and `evaluate_context`, which measures them on
-one `ContextAttribution` (`ContextAttribution.evaluate`).
+"""Faithfulness of context attribution (ContextCite's top-k log-probability drop and linear datamodeling
+score, Cohen-Wang et al., NeurIPS 2024; docs/context.md, "Evaluation"): each metric a `Metric` with its
+direction, the pure functions behind them, and `evaluate_context`, which measures them on one
+`ContextAttribution` (`ContextAttribution.evaluate`).
 
-- ``topk_drop@k`` (§2.1, E1; higher is better): log P(S | context) - log P(S | context without the k
+- ``topk_drop@k`` (higher is better): log P(S | context) - log P(S | context without the k
   highest-scoring sources), natural log, S the response (or a span of it) teacher-forced after the
   unablated response prefix; the baseline is the unablated context, not a surrogate's prediction.
   Sources ranked by descending score, ties by the earlier source, NaN scores last (`top_order`). NaN for
-  k >= d (removing every source says nothing about the ranking; the note's "skip k >= d").
-- ``lds`` (§2.2, E2; higher is better): Spearman (scipy, average ranks) over m held-out masks v_j ~
+  k >= d (removing every source says nothing about the ranking).
+- ``lds`` (higher is better): Spearman (scipy, average ranks) over m held-out masks v_j ~
   Bernoulli(keep_prob)^d of the prediction <scores, v_j> (the sum of the kept sources' scores) against the
-  measured logit P(S | context ablated by v_j) (stable aggregation, float64, for every method alike: A4).
-  The held-out masks are ContextCite's generator (`RandomState(seed + j)`) at seeds disjoint from the
-  attribution's own (seed .. seed + n_ablations - 1): by default from LDS_SEED = 10,000 (the note's
-  recommendation), or from the first seed after ContextCite's when those reach it. Masks can still repeat
-  a training mask by chance when d is small (2^d possible masks): disjoint seeds, not disjoint masks.
+  measured logit P(S | context ablated by v_j) (stable aggregation, float64, the same target for every
+  method). The held-out masks are ContextCite's generator (`RandomState(seed + j)`) at seeds disjoint from
+  the attribution's own (seed .. seed + n_ablations - 1): by default from LDS_SEED = 10,000, or from the
+  first seed after ContextCite's when those reach it. Masks can still repeat a training mask by chance when
+  d is small (2^d possible masks): disjoint seeds, not disjoint masks.
   NaN, with a note, where a method scores every source the same (the prediction is then a multiple of
   the number of kept sources: it ranks no source above another, so its Spearman would measure only how
   much context was kept: our departure from the bare formula), where a score is not finite, or where the
@@ -43,8 +44,8 @@ from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contex
 
 DEFAULT_K = (1, 3, 5)
 RECALL_K = (1, 3)
-LDS_SEED = 10_000  # the note's §2.2: held-out masks from seeds disjoint from ContextCite's 0..n-1
-DEFAULT_HELDOUT = 100  # m = 100 held-out masks (§2.2)
+LDS_SEED = 10_000  # held-out masks from seeds disjoint from ContextCite's 0..n-1
+DEFAULT_HELDOUT = 100  # m = 100 held-out masks
 
 
 def context_metric(name: str) -> Metric:
@@ -57,7 +58,7 @@ def context_metric(name: str) -> Metric:
             True,
             (-1.0, 1.0),
             "Spearman over held-out random ablations of the summed kept sources' scores against the measured "
-            "logit P(response); NaN for a method scoring every source the same (note §2.2).",
+            "logit P(response); NaN for a method scoring every source the same.",
             "context",
         )
     if kind in ("topk_drop", "recall") and k.isdigit() and int(k) >= 1:
@@ -67,8 +68,7 @@ def context_metric(name: str) -> Metric:
                 f"Top-{k} log-probability drop",
                 True,
                 (-math.inf, math.inf),
-                f"log P(response | context) - log P(response | context without the top-{k} sources), natural log "
-                "(note §2.1).",
+                f"log P(response | context) - log P(response | context without the top-{k} sources), natural log.",
                 "context",
             )
         return Metric(
@@ -104,7 +104,7 @@ def without_top(scores, k: int) -> np.ndarray:
 
 
 def topk_drop(full_log_prob: float, reduced_log_prob: float) -> float:
-    """(E1): log P(S | context) - log P(S | context without the top k)."""
+    """The top-k drop: log P(S | context) - log P(S | context without the top k)."""
     return float(full_log_prob) - float(reduced_log_prob)
 
 
@@ -119,7 +119,7 @@ def lds_reason(scores) -> str | None:
 
 
 def lds(scores, masks, measured) -> float:
-    """(E2): Spearman of masks (m, d) @ scores (d,) against measured (m,); NaN where `lds_reason` says, or
+    """LDS: Spearman of masks (m, d) @ scores (d,) against measured (m,); NaN where `lds_reason` says, or
     where either side is constant over the masks."""
     from scipy import stats
 

@@ -1,33 +1,32 @@
-"""Ablation methods of context attribution: ContextCite and leave-one-out
-(`papers/notes/context-attribution.md` §1, §6.3, §6.4).
+"""Ablation methods of context attribution: ContextCite and leave-one-out (docs/context.md).
 
-Every ablation removes sources from the context *text* (the "remove" counterfactual, §6.3 item 3),
-rebuilds and re-tokenises the prompt, appends the fixed response ids, and reads the response's
-per-token logit-probabilities l_t = z_{r_t} - logsumexp_{v != r_t} z_v = log p_t - log(1 - p_t)
-(ContextCite's (C1), formed without 1 - p_t, so stable) from one forward pass. Passes are batched
-(sorted by length, right-padded: see `response_logit_probs` for why not left), with explicit position
-ids, and form only the rows' logits that hold the response (HF's `logits_to_keep`), taken in float32 or
-the model's float64.
+Every ablation removes sources from the context *text* (the "remove" counterfactual, as ContextCite's; not AT2's
+attention masking: docs/context.md, "Choices where the papers leave room"), rebuilds and re-tokenises the prompt,
+appends the fixed response ids, and reads the response's per-token logit-probabilities
+l_t = z_{r_t} - logsumexp_{v != r_t} z_v = log p_t - log(1 - p_t) (ContextCite's per-token logit-probability,
+formed without 1 - p_t, so stable) from one forward pass. Passes are batched (sorted by length, right-padded: see
+`response_logit_probs` for why not left), with explicit position ids, and form only the rows' logits that hold the
+response (HF's `logits_to_keep`), taken in float32 or the model's float64.
 
-ContextCite (Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024; official code MadryLab/context-cite):
-masks i.i.d. Bernoulli(keep_prob) drawn as the official code draws them
-(`RandomState(seed + i).choice([False, True], size=d, p=[1 - keep, keep])`, True = keep); target
-y = logit P(span) aggregated from the span's l_t; LASSO (alpha 0.01, intercept, random_state 0) on
-standardised masks with y divided by the span's token count T and the weights rescaled back (w =
-coef / scale * T; the effective penalty on the original scale is alpha * T, §1.5). Where ctxmix's
-default differs from the official package (`compat=True` reproduces it):
+ContextCite (Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024; official code MadryLab/context-cite): masks i.i.d.
+Bernoulli(keep_prob) drawn as the official code draws them (`RandomState(seed + i).choice([False, True], size=d,
+p=[1 - keep, keep])`, True = keep); target y = logit P(span) aggregated from the span's l_t; LASSO (alpha 0.01,
+intercept, random_state 0) on standardised masks with y divided by the span's token count T and the weights
+rescaled back (w = coef / scale * T; the effective penalty on the original scale is alpha * T). Where ctxmix's
+default differs from the official package (`compat=True` reproduces it; docs/context.md, "Choices where the papers
+leave room"):
 
 - the aggregation y = log P - log(1 - P) uses a stable log(1 - P) (log(-expm1(log P)) near P = 1), in
   float64; the official float32 `log1p(-exp(log P))` overflows to +inf when P rounds to 1, and the
   LASSO then fails (compat reproduces the float32 arithmetic and refuses an infinite target, saying so);
-- the text before the first source and after the last is kept (the note's A7; the official rebuild
-  drops it even for the full context): `Sources.rebuild`;
-- the response ids are the generated ids without the end-of-sequence token (A3): `methods.context.prompt`;
+- the text before the first source and after the last is kept (the official rebuild drops it even for
+  the full context): `Sources.rebuild`;
+- the response ids are the generated ids without the end-of-sequence token: `methods.context.prompt`;
 - masks, logit-probabilities and the fit are float64 (the official code fits float32 masks and targets).
 
 Leave-one-out: one pass with every source and one per removed source (d + 1 passes); a source's score
 is log P(span | context) - log P(span | context without it), natural log, positive when the source
-makes the span more likely (the top-k drop of §2.1 with k = 1 on that source).
+makes the span more likely (ContextCite's top-k drop with k = 1 on that source).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def log_probs(logit_probs: np.ndarray) -> np.ndarray:
 
 
 def aggregate(logit_probs: np.ndarray, compat: bool = False) -> np.ndarray:
-    """ContextCite's (C2) target y = logit P(span) from per-token logit-probs (m, T) -> (m,).
+    """ContextCite's target y = logit P(span) from per-token logit-probs (m, T) -> (m,).
     compat: the official float32 torch arithmetic (infinite when P rounds to 1 in float32)."""
     if compat:
         t = torch.tensor(np.asarray(logit_probs, dtype=np.float32))
@@ -156,7 +155,7 @@ def response_logit_probs(
         first = width - logits.shape[1]  # the position of the first kept row
         rows = torch.stack([torch.arange(n - T - 1, n - 1) - first for n in lens]).to(logits.device)  # (B, T)
         z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
-        z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (A19)
+        z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (bf16 models too)
         r = torch.tensor(response_ids, device=z.device).expand(len(idx), T)[..., None]
         correct = z.gather(-1, r)[..., 0]
         other = z.scatter(-1, r, -torch.inf).logsumexp(-1)

@@ -1,6 +1,5 @@
 """`at2_exact`: AT2's learned linear estimator (Cohen-Wang, Chuang, Madry 2025) with ctxmix's exact per-head
-source contributions as features in place of raw attention weights (`papers/notes/context-attribution.md`
-§3.2-3.4, §6.2).
+source contributions as features in place of raw attention weights (docs/context.md, "`at2_exact`").
 
 Features. For head (l, h), the row q_t that predicts response token t and a position j, from one traced pass
 (shapes: T response rows, L layers, H query heads, n positions):
@@ -16,9 +15,9 @@ Features. For head (l, h), the row q_t that predicts response token t and a posi
   q_t, normalised per node, as information-flow routes compute it (`ctxmix.methods.routes.attention_importance`,
   p = 1, eps = 1e-5, b_V unattributed), at the response rows only.
 
-Aggregation (AT2's (A1)): f(u, s)_{l,h} = (1/|u|) sum_{t in u} sum_{j in s} F^{l,h}(t, j): the mean over the
-target unit's tokens, the sum over the source's tokens. Estimator (A2): score(u, s) = w . f(u, s), w in R^{L H},
-no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_exact's per_token (T, P + T) is
+Aggregation (AT2's): f(u, s)_{l,h} = (1/|u|) sum_{t in u} sum_{j in s} F^{l,h}(t, j): the mean over the target
+unit's tokens, the sum over the source's tokens. Estimator (AT2's, linear): score(u, s) = w . f(u, s),
+w in R^{L H}, no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_exact's per_token (T, P + T) is
 sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens of the per-source sums
 (`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
 
@@ -149,7 +148,7 @@ def source_matrix(source_tokens: list[list[int]], n: int) -> np.ndarray:
 
 
 def unit_features(F: np.ndarray, source_tokens: list[list[int]], units: list[tuple[int, int]]) -> np.ndarray:
-    """AT2's (A1): F (T, L, H, n) -> (U, d, L H) float32, the mean over each unit's rows a..b-1 of the sum
+    """AT2's aggregation: F (T, L, H, n) -> (U, d, L H) float32, the mean over each unit's rows a..b-1 of the sum
     over each source's positions."""
     T, L, H, n = F.shape
     per_row = F.reshape(T, L * H, n) @ source_matrix(source_tokens, n)  # (T, LH, d)

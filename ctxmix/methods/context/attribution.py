@@ -1,5 +1,5 @@
 """`attribute_context`: which sources of a context made a causal language model say this
-(`papers/notes/context-attribution.md`), and its result, `ContextAttribution`.
+(docs/context.md), and its result, `ContextAttribution`.
 
     ca = ctxmix.attribute_context(model, context, "What is the code?", methods=["logit", "contextcite"])
     ca.top("contextcite", 3)          # [(source index, score, text), ...]
@@ -347,8 +347,8 @@ def attribute_context(
     from `ctxmix at2-train`, or "untrained" (uniform)). compat=True reproduces the
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
-    aggregation that overflows on confident spans); the default differs there as the note's §7
-    recommends (`ctxmix.methods.context.ablation`).
+    aggregation that overflows on confident spans); the default differs there (docs/context.md, "Choices
+    where the papers leave room"; `ctxmix.methods.context.ablation`).
 
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",

@@ -6,8 +6,8 @@ For response token r_t, predicted by row q_t, the contribution of input position
 
 with e_j the word embedding of position j (the input embedding module's output; position embeddings and
 everything after stay as the model computes them; explain's `grad_at="word"`). Signed, summed over the
-embedding dimensions (the note's §6.1 table), unlike explain's `grad_x_input`, which is the L2 norm of
-the product for one token's probability (GlobEnc's saliency).
+embedding dimensions, unlike explain's `grad_x_input`, which is the L2 norm of the product for one token's
+probability (GlobEnc's saliency).
 
 How a span is scored: the per-token rows g_t (T, n) are stored, from one forward pass and T backward
 passes through it (the graph kept between them), so that `scores_for(span)` sums the span's rows with no

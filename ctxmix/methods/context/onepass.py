@@ -1,4 +1,4 @@
-"""One-pass context attribution from ctxmix's engine (`papers/notes/context-attribution.md` §6.1).
+"""One-pass context attribution from ctxmix's engine (docs/context.md, "The target of the one-pass methods").
 
 Each response token r_t (at position p_t) is explained at the row that predicts it, q_t = p_t - 1,
 from one traced forward pass over prompt + response; only those T rows are decomposed (the ALTI maps
@@ -24,7 +24,7 @@ target (`target=`, `ctxmix.methods.readout.target_readout`, the same as `explain
 What no token gets is kept per token in `terms` (attention output bias and MLP summed over layers,
 final-norm beta, unembedding bias, -H; on a soft-capped model the pre-cap logit is decomposed and
 "softcap" holds the rest), so the tokens' sum plus the terms is the target. A span's source score is
-the sum of its tokens' contributions over the span's target tokens (S2).
+the sum of its tokens' contributions over the span's target tokens.
 
 `alti_logit` (Ferrando et al. 2023): layer l's D^l traced back to the input tokens through the ALTI maps
 of the layers below, sum_l D^l C^{l-1} ... C^0 (explain's `alti_logit` per row), evaluated top-down in
@@ -38,7 +38,7 @@ row is all zero (explain's "untraced", summed over layers).
 
 `attention` (AT2's raw-attention baseline, its untrained estimator; Cohen-Wang et al. 2025): the
 attention weight of row q_t on each position averaged over every layer and head; a span's score is
-the mean over its tokens (AT2's (A1)), a source's the sum over its tokens. Shares, not signed amounts.
+the mean over its tokens (as AT2 aggregates), a source's the sum over its tokens. Shares, not signed amounts.
 
 All three are read in one loop over the layers (top-down) of one trace: methods asked together share it,
 and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`.

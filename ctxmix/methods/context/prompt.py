@@ -1,5 +1,5 @@
-"""The prompt and the response of a context attribution (`papers/notes/context-attribution.md` §1.1,
-§6.4 items 1, 5, 6, 10).
+"""The prompt and the response of a context attribution (docs/context.md, "The prompt, the sources, the
+response").
 
 The user message is `PLAIN_FORMAT` ("Context: {context}\\n\\nQuery: {query}", ContextCite's and AT2's),
 or the context alone when there is no query (a continuation, or an instruction the caller placed in the
@@ -16,7 +16,7 @@ special token is then refused (the official package would parse it as one).
 
 The response (default): the generated ids without a trailing end-of-sequence token, or the given text
 tokenised on its own (special tokens not parsed). compat=True: the official re-tokenisation of prompt text
-+ decoded response, end-of-sequence included (§1.1; the note's A3).
++ decoded response, end-of-sequence included (docs/context.md, "Choices where the papers leave room").
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class Response:
 
 
 def _incremental_offsets(tok, ids: list[int]) -> tuple[str, np.ndarray]:
-    """The decoded text of ids and each token's span in it (decoding growing prefixes, §6.4 item 10)."""
+    """The decoded text of ids and each token's span in it (decoding growing prefixes of the ids, not
+    re-tokenising the text)."""
     text = tok.decode(ids)
     ends, prev = [], 0
     for k in range(len(ids)):

@@ -1,20 +1,20 @@
 """The sources of a context: how a context is split (sentences, paragraphs, documents, or given
 character spans), how an ablated context is rebuilt from the kept sources, and which prompt tokens
-belong to which source (`papers/notes/context-attribution.md` §1.2, §6.1 item 3, §6.4 items 1-3).
+belong to which source (docs/context.md, "The prompt, the sources, the response").
 
 A context is one string; a list of documents is joined with `DOCUMENT_SEPARATOR`. A source is a
 character span (start, end) of that string with no surrounding whitespace. The text before a source
 and after the previous one is its *separator* (ContextCite's rule: each source carries the separator
 that precedes it); the text after the last source is the *trail*.
 
-Rebuilding the context for a keep-mask v (§1.2):
+Rebuilding the context for a keep-mask v:
 
 - `rule="contextcite"` (the official package): kept parts joined as part_{k1} + sep_{k2} + part_{k2}
   + ..., i.e. the first kept part loses its separator and every other kept part keeps its own; the
   text before the first source and after the last is dropped even when everything is kept.
-- `rule="ctxmix"` (default, the note's A7): the same, except that the text before the first source
-  (the first separator) and the trail are kept as fixed, non-ablatable context padding, so that
-  rebuilding with every source kept gives the context exactly.
+- `rule="ctxmix"` (default; docs/context.md, "Choices where the papers leave room"): the same, except that the
+  text before the first source (the first separator) and the trail are kept as fixed, non-ablatable context
+  padding, so that rebuilding with every source kept gives the context exactly.
 
 Sentences come from pysbd (rule-based, offline; `SPLITTER`), split per line first as ContextCite
 and AT2 do, so a sentence never crosses a newline; a part with no letter (a list number "1.", a
@@ -33,13 +33,13 @@ from ctxmix.errors import BadInput
 DOCUMENT_SEPARATOR = "\n\n"
 SOURCE_KINDS = ("sentence", "paragraph", "document")
 
-# per-token labels of a prompt: a source's index (>= 0) or one of these buckets (§6.1 item 2)
+# per-token labels of a prompt: a source's index (>= 0) or one of these buckets (never sources, never dropped)
 TEMPLATE, QUERY, SEPARATOR = -1, -2, -3
 BUCKETS = {TEMPLATE: "template", QUERY: "query", SEPARATOR: "separators"}
 
 
 def splitter_info() -> dict:
-    """The sentence splitter's name and version (they change the sources, hence every number: §6.4 item 3)."""
+    """The sentence splitter's name and version (they change the sources, hence every number)."""
     try:
         from importlib.metadata import version
 
