@@ -130,11 +130,11 @@ def test_tf32_switches_set_and_restore_what_a_rebuild_runs_under():
     from ctxmix.engine.precision import tf32_now, tf32_switches
 
     before = tf32_now()
-    with tf32_switches((True, False), "cuda"):
-        assert tf32_now() == (True, False)
-        with tf32_switches((False, True), "cuda"):  # nested inside engine_precision: the lock is re-entrant
-            assert tf32_now() == (False, True)
-        assert tf32_now() == (True, False)
+    with tf32_switches(True, "cuda"):
+        assert tf32_now() is True
+        with tf32_switches(False, "cuda"):  # nested inside engine_precision: the lock is re-entrant
+            assert tf32_now() is False
+        assert tf32_now() is True
     assert tf32_now() == before
-    with tf32_switches((not before[0], not before[1]), "cpu"):  # nothing to set on a CPU
+    with tf32_switches(not before, "cpu"):  # nothing to set on a CPU
         assert tf32_now() == before

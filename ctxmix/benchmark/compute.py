@@ -231,7 +231,14 @@ def compute_batch(tasks: list[dict]) -> list[dict | None]:
     ms = tasks[0]["model"]
     model = get_model(ms["name"], ms.get("device", "auto"), ms.get("dtype", "float32"))
     rev, fp = model_revision(model)
-    base = {"model_revision": rev, "fingerprint": fp, "pid": os.getpid(), "methods": {}, "references": {}}
+    base = {
+        "model_revision": rev,
+        "fingerprint": fp,
+        "pid": os.getpid(),
+        "device": str(model.device),
+        "methods": {},
+        "references": {},
+    }
     if tasks[0].get("kind") == "contextualization_change":
         return [None if r is None else {**base, **r} for r in _compute_change_batch(model, tasks)]
     preps = [_prepare_example(model, t) for t in tasks]
@@ -544,17 +551,19 @@ def _compute_change_batch(model, tasks: list[dict]) -> list[dict | None]:
     return out
 
 
-def _ray_task(tasks: list[dict]) -> list[dict | None]:
-    try:
-        import torch
+def _ray_task(tasks: list[dict], cpus: int = 1) -> list[dict | None]:
+    """A Ray worker's batch: torch runs `cpus` threads, its share of the CPUs (`ray_task_options`), on
+    the device the executor put in the tasks. Each result also says the resources Ray gave the task."""
+    import ray
+    import torch
 
-        torch.set_num_threads(max(1, int(os.environ.get("CTXMIX_WORKER_THREADS", "1"))))
-    except Exception:  # noqa: BLE001
-        pass
+    torch.set_num_threads(max(1, int(cpus)))
     try:
-        return compute_batch(tasks)
+        results = compute_batch(tasks)
     except (CtxmixError, RuntimeError) as e:
-        return [
+        results = [
             None if not t["methods"] else {"status": "error", "reason": f"{type(e).__name__}: {e}", "methods": {}}
             for t in tasks
         ]
+    worker = {"threads": torch.get_num_threads(), "resources": ray.get_runtime_context().get_assigned_resources()}
+    return [None if r is None else {**r, "worker": worker} for r in results]

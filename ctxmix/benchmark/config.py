@@ -118,7 +118,11 @@ class Plan:
     def config_hash(self) -> str:
         """Hash of what changes per-unit results (not the lists of models, datasets, methods, limits)."""
         # no effect on results (example_batch moves them by float rounding only; a run keeps its own)
-        opts = {k: v for k, v in self.options.items() if k not in ("batch_size", "threads", "example_batch")}
+        opts = {
+            k: v
+            for k, v in self.options.items()
+            if k not in ("batch_size", "threads", "gpus_per_task", "example_batch")
+        }
         if opts.get("token_type_ids", True) is True:  # the default keeps the hashes of configs made before it
             opts.pop("token_type_ids", None)
         for k in ("deletion_stop_one_short", "raw_attention_keep_self", "contrastive"):  # only a change is hashed
@@ -444,6 +448,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         "device",
         "dtype",
         "threads",
+        "gpus_per_task",
         "example_batch",
         "token_type_ids",
         "deletion_stop_one_short",
@@ -595,6 +600,7 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         "mask_rate": raw.get("mask_rate", 0.0),
         "lower_triangle": bool(raw.get("lower_triangle", False)),
         "threads": raw.get("threads"),
+        "gpus_per_task": raw.get("gpus_per_task"),
         "example_batch": raw.get("example_batch", EXAMPLE_BATCH),
         "token_type_ids": raw.get("token_type_ids", True),
         "deletion_stop_one_short": raw.get("deletion_stop_one_short", False),
@@ -615,6 +621,13 @@ def validate_config(raw: dict, *, limit: int | None = None, check_models: bool =
         isinstance(options["threads"], bool) or not isinstance(options["threads"], int) or options["threads"] < 1
     ):
         errors.append("threads must be a positive integer")
+    share = options["gpus_per_task"]
+    if share is not None and (
+        isinstance(share, bool)
+        or not isinstance(share, (int, float))
+        or not (0 < share <= 1 or float(share).is_integer() and share > 1)
+    ):
+        errors.append("gpus_per_task must be a share of one GPU in (0, 1] or a whole number of GPUs")
     for k in ("batch_size", "min_tokens", "seed"):
         if isinstance(options[k], bool) or not isinstance(options[k], int) or options[k] < 0:
             errors.append(f"{k} must be a non-negative integer")

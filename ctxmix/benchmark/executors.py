@@ -175,17 +175,45 @@ def _ray_env() -> dict:
         "HF_HUB_OFFLINE",
         "TRANSFORMERS_OFFLINE",
         "HF_DATASETS_OFFLINE",
-        "CTXMIX_WORKER_THREADS",
     ):
         if os.environ.get(k):
             env[k] = os.environ[k]
     return env
 
 
+def ray_device(device: str, cluster_gpus: float) -> str:
+    """The device a Ray task of a model configured on `device` runs on: "auto" is "cuda" where the
+    cluster has GPUs and "cpu" where it has none (Ray hides the GPUs from a task that asks for none, so
+    a worker's own "auto" would always find the CPU); any CUDA device is "cuda", the GPU Ray gives the
+    worker (it sets CUDA_VISIBLE_DEVICES). CUDA on a cluster without GPUs is refused: Ray would wait
+    for one forever."""
+    if device == "auto":
+        return "cuda" if cluster_gpus > 0 else "cpu"
+    if device.startswith("cuda"):
+        if cluster_gpus <= 0:
+            raise BadInput(f"a model is configured on {device!r} but the Ray cluster has no GPU")
+        return "cuda"
+    return device
+
+
+def ray_task_options(device: str, cpus: int, gpus_per_task: float) -> dict:
+    """Ray's resources for one task on `device` (`ray_device`'s): `cpus` CPUs (its torch threads), and
+    `gpus_per_task` of a GPU on CUDA (a share below 1 puts several tasks, each with its own copy of the
+    model, on one GPU); none on a CPU."""
+    return {"num_cpus": cpus, **({"num_gpus": gpus_per_task} if device == "cuda" else {})}
+
+
+def ray_cpus_per_task(plan: Plan) -> int:
+    """CPUs (and torch threads) per Ray task: `--threads`/`threads` where given, else 1."""
+    return max(1, int(os.environ.get("CTXMIX_WORKER_THREADS") or plan.options.get("threads") or 1))
+
+
 def run_ray(
     plan: Plan, groups: list[Group], store: ResultsStore, bar, address: str | None = None, num_cpus: int | None = None
 ) -> None:
-    """Each batch of examples is a Ray task (one CPU); at most 2 x CPUs in flight; the driver commits."""
+    """Each batch of examples is a Ray task: `ray_cpus_per_task` CPUs and, where the cluster has GPUs,
+    `gpus_per_task` of one (`ray_task_options`), on the device `ray_device` resolves; at most twice
+    the tasks the cluster runs at once in flight; the driver commits."""
     try:
         import ray
     except ImportError:
@@ -199,8 +227,15 @@ def run_ray(
         else:
             ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
     try:
-        remote = ray.remote(num_cpus=1, max_retries=1)(_ray_task)
-        cap = max(1, int(2 * (ray.available_resources().get("CPU", 1) or 1)))
+        cluster = ray.cluster_resources()
+        gpus = float(cluster.get("GPU", 0) or 0)
+        cpus, share = ray_cpus_per_task(plan), float(plan.options.get("gpus_per_task") or 1)
+        devices = {m.label: ray_device(m.device, gpus) for m in plan.models}  # refused before any work
+        at_once = float(cluster.get("CPU", 1) or 1) / cpus
+        if any(d == "cuda" for d in devices.values()):
+            at_once = min(at_once, gpus / share)
+        cap = max(1, int(2 * at_once))
+        remote = ray.remote(max_retries=1)(_ray_task)
         pending: dict = {}
         todo = _batches(groups)
         with _Stop() as stop:
@@ -208,7 +243,11 @@ def run_ray(
                 while todo and len(pending) < cap and not stop.requested:
                     gs = todo.pop(0)
                     tasks = _batch_tasks(plan, gs, store)
-                    pending[remote.remote(tasks)] = (gs, tasks)
+                    device = devices[gs[0].model.label]
+                    for t in tasks:
+                        t["model"]["device"] = device
+                    ref = remote.options(**ray_task_options(device, cpus, share)).remote(tasks, cpus)
+                    pending[ref] = (gs, tasks)
                 done, _ = ray.wait(list(pending), num_returns=1)
                 for ref in done:
                     gs, tasks = pending.pop(ref)

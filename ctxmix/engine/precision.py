@@ -43,29 +43,118 @@ def engine_precision(precision: str, device):
     check_precision(precision)
     if torch.device(device).type != "cuda" and precision == "bf16":
         warn_if_bf16_is_slow()
-    with tf32_switches((precision == "tf32",) * 2, device):
+    with tf32_switches(precision == "tf32", device):
         yield
 
 
-def tf32_now() -> tuple[bool, bool]:
-    """torch's TF32 switches (matmul, cuDNN) as they are set now."""
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+# ---------------------------------------------------------------- TF32 under torch's two APIs
+#
+# torch >= 2.9 says whether float32 matmuls on CUDA may use TF32 in two ways: the legacy flags
+# (`torch.backends.cuda.matmul.allow_tf32`, `torch.set_float32_matmul_precision`) and the fp32_precision
+# settings, a tree whose "none" inherits from the parent: generic (`torch.backends.fp32_precision`,
+# which transformers' `enable_tf32` sets) -> CUDA (`torch.backends.cudnn.fp32_precision`) -> matmul
+# (and generic -> oneDNN -> matmul on CPU). The legacy setters also write the matmul leaves, so the
+# CUDA matmul leaf always says what the kernels do; but once a new setting says something the legacy
+# flags do not, torch refuses to read the legacy flags ("mix of the legacy and new APIs"). So the
+# engine reads the leaf, sets through the API in use, and puts back on each leaf it wrote what was set
+# on that leaf itself ("none" included, so a later change of a parent reaches it again). The settings
+# are addressed as torch's (backend, op) pairs: `torch.backends.mkldnn.fp32_precision`'s setter writes
+# the generic one (torch 2.13). cuDNN's switches are left alone: no model ctxmix traces runs a
+# convolution or an RNN, and torch cannot put back cuDNN's default once a setting is written.
+
+_NEW_API = hasattr(torch._C, "_get_fp32_precision_getter")
+_GENERIC, _CUDA, _CUDA_MATMUL = ("generic", "all"), ("cuda", "all"), ("cuda", "matmul")
+_MKLDNN_MATMUL = ("mkldnn", "matmul")
+_PARENT = {_CUDA_MATMUL: _CUDA, _CUDA: _GENERIC, _MKLDNN_MATMUL: ("mkldnn", "all"), ("mkldnn", "all"): _GENERIC}
+
+
+def _get(node: tuple[str, str]) -> str:
+    return torch._C._get_fp32_precision_getter(*node)
+
+
+def _set(node: tuple[str, str], value: str) -> None:
+    torch._C._set_fp32_precision_setter(*node, value)
+
+
+def _own_setting(node: tuple[str, str]) -> str:
+    """What is set on `node` itself ("none" where it inherits). torch's getter answers the inherited
+    value, so the parent is set to another value for a moment to see whether `node` follows it (and
+    put back to its own setting, found the same way); the generic setting has no parent."""
+    parent = _PARENT.get(node)
+    if parent is None:
+        return _get(node)
+    parent_own = _own_setting(parent)
+    seen = _get(node)
+    other = "ieee" if seen != "ieee" else "tf32"
+    _set(parent, other)
+    try:
+        return "none" if _get(node) == other else seen
+    finally:
+        _set(parent, parent_own)
+
+
+def _legacy_matmul_precision() -> str | None:
+    """torch's legacy float32 matmul precision ("highest", "high", "medium") where the legacy API is
+    the one in use; None where the new one is. The legacy flags are only read where no new-only
+    setting (generic or CUDA-wide) is set; torch's refusal to read them means a per-backend
+    fp32_precision contradicts them."""
+    if _NEW_API and (_get(_GENERIC) != "none" or _get(_CUDA) != "none"):
+        return None
+    try:
+        torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - read for torch's consistency check only
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
+def tf32_api() -> str:
+    """The TF32 API in use: "new" (fp32_precision settings) or "legacy" (allow_tf32 flags)."""
+    return "legacy" if _legacy_matmul_precision() is not None else "new"
+
+
+def tf32_now() -> bool:
+    """Whether float32 matmuls on CUDA may use TF32 now: the fp32_precision leaf where torch has it
+    (its getter never refuses), else the legacy flag."""
+    if not _NEW_API:
+        return torch.backends.cuda.matmul.allow_tf32
+    return _get(_CUDA_MATMUL) == "tf32"
 
 
 @contextmanager
-def tf32_switches(flags: tuple[bool, bool], device):
-    """Run the enclosed work with torch's TF32 switches at `flags` on CUDA, under the process-wide
-    lock, restored afterwards (a streamed trace rebuilds its layers as its forward pass ran); nothing on CPU."""
+def tf32_switches(tf32: bool, device):
+    """Run the enclosed work with TF32 for float32 matmuls on CUDA on (`tf32`) or off, under the
+    process-wide lock, set through the API in use (only where it differs) and restored afterwards (a
+    streamed trace rebuilds its layers as its forward pass ran); nothing on CPU."""
     if torch.device(device).type != "cuda":
         yield
         return
     with _CUDA_LOCK:
-        old = tf32_now()
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+        if tf32_now() == tf32:
+            yield
+            return
+        legacy = _legacy_matmul_precision()
+        # "medium" (TF32 on CUDA, bf16 on oneDNN) has no allow_tf32 value: torch refuses its legacy
+        # reading once the CUDA flag alone is off, so it goes to "highest" and back whole, which
+        # writes the oneDNN leaf too
+        leaves = [_CUDA_MATMUL] + ([_MKLDNN_MATMUL] if legacy == "medium" else [])
+        own = {leaf: _own_setting(leaf) for leaf in leaves} if _NEW_API else {}
+        if legacy == "medium":
+            torch.set_float32_matmul_precision("highest")
+        elif legacy is not None:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        else:
+            _set(_CUDA_MATMUL, "tf32" if tf32 else "ieee")
         try:
             yield
         finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+            if legacy == "medium":
+                torch.set_float32_matmul_precision(legacy)
+            elif legacy is not None:
+                torch.backends.cuda.matmul.allow_tf32 = legacy == "high"
+            # the legacy setters write the leaves too ("ieee" over an inherited "none"): each gets its
+            # own setting back, which agrees with the legacy flags as it did before
+            for leaf, setting in own.items():
+                _set(leaf, setting)
 
 
 # ---------------------------------------------------------------- is bf16 worth it on this CPU?

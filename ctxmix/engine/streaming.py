@@ -124,7 +124,7 @@ class ReplayedStates(Sequence):
         self._base: ReplayedStates | None = base
         self._view: Callable[[LayerState], LayerState] | None = view
         self._last: tuple[int, LayerState] | None = None
-        self._tf32 = tf32_now()  # the switches the forward pass ran under, for the rebuilds (CUDA)
+        self._tf32 = tf32_now()  # the TF32 switch the forward pass ran under, for the rebuilds (CUDA)
 
     def __len__(self) -> int:
         return len(self.calls)

@@ -47,13 +47,12 @@ and each is charged the trace and the layer rebuilds plus its own work in `cost[
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from ctxmix.engine.layer import head_values, head_vectors, norm_family_row_maps
 from ctxmix.engine.models import Model
+from ctxmix.engine.timing import Stopwatch
 from ctxmix.engine.trace import trace_ids
 from ctxmix.errors import BadInput
 from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readout, unembed
@@ -161,8 +160,8 @@ def decompose_rows(
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     want = [m for m in DECOMPOSED if m in methods]
     logit_like = bool({"logit", "alti_logit"} & set(want))
-    own = dict.fromkeys(want, 0.0)
-    t0 = time.perf_counter()
+    sw = Stopwatch(model.device)  # CUDA events on a GPU: no synchronisation inside the layer loop
+    t0 = sw.mark()
     T, n, L = len(rows), tr.n, len(model.layers)
     if "alti_logit" in want and getattr(tr, "rows", None) is not None:
         raise ValueError("alti_logit needs every row's ALTI map: a full trace (trace_ids), not trace_rows")
@@ -178,32 +177,30 @@ def decompose_rows(
         R, top_terms, values = _readout(model, tr, Q, tg, target)
         per_logit, acc, attn_bias, mlp = zeros(T, n), zeros(T, n), zeros(T), zeros(T)
     attn = zeros(T, n)
-    shared = time.perf_counter() - t0
+    sw.add(t0, "shared")
     for l in reversed(range(L)):
-        t1 = time.perf_counter()
+        t1 = sw.mark()
         st, lw = tr.states[l], model.layers[l]
-        shared += time.perf_counter() - t1
+        sw.add(t1, "shared")
         if logit_like:
-            t1 = time.perf_counter()
+            t1 = sw.mark()
             D, ab, ml = _layer_rows(lw, st, Ql, R)
             per_logit += D
             attn_bias += ab
             mlp += ml
-            el = time.perf_counter() - t1
-            for m in ("logit", "alti_logit"):
-                if m in own:
-                    own[m] += el
+            sw.add(t1, *(m for m in ("logit", "alti_logit") if m in want))
         if "alti_logit" in want:
-            t1 = time.perf_counter()
+            t1 = sw.mark()
             if l < L - 1:  # the top layer's map is never needed (acc is zero there)
                 acc = _times_alti(model, lw, st, acc)
             acc += D
-            own["alti_logit"] += time.perf_counter() - t1
+            sw.add(t1, "alti_logit")
         if "attention" in want:
-            t1 = time.perf_counter()
+            t1 = sw.mark()
             attn += st.alpha[:, Ql, :].double().mean(0)
-            own["attention"] += time.perf_counter() - t1
-    out: dict = {"shared_seconds": shared}
+            sw.add(t1, "attention")
+    own = dict.fromkeys(want, 0.0) | sw.seconds()  # read once, after the loop
+    out: dict = {"shared_seconds": own.pop("shared")}
     if logit_like:
         emb = (tr.hidden[0][Q] * R).sum(-1).double()  # the predicted position's own embedding, at column q_t
         terms = {"attention_bias": attn_bias, "mlp": mlp, **top_terms}
@@ -271,10 +268,12 @@ def run_one_pass(
     out = {}
     dec = [m for m in methods if m in DECOMPOSED]
     if dec:
-        t0 = time.perf_counter()
+        sw = Stopwatch(model.device)
+        t0 = sw.mark()
         tr = _trace(model, ids, rows, streamed, full="alti_logit" in dec)
-        trace_secs = time.perf_counter() - t0
+        sw.add(t0, "trace")
         res = decompose_rows(model, tr, rows, targets, target, dec)
+        trace_secs = sw.seconds()["trace"]  # read after decompose_rows, which has waited for the GPU
         for m in dec:
             r = res[m]
             if m != "attention":
