@@ -112,11 +112,14 @@ class ContextAttribution:
         return int(hit[0]), int(hit[-1]) + 1
 
     def scores_for(self, method: str, span=None) -> np.ndarray:
-        """(d,) scores of `method` for a character span (start, end) of the response, from the stored
-        per-token contributions or ablations (no model pass): one-pass methods sum (logit) or average
-        (attention) their per-token source scores over the span's tokens; contextcite refits its LASSO on
-        the span's aggregated logit-probabilities (T = the span's tokens); leave_one_out takes the span's
-        log-probability drops."""
+        """(d,) scores of `method` for a character span (start, end) of the response, or (n, d), one row per
+        span, for a list of n spans [(start, end), ...]; from the stored per-token contributions or
+        ablations (no model pass): one-pass methods sum (logit) or average (attention) their per-token
+        source scores over the span's tokens; contextcite refits its LASSO on the span's aggregated
+        logit-probabilities (T = the span's tokens); leave_one_out takes the span's log-probability drops."""
+        if isinstance(span, (list, tuple)) and span and all(isinstance(sp, (list, tuple)) for sp in span):
+            self._check_method(method)
+            return np.stack([self.scores_for(method, sp) for sp in span]).reshape(len(span), self.n_sources)
         self._check_method(method)
         a, b = self.token_range(span)
         if method in self.per_token:
