@@ -298,6 +298,17 @@ class PromptBuilder:
                     )
 
 
+def context_message(context, query: str | None = None, sources="sentence") -> dict:
+    """The context/query form as one message of a conversation: {"role": "user", "content": "Context: ...
+    \\n\\nQuery: ..." (or the context alone), "sources": the context's sources as spans of that content}, so
+    a system message and earlier turns can go before it (the dashboard's conversation) while the query
+    stays out of the sources."""
+    src = make_sources(context, sources)
+    head = PLAIN_FORMAT.split("{context}")[0] if query is not None else ""
+    content = src.text if query is None else PLAIN_FORMAT.format(context=src.text, query=query)
+    return {"role": "user", "content": content, "sources": [[a + len(head), b + len(head)] for a, b in src.spans]}
+
+
 def build_prompt(
     model: Model,
     context=None,

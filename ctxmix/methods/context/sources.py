@@ -264,12 +264,13 @@ def make_sources(context, sources="sentence") -> Sources:
 
 # ---------------------------------------------------------------- conversations
 
-MESSAGE_KEYS = ("attribute",)  # ctxmix's own keys of a message: never sent to the chat template
+MESSAGE_KEYS = ("attribute", "sources")  # ctxmix's own keys of a message: never sent to the chat template
 
 
 def check_messages(messages) -> list[dict]:
     """Copies of the messages, checked: a non-empty list of dicts, each with a string "role" and a string
-    "content"; "attribute" (default True) says whether the content's text is split into sources."""
+    "content"; "attribute" (default True) says whether the content's text is split into sources, "sources"
+    (optional) gives them as (start, end) character spans of the content instead of the unit's split."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise BadInput("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -345,8 +346,8 @@ class ChatSources:
 
 def make_chat_sources(messages, sources="sentence", spans_of=None) -> ChatSources:
     """The sources of a conversation: each attributed message's content split by `sources` ("sentence",
-    "paragraph" or "document": the whole message one source). spans_of: {message index: spans} given
-    instead (a saved attribution's). At least two sources in all."""
+    "paragraph" or "document": the whole message one source), or its own "sources" spans. spans_of:
+    {message index: spans} given instead (a saved attribution's). At least two sources in all."""
     messages = check_messages(messages)
     if not isinstance(sources, str):
         raise BadInput("with messages=, sources is a unit: 'sentence', 'paragraph' or 'document' (a whole message)")
@@ -355,6 +356,11 @@ def make_chat_sources(messages, sources="sentence", spans_of=None) -> ChatSource
     for k, m in enumerate(messages):
         if spans_of is not None:
             spans = [tuple(sp) for sp in spans_of.get(k, [])]
+        elif "sources" in m and m.get("attribute", True):
+            try:
+                spans = check_spans(m["content"], m["sources"])
+            except BadInput as e:
+                raise BadInput(f"message {k}: {e}") from None
         elif m.get("attribute", True):
             spans, info = split_spans(m["content"], sources)
         else:
