@@ -435,35 +435,38 @@ with st.expander("Evaluate every method on this example (top-k drop, LDS)", icon
         common.export_table(ev, "context_evaluation", caption="Faithfulness of each method on one example")
 
 # ---------------------------------------------------------------- the whole result, and the command
-st.download_button(
-    "Download this attribution (.npz)",
-    data=lambda: context_attribution_bytes(ca),
-    file_name="context_attribution.npz",
-    mime="application/octet-stream",
-    key="download_ctx_npz",
-    on_click="ignore",
-    help="Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
-)
-st.download_button(
-    "Download this attribution (.json)",
-    data=lambda: context_attribution_json(ca),
-    file_name="context_attribution.json",
-    mime="application/json",
-    key="download_ctx_json",
-    on_click="ignore",
-    help="The same contents as the .npz as JSON (floats exact); reopens the same ways.",
-)
 chat = ca.messages is not None and ca.options["prompt"].get("format") == "messages"
+downloads = [  # label, data, file name, mime, key, help
+    (
+        "Download this attribution (.npz)",
+        lambda: context_attribution_bytes(ca),
+        "context_attribution.npz",
+        "application/octet-stream",
+        "download_ctx_npz",
+        "Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
+    ),
+    (
+        "Download this attribution (.json)",
+        lambda: context_attribution_json(ca),
+        "context_attribution.json",
+        "application/json",
+        "download_ctx_json",
+        "The same contents as the .npz as JSON (floats exact); reopens the same ways.",
+    ),
+]
 if chat:
-    st.download_button(
-        "Download the conversation (messages.json)",
-        data=lambda: messages_json(ca),
-        file_name="messages.json",
-        mime="application/json",
-        key="download_ctx_messages",
-        on_click="ignore",
-        help="The messages sent, as `ctxmix cite --messages messages.json` reads them.",
+    downloads.append(
+        (
+            "Download the conversation (messages.json)",
+            lambda: messages_json(ca),
+            "messages.json",
+            "application/json",
+            "download_ctx_messages",
+            "The messages sent, as `ctxmix cite --messages messages.json` reads them.",
+        )
     )
+for label, data, file_name, mime, dkey, tip in downloads:
+    st.download_button(label, data=data, file_name=file_name, mime=mime, key=dkey, on_click="ignore", help=tip)
 command = reproduce_command(ca, name, file_names or None, max_new_tokens=int(n_new), tokenizer=model.tokenizer)
 note = "messages.json: the conversation's download above" if chat else "context.txt: the pasted context"
 common.reproduce(command + ("" if file_names and not chat else f"  # {note}"))
