@@ -319,6 +319,7 @@ common.set_provenance(
     context=ca.context if source_kind == "text" else None,
     documents=file_names or None,
     query=ca.query,
+    messages=ca.messages if messages_arg is not None else None,
     response=ca.response,
     span=list(span) if span else None,
     methods=ca.methods,

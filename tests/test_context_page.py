@@ -412,6 +412,21 @@ def test_saved_page_reopens_a_context_attribution(_env, ca, fmt):
     assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("contextcite", 4)]
 
 
+def test_saved_page_reopens_a_conversation(_env, llama):
+    from ctxmix.export.context.npz_file import context_attribution_bytes
+
+    messages = [{"role": "system", "content": "Be brief. Use the notes."}, {"role": "user", "content": CTX}]
+    ca = ctxmix.attribute_context(llama, messages=messages, response=RESP, methods=["logit"], progress=False)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/4_Saved_explanation.py")
+    at.run()
+    at.file_uploader[0].set_value(("ca.npz", context_attribution_bytes(ca), "application/octet-stream"))
+    at.run()
+    _ok(at)
+    assert any(c.value.startswith("A conversation of 2 messages (system, user)") for c in at.caption)
+    assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("logit", 6)]
+
+
 # ---------------------------------------------------------------- smollm2 on a stored needle (slow)
 
 
