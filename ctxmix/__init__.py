@@ -46,6 +46,7 @@ _API = {
     "CONTEXT_METHODS": "methods.registry",
     "attribute_context": "methods.context.attribution",
     "ContextAttribution": "methods.context.attribution",
+    "attribute_contexts": "benchmark.context.many",
     "load_context_attribution": "export.context.load",
     "rollout": "methods.mixing",
     "Explanation": "methods.explanation",
@@ -113,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
         ff_residual_norms,
     )
     from .analyses.pairs import cross_segment_mixing  # noqa: F401
+    from .benchmark.context.many import attribute_contexts  # noqa: F401
     from .engine.models import EMBEDDED, Model, load_model, model_from_hf  # noqa: F401
     from .engine.trace import Trace, trace  # noqa: F401
     from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture  # noqa: F401

@@ -3,16 +3,16 @@ rests on, for the whole answer or a span of it, then check it by removing them. 
 come from `ctxmix.attribute_context` and `ctxmix.methods.context.check`, the views from
 `ctxmix.export.context.view` and `ctxmix.export.plots.context_figure`."""
 
-import shlex
-
 import streamlit as st
 
 import ctxmix
 from ctxmix.export import plots
 from ctxmix.export.context import view as cv
+from ctxmix.export.context.cite import messages_json, reproduce_command
 from ctxmix.export.context.json_file import context_attribution_json
 from ctxmix.export.context.npz_file import context_attribution_bytes
 from ctxmix.methods.context.check import extend_attribution, prompt_token_count
+from ctxmix.methods.context.prompt import context_message
 from ctxmix.methods.registry import CONTEXT_METHODS
 from ctxmix.service.limits import check_context_request
 from ctxmix_dashboard.ui import common
@@ -26,6 +26,8 @@ DEFAULT_CONTEXT = (
 )
 DEFAULT_QUERY = "What is the code for the staff entrance?"
 UNITS = ["sentence", "paragraph", "document"]
+ROLES = ["user", "assistant"]  # earlier turns (the system message has its own box)
+MAX_TURNS = 8
 WIDTHS = {"screen (700 px)": 700, "ACL column (3.03 in)": 291, "ACL page (6.3 in)": 605, "NeurIPS / ICLR (5.5 in)": 528}
 
 common.page_setup()
@@ -94,6 +96,33 @@ else:
             st.stop()
         file_names.append(up.name)
 query = st.text_input("Query", value=common.qp_text("query", DEFAULT_QUERY, 2_000), key="query")
+linked_turns, linked_roles = common.qp_list("turn", []), common.qp_list("trole", [])
+with st.expander(
+    "Conversation (optional): a system message and earlier turns", expanded=bool(common.qp("sys") or linked_turns)
+):
+    system = st.text_area(
+        "System message",
+        value=common.qp_text("sys", "", 4_000),
+        key="sys",
+        help="Sent first. With a system message or earlier turns the prompt is a conversation, and their "
+        "sentences (paragraphs) are sources too; the context and query form the last user message.",
+    )
+    n_turns = st.number_input(
+        "Earlier turns", 0, MAX_TURNS, common.qp_int("turns", len(linked_turns), 0, MAX_TURNS), key="turns"
+    )
+    turns: list[dict] = []
+    for i in range(int(n_turns)):
+        t1, t2 = st.columns([1, 4])
+        default_role = linked_roles[i] if i < len(linked_roles) and linked_roles[i] in ROLES else ROLES[i % 2]
+        role = t1.selectbox(f"Turn {i + 1}", ROLES, index=ROLES.index(default_role), key=f"trole{i}")
+        text = t2.text_area(
+            f"Turn {i + 1} text",
+            value=linked_turns[i] if i < len(linked_turns) else "",
+            key=f"turn{i}",
+            height=68,
+            label_visibility="collapsed",
+        )
+        turns.append({"role": role, "content": text})
 c1, c2, c3, c4 = st.columns([1, 2, 1, 1])
 unit = c1.selectbox("Source unit", UNITS, index=common.qp_index("unit", UNITS), key="unit")
 default_methods = [ONE_PASS_DEFAULT, "contextcite"]
@@ -137,20 +166,38 @@ common.set_qp(
     new=int(n_new),
     nabl=int(n_abl),
     resp=given,
+    sys=system or None,
+    turns=int(n_turns) or None,
+    turn=[t["content"] for t in turns] or None,
+    trole=[t["role"] for t in turns] or None,
 )
 if source_kind == "files":
     st.query_params.pop("ctx", None)
+for k, v in {"sys": system, "turns": int(n_turns), "turn": turns, "trole": turns}.items():
+    if not v:  # cleared: out of the link too
+        st.query_params.pop(k, None)
 if not methods:
     st.info("Choose at least one method.")
     st.stop()
 context = documents if len(documents) > 1 else documents[0]
 query_arg = query.strip() or None
 response_arg = given if given.strip() else None
+messages_arg = None  # the context/query form, unless there is a system message or an earlier turn
+if system.strip() or any(t["content"].strip() for t in turns):
+    with common.errors_as_messages():
+        head = [{"role": "system", "content": system}] if system.strip() else []
+        earlier = [t for t in turns if t["content"].strip()]
+        messages_arg = [*head, *earlier, context_message(context, query_arg, unit)]
+    if messages_arg is None:
+        st.stop()
 
 # ---------------------------------------------------------------- caps, before any model call
 capped = True
 with common.errors_as_messages():
-    n_prompt = prompt_token_count(model, context, query_arg, unit)
+    if messages_arg is None:
+        n_prompt = prompt_token_count(model, context, query_arg, unit)
+    else:
+        n_prompt = prompt_token_count(model, None, None, unit, messages=messages_arg)
     wants_abl = any(m in ABLATION for m in methods)
     check_context_request(n_prompt, len(documents), int(n_abl) if wants_abl else None, int(n_new), lim)
     capped = False
@@ -159,7 +206,7 @@ if capped:  # the message naming the limit is shown; nothing ran
 
 # ---------------------------------------------------------------- the attribution (cached in this session)
 cache = st.session_state.setdefault("_ctx_cache", {})
-key = (name, tuple(documents), query_arg, unit, response_arg, int(n_new))
+key = (name, tuple(documents), query_arg, unit, response_arg, int(n_new), repr(messages_arg))
 ca = cache.get(key)
 
 
@@ -177,10 +224,10 @@ def _attribute(ca, todo: list[str], what: str):
     """The cached attribution with `todo` added (a new one when there is none), behind a progress bar."""
     bar, report = _bar(what)
     if ca is None:
+        what = {"context": context, "query": query_arg} if messages_arg is None else {"messages": messages_arg}
         ca = ctxmix.attribute_context(
             model,
-            context,
-            query_arg,
+            **what,
             response=response_arg,
             sources=unit,
             methods=todo,
@@ -272,6 +319,7 @@ common.set_provenance(
     context=ca.context if source_kind == "text" else None,
     documents=file_names or None,
     query=ca.query,
+    messages=ca.messages if messages_arg is not None else None,
     response=ca.response,
     span=list(span) if span else None,
     methods=ca.methods,
@@ -388,28 +436,38 @@ with st.expander("Evaluate every method on this example (top-k drop, LDS)", icon
         common.export_table(ev, "context_evaluation", caption="Faithfulness of each method on one example")
 
 # ---------------------------------------------------------------- the whole result, and the command
-st.download_button(
-    "Download this attribution (.npz)",
-    data=lambda: context_attribution_bytes(ca),
-    file_name="context_attribution.npz",
-    mime="application/octet-stream",
-    key="download_ctx_npz",
-    on_click="ignore",
-    help="Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
-)
-st.download_button(
-    "Download this attribution (.json)",
-    data=lambda: context_attribution_json(ca),
-    file_name="context_attribution.json",
-    mime="application/json",
-    key="download_ctx_json",
-    on_click="ignore",
-    help="The same contents as the .npz as JSON (floats exact); reopens the same ways.",
-)
-files = " ".join(shlex.quote(f) for f in file_names) if file_names else "context.txt"
-cmd = ["python -m ctxmix cite --context", files, "--model", shlex.quote(name)]
-cmd += ["--query", shlex.quote(query)] if query.strip() else []
-cmd += ["--sources", unit, "--method", *ca.methods]
-cmd += ["--n-ablations", str(int(ca.options["n_ablations"]))] if any(m in ABLATION for m in ca.methods) else []
-cmd += ["--out", "context_attribution.npz"]
-common.reproduce(" ".join(cmd) + ("  # context.txt: the pasted context" if not file_names else ""))
+chat = ca.messages is not None and ca.options["prompt"].get("format") == "messages"
+downloads = [  # label, data, file name, mime, key, help
+    (
+        "Download this attribution (.npz)",
+        lambda: context_attribution_bytes(ca),
+        "context_attribution.npz",
+        "application/octet-stream",
+        "download_ctx_npz",
+        "Reopen it on the Saved explanation page or with ctxmix.load_context_attribution, without the model.",
+    ),
+    (
+        "Download this attribution (.json)",
+        lambda: context_attribution_json(ca),
+        "context_attribution.json",
+        "application/json",
+        "download_ctx_json",
+        "The same contents as the .npz as JSON (floats exact); reopens the same ways.",
+    ),
+]
+if chat:
+    downloads.append(
+        (
+            "Download the conversation (messages.json)",
+            lambda: messages_json(ca),
+            "messages.json",
+            "application/json",
+            "download_ctx_messages",
+            "The messages sent, as `ctxmix cite --messages messages.json` reads them.",
+        )
+    )
+for label, data, file_name, mime, dkey, tip in downloads:
+    st.download_button(label, data=data, file_name=file_name, mime=mime, key=dkey, on_click="ignore", help=tip)
+command = reproduce_command(ca, name, file_names or None, max_new_tokens=int(n_new), tokenizer=model.tokenizer)
+note = "messages.json: the conversation's download above" if chat else "context.txt: the pasted context"
+common.reproduce(command + ("" if file_names and not chat else f"  # {note}"))

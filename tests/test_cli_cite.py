@@ -175,6 +175,74 @@ def test_a_generated_response(tmp_path, served, capsys):
     assert "response (generated, " in capsys.readouterr().out and served.loads == 1
 
 
+def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, capsys):
+    """The options the page and the library use reach attribute_context: a chat template file, the target,
+    the seed, keep-prob, alpha, the ablation batch, at2_exact with its features and weights (any model:
+    'untrained'); the scores equal a direct call with the same options, and --help lists at2_exact."""
+    files = _files(tmp_path)
+    (tmp_path / "chat.jinja").write_text(CHAT.replace("[CLS]", "[CLS] turn"), encoding="utf-8")
+    kw = dict(
+        methods=["logit", "contextcite", "at2_exact"],
+        chat_template=CHAT.replace("[CLS]", "[CLS] turn"),
+        target="logit",
+        seed=3,
+        keep_prob=0.6,
+        alpha=0.02,
+        batch_size=2,
+        at2_features="attn",
+        at2_weights="untrained",
+    )
+    ref = _direct(llama, **kw)
+    out = tmp_path / "ca.npz"
+    args = ["--context", *files, "--query", QUERY, "--response", RESPONSE, "--n-ablations", "4"]
+    args += ["--method", "logit", "contextcite", "at2_exact", "--chat-template", str(tmp_path / "chat.jinja")]
+    args += ["--target", "logit", "--seed", "3", "--keep-prob", "0.6", "--alpha", "0.02", "--batch-size", "2"]
+    args += ["--at2-features", "attn", "--at2-weights", "untrained", "--out", str(out)]
+    assert _cite(*args) == 0
+    got = ctxmix.load_context_attribution(out)
+    assert got.prompt_ids == ref.prompt_ids and got.options["seed"] == 3 and got.options["target"] == "logit"
+    for m in ref.methods:
+        np.testing.assert_array_equal(got.scores[m], ref.scores[m])
+    with pytest.raises(SystemExit):
+        main(["cite", "--help"])
+    assert "at2_exact" in capsys.readouterr().out
+
+
+def test_messages_and_batch(tmp_path, served, llama, capsys):
+    """--messages FILE.json attributes a conversation; --batch FILE.jsonl runs attribute_contexts into one CSV
+    table, resumable through --store (a second run makes no pass)."""
+    messages = [
+        {"role": "system", "content": "Be brief. Use the notes."},
+        {"role": "user", "content": DOCS[0] + " " + DOCS[1]},
+        {"role": "user", "content": QUERY, "attribute": False},
+    ]
+    (tmp_path / "m.json").write_text(json.dumps(messages), encoding="utf-8")
+    out = tmp_path / "m.npz"
+    assert (
+        _cite("--messages", str(tmp_path / "m.json"), "--response", RESPONSE, "--method", "logit", "--out", str(out))
+        == 0
+    )
+    ref = ctxmix.attribute_context(llama, messages=messages, response=RESPONSE, methods=["logit"], progress=False)
+    got = ctxmix.load_context_attribution(out)
+    assert got.messages == messages and got.source_messages == ref.source_messages
+    np.testing.assert_array_equal(got.scores["logit"], ref.scores["logit"])
+    batch = tmp_path / "b.jsonl"
+    rows = [{"context": DOCS[0], "query": QUERY, "response": RESPONSE}, {"messages": messages, "response": RESPONSE}]
+    batch.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    table_path, store = tmp_path / "t.csv", tmp_path / "store.jsonl"
+    base = ["--batch", str(batch), "--method", "logit", "--store", str(store), "--out", str(table_path)]
+    assert _cite(*base) == 0
+    table = pd.read_csv(table_path)
+    assert sorted(table["example"].unique()) == [0, 1]
+    mine = table[table["example"] == 1]["score"].to_numpy()
+    np.testing.assert_array_equal(mine, ref.scores["logit"])
+    passes = served.passes
+    assert _cite(*base) == 0 and served.passes == passes  # both examples read from the store
+    capsys.readouterr()
+    assert _cite("--batch", str(batch), "--out", str(tmp_path / "t.json")) == 2
+    assert "--out FILE.csv" in capsys.readouterr().err
+
+
 LONG = " ".join(f"Sentence number {i} is here." for i in range(40))  # over the tiny Llama's 128 positions
 
 

@@ -270,6 +270,34 @@ def test_contextcite_compat_differs_from_default_around_the_sources(chat_llama):
     assert not np.allclose(lp_c, lp_d)
 
 
+def test_compat_shows_the_model_only_the_official_rebuild(chat_llama):
+    """compat=True with text outside the sources (a list number before, a footer after): the unablated prompt,
+    the generated response and the ablations are those of the official package, which builds every prompt
+    from the sources only (the reference gets the sources, never the text around them)."""
+    ctx = "1.\n" + CONTEXT + "\n2."
+    c = ctxmix.attribute_context(
+        chat_llama,
+        ctx,
+        QUERY,
+        response=RESPONSE,
+        compat=True,
+        methods=["contextcite"],
+        n_ablations=N_ABL,
+        progress=False,
+    )
+    ref = _official_contextcite(chat_llama, c.sources, QUERY, RESPONSE, N_ABL)
+    assert c.prompt_ids == ref["prompt_ids"] and c.response_ids == ref["response_ids"]
+    lp = c.ablations["contextcite"]["logit_probs"]
+    assert np.array_equal(lp.astype(np.float32), ref["logit_probs"])
+    assert c.context == ctx and c.sources == make_sources(ctx).texts  # spans still index the given context
+    gen = ctxmix.attribute_context(
+        chat_llama, ctx, QUERY, compat=True, methods=["logit"], max_new_tokens=3, progress=False
+    )
+    g = ctxmix.generate(chat_llama, input_ids=ref["prompt_ids"], max_new_tokens=3, greedy=True)
+    assert gen.prompt_ids == ref["prompt_ids"]
+    assert gen.response == chat_llama.tokenizer.decode(list(g.new_ids))
+
+
 def test_logit_prob_is_log_p_minus_log_1_minus_p(chat_llama, cc_pair):
     """ContextCite's per-token logit-probability for every ablation: the stored value equals log p - log(1 - p)
     from the model's own softmax over an unbatched, unpadded pass (float64; p ~ 1e-5 here, so log1p(-p) is exact to

@@ -344,6 +344,56 @@ def test_hosted_caps_refuse_a_long_context_before_any_model_call(_env, monkeypat
     assert not at.subheader  # nothing computed, nothing shown
 
 
+@pytest.mark.parametrize("conversation", [False, True])
+def test_the_reproduce_command_gives_the_pages_scores(_env, tiny_lm_dir, tmp_path, monkeypatch, conversation):
+    """The "Cite / reproduce" box's command, run (in process, on the page's model folder), gives the page's
+    prompt, response and scores; with a system message and an earlier turn (a conversation: the messages
+    reach attribute_context, and the command reads them from the page's messages.json)."""
+    import shlex
+
+    from ctxmix.cli import main
+    from ctxmix.export.context.cite import messages_json
+
+    params = dict(model=tiny_lm_dir, ctx=CTX, query=QUERY, cmethod=["logit", "contextcite"], nabl="6", new="5", abl="1")
+    if conversation:
+        params.update(
+            sys="You answer briefly. Use the notes only.",
+            turns="2",
+            turn=["The park is big. Dogs like it there.", "Yes, noted."],
+            trole=["user", "assistant"],
+            resp=RESP,
+        )
+    at = _page(**params)
+    at.run()
+    _ok(at)
+    ca = next(iter(at.session_state["_ctx_cache"].values()))
+    assert ca.methods == ["logit", "contextcite"]
+    command = next(c.value for c in at.code if "ctxmix cite" in c.value)
+    assert "--max-new-tokens 5" in command and "--n-ablations 6" in command
+    if conversation:
+        assert [m["role"] for m in ca.messages] == ["system", "user", "assistant", "user"]
+        assert sorted(set(ca.source_messages)) == [0, 1, 2, 3]  # the system text and the turns are sources
+        assert "--messages messages.json" in command and "--response" in command
+    work = tmp_path / "cli"
+    work.mkdir()
+    (work / "context.txt").write_text(CTX, encoding="utf-8")
+    (work / "messages.json").write_text(messages_json(ca), encoding="utf-8")
+    monkeypatch.chdir(work)
+    args = shlex.split(command.split("  # ")[0])
+    assert args[:4] == ["python", "-m", "ctxmix", "cite"]
+    assert main([*args[3:], "--device", "cpu"]) == 0
+    got = ctxmix.load_context_attribution(work / "context_attribution.npz")
+    assert got.prompt_ids == ca.prompt_ids and got.response_ids == ca.response_ids
+    for m in ca.methods:
+        np.testing.assert_array_equal(got.scores[m], ca.scores[m])
+    top = _top(at)
+    np.testing.assert_array_equal(top["score"].to_numpy(), got.scores[top_method(at)][top["source"].to_numpy()])
+
+
+def top_method(at):
+    return at.selectbox(key="view").value
+
+
 @pytest.mark.parametrize("fmt", ["npz", "json"])
 def test_saved_page_reopens_a_context_attribution(_env, ca, fmt):
     from ctxmix.export.context.json_file import context_attribution_json
@@ -360,6 +410,21 @@ def test_saved_page_reopens_a_context_attribution(_env, ca, fmt):
     assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("logit", 4)]
     at.selectbox(key="saved_view").set_value("contextcite").run()
     assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("contextcite", 4)]
+
+
+def test_saved_page_reopens_a_conversation(_env, llama):
+    from ctxmix.export.context.npz_file import context_attribution_bytes
+
+    messages = [{"role": "system", "content": "Be brief. Use the notes."}, {"role": "user", "content": CTX}]
+    ca = ctxmix.attribute_context(llama, messages=messages, response=RESP, methods=["logit"], progress=False)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.switch_page("pages/4_Saved_explanation.py")
+    at.run()
+    at.file_uploader[0].set_value(("ca.npz", context_attribution_bytes(ca), "application/octet-stream"))
+    at.run()
+    _ok(at)
+    assert any(c.value.startswith("A conversation of 2 messages (system, user)") for c in at.caption)
+    assert _top(at)["source"].tolist() == [i for i, _, _ in ca.top("logit", 6)]
 
 
 # ---------------------------------------------------------------- smollm2 on a stored needle (slow)

@@ -31,6 +31,9 @@ def show_saved_context(ca, file_name: str) -> None:
     st.markdown(f"> {ca.response}")
     if ca.query:
         st.caption(f"Query: {ca.query}")
+    if ca.messages is not None and ca.options.get("prompt", {}).get("format") == "messages":
+        roles = ", ".join(m["role"] for m in ca.messages)
+        st.caption(f"A conversation of {len(ca.messages)} messages ({roles}); the context below is its transcript.")
     st.subheader("Sources")
     view = st.selectbox(
         "Shade by",

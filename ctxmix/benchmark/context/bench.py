@@ -166,6 +166,15 @@ def _load_done(path: Path | None) -> dict[tuple[str, str], dict]:
     return done
 
 
+def append_done(path: Path, rec: dict) -> None:
+    """Keep one finished example (`_load_done` reads it back): one JSON line, appended and flushed."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:
     """A hash of everything that changes one example's numbers: the config but its other examples' responses,
     the check switch, the task (with its check overrides) and the example's stored response."""
@@ -195,8 +204,6 @@ def run_context_benchmark(
 
     attrs: examples (per-example rows), check (`check_rows` of every kept example, with task and example),
     dropped (ids per task), responses (id -> text used), seconds (this call), example_seconds (id ->)."""
-    import json
-
     from ctxmix.engine.models import load_model
     from ctxmix.methods.context.attribution import attribute_context
 
@@ -227,9 +234,7 @@ def run_context_benchmark(
                 )
                 rec.update(key=key, task=task["id"], seconds=time.perf_counter() - t1, stamp=stamp)
                 if resume is not None:
-                    resume.parent.mkdir(parents=True, exist_ok=True)
-                    with resume.open("a", encoding="utf-8") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    append_done(resume, rec)
             responses[key] = rec["response"]
             secs[key] = rec["seconds"]
             if rec["dropped"]:

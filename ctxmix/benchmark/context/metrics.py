@@ -200,8 +200,7 @@ def evaluate_context(
     rule, log P(S | context)), cost (forward passes run, reused, seconds), notes (why a value is NaN).
     Also kept in `ca.evaluation` with the held-out masks (m, d) and logit-probabilities (m, T)."""
     from ctxmix.methods.context.ablation import response_logit_probs
-    from ctxmix.methods.context.prompt import PromptBuilder
-    from ctxmix.methods.context.sources import Sources
+    from ctxmix.methods.context.prompt import rebuild_prompt
     from ctxmix.progress import progress_bar
 
     ks, gold = _check(ca, model, k, gold, seed, n_ablations)
@@ -210,10 +209,9 @@ def evaluate_context(
     a, b = ca.token_range(span)
     d = ca.n_sources
     t0 = time.perf_counter()
-    src = Sources(text=ca.context, spans=[tuple(s) for s in ca.source_spans], kind=str(ca.options.get("sources")))
-    compat = bool(ca.options.get("compat"))
-    builder = PromptBuilder(model, ca.query, ca.options["prompt"]["template"], compat)
-    if builder.ids(src.rebuild(np.ones(d, bool))) != list(ca.prompt_ids):
+    src, builder = rebuild_prompt(ca, model)
+    rule = "contextcite" if builder.compat else "ctxmix"  # the attribution's own prompts
+    if builder.ids(src.rebuild(np.ones(d, bool), rule)) != list(ca.prompt_ids):
         raise BadInput(f"{model.name}'s tokenizer or template does not rebuild this attribution's prompt")
     first = _heldout_seed(ca, seed, n_ablations)
     keep_prob = float(ca.options.get("keep_prob", 0.5))
@@ -238,7 +236,7 @@ def evaluate_context(
                 if i is not None:
                     lp[i] = row
     todo = np.nonzero(np.isnan(lp).any(1))[0]
-    prompts = [builder.ids(src.rebuild(unique[i])) for i in todo]
+    prompts = [builder.ids(src.rebuild(unique[i], rule)) for i in todo]
     with progress_bar(len(prompts), "evaluate", enabled=bool(progress), unit="pass") as bar:
         if prompts:
             lp[todo] = response_logit_probs(

@@ -32,26 +32,79 @@ TEXT_WIDTH = (40, 100)  # a source's text is cut to the terminal's width, within
 
 
 def add_cite_arguments(s: argparse.ArgumentParser) -> None:
-    """The options after `model_args` (cli.py gives --model, --device, --dtype, --precision)."""
+    """The options after `model_args` (cli.py gives --model, --device, --dtype, --precision): one flag per
+    option of `attribute_context` (and of `attribute_contexts` for --batch)."""
+    from ctxmix.methods.context.at2 import KINDS
+    from ctxmix.methods.context.onepass import TARGETS
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
     s.set_defaults(model="smollm2")  # model_args' default is minilm, an encoder: cite needs a causal LM
-    s.add_argument(
+    what = s.add_argument_group("what to attribute (one of --context, --messages, --batch)")
+    what.add_argument(
         "--context",
         nargs="+",
-        required=True,
+        default=None,
         metavar="FILE",
         help="UTF-8 text files; several files are several documents (joined with a blank line)",
     )
-    s.add_argument("--query", default=None, help="the question (default: none, the context alone is the prompt)")
+    what.add_argument("--query", default=None, help="the question (default: none, the context alone is the prompt)")
+    what.add_argument(
+        "--messages",
+        default=None,
+        metavar="FILE.json",
+        help='a conversation: a JSON list of {"role", "content"} messages (system, user, assistant, tool), the '
+        'last one answered; "attribute": false keeps a message out of the sources, "sources": [[start, end], ...] '
+        "gives its sources as spans",
+    )
+    what.add_argument(
+        "--batch",
+        default=None,
+        metavar="FILE.jsonl",
+        help="many examples, one JSON object per line ({context, query} or {messages}, optional response, "
+        "sources, id): one table (ctxmix.attribute_contexts); --out must be .csv",
+    )
+    what.add_argument(
+        "--store",
+        default=None,
+        metavar="FILE.jsonl",
+        help="with --batch: keep each finished example here; the same command resumes a killed run",
+    )
     s.add_argument("--sources", choices=SOURCE_UNITS, default="sentence", help="the unit scored (default: sentence)")
     s.add_argument(
         "--method",
         nargs="+",
         default=None,
         metavar="METHOD",
-        help="context-attribution methods: logit, alti_logit, attention, grad_x_input, contextcite, leave_one_out "
-        "(default: attribute_context's, logit contextcite)",
+        help="context-attribution methods: " + ", ".join(CONTEXT_METHODS) + " (default: attribute_context's, "
+        "logit contextcite)",
     )
     s.add_argument("--n-ablations", type=int, default=32, help="contextcite's random ablations (default 32)")
+    s.add_argument("--seed", type=int, default=0, help="contextcite's first mask seed (default 0)")
+    s.add_argument("--keep-prob", type=float, default=0.5, help="contextcite's keep probability (default 0.5)")
+    s.add_argument("--alpha", type=float, default=0.01, help="contextcite's LASSO penalty (default 0.01)")
+    s.add_argument(
+        "--batch-size", type=int, default=8, help="ablation passes per forward batch (default 8; numbers unchanged)"
+    )
+    s.add_argument("--target", choices=TARGETS, default="log_prob", help="what the one-pass methods explain")
+    s.add_argument(
+        "--template",
+        choices=["chat", "plain"],
+        default=None,
+        help="chat: the chat template; plain: BOS + the message (default: chat when the model has a template)",
+    )
+    s.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead")
+    s.add_argument(
+        "--compat",
+        action="store_true",
+        help="reproduce the official ContextCite package (context and query only)",
+    )
+    s.add_argument("--at2-features", choices=KINDS, default="logit", help="at2_exact's features (default logit)")
+    s.add_argument(
+        "--at2-weights",
+        default=None,
+        metavar="FILE",
+        help="at2_exact's weights: a file from ctxmix at2-train, or 'untrained' (default: those shipped for the model)",
+    )
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated when no --response is given")
     s.add_argument("--response", default=None, help="the response to attribute (default: generated greedily)")
     s.add_argument(
@@ -75,38 +128,39 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- checks before the model
 
 
-def read_document(path: str) -> str:
-    """A file's text, or BadInput naming what is wrong: missing, a folder, unreadable, too large, empty,
-    binary (a NUL byte), or not UTF-8. A UTF-8 byte-order mark is dropped and Windows line ends become \\n."""
+def read_document(path: str, flag: str = "--context") -> str:
+    """A file's text, or BadInput naming what is wrong (after `flag`): missing, a folder, unreadable, too
+    large, empty, binary (a NUL byte), or not UTF-8. A UTF-8 byte-order mark is dropped and Windows line ends
+    become \\n."""
     p = Path(path)
     if not p.exists():
-        raise BadInput(f"--context: no such file: {path}")
+        raise BadInput(f"{flag}: no such file: {path}")
     if p.is_dir():
-        raise BadInput(f"--context: {path} is a folder; give text files (each file is one document)")
+        raise BadInput(f"{flag}: {path} is a folder; give text files (each file is one document)")
     try:
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
             raise BadInput(
-                f"--context: {path} has {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte limit for one file "
+                f"{flag}: {path} has {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte limit for one file "
                 "(far more than any model's window): give an excerpt"
             )
         data = p.read_bytes()
     except PermissionError:
-        raise BadInput(f"--context: cannot read {path}: permission denied") from None
+        raise BadInput(f"{flag}: cannot read {path}: permission denied") from None
     except OSError as e:
-        raise BadInput(f"--context: cannot read {path}: {e.strerror or e}") from None
+        raise BadInput(f"{flag}: cannot read {path}: {e.strerror or e}") from None
     if b"\x00" in data:
-        raise BadInput(f"--context: {path} looks binary (it holds NUL bytes); give a UTF-8 text file (.txt, .md)")
+        raise BadInput(f"{flag}: {path} looks binary (it holds NUL bytes); give a UTF-8 text file (.txt, .md)")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise BadInput(
-            f"--context: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"{flag}: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
             "convert it first, e.g. iconv -f latin1 -t utf-8"
         ) from None
     text = text.replace("\r\n", "\n")
     if not text.strip():
-        raise BadInput(f"--context: {path} is empty: nothing to attribute")
+        raise BadInput(f"{flag}: {path} is empty: nothing to attribute")
     return text
 
 
@@ -143,13 +197,22 @@ def check_out(out: str | None) -> Path | None:
     return p
 
 
-def check_args(args) -> tuple[list[str], list[str], Path | None]:
-    """(documents, methods, output path), or BadInput before any model is loaded."""
+def check_args(args) -> tuple[dict, list[str], Path | None]:
+    """(what to attribute, methods, output path), or BadInput before any model is loaded. What to attribute:
+    {"documents": [...]}, {"messages": [...]} or {"examples": [...]} (--batch)."""
+    import json
+
     from ctxmix.engine.generate import MAX_NEW_TOKENS
     from ctxmix.methods.context.ablation import check_n_ablations
     from ctxmix.methods.context.attribution import DEFAULT_METHODS, check_span
-    from ctxmix.methods.context.sources import make_sources
+    from ctxmix.methods.context.sources import make_chat_sources, make_sources
 
+    given = [f for f, v in (("--context", args.context), ("--messages", args.messages), ("--batch", args.batch)) if v]
+    if len(given) != 1:
+        raise BadInput(
+            "give one of --context FILE..., --messages FILE.json or --batch FILE.jsonl"
+            + (f" (got {' and '.join(given)})" if given else "")
+        )
     methods = check_methods(list(DEFAULT_METHODS) if args.method is None else args.method)
     out = check_out(args.out)
     check_n_ablations(args.n_ablations)
@@ -165,9 +228,51 @@ def check_args(args) -> tuple[list[str], list[str], Path | None]:
         raise BadInput("--response is empty: give the text whose sources you want, or leave it out to generate it")
     if args.span is not None and args.response is not None:
         check_span(tuple(args.span), len(args.response))
-    docs = [read_document(f) for f in args.context]
-    make_sources(context_arg(docs, args.sources), args.sources)  # one source only: refused before the load
-    return docs, methods, out
+    if args.query is not None and not args.context:
+        raise BadInput("--query goes with --context (a conversation's question is its last message)")
+    if args.store and not args.batch:
+        raise BadInput("--store keeps the examples of a --batch run; give --batch FILE.jsonl")
+    if args.context:
+        docs = [read_document(f) for f in args.context]
+        make_sources(context_arg(docs, args.sources), args.sources)  # one source only: refused before the load
+        return {"documents": docs}, methods, out
+    if args.messages:
+        try:
+            messages = json.loads(read_document(args.messages, "--messages"))
+        except ValueError as e:
+            raise BadInput(f"--messages: {args.messages} is not JSON: {e}") from None
+        make_chat_sources(messages, args.sources)  # the messages' own checks, before the load
+        return {"messages": messages}, methods, out
+    from ctxmix.benchmark.context.many import read_examples
+
+    if out is not None and out.suffix.lower() != ".csv":
+        raise BadInput("--batch writes one table: give --out FILE.csv")
+    for flag in ("response", "span", "evaluate"):
+        if getattr(args, flag):
+            raise BadInput(f"--{flag} is per example: put it in the --batch file (response) or drop it")
+    read_document(args.batch, "--batch")
+    return {"examples": read_examples(args.batch)}, methods, out
+
+
+def attribution_options(args, methods: list[str]) -> dict:
+    """attribute_context's options from the command line (what --context, --messages and --batch share)."""
+    chat_template = read_document(args.chat_template, "--chat-template") if args.chat_template else None
+    return {
+        "sources": args.sources,
+        "methods": methods,
+        "template": args.template,
+        "chat_template": chat_template,
+        "max_new_tokens": args.max_new_tokens,
+        "n_ablations": args.n_ablations,
+        "seed": args.seed,
+        "keep_prob": args.keep_prob,
+        "alpha": args.alpha,
+        "target": args.target,
+        "compat": args.compat,
+        "batch_size": args.batch_size,
+        "at2_features": args.at2_features,
+        "at2_weights": args.at2_weights,
+    }
 
 
 def context_arg(docs: list[str], unit: str):
@@ -256,32 +361,32 @@ def cmd_cite(args) -> None:
     from ctxmix.engine import models
     from ctxmix.methods.context.attribution import attribute_context
 
-    docs, methods, out = check_args(args)
+    what, methods, out = check_args(args)
+    options = attribution_options(args, methods)
     model = models.load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
-    ca = attribute_context(
-        model,
-        context_arg(docs, args.sources),
-        args.query,
-        response=args.response,
-        sources=args.sources,
-        methods=methods,
-        max_new_tokens=args.max_new_tokens,
-        n_ablations=args.n_ablations,
-        progress=True,
-    )
+    if "examples" in what:
+        return _cite_batch(model, what["examples"], options, args, out)
+    if "messages" in what:
+        ca = attribute_context(model, messages=what["messages"], response=args.response, progress=True, **options)
+        about = f"{len(what['messages'])} messages"
+    else:
+        docs = what["documents"]
+        ca = attribute_context(
+            model, context_arg(docs, args.sources), args.query, response=args.response, progress=True, **options
+        )
+        about = f"{len(docs)} file{'s' if len(docs) > 1 else ''}"
     span = tuple(args.span) if args.span is not None else None
     if span is not None:
         ca.token_range(span)  # a generated response's span is checked once the response is known
     how = ca.options["response"]
     print(f"response ({how}, {len(ca.response_ids)} tokens): {ca.response}")
-    files = f"{len(docs)} file{'s' if len(docs) > 1 else ''}"
     print(
-        f"{ca.n_sources} sources ({args.sources}s of {files}; {len(ca.prompt_ids)} prompt tokens), model {model.name}"
+        f"{ca.n_sources} sources ({args.sources}s of {about}; {len(ca.prompt_ids)} prompt tokens), model {model.name}"
     )
-    what = (
+    what_span = (
         "the whole response" if span is None else f"characters {span[0]}..{span[1]}: {ca.response[span[0] : span[1]]!r}"
     )
-    print(f"\ntop {min(args.top, ca.n_sources)} sources per method, for {what} (#: source index):")
+    print(f"\ntop {min(args.top, ca.n_sources)} sources per method, for {what_span} (#: source index):")
     print(top_table(ca, args.top, span))
     for w in ca.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -294,3 +399,78 @@ def cmd_cite(args) -> None:
     if out is not None:
         p = write_out(ca, out, span)
         print(f"\nwrote {p}")
+
+
+def _cite_batch(model, examples: list[dict], options: dict, args, out: Path | None) -> None:
+    """--batch: every example attributed (`ctxmix.attribute_contexts`), each method's top source per example
+    printed, the whole table written to --out (.csv)."""
+    from ctxmix.benchmark.context.many import attribute_contexts
+
+    table = attribute_contexts(model, examples, store=args.store, progress=True, **options)
+    best = table[table["rank"] == 1][["example", "method", "source", "score", "text"]]
+    print(f"{len(examples)} examples, model {model.name}; each method's top source:")
+    print(best.to_string(index=False, float_format=lambda v: f"{v:+.4g}", max_colwidth=60))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out, index=False)
+        print(f"\nwrote {out}")
+
+
+def reproduce_command(
+    ca,
+    model: str,
+    files: list[str] | None = None,
+    out: str = "context_attribution.npz",
+    max_new_tokens: int | None = None,
+    tokenizer=None,
+) -> str:
+    """The `ctxmix cite` command that gives `ca`'s scores again: every option it was made with (the response
+    included, so the command explains the same text; max_new_tokens: the caller's setting, default the
+    attribution's when it generated), the context from `files` (default "context.txt", the pasted text) or,
+    for a conversation, "messages.json" (`messages_json(ca)` is its content). With the model's `tokenizer`, a
+    generated response whose text does not tokenise back to its ids is left out (greedy decoding with the same
+    --max-new-tokens makes the same ids again, where the text would give others)."""
+    import shlex
+
+    o = ca.options
+    q = shlex.quote
+    cmd = ["python -m ctxmix cite"]
+    if o.get("prompt", {}).get("format") == "messages":
+        cmd += ["--messages", "messages.json"]
+    else:
+        cmd += ["--context", *(q(f) for f in (files or ["context.txt"]))]
+        cmd += ["--query", q(ca.query)] if ca.query else []
+    cmd += ["--model", q(model), "--sources", str(o.get("sources")), "--method", *ca.methods]
+    if any(m in ("contextcite", "leave_one_out") for m in ca.methods):
+        cmd += ["--n-ablations", str(int(o["n_ablations"])), "--seed", str(int(o["seed"]))]
+        cmd += ["--keep-prob", repr(float(o["keep_prob"]))] if float(o["keep_prob"]) != 0.5 else []
+        cmd += ["--alpha", repr(float(o["alpha"]))] if float(o["alpha"]) != 0.01 else []
+    cmd += ["--target", str(o["target"])] if o.get("target", "log_prob") != "log_prob" else []
+    cmd += ["--compat"] if o.get("compat") else []
+    if "at2" in o:
+        at2 = o["at2"]
+        cmd += ["--at2-features", str(at2["kind"])] if at2.get("kind", "logit") != "logit" else []
+        weights = str(at2.get("weights", ""))
+        if weights == "untrained" or not (weights.startswith("shipped:") or weights.startswith("untrained")):
+            cmd += ["--at2-weights", q(weights)]  # a file, or uniform weights asked for (not the shipped default)
+    new = max_new_tokens if max_new_tokens is not None else o.get("max_new_tokens")
+    cmd += ["--max-new-tokens", str(int(new))] if new else []
+    if tokenizer is None or _round_trips(tokenizer, ca):
+        cmd += ["--response", q(ca.response)]
+    cmd += ["--out", q(out)]
+    return " ".join(cmd)
+
+
+def _round_trips(tokenizer, ca) -> bool:
+    """Whether `--response TEXT` gives the attribution's response ids (compat re-tokenises it as the library does)."""
+    if ca.options.get("compat"):
+        return True
+    ids = tokenizer(ca.response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return list(ids) == list(ca.response_ids)
+
+
+def messages_json(ca) -> str:
+    """A conversation's messages as the JSON file `ctxmix cite --messages` reads."""
+    import json
+
+    return json.dumps(ca.messages, ensure_ascii=False, indent=1)

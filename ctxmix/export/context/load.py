@@ -54,6 +54,8 @@ def context_attribution_from_parts(meta: dict, arrays: dict, label: str) -> Cont
         options=dict(meta["options"]),
         provenance=dict(meta["provenance"]),
         warnings=list(meta["warnings"]),
+        messages=meta.get("messages"),  # files before conversations: none
+        source_messages=list(meta.get("source_messages") or [0] * len(meta["sources"])),
     )
     for key, a in arrays.items():
         kind, _, rest = key.partition("/")

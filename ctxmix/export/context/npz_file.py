@@ -51,6 +51,8 @@ def _arrays(ca) -> dict:
         "provenance": ca.provenance,
         "warnings": ca.warnings,
         "terms": {m: list(t) for m, t in ca.terms.items()},
+        "messages": ca.messages,
+        "source_messages": ca.source_messages,
     }
     arrays: dict = {
         "labels": np.asarray(ca.labels, dtype=np.int64),

@@ -1,16 +1,17 @@
-"""`attribute_context`: which sources of a context made a causal language model say this
-(docs/context.md), and its result, `ContextAttribution`.
+"""`attribute_context`: which sources of a context (or of a conversation's messages) made a causal language
+model say this (docs/context.md), and its result, `ContextAttribution`.
 
     ca = ctxmix.attribute_context(model, context, "What is the code?", methods=["logit", "contextcite"])
+    ca = ctxmix.attribute_context(model, messages=[{"role": "user", "content": "..."}, ...])
     ca.top("contextcite", 3)          # [(source index, score, text), ...]
     ca.scores_for("logit", span=(0, 12))  # a span of the response: no new pass
     ca.save("ca.npz"); ctxmix.load_context_attribution("ca.npz")
 
+Over 500 lines because the result (spans, views, files) and the one call that fills it are read together.
 The prompt, the sources and the response are described in `ctxmix.methods.context.prompt` and
 `ctxmix.methods.context.sources`; the methods in `ctxmix.methods.context.ablation` (contextcite,
 leave_one_out) and `ctxmix.methods.context.onepass` (logit, alti_logit, attention), `ctxmix.methods.context.grad`
-(grad_x_input), and in the registry's
-context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
+(grad_x_input), and in the registry's context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
-from ctxmix.methods.context.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE, make_sources
+from ctxmix.methods.context.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,7 +61,10 @@ class ContextAttribution:
     targets[m] (T,) the explained quantity per token; ablations[m] {"masks": (m, d) bool (True = kept),
     "logit_probs": (m, T)} behind each ablation method; intercepts[m] the surrogate's bias;
     cost[m] {"forward", "backward", "seconds"}; options (everything that changes a number); provenance;
-    evaluation: what `evaluate` measured last (empty until then)."""
+    evaluation: what `evaluate` measured last (empty until then); messages: the messages sent (the
+    conversation given, or the one user message of the context/query form); source_messages (d,): the
+    message each source is in. A conversation's `context` is its transcript ("role: content" per message,
+    blank lines between), which `source_spans` index."""
 
     model_name: str
     context: str
@@ -85,6 +89,8 @@ class ContextAttribution:
     provenance: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     evaluation: dict = field(default_factory=dict)
+    messages: list[dict] | None = None
+    source_messages: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------ spans
 
@@ -106,11 +112,14 @@ class ContextAttribution:
         return int(hit[0]), int(hit[-1]) + 1
 
     def scores_for(self, method: str, span=None) -> np.ndarray:
-        """(d,) scores of `method` for a character span (start, end) of the response, from the stored
-        per-token contributions or ablations (no model pass): one-pass methods sum (logit) or average
-        (attention) their per-token source scores over the span's tokens; contextcite refits its LASSO on
-        the span's aggregated logit-probabilities (T = the span's tokens); leave_one_out takes the span's
-        log-probability drops."""
+        """(d,) scores of `method` for a character span (start, end) of the response, or (n, d), one row per
+        span, for a list of n spans [(start, end), ...]; from the stored per-token contributions or
+        ablations (no model pass): one-pass methods sum (logit) or average (attention) their per-token
+        source scores over the span's tokens; contextcite refits its LASSO on the span's aggregated
+        logit-probabilities (T = the span's tokens); leave_one_out takes the span's log-probability drops."""
+        if isinstance(span, (list, tuple)) and span and all(isinstance(sp, (list, tuple)) for sp in span):
+            self._check_method(method)
+            return np.stack([self.scores_for(method, sp) for sp in span]).reshape(len(span), self.n_sources)
         self._check_method(method)
         a, b = self.token_range(span)
         if method in self.per_token:
@@ -299,9 +308,11 @@ def _check_call(model: Model, methods, max_new_tokens, n_ablations, batch_size, 
 
 def attribute_context(
     model: Model,
-    context,
+    context=None,
     query: str | None = None,
     *,
+    messages: list[dict] | None = None,
+    chat_template: str | None = None,
     response: str | None = None,
     sources="sentence",
     methods=DEFAULT_METHODS,
@@ -326,10 +337,21 @@ def attribute_context(
     overlapping). The template's tokens, the query and the response are never sources.
 
     query: the question, placed as "Context: {context}\\n\\nQuery: {query}" (ContextCite's format) in
-    the model's chat template (template=None or "chat"; template="plain" or a tokenizer without one:
-    the tokenizer's BOS and the message). query=None: the context alone is the message, so the caller
-    places any instruction ("Summarize the article.") or the text to continue in the context itself.
-    Text in the context, query or response that spells a special token is kept as text.
+    one user message. query=None: the context alone is the message, so the caller places any instruction
+    ("Summarize the article.") or the text to continue in the context itself.
+
+    messages: a conversation instead of context/query: [{"role": "system" | "user" | "assistant" | "tool",
+    "content": str, ...}, ...], the last one the turn being answered (other keys go to the template).
+    Every message's content is split into sources by `sources` ("document": each message one source)
+    except those marked "attribute": False; `.source_messages` says which message each source is in.
+
+    The prompt is the chat template (the tokenizer's, or chat_template=, a Jinja string; template=None or
+    "chat") rendered with the generation prompt and tokenised as one string: the ids of
+    `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`. template="plain" or a tokenizer
+    without a template: the tokenizer's BOS and the message (several: "Role: content" blocks, then
+    "Assistant:"). Text in a message or the response that spells a special token is kept as text (there
+    only the ids differ from the template's). Ablations remove sources from their messages and render the
+    template again (`ctxmix.methods.context.prompt`).
 
     response: the text to attribute; None generates it greedily (ctxmix.generate, max_new_tokens), the
     final end-of-sequence token dropped.
@@ -344,11 +366,19 @@ def attribute_context(
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
     "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model, or
     uniform ones where their held-out table scores the trained ones lower, with a warning), a file
-    from `ctxmix at2-train`, or "untrained" (uniform)). compat=True reproduces the
-    official ContextCite package (whole-string tokenisation, re-tokenised response with its
-    end-of-sequence token, the official rebuild that drops text outside the sources, float32
-    aggregation that overflows on confident spans); the default differs there (docs/context.md, "Choices
-    where the papers leave room"; `ctxmix.methods.context.ablation`).
+    from `ctxmix at2-train`, or "untrained" (uniform)).
+
+    compat=True reproduces the official ContextCite package (context/query form only): the prompt, the
+    generated response and every ablation are built from the official rebuild of the context, which keeps
+    only the sources and the text between them (text before the first source and after the last is never
+    shown to the model, even unablated); the response is re-tokenised with the prompt text, its
+    end-of-sequence token kept; the target is aggregated in float32 (it overflows on confident spans);
+    context or query text that spells a special token is refused. The sources themselves still come from
+    ctxmix's splitter (pysbd; the official package uses nltk's punkt, whose data cannot be installed
+    offline): pass explicit spans to match its sources. On a GPU the official package runs its forward
+    passes under CUDA autocast (float16) while ctxmix runs the model in its own dtype, so GPU numbers differ
+    by that rounding; on a CPU they agree to float32 rounding. The default differs where docs/context.md
+    says ("Choices where the papers leave room"; `ctxmix.methods.context.ablation`).
 
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
@@ -367,10 +397,12 @@ def attribute_context(
         store_contextcite,
     )
     from ctxmix.methods.context.onepass import TARGETS, run_one_pass
-    from ctxmix.methods.context.prompt import PromptBuilder, make_response
+    from ctxmix.methods.context.prompt import build_prompt, make_response
     from ctxmix.methods.explanation import provenance
 
     methods = _check_call(model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query)
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise BadInput("chat_template must be a Jinja template string (or None: the tokenizer's)")
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if not isinstance(compat, bool):
@@ -390,9 +422,16 @@ def attribute_context(
     for m in ("logit", "alti_logit"):
         if m in methods:
             check_logit_model(model, m)
-    src = make_sources(context, sources)
-    builder = PromptBuilder(model, query, template, compat)
-    builder.check_special_text({"context": src.text, "query": query or ""})
+    src, builder = build_prompt(
+        model,
+        context,
+        query,
+        messages=messages,
+        sources=sources,
+        template=template,
+        chat_template=chat_template,
+        compat=compat,
+    )
     prompt = builder.encode(src)
     window = model.max_length
     if len(prompt.ids) >= window:
@@ -407,21 +446,23 @@ def attribute_context(
             f"prompt ({P} tokens) + response ({T} tokens) exceed {model.name}'s window of {window} positions: "
             "shorten the context or the response"
         )
-    if compat and src.rebuild(np.ones(len(src), bool), "contextcite") != src.text:
+    rule = "contextcite" if compat else "ctxmix"
+    if compat and src.rebuild(np.ones(len(src), bool), rule) != src.text:
         note = (
             "compat: the official rebuild drops the text before the first source and after the last, even with "
-            "every source kept"
+            "every source kept: the prompt and the response are built without it"
         )
     else:
         note = None
-    if not compat and builder.ids(src.rebuild(np.ones(len(src), bool))) != prompt.ids:
+    if builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != prompt.ids:
         raise RuntimeError("rebuilding the context with every source kept does not give the prompt's ids")
+    chat = messages is not None
     source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(len(src))]
     empty = [i for i, t in enumerate(source_tokens) if not t]
     ca = ContextAttribution(
         model_name=model.name,
         context=src.text,
-        query=query,
+        query=None if chat else query,
         sources=src.texts,
         source_spans=list(src.spans),
         source_tokens=source_tokens,
@@ -452,6 +493,8 @@ def attribute_context(
             "batch_size": batch_size,
         },
         provenance=provenance(model),
+        messages=src.messages if chat else builder.turns(builder.full(src)),
+        source_messages=list(src.message_of) if chat else [0] * len(src),
     )
     if note:
         ca.warnings.append(note)

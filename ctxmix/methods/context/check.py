@@ -19,16 +19,17 @@ from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
 
-def prompt_token_count(model: Model, context, query: str | None, sources="sentence", template=None) -> int:
-    """The number of prompt tokens (template, context, query) `attribute_context` would build: tokenising
-    only, no model call (the dashboard's caps are checked on it). Raises BadInput where attribute_context
-    would (an empty context, one source, special-token text under compat)."""
-    from ctxmix.methods.context.prompt import PromptBuilder
-    from ctxmix.methods.context.sources import make_sources
+def prompt_token_count(
+    model: Model, context, query: str | None, sources="sentence", template=None, *, messages=None, chat_template=None
+) -> int:
+    """The number of prompt tokens (template, context, query; or the messages) `attribute_context` would
+    build: tokenising only, no model call (the dashboard's caps are checked on it). Raises BadInput where
+    attribute_context would (an empty context, one source, special-token text under compat)."""
+    from ctxmix.methods.context.prompt import build_prompt
 
-    src = make_sources(context, sources)
-    builder = PromptBuilder(model, query, template)
-    builder.check_special_text({"context": src.text, "query": query or ""})
+    src, builder = build_prompt(
+        model, context, query, messages=messages, sources=sources, template=template, chat_template=chat_template
+    )
     return len(builder.encode(src).ids)
 
 
@@ -44,14 +45,11 @@ def _check_model(ca, model: Model) -> None:
 
 def _rebuild(ca, model: Model):
     """(Sources, PromptBuilder) of the attribution, checked to give its prompt ids exactly."""
-    from ctxmix.methods.context.prompt import PromptBuilder
-    from ctxmix.methods.context.sources import Sources
+    from ctxmix.methods.context.prompt import rebuild_prompt
 
-    src = Sources(text=ca.context, spans=[tuple(s) for s in ca.source_spans], kind=str(ca.options.get("sources")))
-    compat = bool(ca.options.get("compat"))
-    builder = PromptBuilder(model, ca.query, ca.options["prompt"]["template"], compat)
-    rule = "contextcite" if compat else "ctxmix"
-    if not compat and builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != list(ca.prompt_ids):
+    src, builder = rebuild_prompt(ca, model)
+    rule = "contextcite" if builder.compat else "ctxmix"
+    if builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != list(ca.prompt_ids):
         raise BadInput(f"{model.name}'s tokenizer or template does not rebuild this attribution's prompt")
     return src, builder
 
@@ -174,8 +172,8 @@ def ablate(ca, model: Model, method: str, k: int = 3, span=None, max_new_tokens:
     order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
     keep = np.ones(d, dtype=bool)
     keep[order[: int(k)]] = False
-    full_ids = builder.ids(src.rebuild(np.ones(d, bool)))
-    reduced_ids = builder.ids(src.rebuild(keep))
+    full_ids = list(ca.prompt_ids)  # checked by _rebuild
+    reduced_ids = builder.ids(src.rebuild(keep, "contextcite" if builder.compat else "ctxmix"))
     t0 = time.perf_counter()
     lp = response_logit_probs(model, [full_ids, reduced_ids], list(ca.response_ids))
     before, after = (float(v) for v in log_probs(lp[:, a:b]))

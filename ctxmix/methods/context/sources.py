@@ -1,6 +1,7 @@
 """The sources of a context: how a context is split (sentences, paragraphs, documents, or given
-character spans), how an ablated context is rebuilt from the kept sources, and which prompt tokens
-belong to which source (docs/context.md, "The prompt, the sources, the response").
+character spans) and how an ablated context is rebuilt from the kept sources (docs/context.md); a
+conversation's sources (`ChatSources`: every attributed message split the same way). Which prompt tokens
+belong to which source: `ctxmix.methods.context.prompt`.
 
 A context is one string; a list of documents is joined with `DOCUMENT_SEPARATOR`. A source is a
 character span (start, end) of that string with no surrounding whitespace. The text before a source
@@ -89,6 +90,12 @@ class Sources:
         if rule != "ctxmix":
             raise BadInput(f"rule must be 'ctxmix' or 'contextcite', got {rule!r}")
         return seps[0] + out + self.trail if kept else seps[0] + self.trail
+
+    def trimmed(self) -> Sources:
+        """The sources with the text before the first and after the last dropped: the context the official
+        ContextCite package shows the model (its rebuild with every source kept)."""
+        a, b = self.spans[0][0], self.spans[-1][1]
+        return Sources(self.text[a:b], [(s - a, e - a) for s, e in self.spans], self.kind, self.splitter)
 
     def source_of(self, char: int) -> int:
         """The source holding character `char`, or SEPARATOR."""
@@ -189,6 +196,26 @@ def check_spans(text: str, spans) -> list[tuple[int, int]]:
     return out
 
 
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadInput(f"the {what} holds a character that is not valid Unicode at position {e.start}") from None
+
+
+def split_spans(text: str, unit: str) -> tuple[list[tuple[int, int]], dict]:
+    """(spans, splitter info) of `text` by `unit`: "sentence", "paragraph" or "document" (the whole text,
+    stripped, one source)."""
+    if unit not in SOURCE_KINDS:
+        raise BadInput(f"sources must be one of {', '.join(SOURCE_KINDS)} or a list of (start, end) spans")
+    if unit == "sentence":
+        return sentence_spans(text), splitter_info()
+    if unit == "paragraph":
+        return paragraph_spans(text), {}
+    lead = len(text) - len(text.lstrip())
+    return ([(lead, len(text.rstrip()))] if text.strip() else []), {}
+
+
 def make_sources(context, sources="sentence") -> Sources:
     """The context string and its sources. context: a string, or a list of documents (joined with
     DOCUMENT_SEPARATOR; each a source with sources="document"). sources: "sentence", "paragraph",
@@ -207,10 +234,7 @@ def make_sources(context, sources="sentence") -> Sources:
         raise BadInput(f"context must be a string or a list of document strings, got {type(context).__name__}")
     if not text.strip():
         raise BadInput("the context is empty: give the text the response should be attributed to")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadInput(f"the context holds a character that is not valid Unicode at position {e.start}") from None
+    _check_text(text, "context")
     info: dict = {}
     if isinstance(sources, str):
         if sources not in SOURCE_KINDS:
@@ -223,10 +247,8 @@ def make_sources(context, sources="sentence") -> Sources:
                 lead = len(d) - len(d.lstrip())
                 spans.append((pos + lead, pos + len(d.rstrip())))
                 pos += len(d) + len(DOCUMENT_SEPARATOR)
-        elif sources == "paragraph":
-            spans = paragraph_spans(text)
         else:
-            spans, info = sentence_spans(text), splitter_info()
+            spans, info = split_spans(text, sources)
         kind = sources
     else:
         spans, kind = check_spans(text, sources), "spans"
@@ -240,25 +262,114 @@ def make_sources(context, sources="sentence") -> Sources:
     return Sources(text=text, spans=spans, kind=kind, splitter=info)
 
 
-def token_labels(body: str, offsets, context_range: tuple[int, int], query_range, sources: Sources) -> np.ndarray:
-    """Per token of a prompt body, its source index or bucket (TEMPLATE, QUERY, SEPARATOR).
+# ---------------------------------------------------------------- conversations
 
-    body: the text the tokens were cut from; offsets (n, 2): each token's character span in body
-    ((0, 0) or None for a token with no text); context_range / query_range: where the context / query
-    sit in body. A token belongs to the source holding its first non-whitespace character (so " The",
-    whose space belongs to the separator, is The's source); a whitespace-only token in the context
-    belongs to the separators; tokens outside the context and query belong to the template."""
-    cs, ce = context_range
-    out = np.full(len(offsets), TEMPLATE, dtype=np.int64)
-    for k, off in enumerate(offsets):
-        if off is None:
-            continue
-        a, b = int(off[0]), int(off[1])
-        piece = body[a:b]
-        stripped = len(piece) - len(piece.lstrip())
-        c = a + stripped if piece.strip() else a
-        if cs <= c < ce:
-            out[k] = sources.source_of(c - cs) if piece.strip() else SEPARATOR
-        elif query_range is not None and query_range[0] <= c < query_range[1] and piece.strip():
-            out[k] = QUERY
+MESSAGE_KEYS = ("attribute", "sources")  # ctxmix's own keys of a message: never sent to the chat template
+
+
+def check_messages(messages) -> list[dict]:
+    """Copies of the messages, checked: a non-empty list of dicts, each with a string "role" and a string
+    "content"; "attribute" (default True) says whether the content's text is split into sources, "sources"
+    (optional) gives them as (start, end) character spans of the content instead of the unit's split."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadInput("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadInput(f"message {k} must be a dict with a string 'role' and a string 'content', got {m!r}")
+        if not isinstance(m.get("attribute", True), bool):
+            raise BadInput(f"message {k}: 'attribute' must be True or False, got {m['attribute']!r}")
+        _check_text(m["content"], f"message {k}")
+        out.append(dict(m))
+    return out
+
+
+def transcript_starts(messages) -> list[int]:
+    """Where each message's content starts in a conversation's transcript (`ChatSources.text`)."""
+    starts, pos = [], 0
+    for m in messages:
+        head = f"{m['role']}: "
+        starts.append(pos + len(head))
+        pos += len(head) + len(m["content"]) + len(DOCUMENT_SEPARATOR)
+    return starts
+
+
+@dataclass
+class ChatSources:
+    """The sources of a conversation: the content of every attributed message split by one unit.
+
+    messages: the messages (role, content, ...); parts[k]: the `Sources` of message k's content, or None
+    (a message with "attribute": False, or no source in it). Derived: `text`, a transcript ("role: content"
+    per message, blank lines between) that the views shade; `spans`, each source's span in it; `message_of`
+    (d,), each source's message; `starts` (K,), where each message's content starts in `text`. Sources
+    are numbered in message order."""
+
+    messages: list[dict]
+    parts: list[Sources | None]
+    kind: str
+    splitter: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.text = DOCUMENT_SEPARATOR.join(f"{m['role']}: {m['content']}" for m in self.messages)
+        self.starts = transcript_starts(self.messages)
+        self.spans: list[tuple[int, int]] = []
+        self.message_of: list[int] = []
+        for k, part in enumerate(self.parts):
+            if part is not None:
+                self.spans += [(self.starts[k] + a, self.starts[k] + b) for a, b in part.spans]
+                self.message_of += [k] * len(part)
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.text[s:e] for s, e in self.spans]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def rebuild(self, keep, rule: str = "ctxmix") -> list[str]:
+        """Every message's content with only the sources where keep (d,) is true (`Sources.rebuild`'s
+        ctxmix rule in each message: its text around the sources stays)."""
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != (len(self),):
+            raise ValueError(f"a mask of {keep.shape} for {len(self)} sources")
+        if rule != "ctxmix":
+            raise BadInput("a conversation's sources are rebuilt by ctxmix's rule only (compat=False)")
+        out, i = [], 0
+        for m, part in zip(self.messages, self.parts):
+            if part is None:
+                out.append(m["content"])
+                continue
+            out.append(part.rebuild(keep[i : i + len(part)]))
+            i += len(part)
+        return out
+
+
+def make_chat_sources(messages, sources="sentence", spans_of=None) -> ChatSources:
+    """The sources of a conversation: each attributed message's content split by `sources` ("sentence",
+    "paragraph" or "document": the whole message one source), or its own "sources" spans. spans_of:
+    {message index: spans} given instead (a saved attribution's). At least two sources in all."""
+    messages = check_messages(messages)
+    if not isinstance(sources, str):
+        raise BadInput("with messages=, sources is a unit: 'sentence', 'paragraph' or 'document' (a whole message)")
+    parts: list[Sources | None] = []
+    info: dict = {}
+    for k, m in enumerate(messages):
+        if spans_of is not None:
+            spans = [tuple(sp) for sp in spans_of.get(k, [])]
+        elif "sources" in m and m.get("attribute", True):
+            try:
+                spans = check_spans(m["content"], m["sources"])
+            except BadInput as e:
+                raise BadInput(f"message {k}: {e}") from None
+        elif m.get("attribute", True):
+            spans, info = split_spans(m["content"], sources)
+        else:
+            spans = []
+        parts.append(Sources(m["content"], spans, sources, info) if spans else None)
+    out = ChatSources(messages, parts, sources, info)
+    if len(out) < 2:
+        raise BadInput(
+            f"the messages hold {len(out)} {sources} source(s) to attribute to: give more text, a finer unit, or "
+            "mark fewer messages 'attribute': False"
+        )
     return out
