@@ -57,9 +57,8 @@ def _close(a, b, what, tol=1e-5):
 
 
 def _methods(model) -> list[str]:
-    from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS
-
     from ctxmix.engine.scopes import scope_names
+    from ctxmix.methods.registry import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS
 
     scopes = {m for m, info in MIXING_METHODS.items() if info.group == "scope"}
     mixing = [m for m in MIXING_METHODS if m not in scopes or m in scope_names(model.spec.position)]

@@ -272,7 +272,7 @@ CITATION_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".i
 GENERATED_DOCS = ("docs/methods/", "docs/analyses/", "docs/families.md")
 # Files that other work is editing now and that still cite one; remove an entry once its file is clean (the
 # test then insists on it).
-CITATIONS_ALLOWED = {"ctxmix/methods/readout.py"}
+CITATIONS_ALLOWED: set[str] = set()
 
 
 def _citation_files(root: Path):
@@ -305,8 +305,8 @@ def unfollowable_citations(root: Path) -> dict[str, list[str]]:
 
 def test_no_ticket_numbers_or_notes_paths():
     """Code, docs, configs, bench scripts and tests say what a choice is, not which ticket or which note item
-    made it: no ticket number and no path into the notes folder, except in the files of CITATIONS_ALLOWED
-    (being edited elsewhere), each of which must still hold one (so the list shrinks as they are cleaned)."""
+    made it: no ticket number and no path into the notes folder (CITATIONS_ALLOWED: files being cleaned
+    elsewhere, each of which must still hold one, so the list only shrinks; empty now)."""
     found = unfollowable_citations(ROOT)
     extra = {f: hits for f, hits in found.items() if f not in CITATIONS_ALLOWED}
     assert not extra, "cite the paper or docs/ and say what was chosen, not the ticket or the note:\n" + "\n".join(

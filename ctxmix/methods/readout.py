@@ -119,8 +119,8 @@ TARGET_KINDS = ("logit", "log_prob", "logit_prob")
 
 
 def target_readout(model: Model, logits: torch.Tensor, tokens: torch.Tensor, kind: str = "logit") -> dict:
-    """What the logit decompositions project on for each explained row (`papers/notes/context-attribution.md`
-    §6.1), from the model's own logits (K, V) at the K rows and the K target ids:
+    """What the logit decompositions project on for each explained row (docs/context.md, "The target and the
+    metrics"), from the model's own logits (K, V) at the K rows and the K target ids:
 
     - "logit": the raw logit z_r: the unembedding row u_r and its bias;
     - "log_prob" (T1): log p_r = (z_r - sum_v p_v z_v) - H(p): u_r - sum_v p_v u_v, its bias, and
