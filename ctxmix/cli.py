@@ -27,8 +27,11 @@ def _write_table(df, out: str | None) -> None:
 
 def _load(args):
     import ctxmix
+    from ctxmix.engine.models import loading_options
 
-    return ctxmix.load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
+    return ctxmix.load_model(
+        args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
+    )
 
 
 def _texts(args) -> list[str]:
@@ -267,6 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["float32", "tf32", "bf16"],
             help="the engine's precision for the large products (float32 is exact)",
         )
+        s.add_argument(
+            "--device-map",
+            help="spread the model with accelerate: auto (GPUs, then CPU, then disk), balanced, sequential, or a "
+            "JSON object of module name -> device / cpu / disk",
+        )
+        s.add_argument("--offload-folder", help="where layers mapped to disk are kept (with --device-map)")
+        q = s.add_mutually_exclusive_group()
+        q.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes nf4 weights (exact on them)")
+        q.add_argument(
+            "--load-in-8bit", action="store_true", help="bitsandbytes LLM.int8 (inputs rounded too: a warning)"
+        )
+        q.add_argument("--load-in-int8", action="store_true", help="torchao int8 weight-only (exact on them)")
 
     def corpus_args(s):
         s.add_argument(

@@ -265,3 +265,45 @@ def test_streamed_traces_on_a_model_read_one_layer_at_a_time(tokenizer, family, 
     for k, v in ctxmix.scope_maps(disp, TEXT).items():
         _close(sa[k], v, f"streamed scope {k}")
     _close(ra.edges["weight"].to_numpy(), ctxmix.routes(disp, TEXT).edges["weight"].to_numpy(), "streamed routes")
+
+
+# ---------------------------------------------------------------- the command line and the dashboard
+
+
+def test_cli_loads_a_model_spread_over_cpu_and_disk(tokenizer, tmp_path, capsys):
+    """`ctxmix explain --device-map JSON --offload-folder DIR` gives the saved explanation the folder loaded
+    whole gives; a bad JSON map is one message and exit 2, before any load."""
+    import json
+
+    from ctxmix.cli import main
+
+    folder = _saved_llama(tokenizer, tmp_path)
+    whole = ctxmix.load_model(folder, device="cpu")
+    dm = json.dumps(_device_map(whole))
+    a, b = tmp_path / "whole.npz", tmp_path / "spread.npz"
+    assert main(["explain", TEXT, "--model", folder, "--method", "alti", "--out", str(a)]) == 0
+    args = ["--device-map", dm, "--offload-folder", str(tmp_path / "off")]
+    assert main(["explain", TEXT, "--model", folder, "--method", "alti", "--out", str(b), *args]) == 0
+    ea, eb = ctxmix.load_explanation(a), ctxmix.load_explanation(b)
+    _close(ea.layer_maps["alti"], eb.layer_maps["alti"], "cli alti")
+    assert main(["explain", TEXT, "--model", folder, "--device-map", "{not json"]) == 2
+    assert "--device-map is not valid JSON" in capsys.readouterr().err
+
+
+def test_dashboard_loads_in_bfloat16_from_the_sidebar(monkeypatch):
+    """The sidebar's big-model options reach load_model (the badge says bfloat16) and travel in the link; a
+    hosted copy does not offer them."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(root)
+    at = AppTest.from_file(str(root / "app.py"), default_timeout=600)
+    at.query_params["dtype"] = "bfloat16"
+    at.query_params["method"] = ["alti"]
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="model_dtype").value == "bfloat16"
+    assert any("bfloat16" in c.value for c in at.sidebar.caption), [c.value for c in at.sidebar.caption]

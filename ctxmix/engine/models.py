@@ -815,6 +815,26 @@ def load_model(
     return model
 
 
+def loading_options(args) -> dict:
+    """`load_model`'s placement keywords from the command line's flags (`--device-map`, `--offload-folder`,
+    `--load-in-4bit` / `--load-in-8bit` / `--load-in-int8`); absent flags give nothing."""
+    out: dict[str, Any] = {}
+    dm = getattr(args, "device_map", None)
+    if dm:
+        if dm.strip().startswith("{"):
+            try:
+                dm = json.loads(dm)
+            except json.JSONDecodeError as e:
+                raise BadInput(f"--device-map is not valid JSON: {e}") from None
+        out["device_map"] = dm
+    if getattr(args, "offload_folder", None):
+        out["offload_folder"] = args.offload_folder
+    for flag, scheme in (("load_in_4bit", "4bit"), ("load_in_8bit", "8bit"), ("load_in_int8", "int8")):
+        if getattr(args, flag, False):
+            out["quantization"] = scheme
+    return out
+
+
 def load_placement(device_map, max_memory, offload_folder, quantization, dtype) -> dict:
     """The `from_pretrained` keywords for where a model lives, checked before anything is loaded."""
     out: dict[str, Any] = {}

@@ -226,8 +226,62 @@ def set_qp(**values) -> None:
 
 
 @st.cache_resource(show_spinner="Loading the model (once per server process)…")
-def get_model(name: str) -> ctxmix.Model:
-    return ctxmix.load_model(name)
+def get_model(
+    name: str,
+    dtype: str = "float32",
+    device_map: str | None = None,
+    quantization: str | None = None,
+    offload_folder: str | None = None,
+) -> ctxmix.Model:
+    return ctxmix.load_model(
+        name, dtype=dtype, device_map=device_map, quantization=quantization, offload_folder=offload_folder
+    )
+
+
+LOADING_DTYPES = ("float32", "bfloat16", "float16")
+LOADING_QUANTIZATION = ("none", "4bit", "8bit", "int8")
+
+
+def loading_picker(key: str = "model") -> dict:
+    """The sidebar's loading options for a big model (dtype, device map, quantization, offload folder), as
+    `load_model`'s keywords; shared through the URL. A hosted copy offers none of them: its operator's
+    allow-list loads as configured."""
+    if hosted():
+        return {}
+    dtype = qp("dtype", "float32")
+    quant = qp("quant", "none")
+    dmap = qp("device_map", "none")
+    with st.sidebar.expander("Big models: precision, placement, quantization", expanded=dtype != "float32"):
+        dtype = st.selectbox(
+            "dtype",
+            LOADING_DTYPES,
+            index=LOADING_DTYPES.index(dtype) if dtype in LOADING_DTYPES else 0,
+            key=f"{key}_dtype",
+            help="bfloat16 / float16 halve the model's memory; ctxmix decomposes one layer at a time in float32.",
+        )
+        dmap = st.selectbox(
+            "Device map",
+            ("none", "auto"),
+            index=1 if dmap == "auto" else 0,
+            key=f"{key}_device_map",
+            help="auto: accelerate spreads the model over the GPUs, then the CPU, then disk.",
+        )
+        quant = st.selectbox(
+            "Quantization",
+            LOADING_QUANTIZATION,
+            index=LOADING_QUANTIZATION.index(quant) if quant in LOADING_QUANTIZATION else 0,
+            key=f"{key}_quant",
+            help="4bit: bitsandbytes nf4; 8bit: LLM.int8 (rounds the inputs too: a warning says how far); "
+            "int8: torchao weight-only. Weight-only schemes decompose exactly.",
+        )
+        folder = st.text_input("Offload folder (for layers on disk)", value="", key=f"{key}_offload")
+    set_qp(dtype=dtype, quant=quant, device_map=dmap)
+    return {
+        "dtype": dtype,
+        "device_map": None if dmap == "none" else dmap,
+        "quantization": None if quant == "none" else quant,
+        "offload_folder": folder.strip() or None,
+    }
 
 
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
@@ -260,13 +314,16 @@ def model_picker(key: str = "model") -> str:
             st.stop()
         choice = custom.strip()
     set_qp(model=choice)
+    st.session_state["_loading"] = loading_picker(key)
     return choice
 
 
 def load_or_stop(name: str) -> ctxmix.Model:
     with errors_as_messages():
-        m = get_model(name)
+        m = get_model(name, **st.session_state.get("_loading", {}))
         badge = f"{m.spec.family} · {m.spec.position}-LN · {m.n_layers} layers · {m.kind} · {m.device}"
+        if str(m.dtype) != "torch.float32" or m.quantization_schemes:
+            badge += f" · {str(m.dtype).removeprefix('torch.')}" + "".join(f" · {s}" for s in m.quantization_schemes)
         st.sidebar.caption(badge)
         if m.info.get("heldout_accuracy") is not None:
             st.sidebar.caption(

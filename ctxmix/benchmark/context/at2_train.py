@@ -409,7 +409,11 @@ def cmd_at2_train(args) -> None:
     for name in ("examples", "masks", "min_tokens", "max_tokens", "steps"):
         if getattr(args, name) < (2 if name == "masks" else 1):
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
-    model = load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
+    from ctxmix.engine.models import loading_options
+
+    model = load_model(
+        args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
+    )
     meta = train(
         model,
         args.out,

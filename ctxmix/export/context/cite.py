@@ -363,7 +363,9 @@ def cmd_cite(args) -> None:
 
     what, methods, out = check_args(args)
     options = attribution_options(args, methods)
-    model = models.load_model(args.model, device=args.device, dtype=args.dtype, precision=args.precision)
+    model = models.load_model(
+        args.model, device=args.device, dtype=args.dtype, precision=args.precision, **models.loading_options(args)
+    )
     if "examples" in what:
         return _cite_batch(model, what["examples"], options, args, out)
     if "messages" in what:
