@@ -2,12 +2,17 @@
 process (peak memory read from /proc/self/status's VmHWM, reset after the model is built; CUDA's peak
 allocation on a GPU).
 
-Rows so far:
+Rows (each in its own process):
 - half precision, one layer at a time: a bf16 Llama with Llama-3-8B's widths (d 4,096, d' 14,336, 32 heads,
   8 KV heads, vocabulary 128,256) and 4 layers, built on `meta` then `to_empty` and filled in bf16 (never
   float32-then-cast): the peak over the loaded model during `explain(["logit"])` on 16 tokens, against one
   layer's float32 V/O/FF (the goal: about one layer's, not four; the old `Model.layers` held every layer's
   float32 copy for the model's life, 4.85 GiB over the model here).
+- on CUDA only: the real Llama-3-8B config (32 layers, bf16, built on the GPU: no download), alone and split
+  by a device_map over cuda:0 and the CPU (16 layers each), `attribute_context(logit)` on 4,096 tokens,
+  `explain(["alti"])` on 1,024, `scope_maps` on 256 and `routes` on 2,048: time and peak memory (a row that
+  runs out of memory says so). The memory estimate that will decide beforehand which rows fit belongs to the
+  long-context work (`ctxmix.estimate_memory`).
 
     python bench/perf_scale.py                 # the rows, on CUDA when there is one
     python bench/perf.py --only scale          # the same rows in perf.py's table
@@ -93,6 +98,56 @@ def half_child(device: str, n_layers: int, n_tokens: int) -> dict:
     return {"seconds": sec, "peak_mb": peak_mb, "reconstruction_error": ex.reconstruction_error}
 
 
+def _text(tok, n_tokens: int) -> str:
+    """Lee news prose cut to about n_tokens tokens of `tok` (special tokens included)."""
+    from ctxmix.data import lee_background
+
+    words = " ".join(lee_background()).split()
+    lo, hi = 1, len(words)
+    while lo < hi:  # the longest prefix of words within n_tokens
+        mid = (lo + hi + 1) // 2
+        if len(tok(" ".join(words[:mid]))["input_ids"]) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+CALLS = ("attribute_context", "explain_alti", "scope_maps", "routes")
+
+
+def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
+    """The real Llama-3-8B config (32 layers, bf16) built on the GPU (no download), alone or split by a
+    device_map: the first half of the layers on cuda:0, the rest on the CPU."""
+    import transformers as T
+
+    import ctxmix
+
+    hf = random_llama(32, torch.bfloat16, "cpu" if split else device)
+    if split:
+        from accelerate import dispatch_model
+
+        dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0}
+        dm.update({f"model.layers.{i}": (0 if i < 16 else "cpu") for i in range(32)})
+        hf = dispatch_model(hf, device_map=dm)
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b")
+    text = _text(tok, n_tokens)
+    runs = {
+        "attribute_context": lambda: ctxmix.attribute_context(
+            model, text, "What happened?", response=" It rained.", methods=["logit"], progress=False
+        ),
+        "explain_alti": lambda: ctxmix.explain(model, text, ["alti"]),
+        "scope_maps": lambda: ctxmix.scope_maps(model, text),
+        "routes": lambda: ctxmix.routes(model, text),
+    }
+    _, sec, peak_mb = timed_peak(runs[call], device)
+    return {"seconds": sec, "peak_mb": peak_mb}
+
+
+GPU_ROWS = [("attribute_context", 4096), ("explain_alti", 1024), ("scope_maps", 256), ("routes", 2048)]
+
+
 def _child(kind: str, *args) -> dict:
     """One row in a fresh process (its peak memory is its own)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps([kind, *args])]
@@ -118,6 +173,17 @@ def bench_scale(a, dev) -> list[dict]:
             r["peak_mb"] <= 1.3 * goal_mb,
         )
     )
+    if dev.type == "cuda":
+        for split in (False, True):
+            for call, n in GPU_ROWS:
+                where = "split cuda:0 + cpu" if split else "one GPU"
+                log(f"scale: Llama-3-8B bf16 ({where}), {call} on {n} tokens")
+                try:
+                    r = _child("gpu", str(dev), call, n, split)
+                    measured = f"{r['peak_mb'] / 1024:.1f} GiB peak over the model, {r['seconds']:.1f} s"
+                except RuntimeError as e:  # out of memory (or anything else): the row says what happened
+                    measured = f"failed: {str(e)[:80]}"
+                rows.append(row(f"Llama-3-8B bf16 ({where}): {call} {n} tok", measured, "-", None, "report"))
     return rows
 
 
@@ -128,7 +194,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         kind, *args = json.loads(a.child)
-        print(json.dumps({"half": half_child}[kind](*args)))
+        print(json.dumps({"half": half_child, "gpu": gpu_child}[kind](*args)))
         return
     import pandas as pd
     from perf_common import table_text
