@@ -56,6 +56,35 @@ def test_extend_equals_one_call_with_every_method(llama, ca):
         extend_attribution(first, llama, ["alti"])
 
 
+def test_extend_adds_every_context_method_and_keeps_the_evaluation(llama):
+    """Every method the page offers can be added later (at2_exact was skipped: the page traced again on every
+    rerun), with the scores of one call that has it; an evaluation is measured again on the new set of methods
+    (it was erased), with the same held-out masks and values for the methods it had, its held-out passes read
+    rather than rerun."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    kw = dict(response=RESP, n_ablations=8, progress=False, at2_weights="untrained")
+    first = ctxmix.attribute_context(llama, CTX, QUERY, methods=["logit"], **kw)
+    before = first.evaluate(llama, k=(1, 2), n_ablations=6, progress=False).copy()
+    heldout = first.evaluation["masks"].copy()
+    rest = [m for m in CONTEXT_METHODS if m != "logit"]
+    extend_attribution(first, llama, rest, at2_weights="untrained")
+    assert sorted(first.methods) == sorted(CONTEXT_METHODS)
+    every = ctxmix.attribute_context(llama, CTX, QUERY, methods=list(CONTEXT_METHODS), **kw)
+    for m in rest:  # the added ones: same passes, same arithmetic
+        np.testing.assert_array_equal(first.scores[m], every.scores[m], err_msg=m)
+    assert first.options["at2"] == every.options["at2"]
+    ev = first.evaluation
+    assert ev and list(ev["table"]["method"]) == first.methods
+    np.testing.assert_array_equal(ev["masks"], heldout)
+    row = ev["table"].set_index("method").loc["logit"]
+    assert row.to_dict() == before.set_index("method").loc["logit"].to_dict()
+    assert ev["cost"]["forward"] <= 1 + 2 * len(rest)  # the held-out passes were read: top-k removals only
+    n = len(first.methods)
+    assert extend_attribution(first, llama, ["at2_exact", "logit"]) is first and len(first.methods) == n
+    assert first.evaluation is ev  # nothing added: nothing measured again
+
+
 def test_attribute_context_reports_generation_progress(llama):
     seen = []
     ctxmix.attribute_context(llama, CTX, QUERY, methods=["logit"], max_new_tokens=3, progress=lambda *a: seen.append(a))
@@ -320,6 +349,35 @@ def test_page_on_a_tiny_model(_env, tiny_lm_dir):
     assert "run_ablations" not in [b.key for b in again.button]  # abl=1: ContextCite ran again from the link
     assert again.button_group(key="span_pick").value == [0, 1]
     assert _top(again).equals(_top(at))
+
+
+def _evaluation_methods(at) -> list[str]:
+    return next(list(d.value["method"]) for d in at.dataframe if "lds" in getattr(d.value, "columns", []))
+
+
+def test_page_adds_at2_exact_once_and_keeps_the_evaluation(_env, tiny_lm_dir, monkeypatch):
+    """at2_exact added to an attribution on the page is traced once: later reruns make no forward call and keep
+    the evaluation table (the page traced again on every rerun and erased the evaluation). The tiny model has
+    no shipped AT2 weights: uniform ones stand in."""
+    from ctxmix.methods.context import at2
+
+    resolve = at2.resolve_weights
+    monkeypatch.setattr(at2, "resolve_weights", lambda m, kind="logit", w=None: resolve(m, kind, w or "untrained"))
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["logit"])
+    at.run()
+    _ok(at)
+    at.multiselect(key="cmethods").set_value(["logit", "at2_exact"]).run()
+    _ok(at)
+    assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit", "at2_exact"]
+    at.button(key="evaluate").click().run()
+    _ok(at)
+    assert _evaluation_methods(at) == ["logit", "at2_exact"]
+    with _ForwardCalls() as calls:
+        at.run()
+        at.toggle(key="fold").set_value(False).run()
+    _ok(at)
+    assert calls == []  # no trace on a rerun
+    assert _evaluation_methods(at) == ["logit", "at2_exact"]
 
 
 def test_uploaded_documents_link_asks_to_upload_again(_env, tiny_lm_dir):

@@ -231,12 +231,14 @@ def evaluate_context(
         unique[i] = np.frombuffer(key, dtype=bool)
     T = len(ca.response_ids)
     lp = np.full((len(unique), T), np.nan)
-    if ca.options.get("rebuild") == "ctxmix":  # the attribution's own passes, same rule: read, not rerun
-        for ab in ca.ablations.values():
-            for mask, row in zip(ab["masks"], ab["logit_probs"]):
-                i = index.get(np.asarray(mask, bool).tobytes())
-                if i is not None:
-                    lp[i] = row
+    measured_before = list(ca.ablations.values()) if ca.options.get("rebuild") == "ctxmix" else []
+    if ca.evaluation:  # a previous evaluation's held-out passes (always ctxmix's rule, the whole response)
+        measured_before.append(ca.evaluation)
+    for ab in measured_before:  # the attribution's own passes, same rule: read, not rerun
+        for mask, row in zip(ab["masks"], ab["logit_probs"]):
+            i = index.get(np.asarray(mask, bool).tobytes())
+            if i is not None:
+                lp[i] = row
     todo = np.nonzero(np.isnan(lp).any(1))[0]
     prompts = [builder.ids(src.rebuild(unique[i])) for i in todo]
     with progress_bar(len(prompts), "evaluate", enabled=bool(progress), unit="pass") as bar:
@@ -276,6 +278,8 @@ def evaluate_context(
         "heldout_seeds": [first, first + n_ablations - 1],
         "keep_prob": keep_prob,
         "span_tokens": [a, b],
+        "span": None if span is None else [int(span[0]), int(span[1])],
+        "seed": seed,  # the caller's (None: the default held-out seeds)
         "rule": "ctxmix",
         "ablation": "remove",
         "log_prob_full": full,

@@ -468,15 +468,9 @@ def attribute_context(
             if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
                 ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
     if "at2_exact" in methods:
-        from ctxmix.methods.context.at2 import run_at2
+        from ctxmix.methods.context.at2 import run_at2, store_at2
 
-        res = run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target)
-        ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]
-        ca.cost["at2_exact"] = res["cost"]
-        ca.scores["at2_exact"] = ca.scores_for("at2_exact")
-        ca.options["at2"] = at2_info
-        if at2_info.get("note"):
-            ca.warnings.append(at2_info["note"])
+        store_at2(ca, run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target), at2_info)
     if "contextcite" in methods:
         ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
         store_contextcite(ca, ab, compat, alpha)
