@@ -483,3 +483,10 @@ def test_explain_points_context_methods_to_attribute_context(llama):
         ctxmix.explain(llama, "a b c", ["contextcite"])
     for info in ctxmix.CONTEXT_METHODS.values():
         assert info.group == "context" and info.paper and "Cost" in info.caveat
+
+
+def test_compat_docstring_says_the_sources_differ():
+    """compat=True reproduces the official arithmetic, not its sources (nltk's punkt against ctxmix's pysbd):
+    the docstring says so and names the way out (explicit spans)."""
+    doc = " ".join(ctxmix.attribute_context.__doc__.split())
+    assert "nltk's punkt" in doc and "pysbd" in doc and "explicit character spans" in doc

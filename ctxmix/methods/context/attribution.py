@@ -348,7 +348,10 @@ def attribute_context(
     official ContextCite package (whole-string tokenisation, re-tokenised response with its
     end-of-sequence token, the official rebuild that drops text outside the sources, float32
     aggregation that overflows on confident spans); the default differs there as the note's §7
-    recommends (`ctxmix.methods.context.ablation`).
+    recommends (`ctxmix.methods.context.ablation`). compat does not reproduce the official sources:
+    the official package splits sentences with nltk's punkt, whose data cannot be installed offline,
+    and ctxmix splits with pysbd, so the two can cut the same context into different sources; pass
+    explicit character spans (sources=[(start, end), ...]) to score the official package's sources.
 
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
