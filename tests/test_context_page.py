@@ -193,6 +193,27 @@ def test_low_runs_fold_and_escape(ca):
     assert "<b>" not in cv.context_view_html(odd, np.ones(4)) and "&lt;b&gt;" in cv.context_view_html(odd, np.ones(4))
 
 
+def test_shading_box_height_follows_the_text(ca):
+    """The shaded context's box: one line of text gets one line's height (it was a fixed 420 px, mostly empty),
+    each text line at least one line, long lines wrap at the width (narrower: taller), a folded run counts as
+    its one-line summary, and a long context is capped (it scrolls)."""
+
+    def lines(k):
+        return round(k * 15 * 1.7) + cv._BOX_PADDING_PX  # 15 px serif at line height 1.7
+
+    one = cv.context_box_height(cv.context_view_html(ca, ca.scores["logit"]), 900)
+    assert one == lines(1)
+    assert cv.context_box_height("a\n\nb\nc", 900) == lines(4)
+    words = " ".join(["word"] * 100)  # 499 characters: 5 lines of 108 at 900 px, 10 of 54 at 450 px
+    assert cv.context_box_height(words, 900) == lines(5)
+    assert cv.context_box_height(words, 450) == lines(10)
+    folded = f'A.<details style="x"><summary style="y">[… 40 sources]</summary>{words * 10}</details>'
+    assert cv.context_box_height(folded, 900) == one
+    assert cv.context_box_height("&lt;" * 108, 900) == one  # escaped text counts as the characters shown
+    assert cv.context_box_height(words * 20, 900) == cv.BOX_MAX_PX
+    assert cv.context_box_height(words * 20, 900, max_px=300) == 300
+
+
 def test_top_tables(ca):
     t = cv.top_table(ca, "contextcite", 2)
     assert t["source"].tolist() == [i for i, _, _ in ca.top("contextcite", 2)]
@@ -378,6 +399,42 @@ def test_page_adds_at2_exact_once_and_keeps_the_evaluation(_env, tiny_lm_dir, mo
     _ok(at)
     assert calls == []  # no trace on a rerun
     assert _evaluation_methods(at) == ["logit", "at2_exact"]
+
+
+def _box_heights(at) -> dict[str, int]:
+    """Every fixed-height container of the page by its element id: its height in pixels."""
+    out = {}
+
+    def walk(node):
+        p = getattr(node, "proto", None)
+        has = p is not None and "height_config" in p.DESCRIPTOR.fields_by_name and p.HasField("height_config")
+        if has and p.height_config.HasField("pixel_height"):
+            out[p.id] = p.height_config.pixel_height
+        for c in getattr(node, "children", {}).values():
+            walk(c)
+
+    walk(at._tree)
+    return out
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_page_sizes_the_shading_box_to_the_text_and_shows_whole_method_names(_env, tiny_lm_dir, long):
+    """The shaded context's box is as tall as `context_box_height` says for what it shows (a short context: one
+    line, not a fixed 420 px; a long one: capped), and the methods' chips are the bare method names in a
+    full-width row (they were cut with "…")."""
+    ctx = " ".join([CTX] * 15) if long else CTX  # 15: about 400 tokens, in the tiny model's window
+    at = _page(model=tiny_lm_dir, ctx=ctx, query=QUERY, resp=RESP, cmethod=["logit"])
+    at.run()
+    _ok(at)
+    ms = at.multiselect(key="cmethods")
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    assert ms.options == list(CONTEXT_METHODS)  # the labels are the names
+    (ca,) = at.session_state["_ctx_cache"].values()
+    want = cv.context_box_height(cv.context_view_html(ca, ca.scores["logit"], collapse=True), 900)
+    assert want == (round(14 * 15 * 1.7) if long else round(15 * 1.7)) + cv._BOX_PADDING_PX  # 1,439 characters
+    heights = _box_heights(at)
+    assert [h for k, h in heights.items() if k.endswith("shading_box")] == [want], heights
 
 
 def test_uploaded_documents_link_asks_to_upload_again(_env, tiny_lm_dir):
