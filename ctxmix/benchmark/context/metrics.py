@@ -11,8 +11,9 @@ one `ContextAttribution` (`ContextAttribution.evaluate`).
   Bernoulli(keep_prob)^d of the prediction <scores, v_j> (the sum of the kept sources' scores) against the
   measured logit P(S | context ablated by v_j) (stable aggregation, float64, for every method alike: A4).
   The held-out masks are ContextCite's generator (`RandomState(seed + j)`) at seeds disjoint from the
-  attribution's own (seed .. seed + n_ablations - 1): by default from LDS_SEED = 10,000 (the note's
-  recommendation), or from the first seed after ContextCite's when those reach it. Masks can still repeat
+  attribution's own (s .. s + n_ablations - 1, s its `options["mask_seed"]`): by default from s + LDS_SEED
+  (LDS_SEED = 10,000) under the per-example seeds, from LDS_SEED itself under the official ones (the
+  note's recommendation), or from the first seed after ContextCite's when those reach it. Masks can still repeat
   a training mask by chance when d is small (2^d possible masks): disjoint seeds, not disjoint masks.
   NaN, with a note, where a method scores every source the same (the prediction is then a multiple of
   the number of kept sources: it ranks no source above another, so its Spearman would measure only how
@@ -39,7 +40,7 @@ import pandas as pd
 
 from ctxmix.benchmark.metrics import Metric
 from ctxmix.errors import BadInput
-from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contextcite_masks, log_probs
+from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contextcite_masks, log_probs, mask_seed
 
 DEFAULT_K = (1, 3, 5)
 RECALL_K = (1, 3)
@@ -169,12 +170,16 @@ def _check(ca, model, k, gold, seed, n_ablations) -> tuple[tuple[int, ...], list
 
 
 def _heldout_seed(ca, seed: int | None, n: int) -> int:
-    """The first held-out seed: disjoint from ContextCite's seeds s0 .. s0 + n0 - 1."""
-    if "contextcite" in ca.ablations:
-        s0, n0 = int(ca.options["seed"]), len(ca.ablations["contextcite"]["masks"])
-    else:
-        s0 = n0 = 0
+    """The first held-out seed: disjoint from ContextCite's seeds s0 .. s0 + n0 - 1. By default LDS_SEED past
+    the example's own first mask seed under the "example" scheme (each example its own held-out masks), else
+    LDS_SEED (the official scheme, and attributions saved before the schemes)."""
+    s0 = mask_seed(ca.options)
+    n0 = len(ca.ablations["contextcite"]["masks"]) if "contextcite" in ca.ablations else 0
     if seed is None:
+        if ca.options.get("seeds") == "example":
+            return s0 + LDS_SEED  # s0 < 2^31: the held-out seeds stay below RandomState's 2^32
+        if not n0:
+            s0 = 0
         return max(LDS_SEED, s0 + n0) if s0 < LDS_SEED + n else LDS_SEED
     if seed < s0 + n0 and s0 < seed + n:
         raise BadInput(

@@ -317,6 +317,7 @@ def attribute_context(
     progress: bool = True,
     at2_features: str = "logit",
     at2_weights=None,
+    seeds: str | None = None,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
@@ -353,6 +354,11 @@ def attribute_context(
     and ctxmix splits with pysbd, so the two can cut the same context into different sources; pass
     explicit character spans (sources=[(start, end), ...]) to score the official package's sources.
 
+    seeds: how ContextCite's masks (and `evaluate`'s held-out masks) are seeded: "example" (the default;
+    compat=True: "official"): mask i from RandomState(s + i) with s = `example_seed(seed, context, query)`,
+    a stable hash of the texts, so every example gets its own masks; "official": s = seed for every example
+    (the official package's seed + i). The first seed is kept in `options["mask_seed"]`.
+
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
     "leave_one_out"): the dashboard's bars.
@@ -364,6 +370,8 @@ def attribute_context(
 
     from ctxmix.methods.context.ablation import (
         LASSO_ALPHA,
+        SEED_SCHEMES,
+        example_seed,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
@@ -380,7 +388,10 @@ def attribute_context(
         raise BadInput(f"compat must be True or False, got {compat!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed must be a non-negative whole number, got {seed!r}")
-    if seed + n_ablations > 2**32:  # ablation i draws with numpy's RandomState(seed + i): below 2^32
+    seeds = seeds or ("official" if compat else "example")
+    if seeds not in SEED_SCHEMES:
+        raise BadInput(f"seeds must be one of {', '.join(SEED_SCHEMES)} (or None), got {seeds!r}")
+    if seeds == "official" and seed + n_ablations > 2**32:  # ablation i draws with RandomState(seed + i): < 2^32
         raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
@@ -394,6 +405,7 @@ def attribute_context(
         if m in methods:
             check_logit_model(model, m)
     src = make_sources(context, sources)
+    first_seed = example_seed(seed, src.text, query) if seeds == "example" else seed
     builder = PromptBuilder(model, query, template, compat)
     builder.check_special_text({"context": src.text, "query": query or ""})
     prompt = builder.encode(src)
@@ -445,6 +457,8 @@ def attribute_context(
             "target": target,
             "n_ablations": n_ablations,
             "seed": seed,
+            "seeds": seeds,
+            "mask_seed": first_seed,
             "keep_prob": keep_prob,
             "alpha": float(alpha),
             "lasso_alpha_default": LASSO_ALPHA,
@@ -475,7 +489,9 @@ def attribute_context(
 
         store_at2(ca, run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target), at2_info)
     if "contextcite" in methods:
-        ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
+        ab = run_contextcite(
+            model, builder, src, resp.ids, n_ablations, first_seed, keep_prob, batch_size, compat, progress
+        )
         store_contextcite(ca, ab, compat, alpha)
         y = ab["logit_probs"]
         if np.ptp(y.sum(1)) == 0:

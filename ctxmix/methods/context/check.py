@@ -79,6 +79,7 @@ def extend_attribution(
     from ctxmix.methods.context.ablation import (
         check_n_ablations,
         leave_one_out_scores,
+        mask_seed,
         run_contextcite,
         run_leave_one_out,
         store_contextcite,
@@ -127,7 +128,7 @@ def extend_attribution(
         _add(ca, "at2_exact")
         store_at2(ca, run_at2(model, ids, P, kind, at2_w, ca.options["target"]), at2_info)
     if "contextcite" in todo:
-        seed, keep, alpha = int(ca.options["seed"]), float(ca.options["keep_prob"]), float(ca.options["alpha"])
+        seed, keep, alpha = mask_seed(ca.options), float(ca.options["keep_prob"]), float(ca.options["alpha"])
         ab = run_contextcite(model, builder, src, ca.response_ids, n, seed, keep, batch, compat, progress)
         store_contextcite(ca, ab, compat, alpha)
         ca.options["n_ablations"] = n
