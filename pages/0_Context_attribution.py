@@ -276,7 +276,10 @@ common.set_provenance(
     response=ca.response,
     span=list(span) if span else None,
     methods=ca.methods,
-    options={k: ca.options.get(k) for k in ("sources", "target", "n_ablations", "seed", "keep_prob", "alpha")},
+    options={
+        k: ca.options.get(k)
+        for k in ("sources", "target", "n_ablations", "seed", "seeds", "mask_seed", "keep_prob", "alpha")
+    },
 )
 
 # ---------------------------------------------------------------- the shaded context and the top sources
