@@ -147,8 +147,6 @@ def extend_attribution(
 def _evaluate_again(ca, model: Model) -> None:
     """`ca.evaluate` again with the options of the evaluation `ca` holds (its k, held-out count and seed, gold,
     span), reading its held-out passes."""
-    from ctxmix.benchmark.context.metrics import evaluate_context
-
     o = ca.evaluation["options"]
     span = o.get("span")
     if "span" not in o and list(o["span_tokens"]) != [0, len(ca.response_ids)]:  # saved before "span" was kept
@@ -156,7 +154,9 @@ def _evaluate_again(ca, model: Model) -> None:
         span = (int(ca.response_offsets[a][0]), int(ca.response_offsets[b - 1][1]))
     seed = o.get("seed", o["heldout_seeds"][0])
     batch = int(ca.options.get("batch_size", 8))
-    evaluate_context(ca, model, o["k"], int(o["n_ablations"]), o.get("gold"), span, seed, batch, progress=False)
+    ca.evaluate(
+        model, o["k"], int(o["n_ablations"]), o.get("gold"), span=span, seed=seed, batch_size=batch, progress=False
+    )
 
 
 def _add(ca, m: str) -> None:
