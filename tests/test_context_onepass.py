@@ -386,14 +386,17 @@ def test_bf16_buckets_add_up_to_the_float32_target(tokenizer, target):
         assert "half_precision" not in ca32.terms[method]
 
 
-def _reference_logit_rows(m, ids: list[int], P: int) -> np.ndarray:
-    """`logit`'s per-token contributions (T, n) towards each response token's raw logit, transcribed in
-    float64 from Ferrando et al. (ACL 2023) with a loop over tokens, layers and heads, reading only the HF
-    Llama's weights, its layer inputs x^l and its attention probabilities (no ctxmix code): for response token
-    t at row q = P - 1 + t and target r, rho = gamma_final * u_r / rms(x^L_q) (the final RMSNorm's scale frozen),
-    C[t, j] = sum_l sum_h alpha^{l,h}_{q j} <W_O^h W_V^{kv(h)} (gamma_l * x^l_j / rms(x^l_j)), rho>, plus
-    <x^0_q, rho> at column q (the predicted position's own embedding). x^L_q is the top layer recomputed here
-    in float64 from its input (HF runs RMSNorm in float32 even in a float64 model)."""
+def _reference_layer_rows(m, ids: list[int], P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What `logit` and `alti_logit` are built from, transcribed in float64 from Ferrando et al. (ACL 2023 for
+    the logit contributions, EMNLP 2022 for ALTI) with loops over tokens, layers and heads, reading only the HF
+    Llama's weights, its layer inputs x^l and its attention probabilities (no ctxmix code). For response token t
+    at row q = P - 1 + t with target r: rho = gamma_final * u_r / rms(x^L_q) (the final RMSNorm's scale
+    frozen) and D[l, t, j] = sum_h alpha^{l,h}_{q j} <W_O^h W_V^{kv(h)} (gamma_l * x^l_j / rms(x^l_j)), rho>;
+    emb[t] = <x^0_q, rho> (the predicted position's own embedding, at column q). ALTI's map of layer l (n, n):
+    T_ij = sum_h alpha^{l,h}_{ij} W_O^h W_V^{kv(h)} x1_j (+ x^l_i at j = i), y_i = sum_j T_ij (the stream after
+    the attention block), C_ij = max(0, |y_i|_1 - |y_i - T_ij|_1) normalised over j. x^L_q is the top layer
+    recomputed here in float64 from its input (HF runs RMSNorm in float32 even in a float64 model).
+    Returns D (L, T, n), emb (T,), C (L, n, n)."""
     hf = m.hf
     cfg = hf.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -401,11 +404,12 @@ def _reference_logit_rows(m, ids: list[int], P: int) -> np.ndarray:
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
     xs = [h[0].double() for h in out.hidden_states[: cfg.num_hidden_layers]]  # layer inputs x^0 .. x^{L-1}
+    n, T = len(ids), len(ids) - P
 
     def rmsnorm(norm, v):
         return norm.weight.double() * v / torch.sqrt((v**2).mean(-1, keepdim=True) + norm.variance_epsilon)
 
-    def head_outputs(layer, x, alpha, q):
+    def pieces(layer, x, alpha, q):
         """(H, n, d): alpha^h_{q j} W_O^h W_V^{kv(h)} x1_j, each head's update of row q split over positions."""
         x1 = rmsnorm(layer.input_layernorm, x)
         rows = []
@@ -413,40 +417,64 @@ def _reference_logit_rows(m, ids: list[int], P: int) -> np.ndarray:
             g = h // (H // KV)
             Wv = layer.self_attn.v_proj.weight[g * dh : (g + 1) * dh].double()  # (dh, d)
             Wo = layer.self_attn.o_proj.weight[:, h * dh : (h + 1) * dh].double()  # (d, dh)
-            rows.append(alpha[0, h, q].double()[:, None] * torch.stack([Wo @ (Wv @ x1[j]) for j in range(len(x))]))
+            rows.append(alpha[0, h, q].double()[:, None] * torch.stack([Wo @ (Wv @ x1[j]) for j in range(n)]))
         return torch.stack(rows)
 
-    n, T = len(ids), len(ids) - P
+    C = np.zeros((len(xs), n, n))
+    for l, (layer, x, alpha) in enumerate(zip(hf.model.layers, xs, out.attentions)):
+        for i in range(n):
+            Tij = pieces(layer, x, alpha, i).sum(0)  # (n, d)
+            Tij[i] += x[i]
+            y = Tij.sum(0)
+            c = (y.abs().sum() - (y - Tij).abs().sum(-1)).clamp(min=0)
+            C[l, i] = (c / c.sum()).numpy()
     top, mlp = hf.model.layers[-1], hf.model.layers[-1].mlp
-    C = np.zeros((T, n))
+    D, emb = np.zeros((len(xs), T, n)), np.zeros(T)
     for t in range(T):
         q, r = P - 1 + t, ids[P + t]
-        x_mid = xs[-1][q] + head_outputs(top, xs[-1], out.attentions[-1], q).sum((0, 1))
+        x_mid = xs[-1][q] + pieces(top, xs[-1], out.attentions[-1], q).sum((0, 1))
         x2 = rmsnorm(top.post_attention_layernorm, x_mid)
         gate, up = mlp.gate_proj.weight.double() @ x2, mlp.up_proj.weight.double() @ x2
         x_top = x_mid + mlp.down_proj.weight.double() @ (torch.nn.functional.silu(gate) * up)
         scale = torch.sqrt((x_top**2).mean() + hf.model.norm.variance_epsilon)
         rho = hf.model.norm.weight.double() * hf.lm_head.weight[r].double() / scale
-        for layer, x, alpha in zip(hf.model.layers, xs, out.attentions):
-            C[t] += (head_outputs(layer, x, alpha, q) @ rho).sum(0).numpy()
-        C[t, q] += float(xs[0][q] @ rho)
-    return C
+        for l, (layer, x, alpha) in enumerate(zip(hf.model.layers, xs, out.attentions)):
+            D[l, t] = (pieces(layer, x, alpha, q) @ rho).sum(0).numpy()
+        emb[t] = float(xs[0][q] @ rho)
+    return D, emb, C
 
 
-def test_logit_rows_equal_a_float64_transcription(tokenizer):
-    """`logit` (read from the rows trace) against the per-token float64 loop above on a tiny Llama (GQA, random
-    norms), target="logit": every response token's contribution of every position. It was checked only against
-    explain and the full trace (ctxmix both). Shown to fail under deliberate mutations of code explain and this
-    method share: ctxmix.engine.layer.head_values repeating the value heads as a block (query head h reading
-    value head h % Hkv, `torch.cat`) instead of interleaved (h // (H / Hkv), `repeat_interleave`), and
-    ctxmix.methods.readout.norm_adjoint returning `g` instead of `g / s` (no final-norm scale). Tolerance:
-    float64 rounding, 2^-52 x (d + n) x the largest |contribution| x the L H terms summed (both sides read the
-    same HF probabilities and layer inputs)."""
+def test_logit_and_alti_logit_rows_equal_a_float64_transcription(tokenizer):
+    """`logit` (read from the rows trace) and `alti_logit` (the full trace, Horner form) against the float64
+    loops above on a tiny Llama (GQA, random norms), target="logit": every response token's contribution of
+    every position, logit = sum_l D^l + emb, alti_logit = sum_l D^l C^{l-1} ... C^0 + emb. They were checked
+    only against explain and the full trace (ctxmix both). Shown to fail under deliberate mutations of code
+    explain and these methods share: ctxmix.engine.layer.head_values repeating the value heads as a block
+    (query head h reading value head h % Hkv, `torch.cat`) instead of interleaved (h // (H / Hkv),
+    `repeat_interleave`), ctxmix.methods.readout.norm_adjoint returning `g` instead of `g / s` (no final-norm
+    scale), and (alti_logit alone) ctxmix.engine.layer.alti_layer without its clamp at 0 (which the comparisons
+    with explain and the stored trace pass). Tolerance: float64
+    rounding, 2^-52 x (d + n) x the largest |contribution| x the L H terms summed (both sides read the same HF
+    probabilities and layer inputs)."""
     m = tiny_model("llama", tokenizer)
-    ca = _ca(m, ["logit"], target="logit")
+    ca = _ca(m, ["logit", "alti_logit"], target="logit")
     P = len(ca.prompt_ids)
-    want = _reference_logit_rows(m, ca.prompt_ids + ca.response_ids, P)
-    got = ca.per_token["logit"]
-    L, H, d, n = m.hf.config.num_hidden_layers, m.hf.config.num_attention_heads, m.hf.config.hidden_size, got.shape[1]
-    assert got.shape == want.shape and np.abs(want).max() > 0.1
-    np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-52 * (d + n) * L * H * np.abs(want).max())
+    D, emb, C = _reference_layer_rows(m, ca.prompt_ids + ca.response_ids, P)
+    L, T, n = D.shape
+    cols = (np.arange(T), np.arange(P - 1, P - 1 + T))
+    logit = D.sum(0)
+    logit[cols] += emb
+    alti = D[0].copy()
+    for l in range(1, L):  # D^l traced back through C^{l-1} ... C^0
+        back = D[l]
+        for k in reversed(range(l)):
+            back = back @ C[k]
+        alti += back
+    alti[cols] += emb
+    H, d = m.hf.config.num_attention_heads, m.hf.config.hidden_size
+    for method, want in (("logit", logit), ("alti_logit", alti)):
+        got = ca.per_token[method]
+        assert got.shape == want.shape and np.abs(want).max() > 0.1
+        tol = 2.0**-52 * (d + n) * L * H * np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=method)
+    assert np.abs(alti - logit).max() > 0.01  # the ALTI maps moved something: two distinct checks
