@@ -28,6 +28,7 @@ DEFAULT_QUERY = "What is the code for the staff entrance?"
 UNITS = ["sentence", "paragraph", "document"]
 ROLES = ["user", "assistant"]  # earlier turns (the system message has its own box)
 MAX_TURNS = 8
+MAIN_WIDTH_PX = 900  # the main column of the wide layout on a 1,280-px screen with the sidebar open
 WIDTHS = {"screen (700 px)": 700, "ACL column (3.03 in)": 291, "ACL page (6.3 in)": 605, "NeurIPS / ICLR (5.5 in)": 528}
 
 common.page_setup()
@@ -123,18 +124,18 @@ with st.expander(
             label_visibility="collapsed",
         )
         turns.append({"role": role, "content": text})
-c1, c2, c3, c4 = st.columns([1, 2, 1, 1])
-unit = c1.selectbox("Source unit", UNITS, index=common.qp_index("unit", UNITS), key="unit")
 default_methods = [ONE_PASS_DEFAULT, "contextcite"]
-methods = c2.multiselect(
+methods = st.multiselect(  # its own full-width row, chips named by the method alone: no label cut with "…"
     "Methods",
     list(CONTEXT_METHODS),
     default=[m for m in common.qp_list("cmethod", default_methods) if m in CONTEXT_METHODS] or default_methods,
-    format_func=lambda m: f"{m} ({CONTEXT_METHODS[m].title})",
     key="cmethods",
-    help="One-pass methods (logit, alti_logit, attention, grad_x_input) run at once; contextcite and "
-    "leave_one_out make one forward pass per ablation and run when you click their button.",
+    help="One-pass methods (logit, alti_logit, attention, grad_x_input, at2_exact) run at once; contextcite and "
+    "leave_one_out make one forward pass per ablation and run when you click their button. "
+    + "; ".join(f"{m}: {info.title}" for m, info in CONTEXT_METHODS.items()),
 )
+c1, c3, c4 = st.columns(3)
+unit = c1.selectbox("Source unit", UNITS, index=common.qp_index("unit", UNITS), key="unit")
 n_new = c3.number_input(
     "New tokens",
     1,
@@ -323,7 +324,10 @@ common.set_provenance(
     response=ca.response,
     span=list(span) if span else None,
     methods=ca.methods,
-    options={k: ca.options.get(k) for k in ("sources", "target", "n_ablations", "seed", "keep_prob", "alpha")},
+    options={
+        k: ca.options.get(k)
+        for k in ("sources", "target", "n_ablations", "seed", "seeds", "mask_seed", "keep_prob", "alpha")
+    },
 )
 
 # ---------------------------------------------------------------- the shaded context and the top sources
@@ -347,8 +351,9 @@ common.set_qp(view=view, fold=int(fold))
 with common.errors_as_messages():
     scores = cv.span_scores(ca, view, span)
     st.caption(f"{CONTEXT_METHODS[view].title}: {cv.colour_key(scores)}. Hover a source for its score.")
-    with st.container(height=420, border=True):
-        st.html(cv.context_view_html(ca, scores, collapse=fold))
+    shaded = cv.context_view_html(ca, scores, collapse=fold)
+    with st.container(height=cv.context_box_height(shaded, MAIN_WIDTH_PX), border=True, key="shading_box"):
+        st.html(shaded)
     top = cv.top_table(ca, view, int(k_top), span)
     st.dataframe(top.style.format({"score": "{:.4g}"}), hide_index=True, width="stretch", key="top_table")
     common.export_table(top, f"top_sources_{view}", caption=f"Top sources by {view}")
@@ -379,8 +384,9 @@ with common.errors_as_messages():
             with col:
                 s = cv.span_scores(ca, m, span)
                 st.caption(cv.colour_key(s))
-                with st.container(height=300, border=True):
-                    st.html(cv.context_view_html(ca, s, collapse=fold))
+                shaded = cv.context_view_html(ca, s, collapse=fold)
+                with st.container(height=cv.context_box_height(shaded, MAIN_WIDTH_PX // 2, 400), border=True):
+                    st.html(shaded)
                 st.dataframe(
                     cv.top_table(ca, m, int(k_top), span).style.format({"score": "{:.4g}"}),
                     hide_index=True,

@@ -63,6 +63,11 @@ def test_bad_input():
 def test_shipped_config_is_valid():
     cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml")
     assert {t["id"] for t in cfg["tasks"]} == {"needles", "summaries", "documents"}  # the offline ones
+    # the shipped numbers were computed with the official seeds (the same masks for every example): pinned until
+    # they are regenerated, so the shipped check reproduces them
+    assert cfg["mask_seeds"] == "official"
+    with pytest.raises(BadInput, match="mask_seeds"):
+        cb.validate_context_config({**cfg, "mask_seeds": "hash"})
 
 
 EVAL = {"k": [1], "n_ablations": 6}
@@ -118,6 +123,11 @@ def test_runner_on_a_tiny_model(tokenizer):
         n_ablations=4,
         progress=False,
     )
+    # each example its own ContextCite seeds (the default), recorded in the check rows
+    chk = table.attrs["check"]
+    seeds = chk[chk.metric == "mask_seed"].set_index("example")["value"]
+    assert sorted(seeds.index) == ["needle-0", "summary-0", "summary-1"] and seeds.nunique() == 3
+    assert seeds["needle-0"] == ca.options["mask_seed"]
     direct = ca.evaluate(llama, gold=e.gold, progress=False, **EVAL).set_index("method")
     got = ex[ex.example == "needle-0"].pivot(index="method", columns="metric", values="value")
     for m in ("logit", "contextcite"):

@@ -55,6 +55,7 @@ def ca(llama):
         methods=["logit", "attention", "contextcite", "leave_one_out"],
         n_ablations=N_CC,
         progress=False,
+        seeds="official",  # ContextCite's seeds 0..N_CC-1 and held-out ones from LDS_SEED, checked below
     )
     assert ca.sources == PARTS
     ca.evaluate(llama, n_ablations=M, gold=1, progress=False)
@@ -341,7 +342,7 @@ def test_compat_is_evaluated_with_the_same_counterfactual_and_no_reuse(tokenizer
     )
     model = tiny_model("llama", chat)
     context = " ".join(PARTS[:3])
-    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False)
+    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False, seeds="official")
     out = {}
     for compat in (True, False):
         c = ctxmix.attribute_context(model, context, QUERY, compat=compat, **kw)
@@ -351,3 +352,46 @@ def test_compat_is_evaluated_with_the_same_counterfactual_and_no_reuse(tokenizer
     assert out[True]["cost"]["reused"] == 0 and out[False]["cost"]["reused"] >= 1
     assert (out[True]["masks"] == out[False]["masks"]).all()
     assert np.allclose(out[True]["logit_probs"], out[False]["logit_probs"], rtol=0, atol=TOL)
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def test_each_example_gets_its_own_masks_and_compat_keeps_the_official_seeds(llama, tmp_path):
+    """ContextCite's masks and evaluate's held-out masks are seeded per example by default: two contexts with the
+    same number of sources get different masks (they got the same, seeds 0..n-1 and 10,000.. for every example),
+    the same context the same ones; the first seed is a SHA-256 of the caller's seed and the texts (pinned here:
+    not Python's salted hash()), recorded in `options["mask_seed"]`, so a saved attribution evaluates on the same
+    held-out masks. compat=True (and seeds="official") keep the official seed + i."""
+    from ctxmix.methods.context import ablation as cab
+
+    other = CONTEXT.replace("Tea is served cold.", "Milk is served warm.")
+    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False)
+    a, again, b = (ctxmix.attribute_context(llama, c, QUERY, **kw) for c in (CONTEXT, CONTEXT, other))
+    assert a.n_sources == b.n_sources == len(PARTS)
+    masks = [x.ablations["contextcite"]["masks"] for x in (a, again, b)]
+    assert (masks[0] == masks[1]).all() and not (masks[0] == masks[2]).all()
+    assert a.options["seeds"] == "example" and a.options["mask_seed"] == cab.example_seed(0, CONTEXT, QUERY)
+    assert cab.example_seed(0, CONTEXT, QUERY) == 633_461_482  # SHA-256: the same on any machine and run
+    assert cab.example_seed(1, CONTEXT, QUERY) != a.options["mask_seed"]  # the caller's seed still draws others
+    assert (masks[0] == cab.contextcite_masks(N_CC, len(PARTS), a.options["mask_seed"])).all()
+    for x in (a, b):
+        x.evaluate(llama, k=(1,), n_ablations=M, progress=False)
+    assert not (a.evaluation["masks"] == b.evaluation["masks"]).all()
+    first = a.options["mask_seed"] + cm.LDS_SEED
+    assert a.evaluation["options"]["heldout_seeds"] == [first, first + M - 1]
+    a.save(tmp_path / "a.npz")
+    saved = ctxmix.load_context_attribution(tmp_path / "a.npz")
+    saved.evaluation = {}
+    saved.evaluate(llama, k=(1,), n_ablations=M, progress=False)
+    assert (saved.evaluation["masks"] == a.evaluation["masks"]).all()
+    pd.testing.assert_frame_equal(saved.evaluation["table"], a.evaluation["table"])
+    official = cab.contextcite_masks(N_CC, len(PARTS), 0)
+    for x in (
+        ctxmix.attribute_context(llama, CONTEXT, QUERY, compat=True, **kw),
+        ctxmix.attribute_context(llama, other, QUERY, seeds="official", **kw),
+    ):
+        assert x.options["seeds"] == "official" and x.options["mask_seed"] == 0
+        assert (x.ablations["contextcite"]["masks"] == official).all()
+    with pytest.raises(BadInput, match="seeds must be one of"):
+        ctxmix.attribute_context(llama, CONTEXT, QUERY, seeds="python", **kw)

@@ -56,6 +56,35 @@ def test_extend_equals_one_call_with_every_method(llama, ca):
         extend_attribution(first, llama, ["alti"])
 
 
+def test_extend_adds_every_context_method_and_keeps_the_evaluation(llama):
+    """Every method the page offers can be added later (at2_exact was skipped: the page traced again on every
+    rerun), with the scores of one call that has it; an evaluation is measured again on the new set of methods
+    (it was erased), with the same held-out masks and values for the methods it had, its held-out passes read
+    rather than rerun."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    kw = dict(response=RESP, n_ablations=8, progress=False, at2_weights="untrained")
+    first = ctxmix.attribute_context(llama, CTX, QUERY, methods=["logit"], **kw)
+    before = first.evaluate(llama, k=(1, 2), n_ablations=6, progress=False).copy()
+    heldout = first.evaluation["masks"].copy()
+    rest = [m for m in CONTEXT_METHODS if m != "logit"]
+    extend_attribution(first, llama, rest, at2_weights="untrained")
+    assert sorted(first.methods) == sorted(CONTEXT_METHODS)
+    every = ctxmix.attribute_context(llama, CTX, QUERY, methods=list(CONTEXT_METHODS), **kw)
+    for m in rest:  # the added ones: same passes, same arithmetic
+        np.testing.assert_array_equal(first.scores[m], every.scores[m], err_msg=m)
+    assert first.options["at2"] == every.options["at2"]
+    ev = first.evaluation
+    assert ev and list(ev["table"]["method"]) == first.methods
+    np.testing.assert_array_equal(ev["masks"], heldout)
+    row = ev["table"].set_index("method").loc["logit"]
+    assert row.to_dict() == before.set_index("method").loc["logit"].to_dict()
+    assert ev["cost"]["forward"] <= 1 + 2 * len(rest)  # the held-out passes were read: top-k removals only
+    n = len(first.methods)
+    assert extend_attribution(first, llama, ["at2_exact", "logit"]) is first and len(first.methods) == n
+    assert first.evaluation is ev  # nothing added: nothing measured again
+
+
 def test_attribute_context_reports_generation_progress(llama):
     seen = []
     ctxmix.attribute_context(llama, CTX, QUERY, methods=["logit"], max_new_tokens=3, progress=lambda *a: seen.append(a))
@@ -162,6 +191,27 @@ def test_low_runs_fold_and_escape(ca):
     cls = ctxmix.methods.context.attribution.ContextAttribution
     odd = cls(**{**ca.__dict__, "context": ca.context.replace("cat", "<b>")})
     assert "<b>" not in cv.context_view_html(odd, np.ones(4)) and "&lt;b&gt;" in cv.context_view_html(odd, np.ones(4))
+
+
+def test_shading_box_height_follows_the_text(ca):
+    """The shaded context's box: one line of text gets one line's height (it was a fixed 420 px, mostly empty),
+    each text line at least one line, long lines wrap at the width (narrower: taller), a folded run counts as
+    its one-line summary, and a long context is capped (it scrolls)."""
+
+    def lines(k):
+        return round(k * 15 * 1.7) + cv._BOX_PADDING_PX  # 15 px serif at line height 1.7
+
+    one = cv.context_box_height(cv.context_view_html(ca, ca.scores["logit"]), 900)
+    assert one == lines(1)
+    assert cv.context_box_height("a\n\nb\nc", 900) == lines(4)
+    words = " ".join(["word"] * 100)  # 499 characters: 5 lines of 108 at 900 px, 10 of 54 at 450 px
+    assert cv.context_box_height(words, 900) == lines(5)
+    assert cv.context_box_height(words, 450) == lines(10)
+    folded = f'A.<details style="x"><summary style="y">[… 40 sources]</summary>{words * 10}</details>'
+    assert cv.context_box_height(folded, 900) == one
+    assert cv.context_box_height("&lt;" * 108, 900) == one  # escaped text counts as the characters shown
+    assert cv.context_box_height(words * 20, 900) == cv.BOX_MAX_PX
+    assert cv.context_box_height(words * 20, 900, max_px=300) == 300
 
 
 def test_top_tables(ca):
@@ -320,6 +370,71 @@ def test_page_on_a_tiny_model(_env, tiny_lm_dir):
     assert "run_ablations" not in [b.key for b in again.button]  # abl=1: ContextCite ran again from the link
     assert again.button_group(key="span_pick").value == [0, 1]
     assert _top(again).equals(_top(at))
+
+
+def _evaluation_methods(at) -> list[str]:
+    return next(list(d.value["method"]) for d in at.dataframe if "lds" in getattr(d.value, "columns", []))
+
+
+def test_page_adds_at2_exact_once_and_keeps_the_evaluation(_env, tiny_lm_dir, monkeypatch):
+    """at2_exact added to an attribution on the page is traced once: later reruns make no forward call and keep
+    the evaluation table (the page traced again on every rerun and erased the evaluation). The tiny model has
+    no shipped AT2 weights: uniform ones stand in."""
+    from ctxmix.methods.context import at2
+
+    resolve = at2.resolve_weights
+    monkeypatch.setattr(at2, "resolve_weights", lambda m, kind="logit", w=None: resolve(m, kind, w or "untrained"))
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["logit"])
+    at.run()
+    _ok(at)
+    at.multiselect(key="cmethods").set_value(["logit", "at2_exact"]).run()
+    _ok(at)
+    assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit", "at2_exact"]
+    at.button(key="evaluate").click().run()
+    _ok(at)
+    assert _evaluation_methods(at) == ["logit", "at2_exact"]
+    with _ForwardCalls() as calls:
+        at.run()
+        at.toggle(key="fold").set_value(False).run()
+    _ok(at)
+    assert calls == []  # no trace on a rerun
+    assert _evaluation_methods(at) == ["logit", "at2_exact"]
+
+
+def _box_heights(at) -> dict[str, int]:
+    """Every fixed-height container of the page by its element id: its height in pixels."""
+    out = {}
+
+    def walk(node):
+        p = getattr(node, "proto", None)
+        has = p is not None and "height_config" in p.DESCRIPTOR.fields_by_name and p.HasField("height_config")
+        if has and p.height_config.HasField("pixel_height"):
+            out[p.id] = p.height_config.pixel_height
+        for c in getattr(node, "children", {}).values():
+            walk(c)
+
+    walk(at._tree)
+    return out
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_page_sizes_the_shading_box_to_the_text_and_shows_whole_method_names(_env, tiny_lm_dir, long):
+    """The shaded context's box is as tall as `context_box_height` says for what it shows (a short context: one
+    line, not a fixed 420 px; a long one: capped), and the methods' chips are the bare method names in a
+    full-width row (they were cut with "…")."""
+    ctx = " ".join([CTX] * 15) if long else CTX  # 15: about 400 tokens, in the tiny model's window
+    at = _page(model=tiny_lm_dir, ctx=ctx, query=QUERY, resp=RESP, cmethod=["logit"])
+    at.run()
+    _ok(at)
+    ms = at.multiselect(key="cmethods")
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    assert ms.options == list(CONTEXT_METHODS)  # the labels are the names
+    (ca,) = at.session_state["_ctx_cache"].values()
+    want = cv.context_box_height(cv.context_view_html(ca, ca.scores["logit"], collapse=True), 900)
+    assert want == (round(14 * 15 * 1.7) if long else round(15 * 1.7)) + cv._BOX_PADDING_PX  # 1,439 characters
+    heights = _box_heights(at)
+    assert [h for k, h in heights.items() if k.endswith("shading_box")] == [want], heights
 
 
 def test_uploaded_documents_link_asks_to_upload_again(_env, tiny_lm_dir):

@@ -43,8 +43,9 @@ def show_saved_context(ca, file_name: str) -> None:
     )
     scores = cv.span_scores(ca, view)
     st.caption(cv.colour_key(scores))
-    with st.container(height=420, border=True):
-        st.html(cv.context_view_html(ca, scores))
+    shaded = cv.context_view_html(ca, scores)
+    with st.container(height=cv.context_box_height(shaded, 900), border=True):
+        st.html(shaded)
     top = cv.top_table(ca, view, min(10, ca.n_sources))
     st.dataframe(top.style.format({"score": "{:.4g}"}), hide_index=True, width="stretch")
     common.export_table(top, f"top_sources_{view}", caption=f"Top sources by {view}")

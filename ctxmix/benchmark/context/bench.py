@@ -33,6 +33,7 @@ CONFIG_KEYS = {
     "methods",
     "n_ablations",
     "seed",
+    "mask_seeds",
     "max_new_tokens",
     "batch_size",
     "evaluate",
@@ -72,6 +73,8 @@ def validate_context_config(raw) -> dict:
     for tid, over in (check.get("tasks") or {}).items():
         if tid not in TASKS or not isinstance(over, dict) or set(over) - TASK_KEYS:
             raise BadInput(f"check.tasks maps a task id ({', '.join(TASKS)}) to overrides among {sorted(TASK_KEYS)}")
+    if raw.get("mask_seeds") not in (None, "example", "official"):
+        raise BadInput(f"mask_seeds must be example (the default) or official; got {raw.get('mask_seeds')!r}")
     responses = raw.get("responses") or {}
     if not isinstance(responses, dict) or not all(isinstance(v, str) and v for v in responses.values()):
         raise BadInput("responses must map example ids to non-empty response strings")
@@ -124,7 +127,8 @@ def check_rows(ca, table: pd.DataFrame) -> list[dict]:
     measured quantities behind them, from float32 forward passes: log P(response | context) ("log_prob_full"),
     the held-out ablations' logit P(response) ("heldout", index = held-out mask; method "-") and ContextCite's
     own ablation targets ("cc_target", index = mask: what its LASSO is fitted to); the first held-out seed
-    ("heldout_seed": the masks are `contextcite_masks(m, d, seed)`, the same on any machine); and the metrics
+    ("heldout_seed": the masks are `contextcite_masks(m, d, seed)`, the same on any machine), ContextCite's first
+    seed under per-example seeds ("mask_seed"; the official scheme's is the config's seed); and the metrics
     of `evaluate` (index -1)."""
     from ctxmix.methods.context.ablation import aggregate
 
@@ -133,6 +137,8 @@ def check_rows(ca, table: pd.DataFrame) -> list[dict]:
     rows.append(
         {"method": "-", "metric": "heldout_seed", "index": -1, "value": float(ev["options"]["heldout_seeds"][0])}
     )
+    if ca.options.get("seeds") == "example":  # ContextCite's first seed is the example's own (official: the config's)
+        rows.append({"method": "-", "metric": "mask_seed", "index": -1, "value": float(ca.options["mask_seed"])})
     a, b = ev["options"]["span_tokens"]
     measured = aggregate(np.asarray(ev["logit_probs"])[:, a:b], False)
     rows += [{"method": "-", "metric": "heldout", "index": j, "value": float(v)} for j, v in enumerate(measured)]
@@ -286,6 +292,7 @@ def _one_example(
         max_new_tokens=int(config.get("max_new_tokens", 64)),
         n_ablations=int(config.get("n_ablations", 32)),
         seed=int(config.get("seed", 0)),
+        seeds=config.get("mask_seeds") or "example",
         batch_size=int(config.get("batch_size", 8)),
         progress=progress,
     )

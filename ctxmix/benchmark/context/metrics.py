@@ -11,10 +11,12 @@ direction, the pure functions behind them, and `evaluate_context`, which measure
 - ``lds`` (higher is better): Spearman (scipy, average ranks) over m held-out masks v_j ~
   Bernoulli(keep_prob)^d of the prediction <scores, v_j> (the sum of the kept sources' scores) against the
   measured logit P(S | context ablated by v_j) (stable aggregation, float64, the same target for every
-  method). The held-out masks are ContextCite's generator (`RandomState(seed + j)`) at seeds disjoint from
-  the attribution's own (seed .. seed + n_ablations - 1): by default from LDS_SEED = 10,000, or from the
-  first seed after ContextCite's when those reach it. Masks can still repeat a training mask by chance when
-  d is small (2^d possible masks): disjoint seeds, not disjoint masks.
+  method).
+  The held-out masks are ContextCite's generator (`RandomState(seed + j)`) at seeds disjoint from the
+  attribution's own (s .. s + n_ablations - 1, s its `options["mask_seed"]`): by default from s + LDS_SEED
+  (LDS_SEED = 10,000) under the per-example seeds, from LDS_SEED itself under the official ones, or from
+  the first seed after ContextCite's when those reach it. Masks can still repeat a training mask by chance
+  when d is small (2^d possible masks): disjoint seeds, not disjoint masks.
   NaN, with a note, where a method scores every source the same (the prediction is then a multiple of
   the number of kept sources: it ranks no source above another, so its Spearman would measure only how
   much context was kept: our departure from the bare formula), where a score is not finite, or where the
@@ -40,7 +42,7 @@ import pandas as pd
 
 from ctxmix.benchmark.metrics import Metric
 from ctxmix.errors import BadInput
-from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contextcite_masks, log_probs
+from ctxmix.methods.context.ablation import aggregate, check_n_ablations, contextcite_masks, log_probs, mask_seed
 
 DEFAULT_K = (1, 3, 5)
 RECALL_K = (1, 3)
@@ -169,12 +171,16 @@ def _check(ca, model, k, gold, seed, n_ablations) -> tuple[tuple[int, ...], list
 
 
 def _heldout_seed(ca, seed: int | None, n: int) -> int:
-    """The first held-out seed: disjoint from ContextCite's seeds s0 .. s0 + n0 - 1."""
-    if "contextcite" in ca.ablations:
-        s0, n0 = int(ca.options["seed"]), len(ca.ablations["contextcite"]["masks"])
-    else:
-        s0 = n0 = 0
+    """The first held-out seed: disjoint from ContextCite's seeds s0 .. s0 + n0 - 1. By default LDS_SEED past
+    the example's own first mask seed under the "example" scheme (each example its own held-out masks), else
+    LDS_SEED (the official scheme, and attributions saved before the schemes)."""
+    s0 = mask_seed(ca.options)
+    n0 = len(ca.ablations["contextcite"]["masks"]) if "contextcite" in ca.ablations else 0
     if seed is None:
+        if ca.options.get("seeds") == "example":
+            return s0 + LDS_SEED  # s0 < 2^31: the held-out seeds stay below RandomState's 2^32
+        if not n0:
+            s0 = 0
         return max(LDS_SEED, s0 + n0) if s0 < LDS_SEED + n else LDS_SEED
     if seed < s0 + n0 and s0 < seed + n:
         raise BadInput(
@@ -229,12 +235,14 @@ def evaluate_context(
         unique[i] = np.frombuffer(key, dtype=bool)
     T = len(ca.response_ids)
     lp = np.full((len(unique), T), np.nan)
-    if ca.options.get("rebuild") == "ctxmix":  # the attribution's own passes, same rule: read, not rerun
-        for ab in ca.ablations.values():
-            for mask, row in zip(ab["masks"], ab["logit_probs"]):
-                i = index.get(np.asarray(mask, bool).tobytes())
-                if i is not None:
-                    lp[i] = row
+    measured_before = list(ca.ablations.values()) if ca.options.get("rebuild") == "ctxmix" else []
+    if ca.evaluation:  # a previous evaluation's held-out passes (always ctxmix's rule, the whole response)
+        measured_before.append(ca.evaluation)
+    for ab in measured_before:  # the attribution's own passes, same rule: read, not rerun
+        for mask, row in zip(ab["masks"], ab["logit_probs"]):
+            i = index.get(np.asarray(mask, bool).tobytes())
+            if i is not None:
+                lp[i] = row
     todo = np.nonzero(np.isnan(lp).any(1))[0]
     prompts = [builder.ids(src.rebuild(unique[i], rule)) for i in todo]
     with progress_bar(len(prompts), "evaluate", enabled=bool(progress), unit="pass") as bar:
@@ -274,6 +282,8 @@ def evaluate_context(
         "heldout_seeds": [first, first + n_ablations - 1],
         "keep_prob": keep_prob,
         "span_tokens": [a, b],
+        "span": None if span is None else [int(span[0]), int(span[1])],
+        "seed": seed,  # the caller's (None: the default held-out seeds)
         "rule": "ctxmix",
         "ablation": "remove",
         "log_prob_full": full,

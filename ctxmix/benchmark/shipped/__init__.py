@@ -242,7 +242,8 @@ def context_check_moves(
     """The context benchmark's check rows recomputed now against the shipped ones (columns CONTEXT_CHECK_KEYS +
     "value"). Returns (bad: rows beyond their tolerance, with "shipped", "now", "allowed"; skipped: rank
     metrics not compared because a near-tie could flip them, with "why"). n_ablations, seed, keep_prob:
-    ContextCite's (its masks are `contextcite_masks(n_ablations, d, seed)`).
+    ContextCite's (its masks are `contextcite_masks(n_ablations, d, seed)`, seed the example's "mask_seed" row
+    where the run recorded one: per-example seeds).
 
     Tolerances (what moves between CPUs is the order of float32 reductions, as above):
     - measured quantities (log P(response | context), held-out and ContextCite targets logit P) and the
@@ -289,7 +290,8 @@ def context_check_moves(
         d = len(next(iter(scores.values()))) if scores else 0
         if "contextcite" in scores:
             y = rows_of("contextcite", "cc_target")
-            masks = contextcite_masks(n_ablations, d, seed, keep_prob)
+            first = int(sh.get((task, ex, "-", "mask_seed", -1), seed))  # per-example seeds record theirs
+            masks = contextcite_masks(n_ablations, d, first, keep_prob)
             b = lasso_bound(masks, y["shipped"].to_numpy(), float(y["allowed"].max()))
             score_tol["contextcite"] = b
             j.loc[rows_of("contextcite", "score").index, "allowed"] = b
@@ -318,7 +320,7 @@ def context_check_moves(
                 j.at[i, "allowed"] = bound + 1e-9  # + float64 rounding of the Spearman itself
             if why:
                 j.at[i, "compare"], j.at[i, "why"] = False, why
-    j.loc[j["metric"] == "heldout_seed", "allowed"] = 0.0  # a seed is compared exactly
+    j.loc[j["metric"].isin(["heldout_seed", "mask_seed"]), "allowed"] = 0.0  # a seed is compared exactly
     both_nan = j["shipped"].isna() & j["now"].isna()
     bad = j["compare"] & ~both_nan & ~((j["now"] - j["shipped"]).abs() <= j["allowed"])
     cols = key + ["shipped", "now", "allowed"]

@@ -96,6 +96,23 @@ def context_view_html(ca, scores, collapse: bool = True, below: float = COLLAPSE
     )
 
 
+BOX_MAX_PX = 600  # a longer context scrolls inside its box
+_BOX_PADDING_PX = 40  # a bordered Streamlit container's padding (1 rem above and below) and borders, st.html's margin
+
+
+def context_box_height(view_html: str, width_px: int, max_px: int = BOX_MAX_PX, font_px: int = 15) -> int:
+    """The height in pixels of a bordered box that shows `context_view_html`'s output (`view_html`) at
+    `width_px` without empty space or a scroll bar, capped at `max_px` (a longer context scrolls): the
+    visible text (a folded run counts as its one-line summary) wrapped at 0.9 width_px / (0.5 font_px)
+    characters per line (serif text averages under half an em a character; 0.9: words wrap whole), each
+    text line (newlines kept: pre-wrap) at least one line of font_px x 1.7 (the view's line height)."""
+    visible = re.sub(r"<details[^>]*><summary[^>]*>(.*?)</summary>.*?</details>", r"\1", view_html, flags=re.S)
+    text = html.unescape(re.sub(r"<[^>]+>", "", visible))
+    per_line = max(1, int(0.9 * width_px / (0.5 * font_px)))
+    lines = sum(max(1, -(-len(line) // per_line)) for line in text.split("\n"))
+    return int(min(max_px, round(lines * font_px * 1.7) + _BOX_PADDING_PX))
+
+
 def colour_key(scores) -> str:
     """What the shading means, for a caption."""
     if signed(scores):

@@ -8,13 +8,16 @@ formed without 1 - p_t, so stable) from one forward pass. Passes are batched (so
 `response_logit_probs` for why not left), with explicit position ids, and form only the rows' logits that hold the
 response (HF's `logits_to_keep`), taken in float32 or the model's float64.
 
-ContextCite (Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024; official code MadryLab/context-cite): masks i.i.d.
-Bernoulli(keep_prob) drawn as the official code draws them (`RandomState(seed + i).choice([False, True], size=d,
-p=[1 - keep, keep])`, True = keep); target y = logit P(span) aggregated from the span's l_t; LASSO (alpha 0.01,
-intercept, random_state 0) on standardised masks with y divided by the span's token count T and the weights
-rescaled back (w = coef / scale * T; the effective penalty on the original scale is alpha * T). Where ctxmix's
-default differs from the official package (`compat=True` reproduces it; docs/context.md, "Choices where the papers
-leave room"):
+ContextCite (Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024; official code MadryLab/context-cite):
+masks i.i.d. Bernoulli(keep_prob) drawn as the official code draws them
+(`RandomState(s + i).choice([False, True], size=d, p=[1 - keep, keep])`, True = keep), from s = the
+caller's seed (the official scheme, compat's) or, by default, s = `example_seed(seed, context, query)`
+(each example its own masks); target
+y = logit P(span) aggregated from the span's l_t; LASSO (alpha 0.01, intercept, random_state 0) on
+standardised masks with y divided by the span's token count T and the weights rescaled back (w =
+coef / scale * T; the effective penalty on the original scale is alpha * T). Where ctxmix's
+default differs from the official package (`compat=True` reproduces it; docs/context.md, "Choices
+where the papers leave room"):
 
 - the aggregation y = log P - log(1 - P) uses a stable log(1 - P) (log(-expm1(log P)) near P = 1), in
   float64; the official float32 `log1p(-exp(log P))` overflows to +inf when P rounds to 1, and the
@@ -49,6 +52,28 @@ def check_n_ablations(n) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not MIN_ABLATIONS <= n <= MAX_ABLATIONS:
         raise BadInput(f"n_ablations must be a whole number from {MIN_ABLATIONS} to {MAX_ABLATIONS}, got {n!r}")
     return int(n)
+
+
+SEED_SCHEMES = ("example", "official")
+EXAMPLE_SEED_RANGE = 2**31  # example seeds stay below it: seed + i and the held-out seeds fit RandomState's 2^32
+
+
+def example_seed(seed: int, *texts: str | None) -> int:
+    """The first mask seed of one example under the "example" scheme: a stable hash (SHA-256, not Python's
+    salted hash()) of the caller's seed and the example's texts (context, query), below 2^31. Examples with
+    different texts get unrelated masks (the official package's seeds 0..n-1 give every example the same
+    ones, so their errors correlate across a benchmark); the same example gets the same masks on any machine."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps([int(seed), *texts], ensure_ascii=False).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % EXAMPLE_SEED_RANGE
+
+
+def mask_seed(options: dict) -> int:
+    """The first seed of an attribution's ContextCite masks (its options; saved before "mask_seed" was
+    recorded: the official seed)."""
+    return int(options.get("mask_seed", options["seed"]))
 
 
 def contextcite_masks(n: int, d: int, seed: int = 0, keep_prob: float = 0.5) -> np.ndarray:

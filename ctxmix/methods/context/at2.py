@@ -267,3 +267,14 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
     # no explained quantity: the per-token total of the estimator, so `buckets` add up to it
     return {"per_token": per_token, "terms": {}, "target": per_token.sum(1), "cost": cost}
+
+
+def store_at2(ca, res: dict, info: dict) -> None:
+    """Store `run_at2`'s result `res` and the weights' description `info` (`resolve_weights`') in `ca` (a
+    `ContextAttribution`): per-token contributions, target, cost, scores, options["at2"] and any note."""
+    ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]
+    ca.cost["at2_exact"] = res["cost"]
+    ca.scores["at2_exact"] = ca.scores_for("at2_exact")
+    ca.options["at2"] = info
+    if info.get("note") and info["note"] not in ca.warnings:
+        ca.warnings.append(info["note"])

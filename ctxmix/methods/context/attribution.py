@@ -328,6 +328,7 @@ def attribute_context(
     progress: bool = True,
     at2_features: str = "logit",
     at2_weights=None,
+    seeds: str | None = None,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
@@ -380,6 +381,11 @@ def attribute_context(
     by that rounding; on a CPU they agree to float32 rounding. The default differs where docs/context.md
     says ("Choices where the papers leave room"; `ctxmix.methods.context.ablation`).
 
+    seeds: how ContextCite's masks (and `evaluate`'s held-out masks) are seeded: "example" (the default;
+    compat=True: "official"): mask i from RandomState(s + i) with s = `example_seed(seed, context, query)`,
+    a stable hash of the texts, so every example gets its own masks; "official": s = seed for every example
+    (the official package's seed + i). The first seed is kept in `options["mask_seed"]`.
+
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
     "leave_one_out"): the dashboard's bars.
@@ -391,6 +397,8 @@ def attribute_context(
 
     from ctxmix.methods.context.ablation import (
         LASSO_ALPHA,
+        SEED_SCHEMES,
+        example_seed,
         leave_one_out_scores,
         run_contextcite,
         run_leave_one_out,
@@ -409,7 +417,10 @@ def attribute_context(
         raise BadInput(f"compat must be True or False, got {compat!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed must be a non-negative whole number, got {seed!r}")
-    if seed + n_ablations > 2**32:  # ablation i draws with numpy's RandomState(seed + i): below 2^32
+    seeds = seeds or ("official" if compat else "example")
+    if seeds not in SEED_SCHEMES:
+        raise BadInput(f"seeds must be one of {', '.join(SEED_SCHEMES)} (or None), got {seeds!r}")
+    if seeds == "official" and seed + n_ablations > 2**32:  # ablation i draws with RandomState(seed + i): < 2^32
         raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
@@ -432,6 +443,7 @@ def attribute_context(
         chat_template=chat_template,
         compat=compat,
     )
+    first_seed = example_seed(seed, src.text, query) if seeds == "example" else seed
     prompt = builder.encode(src)
     window = model.max_length
     if len(prompt.ids) >= window:
@@ -483,6 +495,8 @@ def attribute_context(
             "target": target,
             "n_ablations": n_ablations,
             "seed": seed,
+            "seeds": seeds,
+            "mask_seed": first_seed,
             "keep_prob": keep_prob,
             "alpha": float(alpha),
             "lasso_alpha_default": LASSO_ALPHA,
@@ -511,17 +525,13 @@ def attribute_context(
             if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
                 ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
     if "at2_exact" in methods:
-        from ctxmix.methods.context.at2 import run_at2
+        from ctxmix.methods.context.at2 import run_at2, store_at2
 
-        res = run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target)
-        ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]
-        ca.cost["at2_exact"] = res["cost"]
-        ca.scores["at2_exact"] = ca.scores_for("at2_exact")
-        ca.options["at2"] = at2_info
-        if at2_info.get("note"):
-            ca.warnings.append(at2_info["note"])
+        store_at2(ca, run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target), at2_info)
     if "contextcite" in methods:
-        ab = run_contextcite(model, builder, src, resp.ids, n_ablations, seed, keep_prob, batch_size, compat, progress)
+        ab = run_contextcite(
+            model, builder, src, resp.ids, n_ablations, first_seed, keep_prob, batch_size, compat, progress
+        )
         store_contextcite(ca, ab, compat, alpha)
         y = ab["logit_probs"]
         if np.ptp(y.sum(1)) == 0:

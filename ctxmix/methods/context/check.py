@@ -54,16 +54,30 @@ def _rebuild(ca, model: Model):
     return src, builder
 
 
-def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None, progress=False):
-    """Add `methods` to `ca` in place (and return it), on its own prompt and response ids: one-pass methods
-    from one traced pass, `contextcite` from `n_ablations` ablations (default: the attribution's
-    `options["n_ablations"]`) with its seed, keep_prob, alpha and compat, `leave_one_out` from d + 1 passes.
-    A method already computed is recomputed only when asked again with another n_ablations (contextcite).
-    The scores equal those of one `attribute_context` call with every method (tests/test_context_page.py).
+def extend_attribution(
+    ca,
+    model: Model,
+    methods,
+    n_ablations: int | None = None,
+    progress=False,
+    *,
+    at2_features: str | None = None,
+    at2_weights=None,
+):
+    """Add `methods` (any of the registry's CONTEXT_METHODS) to `ca` in place (and return it), on its own prompt
+    and response ids: the one-pass methods from one traced pass, `at2_exact` from one traced pass (at2_features:
+    the attribution's own when it has them, else "logit"; at2_weights as attribute_context's), `contextcite`
+    from `n_ablations` ablations (default: the attribution's `options["n_ablations"]`) with its masks' seed,
+    keep_prob, alpha and compat, `leave_one_out` from d + 1 passes. A method already computed is recomputed only
+    when asked again with another n_ablations (contextcite). The scores equal those of one `attribute_context`
+    call with every method (tests/test_context_page.py). An evaluation `ca` holds is measured again with its
+    own options when a method was added or recomputed (its held-out passes read, not rerun: only the new top-k
+    removals run), so it always covers `ca.methods`; nothing changed, nothing runs.
     progress: as attribute_context's (a callable gets progress(stage, done, total))."""
     from ctxmix.methods.context.ablation import (
         check_n_ablations,
         leave_one_out_scores,
+        mask_seed,
         run_contextcite,
         run_leave_one_out,
         store_contextcite,
@@ -84,21 +98,35 @@ def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None
     todo = [m for m in names if m not in ca.methods or (m == "contextcite" and redo_cc)]
     if not todo:
         return ca
+    unhandled = [m for m in todo if m not in (*ONE_PASS_METHODS, "at2_exact", "contextcite", "leave_one_out")]
+    if unhandled:  # a method added to the registry must be added here too, never silently skipped
+        raise NotImplementedError(f"extend_attribution cannot add {', '.join(unhandled)} yet")
+    if "at2_exact" in todo:  # the weights checked before any pass
+        from ctxmix.methods.context.at2 import resolve_weights
+
+        kind = at2_features or (ca.options.get("at2") or {}).get("kind", "logit")
+        at2_w, at2_info = resolve_weights(model, kind, at2_weights)
     src, builder = _rebuild(ca, model)
     compat = bool(ca.options.get("compat"))
     batch = int(ca.options.get("batch_size", 8))
     P, T = len(ca.prompt_ids), len(ca.response_ids)
+    ids = list(ca.prompt_ids) + list(ca.response_ids)
     one_pass = [m for m in todo if m in ONE_PASS_METHODS]
     if one_pass:
-        res = run_one_pass(model, one_pass, list(ca.prompt_ids) + list(ca.response_ids), P, ca.options["target"])
+        res = run_one_pass(model, one_pass, ids, P, ca.options["target"])
         for m, r in res.items():
             ca.per_token[m], ca.terms[m], ca.targets[m], ca.cost[m] = r["per_token"], r["terms"], r["target"], r["cost"]
             if "reconstruction_error" in r:
                 ca.options.setdefault("reconstruction_error", {})[m] = r["reconstruction_error"]
             _add(ca, m)
             ca.scores[m] = ca.scores_for(m)
+    if "at2_exact" in todo:
+        from ctxmix.methods.context.at2 import run_at2, store_at2
+
+        _add(ca, "at2_exact")
+        store_at2(ca, run_at2(model, ids, P, kind, at2_w, ca.options["target"]), at2_info)
     if "contextcite" in todo:
-        seed, keep, alpha = int(ca.options["seed"]), float(ca.options["keep_prob"]), float(ca.options["alpha"])
+        seed, keep, alpha = mask_seed(ca.options), float(ca.options["keep_prob"]), float(ca.options["alpha"])
         ab = run_contextcite(model, builder, src, ca.response_ids, n, seed, keep, batch, compat, progress)
         store_contextcite(ca, ab, compat, alpha)
         ca.options["n_ablations"] = n
@@ -109,8 +137,24 @@ def extend_attribution(ca, model: Model, methods, n_ablations: int | None = None
         ca.scores["leave_one_out"] = leave_one_out_scores(ab, 0, T)
         ca.cost["leave_one_out"] = ab["cost"]
         _add(ca, "leave_one_out")
-    ca.evaluation = {}  # measured on the old set of methods
+    if ca.evaluation:  # measured on the old methods (or contextcite's old scores): measure it again, same options
+        _evaluate_again(ca, model)
     return ca
+
+
+def _evaluate_again(ca, model: Model) -> None:
+    """`ca.evaluate` again with the options of the evaluation `ca` holds (its k, held-out count and seed, gold,
+    span), reading its held-out passes."""
+    o = ca.evaluation["options"]
+    span = o.get("span")
+    if "span" not in o and list(o["span_tokens"]) != [0, len(ca.response_ids)]:  # saved before "span" was kept
+        a, b = o["span_tokens"]
+        span = (int(ca.response_offsets[a][0]), int(ca.response_offsets[b - 1][1]))
+    seed = o.get("seed", o["heldout_seeds"][0])
+    batch = int(ca.options.get("batch_size", 8))
+    ca.evaluate(
+        model, o["k"], int(o["n_ablations"]), o.get("gold"), span=span, seed=seed, batch_size=batch, progress=False
+    )
 
 
 def _add(ca, m: str) -> None:

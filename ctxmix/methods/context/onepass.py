@@ -23,7 +23,11 @@ target (`target=`, `ctxmix.methods.readout.target_readout`, the same as `explain
 
 What no token gets is kept per token in `terms` (attention output bias and MLP summed over layers,
 final-norm beta, unembedding bias, -H; on a soft-capped model the pre-cap logit is decomposed and
-"softcap" holds the rest), so the tokens' sum plus the terms is the target. A span's source score is
+"softcap" holds the rest), so the tokens' sum plus the terms is the target. On a half-precision model
+(layers rebuilt in float32, `Model.work_dtype`) the target is read from the logits recomputed in float32
+(the model's own bf16 logits are rounded to 2^-8 of their size; `model_target` keeps their value) and
+"half_precision" holds the model's rounding of each layer's output (its output minus the float32
+rebuild, read on rho), so the sum stays exact to float32 rounding. A span's source score is
 the sum of its tokens' contributions over the span's target tokens.
 
 `alti_logit` (Ferrando et al. 2023): layer l's D^l traced back to the input tokens through the ALTI maps
@@ -70,30 +74,37 @@ def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -
     dt = model.work_dtype
     T = len(Q)
     logits = tr.logits_at(Q)  # (T, V): the model's (capped) logits
-    ro = target_readout(model, logits, tg, target)
-    ubar = ro["rows"]
     x_last = tr.states[-1].y[tr.local(Q)]  # (T, d) the real pre-norm states
     norm = model.final_norm
+    final = norm(x_last) if norm is not None else x_last
+    z_pre = unembed(model, final).to(torch.float64)  # (T, V) recomputed pre-cap logits
+    cap = softcap(model)
+    model_logits = logits
+    if model.dtype != dt:
+        # a half-precision model's logits are rounded to 2^-8 of their size (0.03 on a logit of 10): the target
+        # is read from the logits recomputed in the work dtype, which the contributions add up to
+        logits = z_pre if cap is None else cap * torch.tanh(z_pre / cap)
+    ro = target_readout(model, logits, tg, target)
+    ubar = ro["rows"]
     zeros = torch.zeros(T, dtype=dt, device=ubar.device)
     if norm is None:
         R, beta = ubar.clone(), zeros
     else:
         R = norm_adjoint(norm, ubar, norm.scale(x_last))
         beta = ubar @ norm.beta if norm.beta is not None else zeros
-    final = norm(x_last) if norm is not None else x_last
-    z_pre = unembed(model, final).to(torch.float64)  # (T, V) recomputed pre-cap logits
     terms = {"final_norm_bias": beta.double(), "unembedding_bias": ro["bias"].double(), **ro["leftover"]}
-    cap = softcap(model)
     if target == "logit":
         explained = centred(z_pre, tg, None)
         # with a soft-cap the recomputed pre-cap logit is what is explained (readout.explained_logits):
         # undoing the cap on the model's own logit with atanh is ill-conditioned near saturation
-        model_target = ro["value"] if cap is None else explained
+        model_target = ro["value"] if cap is None and logits is model_logits else explained
     else:
         if cap is not None:  # the model's centred logit minus the recomputed pre-cap one
             w = ro["weights"]
             terms["softcap"] = centred(logits, tg, w) - centred(z_pre, tg, w)
         explained = model_target = ro["value"]
+    if logits is not model_logits:  # what the model's own rounded logits give
+        model_target = target_readout(model, model_logits, tg, target)["value"]
     return R, terms, {"target": explained, "model_target": model_target}
 
 
@@ -176,6 +187,9 @@ def decompose_rows(
     if logit_like:
         R, top_terms, values = _readout(model, tr, Q, tg, target)
         per_logit, acc, attn_bias, mlp = zeros(T, n), zeros(T, n), zeros(T), zeros(T)
+        half = model.dtype != model.work_dtype
+        if half:
+            top_terms["half_precision"] = zeros(T)
     attn = zeros(T, n)
     sw.add(t0, "shared")
     for l in reversed(range(L)):
@@ -188,6 +202,8 @@ def decompose_rows(
             per_logit += D
             attn_bias += ab
             mlp += ml
+            if half and l < L - 1:  # the model's half-precision output of layer l minus its rebuilt one
+                top_terms["half_precision"] += ((tr.hidden[l + 1][Q].to(R) - st.y[Ql]) * R).sum(-1).double()
             sw.add(t1, *(m for m in ("logit", "alti_logit") if m in want))
         if "alti_logit" in want:
             t1 = sw.mark()
