@@ -91,3 +91,16 @@ def test_check_tolerance_passes_machine_moves_and_fails_a_one_percent_change(nam
         assert len(bad) and set(zip(bad["model"], bad["method"])) == {(model, method)}, (model, method)
     assert len(shipped.check_moves(want.iloc[1:], want)) == 1
     assert len(shipped.check_moves(want.assign(value=want["value"].where(want.index != 3)), want)) == 1
+
+
+def test_a_context_config_pinning_the_official_seeds_keeps_its_identity(tmp_path):
+    """`mask_seeds: official` names how the shipped context results were made (before the key existed): the
+    config's hash is unchanged by it, and changed by the per-example scheme."""
+    from ctxmix.benchmark.shipped import config_sha256
+
+    base = "kind: context\nmodel: smollm2\n"
+    (tmp_path / "a.yaml").write_text(base)
+    (tmp_path / "b.yaml").write_text(base + "mask_seeds: official\n")
+    (tmp_path / "c.yaml").write_text(base + "mask_seeds: example\n")
+    assert config_sha256(tmp_path / "a.yaml") == config_sha256(tmp_path / "b.yaml")
+    assert config_sha256(tmp_path / "a.yaml") != config_sha256(tmp_path / "c.yaml")
