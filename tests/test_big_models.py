@@ -13,7 +13,7 @@ from torch import nn
 
 import ctxmix
 from ctxmix.engine.models import weights_sha256
-from ctxmix.errors import BadInput, UnsupportedArchitecture
+from ctxmix.errors import BadInput, ModelLoadError, UnsupportedArchitecture
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from conftest import tiny_model  # noqa: E402
@@ -234,15 +234,71 @@ def test_an_unknown_quantized_layer_is_refused_by_name(tokenizer):
 # ---------------------------------------------------------------- half precision
 
 
-def test_half_precision_copies_one_layer_at_a_time(tokenizer):
-    """A bf16 model keeps no float32 copy of the model: the engine's layer list holds one layer's float32
-    weights at most (the old `Model.layers` upcast every layer for the model's life)."""
+def test_half_precision_copies_one_layer_at_a_time(tokenizer, monkeypatch):
+    """A bf16 model keeps no float32 copy of the model: every layer read is tracked, and at each read at most
+    one earlier layer's float32 tensors are still alive (the one being replaced: the old `Model.layers` upcast
+    every layer for the model's life, and a loop's enumerate tuple kept a second one alive)."""
+    import gc
+    import weakref
+
+    from ctxmix.engine import models as M
+
     m = tiny_model("llama", tokenizer, dtype=torch.bfloat16)
     assert m.work_dtype == torch.float32 and not m.layers.resident
+    built, alive_at_read = [], []
+    read = M.read_layer
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive_at_read.append(sum(1 for r in built if r() is not None and r().W2 is not None))
+        lw = read(*args, **kwargs)
+        built.append(weakref.ref(lw))
+        return lw
+
+    monkeypatch.setattr(M, "read_layer", tracked)
     ctxmix.explain(m, TEXT, ["alti", "logit"])
-    held = [lw for lw in (m.layers._all or []) + [m.layers._last] if lw is not None]
-    assert len(held) <= 1 and all(lw.W2.dtype == torch.float32 for lw in held)
-    assert m.layers[0] is m.layers[0] and m.layers[1].index == 1  # the one slot serves repeated reads
+    assert len(built) >= 2 * m.n_layers and max(alive_at_read) == 0, alive_at_read
+    lw = m.layers[1]
+    assert lw.W2.dtype == torch.float32 and m.layers[1] is lw  # the one slot serves repeated reads
+    m.layers[0]
+    assert lw.W2 is None  # read another layer: the previous one's copies are gone, loudly
+
+
+def test_threads_sharing_a_model_read_their_own_layers(tokenizer):
+    """The dashboard shares one model between sessions: two threads explaining on a bf16 model at once each
+    get their own layer (the slot is per thread) and the results equal one thread's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = tiny_model("llama", tokenizer, dtype=torch.bfloat16)
+    ref = ctxmix.explain(m, TEXT, ["alti", "logit"])
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: ctxmix.explain(m, TEXT, ["alti", "logit"]), range(8)))
+    for ex in got:
+        _close(ref.layer_maps["alti"], ex.layer_maps["alti"], "threads alti", tol=0)
+        _close(ref.saliency["logit"], ex.saliency["logit"], "threads logit", tol=0)
+
+
+def test_a_bad_placement_never_rebuilds_the_embedded_cache(monkeypatch, tmp_path):
+    """A device_map typo is refused before anything is read, and a placement that fails to load raises
+    without wiping the cached model folder."""
+    from ctxmix.engine import models as M
+
+    with pytest.raises(BadInput, match="device_map must be one of"):
+        ctxmix.load_model("smollm2", device_map="autoo")
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "ctxmix_meta.json").write_text("{}")
+    monkeypatch.setattr(M, "verify_weights", lambda folder, meta: None)
+
+    def fails(*a, **k):
+        raise ModelLoadError("the placement failed")
+
+    monkeypatch.setattr(M, "_from_folder_or_hub", fails)
+    with pytest.raises(ModelLoadError, match="placement failed"):
+        M._cached_build(
+            folder, lambda f: pytest.fail("rebuilt"), "smollm2", "cpu", torch.float32, {"device_map": "cpu"}
+        )
+    assert (folder / "ctxmix_meta.json").exists()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

@@ -120,3 +120,22 @@ def test_bad_examples_are_refused(llama, tmp_path):
     ]:
         with pytest.raises(BadInput, match=match):
             ctxmix.attribute_contexts(llama, bad, progress=False)
+
+
+def test_a_store_is_not_reused_by_another_model_of_the_same_name(llama, tokenizer, tmp_path):
+    """The resume key is the model's identity (its fingerprint: weights, dtype, precision, quantization), not
+    its name: the same name with other weights computes anew and gets its own scores."""
+    import torch
+
+    store = tmp_path / "run.jsonl"
+    exs = examples(2)
+    first = ctxmix.attribute_contexts(llama, exs, store=store, progress=False, **OPTIONS)
+    other = tiny_model("llama", tokenizer)
+    with torch.no_grad():
+        for p in other.hf.parameters():
+            p.mul_(1.5)
+    assert other.name == llama.name
+    again = ctxmix.attribute_contexts(other, exs, store=store, progress=False, **OPTIONS)
+    fresh = ctxmix.attribute_contexts(other, exs, progress=False, **OPTIONS)
+    assert not np.allclose(first["score"].to_numpy(), again["score"].to_numpy())
+    np.testing.assert_allclose(again["score"].to_numpy(), fresh["score"].to_numpy(), rtol=0, atol=0)

@@ -366,16 +366,20 @@ class LayerList(Sequence):
     on one device) is read once, as views: no copies, kept for the model's life, as before. Any other model
     (half precision, quantized, spread over devices, offloaded to CPU or disk) is read one layer at a time when
     a layer is asked for: its tensors loaded from the offload, dequantized, copied to the engine's device in the
-    engine's dtype; only the layer read last is kept, so a pass over the layers holds one layer's copies, never
-    the model's (a bf16 8B model in float32 copies would cost 25 GB more). `len` reads no weights."""
+    engine's dtype; only the layer read last is kept (one per thread: a model shared by the dashboard's sessions
+    serves each thread its own), so a pass over the layers holds one layer's copies, never the model's (a bf16
+    8B model in float32 copies would cost 25 GB more). `len` reads no weights."""
 
     def __init__(self, model: Model):
+        import threading
+
         self.model = model
         self.modules = _get(model.hf.base_model, model.spec.layers)
         self.resident = weights_resident(model)
         self.reader = WeightReader() if self.resident else WeightReader(model.device, model.work_dtype)
         self._all: list[LayerWeights] | None = None
-        self._last: LayerWeights | None = None
+        self._local = threading.local()  # .last: the layer this thread read last
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -388,13 +392,16 @@ class LayerList(Sequence):
             raise IndexError(f"layer {i} of {n}")
         i %= n
         if self.resident:
-            if self._all is None:
-                self._all = layer_weights(self.model.hf.base_model, self.model.hf.config, self.model.spec)
+            with self._lock:
+                if self._all is None:
+                    self._all = layer_weights(self.model.hf.base_model, self.model.hf.config, self.model.spec)
             return self._all[i]
-        if self._last is None or self._last.index != i:
+        lw = getattr(self._local, "last", None)
+        if lw is None or lw.index != i:
             self.release()
-            self._last = read_layer(self.model.hf.base_model, self.model.hf.config, self.model.spec, i, self.reader)
-        return self._last
+            lw = read_layer(self.model.hf.base_model, self.model.hf.config, self.model.spec, i, self.reader)
+            self._local.last = lw
+        return lw
 
     def __iter__(self):
         # not Sequence's mixin: it keeps the item it yielded in a local until the next one is read, which would
@@ -403,17 +410,30 @@ class LayerList(Sequence):
             yield self[i]
 
     def release(self) -> None:
-        """Free the one layer kept (a non-resident model's copies) before another is read. Its tensors are
-        dropped from the object itself, not only from this list: a loop's `enumerate` / `zip` keeps the tuple
-        it last yielded (so the previous layer) alive while the next item is read, which would hold two
-        layers' copies at once. A layer read from a non-resident model is therefore valid until the next
-        layer is read; using it after that fails loudly (its weights are None), never silently."""
-        lw, self._last = self._last, None
+        """Free the layer this thread holds (a non-resident model's copies) before it reads another. Its
+        tensors are dropped from the object itself, not only from this list: a loop's `enumerate` / `zip`
+        keeps the tuple it last yielded (so the previous layer) alive while the next item is read, which would
+        hold two layers' copies at once. A layer read from a non-resident model is therefore valid until the
+        same thread reads another layer; using it after that fails loudly (its weights are None), never
+        silently."""
+        lw = getattr(self._local, "last", None)
+        self._local.last = None
         if lw is not None:
             for k, v in list(vars(lw).items()):
                 if isinstance(v, torch.Tensor):
                     setattr(lw, k, None)
             lw.extra.clear()
+
+
+def same_device(a, b) -> bool:
+    """Whether two devices are the same place: "cuda" and "cuda:0" are when 0 is the current device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True  # one CPU (and one meta)
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def weights_resident(model: Model) -> bool:
@@ -425,7 +445,7 @@ def weights_resident(model: Model) -> bool:
         if offloaded(mod):
             return False
         for p in mod.parameters(recurse=False):
-            if p.device != model.device or is_quantized_tensor(p):
+            if not same_device(p.device, model.device) or is_quantized_tensor(p):
                 return False
             if p.is_floating_point() and p.dtype != model.work_dtype:
                 return False
@@ -683,8 +703,17 @@ def _cached_build(folder: Path, build, name: str, device, dtype, placement: dict
         try:
             meta = json.loads((folder / "ctxmix_meta.json").read_text())
             verify_weights(folder, meta)
-            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta, placement=placement)
         except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt, once
+            if attempt:
+                raise
+            warnings.warn(f"the cached {name!r} model at {folder} could not be read ({e}); rebuilding it", stacklevel=3)
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        if placement:  # the files are the recorded ones: a failure is the placement's, never a reason to rebuild
+            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta, placement=placement)
+        try:
+            return _from_folder_or_hub(str(folder), name, device, dtype, info=meta)
+        except Exception as e:  # noqa: BLE001 - a cache that verifies but does not load is rebuilt, once
             if attempt:
                 raise
             warnings.warn(f"the cached {name!r} model at {folder} could not be read ({e}); rebuilding it", stacklevel=3)
@@ -804,7 +833,7 @@ def load_model(
     from ctxmix.engine.precision import check_precision
 
     check_precision(precision)
-    placement = load_placement(device_map, max_memory, offload_folder, quantization, dtype)
+    placement = load_placement(device_map, max_memory, offload_folder, quantization, dtype, device)
     model = _load_model(name_or_path, device, dtype, placement)
     model.precision = precision
     if quantization is not None:
@@ -835,13 +864,22 @@ def loading_options(args) -> dict:
     return out
 
 
-def load_placement(device_map, max_memory, offload_folder, quantization, dtype) -> dict:
+DEVICE_MAP_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def load_placement(device_map, max_memory, offload_folder, quantization, dtype, device: str = "auto") -> dict:
     """The `from_pretrained` keywords for where a model lives, checked before anything is loaded."""
     out: dict[str, Any] = {}
     if device_map is not None:
-        if not isinstance(device_map, (str, dict)) or (isinstance(device_map, str) and not device_map.strip()):
+        if isinstance(device_map, str) and device_map not in DEVICE_MAP_NAMES:
+            try:
+                torch.device(device_map)
+            except (RuntimeError, ValueError):
+                device_map = None
+        if not isinstance(device_map, (str, dict)):
             raise BadInput(
-                f"device_map must be 'auto', 'balanced', 'sequential', a device or a dict, got {device_map!r}"
+                f"device_map must be one of {', '.join(DEVICE_MAP_NAMES)}, a device or a dict of module name -> "
+                f"device, got {device_map!r}"
             )
         out["device_map"] = device_map
     if max_memory is not None:
@@ -854,7 +892,11 @@ def load_placement(device_map, max_memory, offload_folder, quantization, dtype) 
     if quantization is not None:
         dt = _DTYPES.get(dtype, torch.float32) if isinstance(dtype, str) else dtype
         out["quantization_config"] = quantization_config(quantization, dt)
-        out.setdefault("device_map", "auto" if torch.cuda.is_available() else "cpu")
+        # quantized layers are placed when loaded: on the device asked for, else accelerate's choice
+        if device == "auto":
+            out.setdefault("device_map", "auto" if torch.cuda.is_available() else "cpu")
+        else:
+            out.setdefault("device_map", str(resolve_device(device)))
     if "offload_folder" in out and "device_map" not in out:
         raise BadInput("offload_folder needs a device_map that puts some layers on 'disk' (or device_map='auto')")
     return out

@@ -72,6 +72,21 @@ def _frame_rows(ca, key: str) -> list[dict]:
     return rows
 
 
+def _stampable(call: dict) -> dict:
+    """The call's options as the resume stamp sees them: arrays (at2 weights given as numbers) by the SHA-256
+    of their bytes, not by numpy's shortened text."""
+    import hashlib
+
+    import numpy as np
+
+    out = {}
+    for k, v in call.items():
+        if isinstance(v, np.ndarray):
+            v = f"array:{v.dtype}:{v.shape}:" + hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
+        out[k] = v
+    return out
+
+
 def attribute_contexts(model: Model, examples, *, store=None, progress=True, **options) -> pd.DataFrame:
     """Attribute every example (`read_examples`: a list of dicts or a JSON-lines path) with
     `attribute_context(model, ..., **options)` and return one table, one row per (example, method, source):
@@ -96,13 +111,17 @@ def attribute_contexts(model: Model, examples, *, store=None, progress=True, **o
         raise BadInput("give each example's context/query or messages in `examples`, not as options")
     path = Path(store) if store is not None else None
     done = _load_done(path)
+    from ctxmix.service.cache import model_fingerprint
+
+    # the model's identity, not its name: the same name in bf16, quantized or retrained must not reuse rows
+    fingerprint = model_fingerprint(model)
     out, responses, warnings, seconds = [], {}, {}, {}
     total = len(rows)
     with progress_bar(total, "examples", enabled=bool(progress) and not callable(progress), unit="ex") as bar:
         for i, ex in enumerate(rows):
             key = ex["id"]
             call = {**options, **{k: v for k, v in ex.items() if k != "id"}}
-            stamp = config_stamp({"model": model.name, **call}, False, {}, None)
+            stamp = config_stamp({"model": fingerprint, **_stampable(call)}, False, {}, None)
             rec = done.get((key, stamp))
             if rec is None:
                 t0 = time.perf_counter()
