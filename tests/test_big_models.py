@@ -96,9 +96,10 @@ def test_dispatched_model_equals_the_model_in_one_place(tokenizer, family, tmp_p
     )
 
 
-def test_dispatched_model_attributes_context_as_in_one_place(tokenizer, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_dispatched_model_attributes_context_as_in_one_place(tokenizer, tmp_path, family):
     """attribute_context's one-pass methods, at2_exact and ContextCite on the same response: equal scores."""
-    ref, disp = _dispatched("llama", tokenizer, tmp_path)
+    ref, disp = _dispatched(family, tokenizer, tmp_path)
     methods = ["logit", "alti_logit", "attention", "grad_x_input", "at2_exact", "contextcite"]
     kw = dict(response=" the code is 4817", methods=methods, n_ablations=8, at2_weights="untrained", progress=False)
     with warnings.catch_warnings():

@@ -186,6 +186,7 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
         chat_template=CHAT.replace("[CLS]", "[CLS] turn"),
         target="logit",
         seed=3,
+        seeds="official",
         keep_prob=0.6,
         alpha=0.02,
         batch_size=2,
@@ -196,11 +197,12 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
     out = tmp_path / "ca.npz"
     args = ["--context", *files, "--query", QUERY, "--response", RESPONSE, "--n-ablations", "4"]
     args += ["--method", "logit", "contextcite", "at2_exact", "--chat-template", str(tmp_path / "chat.jinja")]
-    args += ["--target", "logit", "--seed", "3", "--keep-prob", "0.6", "--alpha", "0.02", "--batch-size", "2"]
-    args += ["--at2-features", "attn", "--at2-weights", "untrained", "--out", str(out)]
+    args += ["--target", "logit", "--seed", "3", "--seeds", "official", "--keep-prob", "0.6", "--alpha", "0.02"]
+    args += ["--batch-size", "2", "--at2-features", "attn", "--at2-weights", "untrained", "--out", str(out)]
     assert _cite(*args) == 0
     got = ctxmix.load_context_attribution(out)
     assert got.prompt_ids == ref.prompt_ids and got.options["seed"] == 3 and got.options["target"] == "logit"
+    assert got.options["seeds"] == "official" and got.options["mask_seed"] == 3
     for m in ref.methods:
         np.testing.assert_array_equal(got.scores[m], ref.scores[m])
     with pytest.raises(SystemExit):

@@ -473,3 +473,14 @@ print("ok")
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_context_attribution_lives_in_one_subpackage_per_stage():
+    """Context attribution's modules sit in methods/context, export/context and benchmark/context, named
+    without a `context_` prefix, not spread over the stages' top levels."""
+    for stage in ("methods", "export", "benchmark"):
+        assert (PKG / stage / "context" / "__init__.py").is_file(), stage
+    prefixed = [p.relative_to(ROOT).as_posix() for p in PKG.rglob("context_*.py")]
+    prefixed += [p.relative_to(ROOT).as_posix() for p in (ROOT / "ctxmix_dashboard").rglob("context_*.py")]
+    assert prefixed == [], prefixed
+    assert not (PKG / "methods" / "sources.py").exists() and not (PKG / "export" / "cite.py").exists()

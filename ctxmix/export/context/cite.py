@@ -80,6 +80,12 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--n-ablations", type=int, default=32, help="contextcite's random ablations (default 32)")
     s.add_argument("--seed", type=int, default=0, help="contextcite's first mask seed (default 0)")
+    s.add_argument(
+        "--seeds",
+        choices=["example", "official"],
+        help="contextcite's mask seeds: example (each example its own, hashed from --seed and the texts; the "
+        "default) or official (--seed + i for every example; the default with --compat)",
+    )
     s.add_argument("--keep-prob", type=float, default=0.5, help="contextcite's keep probability (default 0.5)")
     s.add_argument("--alpha", type=float, default=0.01, help="contextcite's LASSO penalty (default 0.01)")
     s.add_argument(
@@ -265,6 +271,7 @@ def attribution_options(args, methods: list[str]) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "n_ablations": args.n_ablations,
         "seed": args.seed,
+        "seeds": args.seeds,
         "keep_prob": args.keep_prob,
         "alpha": args.alpha,
         "target": args.target,
@@ -445,6 +452,8 @@ def reproduce_command(
     cmd += ["--model", q(model), "--sources", str(o.get("sources")), "--method", *ca.methods]
     if any(m in ("contextcite", "leave_one_out") for m in ca.methods):
         cmd += ["--n-ablations", str(int(o["n_ablations"])), "--seed", str(int(o["seed"]))]
+        default_seeds = "official" if o.get("compat") else "example"
+        cmd += ["--seeds", str(o["seeds"])] if o.get("seeds", default_seeds) != default_seeds else []
         cmd += ["--keep-prob", repr(float(o["keep_prob"]))] if float(o["keep_prob"]) != 0.5 else []
         cmd += ["--alpha", repr(float(o["alpha"]))] if float(o["alpha"]) != 0.01 else []
     cmd += ["--target", str(o["target"])] if o.get("target", "log_prob") != "log_prob" else []
