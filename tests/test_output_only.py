@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import _tiny_configs, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
@@ -20,21 +20,9 @@ from ctxmix.engine.attention import current_attention, output_only
 from ctxmix.engine.streaming import attention_modules
 from ctxmix.methods.context import ablation
 
-DECODERS = [
-    "gpt2",
-    "opt",
-    "llama",
-    "llama3",
-    "mistral",  # sliding window 4: shorter than the sequences
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gpt_neox",
-    "phi",
-    "gemma",
-    "gemma2",  # soft-capped attention logits: SDPA cannot, the pass stays eager
-    "gemma3",  # sliding window and QK norm
-]
+# every causal LM family (sliding window: mistral, gemma3; soft-capped attention logits: gemma2, where SDPA cannot
+# run and the pass stays eager)
+DECODERS = [f for f, (cls, _) in _tiny_configs().items() if cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))]
 # Each value carries at most ~2^12 float64 roundings (2 layers of sums over n + d + d' < 2^8 terms, the head's
 # d-term sums, a log-sum-exp over V < 2^15 terms, each rounding relative 2^-53), in either order: the two
 # passes differ by at most 2^-53 * 2^16 of the largest value, with room.
@@ -159,15 +147,15 @@ def test_the_ablation_batch_shrinks_to_the_memory_budget(decoders, tokenizer, mo
 
 
 def test_output_only_restores_and_remembers_the_users_implementation(tokenizer):
-    import transformers as T
-    from conftest import _tiny_configs
-
+    """model_from_hf switches the user's implementation to eager and remembers it for output-only passes; the block
+    restores eager after it, after an error too."""
     cls, cfg = _tiny_configs()["llama"]
-    hf = cls._from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
-    model = ctxmix.model_from_hf(hf, tokenizer, name="tiny-sdpa")
-    assert current_attention(model) == "eager" and model.output_attention == "sdpa"
+    hf = cls._from_config(cfg, attn_implementation="exact_eager").to(torch.float64).eval()
+    model = ctxmix.model_from_hf(hf, tokenizer, name="tiny-configured")
+    assert current_attention(model) == "eager" and model.output_attention == "exact_eager"
     with pytest.raises(KeyError), output_only(model) as used:
-        assert used == "sdpa" == current_attention(model)
+        assert used == "exact_eager" == current_attention(model)
         raise KeyError("inside")
-    assert current_attention(model) == "eager"  # restored after an error too
-    assert isinstance(hf, T.LlamaForCausalLM)
+    assert current_attention(model) == "eager"
+    plain = tiny_model("llama", tokenizer)  # built eager: the output-only passes run SDPA
+    assert plain.output_attention == "sdpa"
