@@ -159,3 +159,35 @@ def test_output_only_restores_and_remembers_the_users_implementation(tokenizer):
     assert current_attention(model) == "eager"
     plain = tiny_model("llama", tokenizer)  # built eager: the output-only passes run SDPA
     assert plain.output_attention == "sdpa"
+
+
+def test_the_switch_holds_its_own_model_only(decoders, tokenizer):
+    """While one thread's output-only block runs on a model, another thread's block on the same model waits (it
+    would otherwise restore eager under the first's pass), and a block on another model does not."""
+    import threading
+
+    a, b = _model(decoders, tokenizer, "llama"), _model(decoders, tokenizer, "qwen2")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with output_only(a):
+            inside.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(10)
+    seen = {}
+
+    def enter(model, key):
+        with output_only(model) as used:
+            seen[key] = used
+
+    other, same = threading.Thread(target=enter, args=(b, "other")), threading.Thread(target=enter, args=(a, "same"))
+    other.start(), same.start()
+    other.join(10)
+    assert seen == {"other": "sdpa"}  # the other model went through; the same model's block waits
+    release.set()
+    holder.join(10), same.join(10)
+    assert seen == {"other": "sdpa", "same": "sdpa"}
+    assert current_attention(a) == current_attention(b) == "eager"

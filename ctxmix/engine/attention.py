@@ -14,22 +14,35 @@ Families whose attention the fast kernels cannot compute (Gemma 2's soft-capped 
 `_supports_sdpa = False` and refuses the switch) stay eager.
 
 Thread safety: transformers 5 reads `config._attn_implementation` at every attention call and takes no
-per-call choice, so the switch is model state. `attention_implementation` holds a process-wide lock for the
-whole block (output-only passes of one process run one at a time), checks the current implementation under
-it, and restores exactly the value it found. A trace of the same Model in another thread during that block
-would get no probabilities; it stops with an error ("returned no attention weights"), never wrong numbers.
+per-call choice, so the switch is model state. `attention_implementation` holds the model's lock for the
+whole block (output-only passes of one model run one at a time; other models are not held up), checks the
+current implementation under it, and restores exactly the value it found. A trace of the same Model in
+another thread during that block would get no probabilities: it stops with an error ("returned no attention
+weights"; the rows trace falls back to a full trace, which does), never with wrong numbers.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ctxmix.engine.models import Model
 
-_SWITCH_LOCK = threading.RLock()  # re-entrant: an output-only pass may run inside another switched block
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF module -> its switch's lock
+_LOCKS_LOCK = threading.Lock()
+
+
+def _switch_lock(hf) -> threading.RLock:
+    """The model's own lock (re-entrant: an output-only pass may run inside another switched block of the same
+    thread); other models are not held up."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(hf)
+        if lock is None:
+            lock = _LOCKS[hf] = threading.RLock()
+        return lock
 
 
 def current_attention(model: Model) -> str:
@@ -42,7 +55,7 @@ def attention_implementation(model: Model, impl: str) -> Iterator[str]:
     """The model's attention run as `impl` ("sdpa", "eager", ...) inside the block, the value found restored
     after it; yields the implementation really used (the one found when the class lacks `impl`)."""
     hf = model.hf
-    with _SWITCH_LOCK:
+    with _switch_lock(hf):
         before = current_attention(model)
         if before == impl or not hasattr(hf, "set_attn_implementation"):
             yield before
