@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_model
 
 import ctxmix
+from ctxmix.engine.attention import output_only
 from ctxmix.errors import BadInput
 from ctxmix.methods.context import ablation as cab
 from ctxmix.methods.context.sources import TEMPLATE, Sources, make_sources, paragraph_spans, sentence_spans
@@ -198,7 +199,7 @@ def _official_contextcite(model, parts, query, response_text, n_ablations):
     for seed in range(n_ablations):
         masks[seed] = np.random.RandomState(seed).choice([False, True], size=len(parts), p=[0.5, 0.5])
         x = torch.tensor([prompt_ids(masks[seed])[0] + response_ids])
-        with torch.no_grad():
+        with torch.no_grad(), output_only(model):  # the official code runs the model as loaded: SDPA by default
             logits = model.hf(input_ids=x).logits[:, -(T + 1) : -1][0]
         labels = torch.tensor(response_ids)
         correct = logits.gather(-1, labels[:, None])[:, 0]
@@ -312,7 +313,7 @@ def test_logit_prob_is_log_p_minus_log_1_minus_p(chat_llama, cc_pair):
     T = len(ca.response_ids)
     for mask, lp in zip(ab["masks"], ab["logit_probs"]):
         x = torch.tensor([b.ids(src.rebuild(mask)) + ca.response_ids])
-        with torch.no_grad():
+        with torch.no_grad(), output_only(chat_llama):  # the ablations' attention (eager rounds softmax to float32)
             p = torch.softmax(chat_llama.hf(input_ids=x).logits[0, -(T + 1) : -1].double(), -1)
         pr = p[torch.arange(T), torch.tensor(ca.response_ids)].numpy()
         assert np.allclose(lp, np.log(pr) - np.log1p(-pr), rtol=1e-10, atol=1e-10)
@@ -379,7 +380,7 @@ def test_leave_one_out_equals_direct_recomputation(llama):
 
     def log_p(ctx):
         ids = tok(f"Context: {ctx}\n\nQuery: {QUERY}", add_special_tokens=False).input_ids  # no BOS in BERT's
-        with torch.no_grad():
+        with torch.no_grad(), output_only(llama):  # the passes' attention (eager rounds softmax to float32)
             lp = torch.log_softmax(llama.hf(input_ids=torch.tensor([ids + r])).logits[0].double(), -1)
         return float(lp[len(ids) - 1 : -1].gather(-1, torch.tensor(r)[:, None]).sum())
 

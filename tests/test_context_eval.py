@@ -18,6 +18,7 @@ from scipy import stats
 
 import ctxmix
 from ctxmix.benchmark.context import metrics as cm
+from ctxmix.engine.attention import output_only
 from ctxmix.errors import BadInput
 from ctxmix.methods.context.attribution import ContextAttribution
 
@@ -66,7 +67,7 @@ def _log_p(model, ctx: str, response_ids, a: int = 0, b: int | None = None) -> f
     """log P(response tokens a..b-1 | plain prompt of ctx, the response before them), one unbatched pass
     (BERT's tokenizer: no BOS)."""
     ids = model.tokenizer(f"Context: {ctx}\n\nQuery: {QUERY}", add_special_tokens=False).input_ids
-    with torch.no_grad():
+    with torch.no_grad(), output_only(model):  # the ablations' attention (eager rounds softmax to float32)
         lp = torch.log_softmax(model.hf(input_ids=torch.tensor([ids + response_ids])).logits[0].double(), -1)
     per_token = lp[len(ids) - 1 : -1].gather(-1, torch.tensor(response_ids)[:, None])[:, 0]
     return float(per_token[a:b].sum())
@@ -141,7 +142,7 @@ def test_heldout_ablations_are_disjoint_seeded_and_measured(llama, ca):
     r = ca.response_ids
     for j in (0, M - 1):
         ids = llama.tokenizer(f"Context: {_kept(ev['masks'][j])}\n\nQuery: {QUERY}", add_special_tokens=False).input_ids
-        with torch.no_grad():
+        with torch.no_grad(), output_only(llama):
             p = torch.softmax(llama.hf(input_ids=torch.tensor([ids + r])).logits[0].double(), -1)
         pt = p[len(ids) - 1 : -1].gather(-1, torch.tensor(r)[:, None])[:, 0].numpy()
         assert np.allclose(ev["logit_probs"][j], np.log(pt) - np.log1p(-pt), rtol=0, atol=TOL)

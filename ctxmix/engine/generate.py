@@ -7,6 +7,10 @@ dashboard's default foil). The row at position t - 1 predicts token t, so explai
 means `explain(..., input_ids=g.input_ids[: t + 1], position=t - 1, target=g.input_ids[t])`
 (`Generation.explain_kwargs(t)`); under causal attention the rows up to t are the same whatever
 follows, so the full `g.input_ids` give the same maps on those rows.
+
+Generation reads no attention probabilities: it runs the model's memory-efficient attention
+(`ctxmix.engine.attention.output_only`), and the prefill forms the last row's logits only
+(`logits_to_keep=1`), not (n, V).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ctxmix.engine.attention import accepts, output_only
 from ctxmix.engine.encoding import check_input_ids, encode_one
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
@@ -199,19 +204,21 @@ def generate(
     past = None
     steps: list[dict] = []
     stopped = "length"
-    for k in range(max_new_tokens):
-        out = hf(input_ids=x, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = out.logits[0, -1].double()
-        tok = int(logits.argmax()) if greedy else _sample(logits, temperature, top_k, top_p, gen)
-        steps.append(_step(model, torch.softmax(logits, -1), len(ids), tok))
-        ids.append(tok)
-        if progress is not None:
-            progress(k + 1, max_new_tokens)
-        if stop_at_eos and tok in eos:
-            stopped = "eos"
-            break
-        x = torch.tensor([[tok]], device=model.device)
+    last = {"logits_to_keep": 1} if accepts(hf, "logits_to_keep") else {}  # the prefill's (V,), not (n, V)
+    with output_only(model):  # no step reads attention probabilities
+        for k in range(max_new_tokens):
+            out = hf(input_ids=x, past_key_values=past, use_cache=True, **last)
+            past = out.past_key_values
+            logits = out.logits[0, -1].double()
+            tok = int(logits.argmax()) if greedy else _sample(logits, temperature, top_k, top_p, gen)
+            steps.append(_step(model, torch.softmax(logits, -1), len(ids), tok))
+            ids.append(tok)
+            if progress is not None:
+                progress(k + 1, max_new_tokens)
+            if stop_at_eos and tok in eos:
+                stopped = "eos"
+                break
+            x = torch.tensor([[tok]], device=model.device)
     new = ids[len(e.ids) :]
     return Generation(
         model_name=model.name,
@@ -245,8 +252,12 @@ def continuation(model: Model, prompt_ids: list[int], new_ids: list[int]) -> Gen
     P = len(prompt_ids)
     if P < 1:
         raise BadInput("the prompt is empty")
-    probs = torch.softmax(model.hf(input_ids=torch.tensor([ids], device=model.device)).logits[0].double(), -1)
-    steps = [_step(model, probs[t - 1], t, ids[t]) for t in range(P, len(ids))]
+    hf, n = model.hf, len(ids)
+    rows = {"logits_to_keep": n - P + 1} if accepts(hf, "logits_to_keep") else {}  # rows P - 1 .. n - 1 only
+    with output_only(model):
+        logits = hf(input_ids=torch.tensor([ids], device=model.device), **rows).logits[0]
+    probs = torch.softmax(logits[logits.shape[0] - (n - P + 1) :].double(), -1)  # row k predicts token P + k
+    steps = [_step(model, probs[t - P], t, ids[t]) for t in range(P, n)]
     return Generation(
         model_name=model.name,
         prompt_ids=list(ids[:P]),

@@ -102,8 +102,9 @@ class Model:
     `kind` is "classifier", "masked_lm", "causal_lm", "encoder" (no head) or "seq2seq" (an
     encoder-decoder; `ctxmix.engine.seq2seq` explains its decoder, the other methods its encoder).
     `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
-    One Model may serve several threads at once: ctxmix never registers hooks or changes
-    the module, and transformers collects attention weights per call (a context variable).
+    One Model may serve several threads at once: its hooks are inert outside the thread's own pass (context
+    variables, as transformers collects attention weights), and the one switch of module state, the attention
+    implementation of output-only passes, is taken under a lock (`ctxmix.engine.attention`).
     """
 
     hf: Any  # a transformers PreTrainedModel
@@ -115,6 +116,9 @@ class Model:
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
     precision: str = "float32"  # the engine's default precision for this model (ctxmix.engine.precision)
+    # the attention implementation of passes that read no probabilities (`ctxmix.engine.attention.output_only`):
+    # the one the user's model had before ctxmix switched it to eager, "sdpa" where that was eager or unset
+    output_attention: str = "sdpa"
     _weights_sha256: str | None = field(default=None, repr=False, compare=False)  # weights_sha256, once
     _decoder_weights: list | None = field(default=None, repr=False, compare=False)  # an encoder-decoder's, once
 
@@ -940,7 +944,8 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
         if ("CausalLM" in cls or "LMHead" in cls)
         else "encoder"
     )
-    if getattr(hf.config, "_attn_implementation", "eager") != "eager":
+    configured = getattr(hf.config, "_attn_implementation", None) or "eager"
+    if configured != "eager":
         hf.set_attn_implementation("eager")
     hf.eval().requires_grad_(False)
     from ctxmix.engine.precision import check_precision
@@ -954,6 +959,7 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
         kind=kind,
         dtype=model_dtype(hf),
         precision=check_precision(precision),
+        output_attention=configured if configured != "eager" else "sdpa",
     )
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     return model

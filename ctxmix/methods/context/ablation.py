@@ -34,12 +34,13 @@ makes the span more likely (ContextCite's top-k drop with k = 1 on that source).
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import numpy as np
 import torch
 
+from ctxmix.engine.attention import accepts, output_only
+from ctxmix.engine.budget import memory_budget
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
@@ -131,11 +132,24 @@ def lasso_fit(masks: np.ndarray, y: np.ndarray, n_tokens: int, alpha: float = LA
     return np.asarray(w * n_tokens, dtype=np.float64), float(b * n_tokens)
 
 
-def _accepts(hf, name: str) -> bool:
-    try:
-        return name in inspect.signature(hf.forward).parameters
-    except (TypeError, ValueError):
-        return False
+def ablation_sequence_bytes(model: Model, n: int, K: int) -> int:
+    """Bytes one sequence of n tokens holds during an output-only (SDPA) ablation pass that keeps K rows of logits:
+    one layer's transient at a time (the residual stream, its normed copy, q, k, v and the attention output: 6
+    vectors of width d per token; the MLP's hidden activations: 3 of width d' (gate, up, their product); the
+    fused attention kernel's O(n) per head), in the model's dtype; and the kept logits (K, V) in the model's
+    dtype with their float32 copies for the log-softmax (the gathered rows, the scatter's copy: 2 x K x V)."""
+    w = model.widths
+    d, dff, H = w["d"], w["d_ff"], w["heads"]
+    V = int(model.hf.get_output_embeddings().weight.shape[0]) if model.hf.get_output_embeddings() is not None else d
+    elem = torch.finfo(model.dtype).bits // 8
+    return n * (6 * d + 3 * dff + 2 * H) * elem + K * V * (elem + 2 * 4)
+
+
+def ablation_batch_size(model: Model, n: int, K: int, most: int) -> int:
+    """Sequences per ablation pass: as many as the memory budget holds (`ablation_sequence_bytes`; nothing else
+    is held during these passes), at least 1, at most `most` (the caller's batch_size)."""
+    fit = memory_budget(model.device) // max(1, ablation_sequence_bytes(model, n, K))
+    return int(max(1, min(most, fit)))
 
 
 @torch.no_grad()
@@ -145,50 +159,67 @@ def response_logit_probs(
     """(m, T) float64 per-token logit-probabilities of the fixed response after each prompt.
 
     Sequences are sorted by length and batched with right padding (pad keys come after every real
-    token, so the causal mask already hides them, and no row is left with every key masked: left
-    padding gives such rows, whose softmax is NaN in float64 and leaks through 0 * NaN), explicit
+    token, so the causal mask already hides them, and they are not masked otherwise, so no row is left with
+    every key masked: left padding, or masked right padding longer than a sliding window, gives such rows,
+    whose softmax is NaN and leaks through 0 * NaN), explicit
     position ids 0..len-1; only the last rows that hold some sequence's response rows are turned into
-    logits (HF's `logits_to_keep`), and each sequence's T rows are gathered. progress(k): passes done."""
+    logits (HF's `logits_to_keep`), and each sequence's T rows are gathered. The passes read no attention
+    probabilities: they run the model's memory-efficient attention (`output_only`), and a batch holds at most
+    `batch_size` sequences, fewer where the memory budget holds fewer (`ablation_batch_size`). progress(k):
+    passes done."""
     T = len(response_ids)
     seqs = [list(p) + list(response_ids) for p in prompts]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     pad = getattr(model.tokenizer, "pad_token_id", None)
     pad = int(pad) if isinstance(pad, int) else 0
     hf = model.hf
-    can_keep = _accepts(hf, "logits_to_keep")
-    cache = {"use_cache": False} if _accepts(hf, "use_cache") else {}
+    can_keep = accepts(hf, "logits_to_keep")
+    cache = {"use_cache": False} if accepts(hf, "use_cache") else {}
     out = np.empty((len(seqs), T), dtype=np.float64)
+    longest = max(len(q) for q in seqs)
+    kept = min(longest, longest - min(len(q) for q in seqs) + T + 1) if can_keep else longest  # most rows kept
+    batch_size = ablation_batch_size(model, longest, kept, batch_size)
     done = 0
-    for s in range(0, len(order), batch_size):
-        idx = order[s : s + batch_size]
-        lens = [len(seqs[i]) for i in idx]
-        width = max(lens)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for b, i in enumerate(idx):
-            ids[b, : lens[b]] = torch.tensor(seqs[i])
-            mask[b, : lens[b]] = 1
-        pos = torch.arange(width).expand(len(idx), -1)
-        K = width - min(lens) + T + 1  # the kept rows cover every sequence's response rows
-        logits = hf(
-            input_ids=ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            position_ids=pos.to(model.device),
-            **({"logits_to_keep": K} if can_keep else {}),
-            **cache,
-        ).logits
-        first = width - logits.shape[1]  # the position of the first kept row
-        rows = torch.stack([torch.arange(n - T - 1, n - 1) - first for n in lens]).to(logits.device)  # (B, T)
-        z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
-        z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (bf16 models too)
-        r = torch.tensor(response_ids, device=z.device).expand(len(idx), T)[..., None]
-        correct = z.gather(-1, r)[..., 0]
-        other = z.scatter(-1, r, -torch.inf).logsumexp(-1)
-        out[idx] = (correct - other).double().cpu().numpy()
-        done += len(idx)
-        if progress is not None:
-            progress(done)
+    with output_only(model):
+        for s in range(0, len(order), batch_size):
+            idx = order[s : s + batch_size]
+            out[idx] = _batch_logit_probs(model, [seqs[i] for i in idx], response_ids, pad, can_keep, cache)
+            done += len(idx)
+            if progress is not None:
+                progress(done)
     return out
+
+
+def _batch_logit_probs(model: Model, seqs: list[list[int]], response_ids: list[int], pad, can_keep, cache):
+    """(B, T) float64 logit-probabilities of one right-padded batch (`response_logit_probs`)."""
+    T, hf = len(response_ids), model.hf
+    lens = [len(q) for q in seqs]
+    width = max(lens)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for b, q in enumerate(seqs):
+        ids[b, : lens[b]] = torch.tensor(q)
+    # no padding mask: right padding comes after every real token, so the causal mask hides it from every real
+    # row; masking it too would leave a pad row with every key masked wherever the padding is longer than a
+    # sliding window (Mistral, Gemma 2/3), whose NaN then leaks into real rows through 0 * NaN in the next layer.
+    # An all-ones mask also lets SDPA run its causal kernel with no (B, n, n) mask.
+    mask = torch.ones((len(seqs), width), dtype=torch.long)
+    pos = torch.arange(width).expand(len(seqs), -1)
+    K = width - min(lens) + T + 1  # the kept rows cover every sequence's response rows
+    logits = hf(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        position_ids=pos.to(model.device),
+        **({"logits_to_keep": K} if can_keep else {}),
+        **cache,
+    ).logits
+    first = width - logits.shape[1]  # the position of the first kept row
+    rows = torch.stack([torch.arange(n - T - 1, n - 1) - first for n in lens]).to(logits.device)  # (B, T)
+    z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+    z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (bf16 models too)
+    r = torch.tensor(response_ids, device=z.device).expand(len(seqs), T)[..., None]
+    correct = z.gather(-1, r)[..., 0]
+    other = z.scatter(-1, r, -torch.inf).logsumexp(-1)
+    return (correct - other).double().cpu().numpy()
 
 
 def _passes(model, builder, prompts, response_ids, batch_size, progress, desc) -> tuple[np.ndarray, float]:

@@ -26,48 +26,22 @@ Memory: eager attention (what ctxmix loads models with) keeps every layer's n x 
 backward: ~18 GB at 4,096 tokens on smollm2 (measured here: +1.5 GB peak at 1,027 tokens, against +0.97 GB
 with SDPA). Where those probabilities would take more than half the memory budget (`gradient_attention`;
 from about 1,000 tokens on smollm2 with the CPU's 4 GB budget) the pass runs with PyTorch's
-scaled-dot-product attention (`sdpa`), whose fused kernels keep O(n) per head; below, eager, which is
-faster on a CPU (SDPA's backward took ~1.8x eager's at 1,027 tokens here). The model's
-`attn_implementation` is switched for the pass and restored after it: a model shared between threads must
-not be traced by another thread meanwhile (the trace needs eager's probabilities). Only the response
-rows' logits are formed (HF's `logits_to_keep`).
+scaled-dot-product attention (`sdpa`, or the memory-efficient implementation the user's model was
+configured with), whose fused kernels keep O(n) per head; below, eager, which is faster on a CPU (SDPA's
+backward took ~1.8x eager's at 1,027 tokens here). The switch and its thread safety:
+`ctxmix.engine.attention`. Only the response rows' logits are formed (HF's `logits_to_keep`).
 """
 
 from __future__ import annotations
 
-import inspect
-import threading
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from ctxmix.engine.attention import accepts, attention_implementation
 from ctxmix.engine.budget import memory_budget
 from ctxmix.engine.models import Model
-
-_SWITCH_LOCK = threading.Lock()
-
-
-@contextmanager
-def attention_implementation(model: Model, impl: str):
-    """The model's attention run as `impl` ("sdpa", "eager") inside the block, restored after it
-    (transformers 5 reads `config._attn_implementation` at every forward call)."""
-    hf = model.hf
-    before = getattr(hf.config, "_attn_implementation", None) or "eager"
-    if before == impl or not hasattr(hf, "set_attn_implementation"):
-        yield
-        return
-    with _SWITCH_LOCK:
-        try:
-            hf.set_attn_implementation(impl)
-        except (ValueError, ImportError):  # a model class without that implementation: stay as it is
-            yield
-            return
-        try:
-            yield
-        finally:
-            hf.set_attn_implementation(before)
 
 
 def gradient_attention(model: Model, n: int) -> str:
@@ -78,20 +52,13 @@ def gradient_attention(model: Model, n: int) -> str:
     return "eager" if 2 * L * H * n * n * elem <= memory_budget(model.device) // 2 else "sdpa"
 
 
-def _accepts(hf, name: str) -> bool:
-    try:
-        return name in inspect.signature(hf.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def response_log_probs(model: Model, E: torch.Tensor, P: int, response_ids: list[int]) -> torch.Tensor:
     """(T,) log p(r_t) at rows P - 1 .. P + T - 2 of the model run on word embeddings E (1, n, d), with the
     graph to E (log-softmax in float32 at least)."""
     hf, T = model.hf, len(response_ids)
     n = E.shape[1]
-    kw: dict[str, object] = {"use_cache": False} if _accepts(hf, "use_cache") else {}
-    if _accepts(hf, "logits_to_keep"):
+    kw: dict[str, object] = {"use_cache": False} if accepts(hf, "use_cache") else {}
+    if accepts(hf, "logits_to_keep"):
         kw["logits_to_keep"] = T + 1  # rows n - T - 1 .. n - 1: the response rows and the last (dropped)
     mask = torch.ones((1, n), dtype=torch.long, device=E.device)
     logits = hf(inputs_embeds=E, attention_mask=mask, **kw).logits[0]
@@ -110,8 +77,8 @@ def grad_x_input_rows(model: Model, ids: list[int], P: int, attn: str = "auto") 
         attn = gradient_attention(model, len(ids))
     t0 = time.perf_counter()
     x = torch.tensor([ids], device=model.device)
-    with torch.enable_grad(), attention_implementation(model, attn):
-        used = getattr(model.hf.config, "_attn_implementation", None) or "eager"  # (sdpa unless the class lacks it)
+    impl = model.output_attention if attn == "sdpa" else attn  # the memory-efficient one the user configured
+    with torch.enable_grad(), attention_implementation(model, impl) as used:
         E = model.hf.get_input_embeddings()(x).detach().requires_grad_(True)  # (1, n, d)
         lp = response_log_probs(model, E, P, list(ids[P:]))
         per_token = np.zeros((T, len(ids)), dtype=np.float64)
