@@ -29,15 +29,16 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
     """Label probabilities for classifiers; the top tokens at `position` for language models."""
     if tr.logits is None:
         return None
-    logits = tr.logits.double()
+    logits = tr.logits
     if model.kind == "classifier":
-        probs = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
+        probs = torch.softmax(logits.reshape(-1).double(), -1).cpu().numpy()
         id2label = getattr(model.config, "id2label", None) or {}
         labels = [str(id2label.get(i, i)) for i in range(len(probs))]
         k = int(probs.argmax())
         return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, probs)))}
     if logits.ndim == 2:
         what = "next token after" if model.spec.causal else "token at"
+        # the row first: only (V,) goes to float64, never the (n, V) logits (4 GB at 4k tokens, V = 128k)
         return top_tokens(model, logits[position], f"{what} position {position}", top_k)
     return None
 
