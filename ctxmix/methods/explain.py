@@ -12,7 +12,7 @@ from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
-from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
+from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout_tensor, scope_layer_maps
 from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, PREDICTION_METHODS, check_methods
 
 
@@ -450,8 +450,9 @@ def _explanations(
         for m in methods:
             if m in maps:
                 lm = maps[m][b, :, :n, :n].double().cpu().numpy()
-                # attention_rollout's layer map already holds 0.5*A + 0.5*I
-                gm = rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise)
+                # on the maps' device; attention_rollout's layer map already holds 0.5*A + 0.5*I
+                rn = MIXING_METHODS[m].rollout_normalise
+                gm = rollout_tensor(maps[m][b, :, :n, :n], row_normalise=rn).cpu().numpy()
                 ex.layer_maps[m], ex.global_maps[m] = lm, gm
                 ex.saliency[m] = gm[-1][pos].copy()
             if m in heads:
@@ -479,7 +480,7 @@ def _explanations(
         if logit:
             from ctxmix.methods.prediction import prediction_fields
 
-            alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
+            alti = maps["alti"][b, :, :n, :n] if "alti_logit" in logit else None  # traced back on its device
             before = len(ex.warnings)
             prediction_fields(
                 ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti, target_kind
