@@ -82,13 +82,37 @@ def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | No
     return int(max(1, min(max_batch, (budget // 2) // max(1, sequence_bytes(model, n)))))
 
 
+MIN_CHUNK_ROWS = 8  # on a card, rows per chunk before the products fall back to matrix-vector shape
+
+
+def card_elements(device) -> int | None:
+    """A CUDA card's per-process share in float32 words (None off CUDA): fixed per card, not read from
+    free memory, because chunking changes GEMM shapes and so float rounding, and a resumed benchmark
+    must repeat its numbers."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(dev).total_memory
+    return int(torch.cuda.get_per_process_memory_fraction(dev) * total) // 4
+
+
 def chunk_elements(device, default: int) -> int:
     """Elements of the temporaries of one chunk of a decomposition: `default` on a CPU (sized to
     stay near the cache); on CUDA 1/64 of the card's per-process share in float32 words, so that
-    fewer, larger products keep the GPU busy. Fixed per card, not read from free memory: chunking
-    changes GEMM shapes and so float rounding, and a resumed benchmark must repeat its numbers."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return default
-    total = torch.cuda.get_device_properties(dev).total_memory
-    return max(default, int(torch.cuda.get_per_process_memory_fraction(dev) * total) // (64 * 4))
+    fewer, larger products keep the GPU busy (see `card_elements`)."""
+    card = card_elements(device)
+    return default if card is None else max(default, card // 64)
+
+
+def chunk_rows(n: int, width: int, copies: int, batch: int, elements: int, card: int | None = None) -> int:
+    """Output rows per chunk of a decomposition whose temporaries hold about batch x rows x n x width x
+    copies words: as many as `elements` (`chunk_elements`) allow, at least 1, at most n. On a card
+    (`card`: its share in float32 words, `card_elements`) at least MIN_CHUNK_ROWS while their
+    temporaries fit a quarter of it: at a wide FF (d' = 14336) and thousands of tokens 1/64 of the card
+    holds less than one row, and one-row chunks turn every product into a matrix-vector one that
+    re-reads the layer's per-head projections (n x H x d') for each row."""
+    per_row = max(1, batch * n * width * copies)
+    rows = elements // per_row
+    if card is not None:
+        rows = max(rows, min(MIN_CHUNK_ROWS, card // 4 // per_row))
+    return int(max(1, min(n, rows)))

@@ -323,14 +323,35 @@ def _diag(F: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return F[:, torch.arange(len(rows), device=F.device), rows]
 
 
-def ff_pieces(
-    lw: LayerWeights, st: LayerState, rows: torch.Tensor, F: torch.Tensor, b: torch.Tensor, gated_nodes: int = 64
+def layer_gated_ig_weights(
+    lw: LayerWeights, st: LayerState, rows: torch.Tensor, cache: dict | None, nodes: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-baseline IG of the FF over the pieces F (B, c, n, d) and bias b (B, c, d) of its input."""
+    """`gated_ig_weights` of rows `rows` (B, c, d'). The integrals depend only on the totals, so with a
+    per-layer `cache` they are computed once for all n rows (B, n, d') and sliced per chunk: one
+    quadrature (64 autograd calls) per layer instead of one per chunk."""
+    if cache is None:
+        return gated_ig_weights(st.u[:, rows], lw.act, nodes)
+    key = ("gated_ig", nodes)
+    if key not in cache:
+        cache[key] = gated_ig_weights(st.u, lw.act, nodes)
+    I1, I2 = cache[key]
+    return I1[:, rows], I2[:, rows]
+
+
+def ff_pieces(
+    lw: LayerWeights,
+    st: LayerState,
+    rows: torch.Tensor,
+    F: torch.Tensor,
+    b: torch.Tensor,
+    gated_nodes: int = 64,
+    cache: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-baseline IG of the FF over the pieces F (B, c, n, d) and bias b (B, c, d) of its input;
+    `cache` (per layer) keeps the gated FF's IG weights for the other row chunks."""
     if lw.gated:
-        g = st.u[:, rows]
         up = st.u_up[:, rows]
-        I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
+        I1, I2 = layer_gated_ig_weights(lw, st, rows, cache, gated_nodes)
         gj = F @ lw.Wg
         uj = F @ lw.Wu
         gb = b @ lw.Wg + lw.bg
@@ -379,8 +400,8 @@ def ff_pieces_factorised(
         return P.div_(s.view(B, 1, c, 1))
 
     if lw.gated:
-        g, up = st.u[:, rows], st.u_up[:, rows]
-        I1, I2 = gated_ig_weights(g, lw.act, gated_nodes)
+        up = st.u_up[:, rows]
+        I1, I2 = layer_gated_ig_weights(lw, st, rows, cache, gated_nodes)
         hT = project(cache["G"][0], lw.Wg).mul_((up * I1).unsqueeze(1)) + project(cache["G"][1], lw.Wu).mul_(
             I2.unsqueeze(1)
         )
@@ -452,7 +473,7 @@ def scope_pieces(
         if factorised:
             F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision)
         else:
-            F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb)
+            F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb, cache=cache)
         out["AtbFf"] = (F_ff, b_ff)
         out["AtbFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b_atb, rows, res2)
         out["AtbFfResLn"] = _through(lw.ln2, F_r, b_r, st.r2[:, rows])
@@ -481,7 +502,7 @@ def scope_pieces(
     if factorised:
         F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache, precision=precision)
     else:
-        F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+        F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln, cache=cache)
     out["AtbLnFf"] = (F_ff, b_ff)
     out["AtbLnFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b, rows, res2)
     _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfResLn", out, next_ln)
@@ -507,7 +528,7 @@ def _sandwich_scopes(
     F_atb = _diag_add(F_a, rows, st.x[:, rows])
     out["Atb"] = (F_atb, b)
     out["AtbLn"] = F_ln, b_ln = _through(lw.ln2, F_atb, b, st.r1[:, rows])
-    out["AtbLnFf"] = F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln)
+    out["AtbLnFf"] = F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln, cache=cache)
     out["AtbLnFfLn"] = F_f, b_f = _through(lw.post_ff_norm, F_ff, b_ff, st.ff[:, rows])
     out["AtbLnFfLnRes"] = F_r, b_r = _res2(F_f, b_f, F_atb, b, rows, res2)
     _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfLnResLn", out, next_ln)
@@ -534,7 +555,7 @@ def _parallel_scopes(
     x = st.x[:, rows]
     own = lw.ln2.decompose_pieces(x.unsqueeze(-2), lw.ln2.scale(x))  # (B, c, 1, d): LN2(x_i) - beta
     beta = lw.ln2.beta if lw.ln2.beta is not None else torch.zeros_like(x[0, 0])
-    F_ff, b_ff = ff_pieces(lw, st, rows, own, beta.expand_as(x))
+    F_ff, b_ff = ff_pieces(lw, st, rows, own, beta.expand_as(x), cache=cache)
     out["AtbFf"] = (_diag_add(F_atb, rows, F_ff[:, :, 0]), b_atb + b_ff)
     F_r = _diag_add(out["AtbFf"][0], rows, x)
     out["AtbFfRes"] = (F_r, out["AtbFf"][1])
@@ -683,6 +704,18 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": proj}
 
 
+def first_receiving_rows(alpha: torch.Tensor) -> list[int]:
+    """For each column t of alpha (B, H, n, c), the first row i that gives t any weight in any head
+    or sequence (n where none does): value zeroing's rows before it are unchanged. One host read per
+    layer, so that the per-chunk loop needs none; one head at a time, to hold no (B, H, n, c) mask."""
+    n = alpha.shape[-2]
+    gives = torch.zeros(alpha.shape[-2:], dtype=torch.bool, device=alpha.device)  # (rows, columns)
+    for h in range(alpha.shape[1]):
+        gives |= (alpha[:, h] != 0).any(0)
+    first = torch.where(gives.any(0), gives.to(torch.uint8).argmax(0), n)  # argmax: the first maximum
+    return first.tolist()
+
+
 def value_zeroing_columns(
     lw: LayerWeights,
     st: LayerState,
@@ -690,6 +723,7 @@ def value_zeroing_columns(
     prep: dict | None = None,
     factorised: bool = True,
     precision: str = "float32",
+    first: int | None = None,
 ) -> torch.Tensor:
     """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (B, c, n) cosine distances
     between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept
@@ -703,16 +737,18 @@ def value_zeroing_columns(
     that product is applied to the *change* of the FF activation, ff_i + (act(u') - act(u)) W_2,
     so its rounding scales with the (small) change, not with the whole FF output. Rows i that give
     no weight to the zeroed token (i < t in causal models) are unchanged: distance exactly 0.
-    Distances in float64.
+    Distances in float64. `first`: the first row that gives any zeroed token weight (the least
+    `first_receiving_rows` of `cols`, which callers compute once per layer), or None to find it here
+    (one host read).
     """
     if not st.batched:
-        return value_zeroing_columns(lw, st.as_batch(), cols, prep, factorised, precision)[0]
+        return value_zeroing_columns(lw, st.as_batch(), cols, prep, factorised, precision, first)[0]
     B, c, n = st.x.shape[0], len(cols), st.x.shape[1]
     out = torch.zeros(B, c, n, dtype=torch.float64, device=st.x.device)
-    live = (st.alpha[:, :, :, cols] != 0).any(-1).any(1).any(0).nonzero()
-    if len(live) == 0:
+    if first is None:
+        first = min(first_receiving_rows(st.alpha[..., cols]))
+    if first >= n:  # no row gives the zeroed tokens any weight
         return out
-    first = int(live[0])  # the rows before it receive nothing from the zeroed tokens (one sync per chunk)
     alT = st.alpha[:, :, first:, cols].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
     if lw.position == "sandwich":
         factorised = False  # LNa's per-row scale sits between the zeroed value and the FF's projections

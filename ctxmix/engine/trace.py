@@ -152,10 +152,11 @@ class TraceBatch:
             return tr
         # a streamed trace's own error is its states' (measured as they are built, see `sequence_errors`)
         given = tr._given_error if isinstance(tr, StreamedTrace) else tr.reconstruction_error
-        err = torch.tensor([given], dtype=torch.float64)
         lg = None if tr.logits is None else tr.logits.unsqueeze(0)
         # not states[0]: that would rebuild a streamed trace's first layer; a logits-only trace has neither
         dev = tr.hidden[0].device if tr.hidden else tr.model.device
+        # on the device, as a batch's: the decompositions update it per chunk, and it is read once per call
+        err = torch.tensor([given], dtype=torch.float64, device=dev)
         return cls(
             model=tr.model,
             input_ids=[list(tr.input_ids)],

@@ -12,7 +12,7 @@ from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
-from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout, scope_layer_maps
+from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout_tensor, scope_layer_maps
 from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, PREDICTION_METHODS, check_methods
 
 
@@ -29,15 +29,16 @@ def prediction_of(model: Model, tr: Trace, position: int, top_k: int = 5) -> dic
     """Label probabilities for classifiers; the top tokens at `position` for language models."""
     if tr.logits is None:
         return None
-    logits = tr.logits.double()
+    logits = tr.logits
     if model.kind == "classifier":
-        probs = torch.softmax(logits.reshape(-1), -1).cpu().numpy()
+        probs = torch.softmax(logits.reshape(-1).double(), -1).cpu().numpy()
         id2label = getattr(model.config, "id2label", None) or {}
         labels = [str(id2label.get(i, i)) for i in range(len(probs))]
         k = int(probs.argmax())
         return {"label": labels[k], "index": k, "probabilities": dict(zip(labels, map(float, probs)))}
     if logits.ndim == 2:
         what = "next token after" if model.spec.causal else "token at"
+        # the row first: only (V,) goes to float64, never the (n, V) logits (4 GB at 4k tokens, V = 128k)
         return top_tokens(model, logits[position], f"{what} position {position}", top_k)
     return None
 
@@ -449,8 +450,9 @@ def _explanations(
         for m in methods:
             if m in maps:
                 lm = maps[m][b, :, :n, :n].double().cpu().numpy()
-                # attention_rollout's layer map already holds 0.5*A + 0.5*I
-                gm = rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise)
+                # on the maps' device; attention_rollout's layer map already holds 0.5*A + 0.5*I
+                rn = MIXING_METHODS[m].rollout_normalise
+                gm = rollout_tensor(maps[m][b, :, :n, :n], row_normalise=rn).cpu().numpy()
                 ex.layer_maps[m], ex.global_maps[m] = lm, gm
                 ex.saliency[m] = gm[-1][pos].copy()
             if m in heads:
@@ -478,7 +480,7 @@ def _explanations(
         if logit:
             from ctxmix.methods.prediction import prediction_fields
 
-            alti = maps["alti"][b, :, :n, :n].double().cpu().numpy() if "alti_logit" in logit else None
+            alti = maps["alti"][b, :, :n, :n] if "alti_logit" in logit else None  # traced back on its device
             before = len(ex.warnings)
             prediction_fields(
                 ex, model, tr, logit, targets[b], saliency_options.get("foil"), per_head, embedding, alti, target_kind

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ctxmix.engine.budget import chunk_elements
+from ctxmix.engine.budget import card_elements, chunk_elements, chunk_rows, memory_budget
 from ctxmix.engine.layer import (
+    first_receiving_rows,
     head_vectors,
     norm_family_row_maps,
     scope_pieces,
@@ -28,7 +29,7 @@ CHUNK_ELEMENTS = 2**25
 
 
 def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = False) -> np.ndarray:
-    """Aggregate per-layer maps (L, n, n): R^1 = M^1, R^l = M^l R^{l-1} (newest layer left).
+    """Aggregate per-layer maps (L, n, n): R^1 = M^1, R^l = M^l R^{l-1} (newest layer left), float64.
 
     add_identity: use 0.5*M + 0.5*I (Abnar & Zuidema; for maps without a residual).
     row_normalise: divide each layer's rows by their sums first (ALTI's norm rollout);
@@ -37,23 +38,38 @@ def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = 
     M = np.asarray(maps, dtype=np.float64)
     if M.ndim != 3 or M.shape[1] != M.shape[2]:
         raise ValueError(f"rollout needs maps of shape (L, n, n), got {M.shape}")
+    return rollout_tensor(torch.from_numpy(M), add_identity, row_normalise).numpy()
 
-    def layer(l: int) -> np.ndarray:  # one layer prepared at a time: a long input's maps are not copied whole
-        m = M[l]
+
+def rollout_tensor(maps: torch.Tensor, add_identity: bool = False, row_normalise: bool = False) -> torch.Tensor:
+    """`rollout` on the maps' own device: (L, n, n) -> (L, n, n) float64 there (L n^3 FLOPs: 4.4 TFLOP at
+    4k tokens and 12 layers, which the device does and the host need not receive first).
+
+    Float64, as the host rollout was: the maps' products are the exact aggregation, and n roundings
+    per layer of a float32 product would move rows of a 4k-token rollout by ~n L 2^-24. On this
+    project's CPU float64 products ran as fast as float32 ones at n = 512, L = 12 (docs/performance.md);
+    cards without fast float64 run it at their float64 rate, still without the host round trip."""
+    if maps.dim() != 3 or maps.shape[1] != maps.shape[2]:
+        raise ValueError(f"rollout needs maps of shape (L, n, n), got {tuple(maps.shape)}")
+    eye = torch.eye(maps.shape[-1], dtype=torch.float64, device=maps.device) if add_identity else None
+
+    def layer(l: int) -> torch.Tensor:  # one layer prepared at a time: a long input's maps are not copied whole
+        m = maps[l].to(torch.float64)
         if row_normalise:
-            m = m / np.clip(m.sum(-1, keepdims=True), np.finfo(np.float64).tiny, None)
-        return 0.5 * m + 0.5 * np.eye(len(m)) if add_identity else m
+            m = m / m.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+        return 0.5 * m + 0.5 * eye if eye is not None else m
 
-    out = np.empty_like(M)
+    out = torch.empty(maps.shape, dtype=torch.float64, device=maps.device)
     out[0] = layer(0)
-    for l in range(1, len(M)):
-        out[l] = layer(l) @ out[l - 1]
+    for l in range(1, len(maps)):
+        torch.matmul(layer(l), out[l - 1], out=out[l])
     return out
 
 
 def _chunks(n: int, width: int, copies: int = 4, batch: int = 1, device="cpu") -> list[torch.Tensor]:
-    """Row index chunks so that a (batch, rows, n, width) tensor times `copies` stays in budget."""
-    size = max(1, chunk_elements(device, CHUNK_ELEMENTS) // max(1, batch * n * width * copies))
+    """Row index chunks so that a (batch, rows, n, width) tensor times `copies` stays in budget, with
+    several rows per chunk on a card where it holds them (`chunk_rows`)."""
+    size = chunk_rows(n, width, copies, batch, chunk_elements(device, CHUNK_ELEMENTS), card_elements(device))
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -97,6 +113,27 @@ def map_buffer(tb: TraceBatch, dtype: torch.dtype, *middle: int) -> torch.Tensor
     if tb.streamed:
         return torch.zeros(shape, dtype=torch.float64)
     return torch.zeros(shape, dtype=dtype, device=tb.states[0].x.device)
+
+
+def layer_targets(dests: dict[str, torch.Tensor], dev) -> dict[str, torch.Tensor]:
+    """Where one layer's chunks are written, {name: (B, ..., n, n)}: the maps' own layer (maps on the
+    device), or, for maps on the host (a streamed trace) computed on another device, zeros on that
+    device copied back once per layer by `flush_layer`: one transfer per layer instead of a host sync per
+    chunk. Only while the layer's buffers fit a quarter of the memory budget; past that, per chunk."""
+    dev = torch.device(dev)
+    if all(t.device == dev for t in dests.values()):
+        return dests
+    size = sum(t.numel() * t.element_size() for t in dests.values())
+    if size > memory_budget(dev) // 4:
+        return dests
+    return {k: torch.zeros(t.shape, dtype=t.dtype, device=dev) for k, t in dests.items()}
+
+
+def flush_layer(dests: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+    """Copy the layer buffers of `layer_targets` into the maps (nothing when they are the maps)."""
+    for k, t in targets.items():
+        if t is not dests[k]:
+            dests[k].copy_(t)
 
 
 def _span(rows: torch.Tensor) -> slice:
@@ -144,6 +181,8 @@ def scope_maps_batch(
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             keep = None if keep_dims is None else keep_dims[l]
+            dests = {s: v[:, l] for s, v in maps.items()}
+            out = layer_targets(dests, dev)
             for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
                 st = st_all.sub_batch(part)
                 cache: dict = {}  # per-layer products shared by the row chunks
@@ -164,12 +203,13 @@ def scope_maps_batch(
                     real = _scope_targets(lw, st, rows_d) if check and res2 == "exact" else {}
                     real_rows = tb.mask[part][:, rows_d]
                     for s, (F, b) in pieces.items():
-                        if s in maps:
-                            maps[s][part, l, _span(rows)] = _norms(F, keep).to(maps[s])
+                        if s in out:
+                            out[s][part, _span(rows)] = _norms(F, keep).to(out[s])
                         if real.get(s) is not None:
                             err = (F.sum(2) + b - real[s]).abs().amax(-1).double()
                             err = torch.where(real_rows, err, 0).amax(-1)
                             tb.errors[part] = torch.maximum(tb.errors[part], err.to(tb.errors.device))
+            flush_layer(dests, out)
     return {s: _crop(v, tb) for s, v in maps.items()}
 
 
@@ -225,6 +265,8 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
     causal = model.spec.causal
     for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
         d = st_all.x.shape[-1]
+        dests = {m: v[:, l] for m, v in maps.items()}
+        out = layer_targets(dests, dev)
         for part in _sub_batches(B, n, d, 6, dev):
             st = st_all.sub_batch(part)
             f = head_vectors(lw, st.x if lw.position == "post" else st.x1, with_bias=True)  # once per layer
@@ -232,7 +274,8 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
                 rows_d = rows.to(dev)
                 J = int(rows[-1]) + 1 if causal else n  # later columns are zero in a causal model's rows
                 for m, v in norm_family_row_maps(lw, st, rows_d, names, f, J).items():
-                    maps[m][part, l, _span(rows), :J] = v.to(maps[m])
+                    out[m][part, _span(rows), :J] = v.to(out[m])
+        flush_layer(dests, out)
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
@@ -252,17 +295,22 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
     out = map_buffer(tb, torch.float64)
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
+            dests = {"vz": out[:, l]}
+            vz = layer_targets(dests, dev)["vz"]
             for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
                 st = st_all.sub_batch(part)
                 prep = value_zeroing_prepare(lw, st, precision) if factorised else None
+                first_rows = first_receiving_rows(st.alpha)  # one host read per layer, none per chunk
                 # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
                 # cache, 5-20 % faster on CPU than chunks twice as large
                 for cols in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):
-                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision)  # (B, c zeroed, n)
-                    out[part, l, :, _span(cols)] = D.transpose(1, 2).to(out)
-            layer = _crop(out[:, l], tb)  # normalised one layer at a time: no second (B, L, n, n) copy
+                    first = min(first_rows[int(cols[0]) : int(cols[-1]) + 1])
+                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision, first)  # (B, c, n)
+                    vz[part, :, _span(cols)] = D.transpose(1, 2).to(vz)
+            layer = _crop(vz, tb)  # normalised one layer at a time: no second (B, L, n, n) copy
             s = layer.sum(-1, keepdim=True)
-            out[:, l] = layer / torch.where(s > 0, s, torch.ones_like(s))
+            vz.copy_(layer / torch.where(s > 0, s, torch.ones_like(s)))
+            flush_layer(dests, {"vz": vz})
     return out
 
 
@@ -338,7 +386,7 @@ def compute_maps(
     """{method: (layer maps, aggregated maps)} for the mixing methods among `methods`, one sequence."""
     res: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for m, maps in mixing_maps_batch(TraceBatch.of(tr), methods, res2, precision).items():
-        lm = _numpy(maps)
         # attention_rollout's layer map already holds 0.5*A + 0.5*I
-        res[m] = (lm, rollout(lm, row_normalise=MIXING_METHODS[m].rollout_normalise))
+        gm = rollout_tensor(maps[0], row_normalise=MIXING_METHODS[m].rollout_normalise)
+        res[m] = (_numpy(maps), gm.cpu().numpy())
     return res

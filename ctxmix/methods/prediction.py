@@ -194,18 +194,17 @@ def logit_parts(model: Model, tr: Trace, position: int, tokens: list[int], kind:
     )
 
 
-def alti_trace_back(D: np.ndarray, alti_layer_maps: np.ndarray) -> np.ndarray:
+def alti_trace_back(D: np.ndarray, alti_layer_maps: np.ndarray | torch.Tensor) -> np.ndarray:
     """ALTI-Logit's per-layer form: D (..., L, n) layer-l updates per source position -> (..., L, n)
     with layer l's row times R^{l-1} = C^{l-1} ... C^1 (R^0 = I), C the ALTI layer maps (L, n, n).
-    Vector-matrix products from each layer down (L^2 n^2), never the n^3 rollout."""
-    out = np.empty_like(D)
-    L = D.shape[-2]
-    for l in range(L):
-        v = D[..., l, :]
-        for k in range(l - 1, -1, -1):
-            v = v @ alti_layer_maps[k]
-        out[..., l, :] = v
-    return out
+    Products from each layer down (L^2 n^2), never the n^3 rollout, on the maps' device in float64:
+    step k multiplies the rows of every layer above k by C^k at once (one matrix product per layer,
+    each row meeting the same maps in the same order as a vector-matrix loop would)."""
+    C = torch.as_tensor(alti_layer_maps)
+    V = torch.as_tensor(D, dtype=torch.float64).to(C.device).clone()  # (..., L, n)
+    for k in range(V.shape[-2] - 2, -1, -1):
+        V[..., k + 1 :, :] = V[..., k + 1 :, :] @ C[k].to(torch.float64)
+    return V.cpu().numpy()
 
 
 @dataclass
@@ -223,7 +222,11 @@ class LogitExplanation:
 
 
 def logit_explanation(
-    parts: LogitParts, method: str, position: int, alti_layer_maps: np.ndarray | None = None, embedding: str = "token"
+    parts: LogitParts,
+    method: str,
+    position: int,
+    alti_layer_maps: np.ndarray | torch.Tensor | None = None,
+    embedding: str = "token",
 ) -> LogitExplanation:
     """`logit` or `alti_logit` from the parts of K = 1 (target) or 2 (target, foil) logits."""
     if embedding not in ("token", "term"):
@@ -320,7 +323,7 @@ def prediction_fields(
     foil,
     per_head: bool,
     embedding: str = "token",
-    alti_layer_maps: np.ndarray | None = None,
+    alti_layer_maps: np.ndarray | torch.Tensor | None = None,
     target_kind: str = "logit",
 ) -> None:
     """Fill an Explanation's prediction fields for `methods` (its position is already set):
