@@ -289,3 +289,23 @@ def test_alti_plus_float32_meets_float64(tokenizer):
     b = ctxmix.explain(m32, SRC, ["alti"], decoder_text=TGT)
     np.testing.assert_allclose(b.global_maps["alti"], a.global_maps["alti"], atol=1e-4)
     assert b.reconstruction_error < 1e-4
+
+
+def test_half_precision_decoder_is_read_one_layer_at_a_time(tokenizer, monkeypatch):
+    """A bf16 encoder-decoder keeps no float32 copy of its decoder: `decoder_weights` reads a layer when it is
+    reached, nothing is cached on the model, and ALTI+ equals what the whole decoder read at once gives."""
+    from ctxmix.engine import seq2seq
+
+    m = tiny_seq2seq("bart", tokenizer, dtype=torch.bfloat16)
+    layers = decoder_weights(m)
+    assert isinstance(layers, seq2seq.DecoderLayers) and len(layers) == 3
+    sw, cw = layers[1]
+    assert sw.W2.dtype == torch.float32 and cw.n_heads == 2
+    got = ctxmix.explain(m, SRC, ["alti"], decoder_text=TGT)
+    assert getattr(m, "_decoder_weights", None) is None
+    whole = list(seq2seq.DecoderLayers(m))
+    monkeypatch.setattr(seq2seq, "decoder_weights", lambda model: whole)
+    monkeypatch.setattr("ctxmix.methods.alti_plus.decoder_weights", lambda model: whole, raising=False)
+    ref = ctxmix.explain(m, SRC, ["alti"], decoder_text=TGT)
+    np.testing.assert_array_equal(got.layer_maps["alti"], ref.layer_maps["alti"])
+    np.testing.assert_array_equal(got.global_maps["alti"], ref.global_maps["alti"])

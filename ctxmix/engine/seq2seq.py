@@ -4,6 +4,7 @@ recomputed from them, and one teacher-forced trace of source and target. ALTI+ o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,19 +30,44 @@ def decoder_specs(spec: ArchSpec) -> tuple[ArchSpec, ArchSpec]:
     return own, cross
 
 
-def decoder_weights(model: Model) -> list[tuple[LayerWeights, LayerWeights]]:
-    """(self-attention + FF, cross-attention) weights of every decoder layer, read once per model."""
+class DecoderLayers(Sequence):
+    """(self-attention + FF, cross-attention) weights of decoder layer i, read when asked for: a half-precision
+    or quantized model's decoder is copied to the engine's dtype one layer at a time (as `Model.layers` does
+    for the encoder), never as a second copy of the decoder."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.own, self.cross = decoder_specs(model.spec)
+        self.n = len(_get(model.hf.base_model, self.own.layers))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(f"decoder layer {i} of {self.n}")
+        i %= self.n
+        base, config, reader = self.model.hf.base_model, self.model.hf.config, self.model.layers.reader
+        return read_layer(base, config, self.own, i, reader), read_layer(base, config, self.cross, i, reader)
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield self[i]
+
+
+def decoder_weights(model: Model) -> Sequence[tuple[LayerWeights, LayerWeights]]:
+    """(self-attention + FF, cross-attention) weights of every decoder layer: views of a plain model's tensors,
+    read once per model; a model read one layer at a time (half precision, quantized, offloaded) gets
+    `DecoderLayers`, which copies a layer when it is reached."""
     if not model.spec.encoder_decoder:
         raise BadInput(f"{model.name} is not an encoder-decoder model")
+    if not model.layers.resident:
+        return DecoderLayers(model)
     cached = getattr(model, "_decoder_weights", None)
     if cached is None:
-        own, cross = decoder_specs(model.spec)
-        base, config, reader = model.hf.base_model, model.hf.config, model.layers.reader
-        n = len(_get(base, own.layers))
-        # views of a plain model's tensors; a half-precision model's decoder in the engine's dtype (copies)
-        cached = [
-            (read_layer(base, config, own, i, reader), read_layer(base, config, cross, i, reader)) for i in range(n)
-        ]
+        cached = list(DecoderLayers(model))
         model._decoder_weights = cached
     return cached
 
