@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ctxmix.engine.scopes import scope_names
+from ctxmix.engine.weights import linear_matrix, materialized, offloaded
 from ctxmix.errors import UnsupportedArchitecture
 
 
@@ -481,8 +482,6 @@ class WeightReader:
 
     def linear(self, mod: Any, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(W (in, out), b (out,)) of a linear layer, W the matrix its kernel multiplies by."""
-        from ctxmix.engine.weights import linear_matrix, materialized, offloaded
-
         with materialized(mod):
             copy = offloaded(mod)
             W = self.own(linear_matrix(mod), copy)
@@ -496,8 +495,6 @@ class WeightReader:
         return W, b
 
     def norm(self, mod: Any, kind: str, offset: float = 0.0) -> Norm:
-        from ctxmix.engine.weights import materialized, offloaded
-
         if isinstance(mod, nn.Identity):  # ModernBERT's first attn_norm
             return Norm("identity", None, None, 0.0)
         eps = getattr(mod, "eps", None)
@@ -513,14 +510,6 @@ class WeightReader:
 
 
 VIEWS = WeightReader()  # the stored tensors as they are (views, no copies)
-
-
-def _linear(mod: Any, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return VIEWS.linear(mod, conv1d)
-
-
-def _norm(mod: Any, kind: str, offset: float = 0.0) -> Norm:
-    return VIEWS.norm(mod, kind, offset)
 
 
 def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:

@@ -40,14 +40,22 @@ def materialized(module: nn.Module) -> Iterator[nn.Module]:
         yield module
 
 
+def _self_dequantizing(t: Any) -> bool:
+    """A tensor subclass that dequantizes itself: torchao's AffineQuantizedTensor / Int8Tensor / Int4Tensor ..."""
+    return (
+        isinstance(t, torch.Tensor)
+        and type(t) not in (torch.Tensor, nn.Parameter)
+        and hasattr(t, "dequantize")
+        and not _bnb_kind(t)
+    )
+
+
 def is_quantized_tensor(t: Any) -> bool:
     """A weight that is not the plain float matrix: packed integers (bitsandbytes), or a tensor subclass that
     dequantizes itself (torchao)."""
     if not isinstance(t, torch.Tensor):
         return True
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "dequantize") and not _bnb_kind(t):
-        return True  # torchao's AffineQuantizedTensor / Int8Tensor / Int4Tensor ...
-    return not t.is_floating_point() or _bnb_kind(t) is not None
+    return _self_dequantizing(t) or not t.is_floating_point() or _bnb_kind(t) is not None
 
 
 def _bnb_kind(t: Any) -> str | None:
@@ -67,7 +75,7 @@ def quantization_scheme(module: nn.Module) -> str | None:
     kind = _bnb_kind(w)
     if kind:
         return kind
-    if isinstance(w, torch.Tensor) and type(w) not in (torch.Tensor, nn.Parameter) and hasattr(w, "dequantize"):
+    if _self_dequantizing(w):
         return f"torchao:{type(w).__name__}"
     if isinstance(w, torch.Tensor) and type(w) in (torch.Tensor, nn.Parameter) and w.is_floating_point():
         return None  # a plain float weight is what the layer multiplies by
@@ -125,7 +133,7 @@ def linear_matrix(module: nn.Module) -> torch.Tensor:
 def tensor_for_hash(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor whose sums fingerprint `t`: torchao's subclasses dequantized (their raw parts are not
     reachable through the tensor API), everything else as it is."""
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "dequantize") and not _bnb_kind(t):
+    if _self_dequantizing(t):
         return t.dequantize()
     return t
 
