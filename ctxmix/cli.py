@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def model_args(s):
-        s.add_argument("--model", default="minilm", help="minilm, minilm-sentiment, smollm2, a HF id or a folder")
+        s.add_argument(
+            "--model", default="minilm", help="minilm, minilm-sentiment, smollm2, gemma3, a HF id or a folder"
+        )
         s.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
         s.add_argument(
             "--dtype",

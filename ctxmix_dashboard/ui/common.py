@@ -21,7 +21,7 @@ from ctxmix.export import plots
 from ctxmix.service.limits import Limits, check_tokens, hosted_mode, load_limits
 from ctxmix.service.limits import password as ctxmix_password
 
-EMBEDDED_MODELS = ["minilm", "minilm-sentiment", "smollm2"]
+EMBEDDED_MODELS = list(ctxmix.EMBEDDED)  # every embedded name; one whose package is missing says which
 DEFAULT_TEXT = "The keys to the cabinet are on the table ."
 
 
