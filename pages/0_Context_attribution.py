@@ -43,7 +43,10 @@ if "model" not in st.query_params and common.qp("model") in (None, "minilm", "mi
 name = common.model_picker()
 model = common.load_or_stop(name)
 if model.kind != "causal_lm" or model.spec.encoder_decoder:
-    st.info(f"{name} is not a causal language model; pick `smollm2` (embedded) or another decoder in the sidebar.")
+    st.info(
+        f"{name} is not a causal language model; pick `smollm2` or `gemma3` (embedded) or another decoder "
+        "in the sidebar."
+    )
     st.stop()
 lim = common.server_limits()
 

@@ -152,14 +152,15 @@ def _answer(model, e) -> str:
 
 
 def test_gemma3_finds_the_needle(gemma3):
-    """gemma3 answers each needle question with the fact; the needle's sentence ranks first for contextcite
-    (32 ablations), as on smollm2 (tests/test_context_needles.py), and for logit, and within the top 3 of
-    about 10 sentences for alti_logit. Measured here on needle_examples(6, 200, 300, seed=0): contextcite and
-    logit first in 6 of 6, alti_logit first in 3 of 6 (second in the others it missed; on smollm2's needles it
-    is first in 10 of 10): a conclusion that does not carry over whole to the second family."""
+    """gemma3 answers each needle question with the fact, and the needle's sentence ranks first for
+    contextcite (32 ablations), as on smollm2 (tests/test_context_needles.py), and for logit. alti_logit, the
+    one-pass method of smollm2's check, is left out here (its trace costs as much as a needle's ContextCite):
+    measured here on needle_examples(6, 200, 300, seed=0), contextcite and logit rank the needle first in 6 of
+    6, alti_logit in 3 of 6 (second in the other 3; on smollm2's needles first in 10 of 10), attention in 2 of
+    6: a conclusion that does not carry over whole to the second family."""
     tok = gemma3.tokenizer
     examples = gemma3_needles(lambda t: len(tok(t, add_special_tokens=False)["input_ids"]))
-    ranks: dict[str, list[int]] = {"contextcite": [], "logit": [], "alti_logit": []}
+    ranks: dict[str, list[int]] = {"contextcite": [], "logit": []}
     for e in examples:
         response = _answer(gemma3, e)
         assert contains_answer(response, e.answer), (e.id, response)
@@ -170,4 +171,3 @@ def test_gemma3_finds_the_needle(gemma3):
             s = ca.scores[m]
             r.append(int((s > s[e.gold[0]]).sum()))
     assert ranks["contextcite"] == ranks["logit"] == [0] * len(examples), ranks
-    assert max(ranks["alti_logit"]) <= 2, ranks
