@@ -61,15 +61,13 @@ def memory_budget(device) -> int:
 
 
 def sequence_bytes(model, n: int, n_maps: int = 6) -> int:
-    """Memory one sequence of n tokens holds during a corpus pass: its traced layer states
-    (8 vectors of width d and 2 of width d' per token, H x n x n attention per layer), and
-    `n_maps` float64 maps per layer with their ranks and sort indices."""
-    w = model.widths
-    d, dff, H, L = w["d"], w["d_ff"], w["heads"], model.n_layers
-    elem = torch.finfo(model.work_dtype).bits // 8
-    states = L * (n * (8 * d + 2 * dff) + H * n * n) * elem
-    maps = 3 * n_maps * L * n * n * 8
-    return states + maps
+    """Memory one sequence of n tokens holds during a corpus pass (`ctxmix.engine.memory`): its traced layer
+    states (`trace_states_bytes`: 8 vectors of width d and 2 of width d' per token, H x n x n attention per
+    layer) and `n_maps` float64 maps per layer with their ranks and sort indices."""
+    from ctxmix.engine.memory import maps_bytes, trace_states_bytes, widths_of
+
+    W = widths_of(model)
+    return trace_states_bytes(W, n) + maps_bytes(W, n, 3 * n_maps)
 
 
 def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | None = None) -> int:

@@ -77,15 +77,23 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
     """Per FF input projection W, M^h = W_O^h C diag(gamma) W, (H, dh, d'): C centres (LayerNorm;
     identity for RMSNorm). A head vector's normalised share times W is then v^h M^h, so the
     factorised paths project the n*H head values (n*d*d' FLOPs) instead of the n*H head vectors
-    (n*H*d*d'). Depends only on the weights, so it is computed once and kept with them."""
+    (n*H*d*d'). Depends only on the weights: kept with them while one layer's maps are small
+    (`HEAD_FF_CACHE_BYTES`), computed again per call otherwise (Llama-3-8B's would hold 470 MB a layer,
+    15 GB for the model's life)."""
     key = "head_ff_maps"
-    if key not in lw.extra:
-        norm = ff_in_norm(lw)
-        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
-        if norm.kind == "layernorm":
-            Wo = Wo - Wo.mean(-1, keepdim=True)
-        lw.extra[key] = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
-    return lw.extra[key]
+    if key in lw.extra:
+        return lw.extra[key]
+    norm = ff_in_norm(lw)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+    if norm.kind == "layernorm":
+        Wo = Wo - Wo.mean(-1, keepdim=True)
+    maps = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
+    if sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
+        lw.extra[key] = maps
+    return maps
+
+
+HEAD_FF_CACHE_BYTES = 32 * 2**20  # one layer's head_ff_maps kept with its weights up to this size (BERT-base: 9 MB)
 
 
 def project_heads(lw: LayerWeights, v: torch.Tensor, precision: str = "float32") -> list[torch.Tensor]:

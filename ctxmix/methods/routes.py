@@ -651,5 +651,8 @@ def routes(
     e = encode_one(model, text if input_ids is None else input_ids, ids=input_ids is not None)
     pos = resolve_position(len(e.ids), position, default_position(model, e.ids))
     check_dense(model, len(e.ids), threshold, dense)
+    from ctxmix.methods.memory import check_memory
+
+    check_memory(model, len(e.ids), call="routes")
     tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
     return routes_from_trace(model, tr, pos, threshold, mode, p, eps, value_bias)

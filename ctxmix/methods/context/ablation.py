@@ -133,16 +133,12 @@ def lasso_fit(masks: np.ndarray, y: np.ndarray, n_tokens: int, alpha: float = LA
 
 
 def ablation_sequence_bytes(model: Model, n: int, K: int) -> int:
-    """Bytes one sequence of n tokens holds during an output-only (SDPA) ablation pass that keeps K rows of logits:
-    one layer's transient at a time (the residual stream, its normed copy, q, k, v and the attention output: 6
-    vectors of width d per token; the MLP's hidden activations: 3 of width d' (gate, up, their product); the
-    fused attention kernel's O(n) per head), in the model's dtype; and the kept logits (K, V) in the model's
-    dtype with their float32 copies for the log-softmax (the gathered rows, the scatter's copy: 2 x K x V)."""
-    w = model.widths
-    d, dff, H = w["d"], w["d_ff"], w["heads"]
-    V = int(model.hf.get_output_embeddings().weight.shape[0]) if model.hf.get_output_embeddings() is not None else d
-    elem = torch.finfo(model.dtype).bits // 8
-    return n * (6 * d + 3 * dff + 2 * H) * elem + K * V * (elem + 2 * 4)
+    """Bytes one sequence of n tokens holds during an output-only (SDPA) ablation pass that keeps K rows of logits
+    (`ctxmix.engine.memory.ablation_sequence_bytes`: one layer's activations and the kept logits with their
+    float32 copies; nothing of n x n)."""
+    from ctxmix.engine import memory
+
+    return memory.ablation_sequence_bytes(memory.widths_of(model), n, K)
 
 
 def ablation_batch_size(model: Model, n: int, K: int, most: int) -> int:
