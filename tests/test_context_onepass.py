@@ -478,3 +478,102 @@ def test_logit_and_alti_logit_rows_equal_a_float64_transcription(tokenizer):
         tol = 2.0**-52 * (d + n) * L * H * np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=method)
     assert np.abs(alti - logit).max() > 0.01  # the ALTI maps moved something: two distinct checks
+
+
+def _rows_and_full(m, ids, P):
+    """`logit` and `attention` from the rows trace and from a full stored trace (tests above)."""
+    from ctxmix.methods.context.onepass import run_one_pass
+
+    fast = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob")
+    full = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob", streamed=False)
+    return fast, full
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_rows_trace_forms_no_n_by_n_map(tokenizer, family, monkeypatch):
+    """With blocks of 3 query rows (a budget of 3 rows' scores), every softmax of the rows trace's forward is over
+    at most 3 query rows while n is several times that: no (H, n, n) map, in any family (sliding windows: mistral,
+    gemma2, gemma3 with a window of 4 < n; soft-capped logits: gemma2). The blocks' kept rows and outputs are the
+    eager ones: the same numbers as the full trace (float64: association order only, as above). The previous
+    rows trace ran eager attention over all n rows (shape (1, H, n, n)) and fails here."""
+    from ctxmix.engine import rows as rows_mod
+
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["attention"])
+    ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)
+    n = len(ids)
+    # bytes per query row inside an eager function: copies x element size x heads x keys
+    monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 3 * rows_mod._SCORE_COPIES * 8 * m.n_heads * n)
+    assert rows_mod.query_block_rows(m.n_heads, n, 8) == 3 and n > 6
+    shapes = []
+    real_softmax = torch.nn.functional.softmax
+
+    def spy(x, *a, **k):
+        if x.dim() == 4:
+            shapes.append(tuple(x.shape))
+        return real_softmax(x, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", spy)
+    rt = rows_mod.trace_rows(m, ids, list(range(P - 1, n - 1)))
+    monkeypatch.setattr(torch.nn.functional, "softmax", real_softmax)
+    assert len(shapes) >= m.n_layers * (n // 3)  # every layer's attention ran by blocks
+    assert max(s[-2] for s in shapes) <= 3, shapes[:3]
+    assert rt.states[0].alpha.shape == (m.n_heads, n - P, n)
+    fast, full = _rows_and_full(m, ids, P)
+    # GPT-2's eager softmax runs in the model's float64: association order only (as above). Every other family's
+    # runs in float32 (`softmax(..., dtype=torch.float32)`) over a block's keys, not all n: each probability's
+    # normaliser is another float32 sum of <= n terms, 2 n u32 apart at most, and the L H probability-weighted
+    # terms of a contribution (and of the next layers' inputs) carry it
+    rel = 1e-9 if family == "gpt2" else 2 * n * F32_UNIT_ROUNDOFF * m.n_layers * m.n_heads
+    for meth in ("logit", "attention"):
+        a, b = fast[meth]["per_token"], full[meth]["per_token"]
+        assert np.allclose(a, b, rtol=0, atol=rel * np.abs(b).max()), meth
+    np.testing.assert_allclose(fast["logit"]["target"], full["logit"]["target"], rtol=max(rel, 1e-12))
+
+
+def test_rows_attention_keeps_sinks_and_sliding_window_rows():
+    """gpt-oss's attention (learned sinks per head, a sliding window, GQA): no ctxmix family has sinks, so the
+    registered attention function is checked on the module itself against its family's eager function over all
+    rows: the same output and the same probabilities of the asked rows, by blocks of 2 rows (float64 rounding of
+    sums in another blocking: 1e-12 relative)."""
+    import transformers as T
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    from ctxmix.engine import rows as rows_mod
+
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        sliding_window=4,
+        num_local_experts=2,
+        intermediate_size=16,
+        vocab_size=100,
+    )
+    module = GptOssAttention(cfg, 0).double().eval()
+    with torch.no_grad():
+        module.sinks.copy_(torch.randn(4, dtype=torch.float64))
+    n, H, dh = 11, 4, 8
+    q, k, v = torch.randn(1, H, n, dh, dtype=torch.float64), *torch.randn(2, 1, 2, n, dh, dtype=torch.float64)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= i) & (i - j < 4)  # causal with a window of 4
+    zero, low = torch.zeros((), dtype=torch.float64), torch.tensor(torch.finfo(torch.float64).min, dtype=torch.float64)
+    mask = torch.where(allowed, zero, low)[None, None]  # eager's additive mask
+    want_out, want_p = eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)
+    rows = [3, 4, 9, 10]
+    slots = [None]
+    token = rows_mod.ROWS.set(rows_mod._Request(torch.tensor(rows), rows, slots, {module: 0}))
+    try:
+        rows_mod.ATTENTION_CHUNK_BYTES, saved = 2 * rows_mod._SCORE_COPIES * 8 * H * n, rows_mod.ATTENTION_CHUNK_BYTES
+        out, none = rows_mod.rows_attention(module, q, k, v, mask, scaling=module.scaling)
+    finally:
+        rows_mod.ATTENTION_CHUNK_BYTES = saved
+        rows_mod.ROWS.reset(token)
+    assert none is None and out.shape == want_out.shape == (1, n, H, dh)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(slots[0], want_p[0][:, rows], rtol=1e-12, atol=1e-14)
+    assert float(want_p[0].sum(-1).min()) < 0.99  # the sinks took mass: something to check
+    assert float(want_p[0, :, 10, :7].abs().max()) == 0.0  # and the window cut the early keys
