@@ -140,7 +140,9 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
     # work and keeps right a family that reads the queries as the last rows of the keys
     cut_later = attention_mask is not None and _masks_later_keys(req, attention_mask, step)
     kept, outs = None, []
-    for a in range(0, q, step):
+    # the last block first: with cut keys each block is smaller than the one before, so the allocator reuses the
+    # first (largest) block's memory instead of growing with every larger one (measured: 2.3x the budget otherwise)
+    for a in reversed(range(0, q, step)):
         b = min(q, a + step)
         cut = k - q + b if cut_later else k
         mask = None if attention_mask is None else attention_mask[:, :, a:b, :cut]
@@ -154,7 +156,7 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
         del probs
     if keep and kept is not None:
         req.slots[l] = kept
-    return torch.cat(outs, dim=1), None
+    return torch.cat(outs[::-1], dim=1), None
 
 
 def _register() -> None:
