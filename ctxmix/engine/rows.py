@@ -107,13 +107,14 @@ def query_block_rows(n_heads: int, n_keys: int, element_size: int) -> int:
 
 
 def _masks_later_keys(req: _Request, mask: torch.Tensor, step: int) -> bool:
-    """Whether the additive mask (B, 1, q, k) gives every key after a row's own position -inf (a causal
+    """Whether the mask (B, 1, q, k), additive or boolean, shuts every key after a row's own position (a causal
     mask, sliding or not): then a block of rows can drop the keys after its last row. Checked by the blocks
     `rows_attention` uses (no n x n temporary), once per mask tensor and pass."""
     got = req.causal.get(id(mask))
     if got is None or got[0] is not mask:
         q, k = mask.shape[-2], mask.shape[-1]
-        open_later = [(mask[..., a : a + step, k - q + a + step :] == 0).any() for a in range(0, q, step)]
+        attends = (lambda m: m) if mask.dtype == torch.bool else (lambda m: m == 0)  # boolean or additive
+        open_later = [attends(mask[..., a : a + step, k - q + a + step :]).any() for a in range(0, q, step)]
         got = req.causal[id(mask)] = (mask, not bool(torch.stack(open_later).any()))
     return got[1]
 
