@@ -131,6 +131,7 @@ def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
         dm.update({f"model.layers.{i}": (0 if i < 16 else "cpu") for i in range(32)})
         hf = dispatch_model(hf, device_map=dm)
     tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
     model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b")
     text = _text(tok, n_tokens)
     runs = {
@@ -146,6 +147,63 @@ def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
 
 
 GPU_ROWS = [("attribute_context", 4096), ("explain_alti", 1024), ("scope_maps", 256), ("routes", 2048)]
+
+# the CPU rows: (call, tokens, bound on the peak over the model in GiB or None)
+CPU_ROWS = [
+    ("attribute_context", 4096, 1.5),
+    ("contextcite", 4096, 4.0),
+    ("explain_alti", 512, None),
+    ("explain_alti", 1024, None),
+    ("scope_maps", 256, None),
+    ("routes", 2048, None),
+]
+RESPONSE = " It rained and the fire went out."
+
+
+def _calls(ctxmix, model, text):
+    """{row name: (the call, estimate_memory's keywords for it)}."""
+    ask = dict(query="What happened?", response=RESPONSE, progress=False)
+    return {
+        "attribute_context": (
+            lambda: ctxmix.attribute_context(model, text, methods=["logit", "attention"], **ask),
+            dict(call="attribute_context", methods=["logit", "attention"]),
+        ),
+        "contextcite": (
+            lambda: ctxmix.attribute_context(model, text, methods=["contextcite"], n_ablations=8, **ask),
+            dict(call="attribute_context", methods=["contextcite"], n_ablations=8),
+        ),
+        "explain_alti": (lambda: ctxmix.explain(model, text, ["alti"]), dict(call="explain", methods=["alti"])),
+        "scope_maps": (lambda: ctxmix.scope_maps(model, text), dict(call="scope_maps")),
+        "routes": (lambda: ctxmix.routes(model, text), dict(call="routes")),
+    }
+
+
+def cpu_child(call: str, n_tokens: int) -> dict:
+    """A random Llama of Llama-3-8B's widths with 2 layers in float32 (built on `meta`, then `to_empty`) on the
+    CPU: the call's time and peak over the model, beside `estimate_memory`'s estimate for the loaded model."""
+    import transformers as T
+
+    import ctxmix
+
+    hf = random_llama(2, torch.float32, "cpu")
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
+    model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b-widths-2-layers")
+    text = _text(tok, n_tokens if call in ("explain_alti", "scope_maps", "routes") else n_tokens - 16)
+    run, kw = _calls(ctxmix, model, text)[call]
+    n = len(tok(text)["input_ids"]) + (len(tok(RESPONSE)["input_ids"]) if kw["call"] == "attribute_context" else 0)
+    if kw["call"] == "attribute_context":
+        kw["n_response"] = len(tok(RESPONSE)["input_ids"])
+    est = ctxmix.estimate_memory(model, n, **kw)
+    _, sec, peak_mb = timed_peak(run, "cpu")
+    name, _, size = est.largest
+    return {
+        "seconds": sec,
+        "peak_mb": peak_mb,
+        "n": n,
+        "estimate_mb": est.peak_bytes / 2**20,
+        "largest": f"{name} {size / 2**30:.2f} GiB",
+    }
 
 
 def _child(kind: str, *args) -> dict:
@@ -173,6 +231,26 @@ def bench_scale(a, dev) -> list[dict]:
             r["peak_mb"] <= 1.3 * goal_mb,
         )
     )
+    if dev.type == "cpu":
+        for call, n, bound in CPU_ROWS:
+            log(f"scale: Llama-3-8B widths x 2 layers (float32, CPU), {call} on {n} tokens")
+            try:
+                r = _child("cpu", call, n)
+            except RuntimeError as e:
+                rows.append(row(f"8B widths x2 float32 CPU: {call} {n} tok", f"failed: {str(e)[:80]}", "-", None, "-"))
+                continue
+            ratio = r["estimate_mb"] / r["peak_mb"]
+            ok = 0.75 <= ratio <= 1.33 and (bound is None or r["peak_mb"] <= bound * 1024)
+            rows.append(
+                row(
+                    f"8B widths x2 float32 CPU: {call} {r['n']} tok, peak over the model (estimate / measured)",
+                    f"{r['peak_mb']:.0f} MB in {r['seconds']:.0f} s",
+                    f"estimate {r['estimate_mb']:.0f} MB (largest: {r['largest']})",
+                    ratio,
+                    "estimate in [0.75, 1.33]" + (f", peak <= {bound} GiB" if bound else ""),
+                    ok,
+                )
+            )
     if dev.type == "cuda":
         for split in (False, True):
             for call, n in GPU_ROWS:
@@ -194,7 +272,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         kind, *args = json.loads(a.child)
-        print(json.dumps({"half": half_child, "gpu": gpu_child}[kind](*args)))
+        print(json.dumps({"half": half_child, "gpu": gpu_child, "cpu": cpu_child}[kind](*args)))
         return
     import pandas as pd
     from perf_common import table_text

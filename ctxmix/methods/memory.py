@@ -379,30 +379,32 @@ def _sizing_budget(engine: str) -> int:
 def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, fwd_layer, card, engine):
     """`attribute_context`: the rows trace for the one-pass methods (row chunks of the attention, the response
     rows kept), a full trace for alti_logit, the ablation batch for contextcite and leave_one_out."""
-    from ctxmix.engine import rows as rows_trace
+    from ctxmix.engine.rows import ATTENTION_CHUNK_BYTES, query_block_rows
 
-    ROW_CHUNK_ELEMENTS = getattr(rows_trace, "ROW_CHUNK_ELEMENTS", 0)
     T = n_response or RESPONSE_TOKENS
     phases: list[dict] = []
     one_pass = [m for m in methods if m in ONE_PASS_ROWS]
     if one_pass:
-        rows = max(1, min(n, ROW_CHUNK_ELEMENTS // max(1, W.H * n))) if ROW_CHUNK_ELEMENTS else n
+        rows = query_block_rows(W.H, n, W.e)
+        block = min(ATTENTION_CHUNK_BYTES, 4 * max(W.e, 4) * W.H * rows * n)  # `query_block_rows`' own count
+        held = {
+            "hidden states": ("engine", acct.hidden_states_bytes(W, n)),
+            "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
+            "response logits": ("engine", acct.logits_bytes(W, T)),
+        }
         phases.append(
             {
-                "hidden states": ("engine", acct.hidden_states_bytes(W, n)),
-                "one chunk of attention rows (while it runs)": ("layers", 8 * W.H * rows * n),
+                **held,
+                "attention mask (n x n)": ("layers", n * n * W.e),
+                "one block of attention rows (while it runs)": ("layers", block),
                 "one layer's activations": ("layers", acct.layer_activation_bytes(W, n)),
-                "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
-                "response logits": ("engine", acct.logits_bytes(W, T)),
             }
         )
         phases.append(
             {
-                "hidden states": ("engine", acct.hidden_states_bytes(W, n)),
+                **held,
                 "one layer's input and values (engine dtype)": ("engine", 2 * n * W.d * W.w + n * W.H * W.dh * W.w),
-                "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
                 "response rows' states (every layer)": ("engine", W.L * T * (8 * W.d + 2 * W.d_ff) * W.w),
-                "response logits": ("engine", acct.logits_bytes(W, T)),
             }
         )
     if "alti_logit" in methods:

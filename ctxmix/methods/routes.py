@@ -541,6 +541,7 @@ def routes_from_trace(
     frontier = {position}
     for l in range(L - 1, -1, -1):
         lw, st = model.layers[l], tr.states[l]
+        P = None  # the layer above's parts (n x H x d head vectors) go before this layer's are made
         P = layer_parts(lw, st, value_bias, dtype)
         src_name = _source_namer(l)
         nxt: set[int] = set()
