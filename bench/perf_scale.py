@@ -218,21 +218,25 @@ def _child(kind: str, *args) -> dict:
 def bench_scale(a, dev) -> list[dict]:
     rows = []
     n_layers, n_tokens = 4, 16
-    log(f"scale: bf16 Llama-3-8B widths, {n_layers} layers, explain(['logit']) on {n_tokens} tokens")
-    r = _child("half", str(dev), n_layers, n_tokens)
-    goal_mb = one_layer_float32_bytes(LLAMA3_8B) / 2**20
-    rows.append(
-        row(
-            f"bf16 Llama-3-8B widths x{n_layers} layers: explain(logit) {n_tokens} tok, peak over model",
-            f"{r['peak_mb']:.0f} MB in {r['seconds']:.1f} s",
-            f"one layer's float32 V/O/FF {goal_mb:.0f} MB",
-            r["peak_mb"] / goal_mb,
-            "<= ~1 layer (ratio <= 1.3)",
-            r["peak_mb"] <= 1.3 * goal_mb,
+    if not getattr(a, "rows", None):
+        log(f"scale: bf16 Llama-3-8B widths, {n_layers} layers, explain(['logit']) on {n_tokens} tokens")
+        r = _child("half", str(dev), n_layers, n_tokens)
+        goal_mb = one_layer_float32_bytes(LLAMA3_8B) / 2**20
+        rows.append(
+            row(
+                f"bf16 Llama-3-8B widths x{n_layers} layers: explain(logit) {n_tokens} tok, peak over model",
+                f"{r['peak_mb']:.0f} MB in {r['seconds']:.1f} s",
+                f"one layer's float32 V/O/FF {goal_mb:.0f} MB",
+                r["peak_mb"] / goal_mb,
+                "<= ~1 layer (ratio <= 1.3)",
+                r["peak_mb"] <= 1.3 * goal_mb,
+            )
         )
-    )
     if dev.type == "cpu":
+        only = set(getattr(a, "rows", None) or [])
         for call, n, bound in CPU_ROWS:
+            if only and f"{call}:{n}" not in only and call not in only:
+                continue
             log(f"scale: Llama-3-8B widths x 2 layers (float32, CPU), {call} on {n} tokens")
             try:
                 r = _child("cpu", call, n)
@@ -269,6 +273,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", nargs="*", help="CPU rows to run: call or call:tokens (default: all)")
     a = ap.parse_args()
     if a.child:
         kind, *args = json.loads(a.child)

@@ -147,11 +147,13 @@ def eager_attention_bytes(W: Widths, n: int, batch: int = 1) -> int:
     return batch * W.H * n * n * per
 
 
-def layer_activation_bytes(W: Widths, n: int, batch: int = 1) -> int:
-    """One layer's activations in a forward pass, in the model's dtype: the residual stream, its normed copy,
-    q, k, v and the attention output (6 vectors of width d per token) and the MLP's hidden ones (gate, up, their
-    product: 3 of width d'; 2 without a gate)."""
-    return batch * n * (6 * W.d + (3 if W.gated else 2) * W.d_ff) * W.e
+def layer_activation_bytes(W: Widths, n: int, batch: int = 1, attention: int = 0) -> int:
+    """One layer's transient in a forward pass, in the model's dtype: the larger of its attention phase (the
+    residual stream, its normed copy, q, k, v and the output: 6 vectors of width d per token, beside `attention`
+    bytes of scores) and its MLP phase (4 vectors of width d and the hidden ones: gate, up and their product, 3 of
+    width d'; 2 without a gate)."""
+    mlp = batch * n * (4 * W.d + (3 if W.gated else 2) * W.d_ff) * W.e
+    return max(mlp, batch * n * 6 * W.d * W.e + attention)
 
 
 def hidden_states_bytes(W: Widths, n: int, batch: int = 1) -> int:
@@ -194,4 +196,4 @@ def ablation_sequence_bytes(W: Widths, n: int, K: int) -> int:
     """One sequence of an output-only (SDPA) ablation pass that keeps K rows of logits: one layer's activations
     (`layer_activation_bytes`; the fused attention kernel holds O(n) per head) and the kept logits (K, V) in the
     model's dtype with two float32 copies for the log-softmax (the gathered rows, the scatter's copy)."""
-    return layer_activation_bytes(W, n) + n * 2 * W.H * W.e + K * W.V * (W.e + 2 * 4)
+    return layer_activation_bytes(W, n, attention=n * 2 * W.H * W.e) + K * W.V * (W.e + 2 * 4)

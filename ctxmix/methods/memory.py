@@ -29,6 +29,7 @@ CALLS = ("explain", "scope_maps", "routes", "attribute_context")
 GiB = 2**30
 DEFAULT_CARD_BYTES = 80 * 10**9  # a CUDA device named but not present: an 80 GB card (H100, A100-80GB)
 RESPONSE_TOKENS = 32  # `n_response` when not given: a few sentences of answer
+ROUTES_TARGETS = 1  # targets per chunk routes counts: its frontier is the few states over the threshold
 ONE_PASS_ROWS = ("logit", "attention", "at2_exact")  # context methods that read the response rows only
 ABLATION_METHODS = ("contextcite", "leave_one_out")
 
@@ -276,9 +277,11 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
     from ctxmix.engine.streaming import STREAM_SHARE
 
     sizing = min(budget[engine], _sizing_budget(engine))
-    fwd_layer = {
-        "one layer's eager attention (while it runs)": ("layers", acct.eager_attention_bytes(W, n)),
-        "one layer's activations": ("layers", acct.layer_activation_bytes(W, n)),
+    fwd_layer = {  # a layer's eager attention (scores, probabilities) with q, k, v, or its MLP: the larger
+        "one layer's forward transient (eager attention or MLP)": (
+            "layers",
+            acct.layer_activation_bytes(W, n, attention=acct.eager_attention_bytes(W, n)),
+        ),
     }
     if call == "attribute_context":
         return _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, fwd_layer, card, engine)
@@ -347,9 +350,10 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
         step = max(1, (ROUTES_CHUNK if card is None else max(ROUTES_CHUNK, card // 64)) // max(1, n * W.H * W.d))
         del chunk_elements
         work["head vectors of one layer"] = ("engine", acct.head_vectors_bytes(W, n))
-        # a chunk of `step` targets' pieces (c, n, H, d) and their difference from the whole (the frontier can
-        # be that wide; at Llama-3-8B's widths and 2k tokens a step is one target: 1 GiB a copy)
-        work["chunk temporaries"] = ("engine", 2 * step * n * W.H * W.d * W.w)
+        # a chunk of targets' pieces (c, n, H, d) and their difference from the whole: c is the frontier's part
+        # in a chunk of `step`; the frontier is the few states above the threshold (ROUTES_TARGETS); at
+        # Llama-3-8B's widths and 2k tokens a step is one target anyway (1 GiB a copy)
+        work["chunk temporaries"] = ("engine", 2 * min(step, ROUTES_TARGETS) * n * W.H * W.d * W.w)
         work["routes' per-target importances (one layer)"] = ("engine", 2 * n * n * W.H * W.w)
     if n_maps:  # the maps come back as float64 numpy arrays: on the host
         on_device = ("engine", acct.maps_bytes(W, n, n_maps, 4 if W.w <= 4 else 8))
@@ -385,8 +389,10 @@ def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, 
     phases: list[dict] = []
     one_pass = [m for m in methods if m in ONE_PASS_ROWS]
     if one_pass:
-        rows = query_block_rows(W.H, n, W.e)
-        block = min(ATTENTION_CHUNK_BYTES, 4 * max(W.e, 4) * W.H * rows * n)  # `query_block_rows`' own count
+        rows = min(n, query_block_rows(W.H, n, W.e))
+        # `query_block_rows` sizes a block for 4 copies of its scores; about half of that is alive at once (the
+        # scores and the float32 softmax; in bf16 also the masked copy and the cast back, each half as wide)
+        block = min(ATTENTION_CHUNK_BYTES, 4 * max(W.e, 4) * W.H * rows * n) // 2
         held = {
             "hidden states": ("engine", acct.hidden_states_bytes(W, n)),
             "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
@@ -396,8 +402,10 @@ def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, 
             {
                 **held,
                 "attention mask (n x n)": ("layers", n * n * W.e),
-                "one block of attention rows (while it runs)": ("layers", block),
-                "one layer's activations": ("layers", acct.layer_activation_bytes(W, n)),
+                "one layer's forward transient (a block of attention rows or MLP)": (
+                    "layers",
+                    acct.layer_activation_bytes(W, n, attention=block),
+                ),
             }
         )
         phases.append(
@@ -413,11 +421,13 @@ def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, 
     if any(m in methods for m in ABLATION_METHODS):
         from ctxmix.engine.budget import CPU_MAX_BATCH, CUDA_MAX_BATCH
 
-        K = T + 1
-        per = acct.ablation_sequence_bytes(W, n, K)
+        per = acct.ablation_sequence_bytes(W, n, T)  # the head reads the T response rows only
         most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
-        B = int(max(1, min(most, sizing // max(1, per))))
-        phases.append({"ablation batch": ("layers", B * per)})
+        B = int(max(1, min(most, sizing // max(1, per))))  # the batch `ablation_batch_size` picks
+        # ...of ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each source with probability
+        # keep_prob (1/2), so the longest of a batch is about 3/4 of the prompt
+        width = n if "leave_one_out" in methods else max(T, (3 * n) // 4)
+        phases.append({"ablation batch": ("layers", B * acct.ablation_sequence_bytes(W, width, T))})
     return phases or [{}]
 
 
