@@ -81,8 +81,8 @@ def test_the_shipped_examples_texts_are_test_texts():
 
 @pytest.mark.parametrize("share", [2, 3])
 def test_a_repeated_story_goes_whole_to_one_split(monkeypatch, share):
-    """The Lee corpus repeats stories (72 sentences of 5+ words recur in two texts or more, 7 texts twice): texts
-    sharing one are one story, in one split, whatever the partition's share and reserved texts."""
+    """The Lee corpus repeats stories (72 sentences of 5+ words recur in two texts or more; 7 texts are verbatim
+    repeats): texts sharing one are one story, in one split, whatever the partition's share and reserved texts."""
     from ctxmix.data import lee_background
 
     monkeypatch.setattr(cd, "VALIDATION_SHARE", share)
@@ -91,3 +91,30 @@ def test_a_repeated_story_goes_whole_to_one_split(monkeypatch, share):
     texts = lee_background()
     by = {s: set().union(*(cd._long_sentences(t) for t, x in zip(texts, splits) if x == s)) for s in set(splits)}
     assert set(splits) == {"validation", "test"} and not by["validation"] & by["test"]
+
+
+@pytest.mark.slow
+def test_the_config_records_what_its_tasks_build():
+    """configs/context.yaml's `examples` record (per task, run and check: how many examples, context lengths in
+    smollm2's tokens as [min, median, max]) is what its tasks build now; the lengths were measured on the
+    examples the shipped results were made on, so this also says the test split left them unchanged."""
+    import statistics
+    from pathlib import Path
+
+    import ctxmix
+    from ctxmix.benchmark import shipped
+    from ctxmix.benchmark.context import bench as cb
+
+    cfg = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / "context.yaml")
+    model = ctxmix.load_model(cfg["model"])
+
+    def count(text: str) -> int:
+        return len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    for run, check in (("tasks", False), ("check", True)):
+        for task in cb.run_tasks(cfg, check):
+            assert task.get("split") == "test", task
+            exs = cb.task_examples(task, model, shipped.CHECK_LIMIT if check else None)
+            n = [sum(map(count, e.context)) if isinstance(e.context, list) else count(e.context) for e in exs]
+            got = {"n": len(exs), "context_tokens": [min(n), statistics.median(n), max(n)]}
+            assert cfg["examples"][run][task["id"]] == got, (run, task["id"], got)
