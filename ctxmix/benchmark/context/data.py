@@ -12,8 +12,8 @@ summaries and documents built from gensim's shipped Lee background news texts, s
 Lengths are counted by `count_tokens` (a callable str -> int, e.g. a model's tokenizer; default: the
 number of whitespace-separated words): a context is the longest run of whole sentences not over its drawn
 length. An example's id ("needle-3") names the template and the draw, so a config can store its
-response by id. Every draw comes from `random.Random(f"{kind}:{seed}:{i}")`: the same examples on any
-machine and any Python 3.
+response by id. Every draw of the test split comes from `random.Random(f"{kind}:{seed}:{i}")` (other
+splits: `f"{split}:{kind}:{seed}:{i}"`): the same examples on any machine and any Python 3.
 
 **Splits** (`SPLITS`; every builder's `split=`, default "test"): disjoint by source text, so that nothing
 chosen on one split (at2_exact's weights, a default, a threshold) has seen the texts it is measured on.
