@@ -11,62 +11,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import transformers as T  # noqa: E402
-
 import ctxmix  # noqa: E402
 
 CARD = 80 * 10**9
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_hidden_layers=32,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-)
 MODELS = {
-    "Llama-3-8B, 1 GPU": (T.LlamaConfig(**LLAMA3_8B), None),
-    "Qwen3-8B, 1 GPU": (
-        T.Qwen3Config(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            num_hidden_layers=36,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            tie_word_embeddings=False,
-        ),
-        None,
-    ),
-    "Llama-3-70B, 2 GPUs": (
-        T.LlamaConfig(
-            **{
-                **LLAMA3_8B,
-                "hidden_size": 8192,
-                "intermediate_size": 28672,
-                "num_attention_heads": 64,
-                "num_hidden_layers": 80,
-            }
-        ),
-        {0: 40, 1: 40},
-    ),
-    "Llama-3-70B, 4 GPUs": (
-        T.LlamaConfig(
-            **{
-                **LLAMA3_8B,
-                "hidden_size": 8192,
-                "intermediate_size": 28672,
-                "num_attention_heads": 64,
-                "num_hidden_layers": 80,
-            }
-        ),
-        {0: 20, 1: 20, 2: 20, 3: 20},
-    ),
+    "Llama-3-8B, 1 GPU": ("llama-3-8b", None),
+    "Qwen3-8B, 1 GPU": ("qwen3-8b", None),
+    "Llama-3-70B, 2 GPUs": ("llama-3-70b", {0: 40, 1: 40}),
+    "Llama-3-70B, 4 GPUs": ("llama-3-70b", {0: 20, 1: 20, 2: 20, 3: 20}),
 }
 CALLS = [
     ("attribute_context(logit, attention)", dict(call="attribute_context", methods=["logit", "attention"])),
@@ -89,7 +41,10 @@ def cell(est) -> str:
 def main() -> None:
     print("| model | call | " + " | ".join(f"{n // 1024}k tokens" for n in LENGTHS) + " |")
     print("|---|---|" + "---|" * len(LENGTHS))
-    for name, (cfg, dm) in MODELS.items():
+    from ctxmix.methods.memory import reference_config
+
+    for name, (ref, dm) in MODELS.items():
+        cfg = reference_config(ref)
         for label, kw in CALLS:
             ests = [
                 ctxmix.estimate_memory(cfg, n, dtype="bfloat16", device="cuda", device_map=dm, device_memory=CARD, **kw)

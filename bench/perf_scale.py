@@ -37,17 +37,12 @@ for p in (str(HERE.parent), str(HERE)):
 import torch  # noqa: E402
 from perf_common import log, row, timed_peak  # noqa: E402
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+from ctxmix.methods.memory import REFERENCE_CONFIGS  # noqa: E402
+
+# Llama-3-8B's widths (its published config), the layer count left to each row
+LLAMA3_8B = {
+    k: v for k, v in REFERENCE_CONFIGS["llama-3-8b"].items() if k not in ("model_type", "dtype", "num_hidden_layers")
+}
 
 
 def random_llama(n_layers: int, dtype: torch.dtype, device: str, **widths):

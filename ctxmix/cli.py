@@ -252,7 +252,7 @@ def cmd_estimate(args) -> None:
 
     from ctxmix.engine.models import EMBEDDED
     from ctxmix.errors import BadInput
-    from ctxmix.methods.memory import CALLS, estimate_memory
+    from ctxmix.methods.memory import CALLS, REFERENCE_CONFIGS, estimate_memory, reference_config
 
     if args.call not in CALLS:
         raise BadInput(f"--call must be one of {', '.join(CALLS)}")
@@ -266,6 +266,8 @@ def cmd_estimate(args) -> None:
         with open(args.config) as fh:
             raw = _json.load(fh)
         target: object = T.AutoConfig.for_model(**raw)
+    elif args.model in REFERENCE_CONFIGS:
+        target = reference_config(args.model)
     elif args.model in EMBEDDED:
         import ctxmix
 
@@ -473,7 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "estimate", help="the memory a call would take, per device, before loading a model (from its config)"
     )
-    s.add_argument("--model", default="smollm2", help="an embedded name (loaded), or a HF id / folder (config only)")
+    s.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="llama-3-8b, llama-3-70b, qwen3-8b (their published widths), an embedded name (loaded), or a HF id / "
+        "folder (its config only)",
+    )
     s.add_argument("--config", help="a config.json to estimate from instead (no weights)")
     s.add_argument("--tokens", default="1024", help="input lengths, comma-separated (e.g. 4096,16384,32768)")
     s.add_argument("--call", default="explain", help="explain, scope_maps, routes or attribute_context")

@@ -18,18 +18,7 @@ from ctxmix.engine import memory as acct
 from ctxmix.methods import memory as mem
 
 GB = 10**9
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_hidden_layers=32,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+LLAMA3_8B = {k: v for k, v in mem.REFERENCE_CONFIGS["llama-3-8b"].items() if k not in ("model_type", "dtype")}
 LLAMA3_8B_PARAMETERS = 8_030_261_248  # the published count of Meta-Llama-3-8B
 
 
@@ -66,8 +55,7 @@ def test_llama3_8b_bf16_on_one_80gb_card():
 
 
 def test_70b_spread_over_gpus_splits_its_layers():
-    cfg = T.LlamaConfig(**{**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64})
-    cfg.num_hidden_layers = 80
+    cfg = mem.reference_config("llama-3-70b")
     two = ctxmix.estimate_memory(
         cfg, 4096, call="attribute_context", methods=["logit"], dtype="bfloat16", device_map={0: 40, 1: 40}
     )
@@ -239,13 +227,15 @@ def test_ctxmix_estimate_prints_the_estimate(tmp_path, capsys):
     from ctxmix.cli import main
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", **LLAMA3_8B, "dtype": "bfloat16"}))
+    cfg.write_text(json.dumps(mem.REFERENCE_CONFIGS["llama-3-8b"]))
     argv = ["estimate", "--config", str(cfg), "--tokens", "4096,32768", "--call", "attribute_context"]
     assert main([*argv, "--methods", "logit", "--device", "cuda", "--parts"]) == 0
     out = capsys.readouterr().out
     assert out.count("fits: yes") == 2 and "weights (as stored)" in out and "14.958 GiB" in out
     assert main([*argv, "--call", "everything"]) == 2
     assert "--call must be one of" in capsys.readouterr().err
+    assert main(["estimate", "--model", "qwen3-8b", "--tokens", "4096", "--device", "cuda"]) == 0  # no hub
+    assert "fits: yes" in capsys.readouterr().out
 
 
 def test_bad_arguments_name_what_is_wrong():

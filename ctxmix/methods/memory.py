@@ -34,6 +34,58 @@ ONE_PASS_ROWS = ("logit", "attention", "at2_exact")  # context methods that read
 ABLATION_METHODS = ("contextcite", "leave_one_out")
 
 
+# The published configs of the models ctxmix's users study (their config.json files, trimmed to the widths), so
+# that `ctxmix estimate --model llama-3-8b` works with no hub: the estimate needs widths, not weights.
+_LLAMA3 = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=32,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+)
+REFERENCE_CONFIGS: dict[str, dict] = {
+    "llama-3-8b": _LLAMA3,
+    "llama-3-70b": {
+        **_LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+    },
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=36,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ),
+}
+
+
+def reference_config(name: str):
+    """The transformers config of a model in `REFERENCE_CONFIGS` (no download)."""
+    import transformers as T
+
+    if name not in REFERENCE_CONFIGS:
+        raise BadInput(f"no reference config {name!r}: one of {', '.join(REFERENCE_CONFIGS)}, or a config.json")
+    return T.AutoConfig.for_model(**REFERENCE_CONFIGS[name])
+
+
 @dataclass
 class MemoryEstimate:
     """The estimated peak of one call. parts: {device: {part: bytes}} at the peak; `peak_bytes` the largest
