@@ -35,15 +35,25 @@ def job_slot():
             _ACTIVE -= 1
 
 
-def _cpu_available() -> int:
+def _meminfo(field: str, default: int) -> int:
+    """A field of /proc/meminfo in bytes (`default` where there is none)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 * 2**30
+    return default
+
+
+def _cpu_available() -> int:
+    return _meminfo("MemAvailable", 8 * 2**30)
+
+
+def cpu_total() -> int:
+    """The host's memory (MemTotal)."""
+    return _meminfo("MemTotal", _cpu_available())
 
 
 def memory_budget(device) -> int:

@@ -203,7 +203,7 @@ def _layer_shares(model_or_config, device_map, engine: str, L: int) -> dict[str,
 def _capacity(dev: str, loaded: bool, device_memory: int | None, notes: list[str]) -> int:
     """What a device can give: now (a loaded model: free memory on CUDA plus what torch holds unused, available
     memory on the CPU), or its capacity (a config)."""
-    from ctxmix.engine.budget import _cpu_available
+    from ctxmix.engine.budget import _cpu_available, cpu_total
 
     d = torch.device(dev)
     if device_memory is not None:
@@ -216,21 +216,7 @@ def _capacity(dev: str, loaded: bool, device_memory: int | None, notes: list[str
             free, _ = torch.cuda.mem_get_info(d)
             return int(free + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d))
         return int(torch.cuda.get_device_properties(d).total_memory)
-    return _cpu_available() if loaded else _cpu_total()
-
-
-def _cpu_total() -> int:
-    """The host's memory (MemTotal): a config's estimate is against the machine's capacity, not what is free now."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from ctxmix.engine.budget import _cpu_available
-
-    return _cpu_available()
+    return _cpu_available() if loaded else cpu_total()
 
 
 def _chunk_temporaries(W: acct.Widths, n: int, width: int, copies: int, dev: str, card: int | None) -> int:
