@@ -248,3 +248,29 @@ def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(ctxmix.BadInput, match="dtype"):
         ctxmix.estimate_memory(cfg, 16, dtype="int3")
     assert os.environ.get("CTXMIX_MEMORY_CHECK", "1") != "0"
+
+
+def _estimate_page():
+    import transformers as T
+
+    import ctxmix
+    from ctxmix_dashboard.ui import common
+
+    cfg = T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2
+    )
+    cfg.vocab_size = 30528
+    hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    model = ctxmix.model_from_hf(hf, tok, name="tiny-llama")
+    common.memory_caption(model, 2048, "explain", ["alti"])
+    common.memory_caption(model, 100, "explain", ["alti"])  # short: nothing shown
+
+
+def test_the_page_shows_the_estimate_for_a_long_input_only():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_function(_estimate_page).run(timeout=120)
+    assert not at.exception
+    captions = [c.value for c in at.caption]
+    assert len(captions) == 1 and "Memory estimate for 2,048 tokens" in captions[0] and "fits" in captions[0]
