@@ -218,7 +218,8 @@ def test_the_ablation_batch_in_the_estimate_is_the_one_the_passes_use(tokenizer,
         monkeypatch.setattr(ablation, "memory_budget", lambda device, room=room: room * per)
         monkeypatch.setattr(mem, "_sizing_budget", lambda engine, room=room: room * per)
         est = ctxmix.estimate_memory(model, n, call="attribute_context", methods=["contextcite"], n_response=T)
-        width = max(T, 3 * n // 4)  # the longest ablated prompt of a ContextCite batch
+        S = n // mem.TOKENS_PER_SOURCE  # the longest ablated prompt of a ContextCite batch: 1/2 + 2 sd kept
+        width = min(n, T + int(n * (0.5 + S**-0.5)))
         held = acct.ablation_sequence_bytes(acct.widths_of(model), width, T)
         assert est.parts["cpu"]["ablation batch"] == ablation.ablation_batch_size(model, n, T, 8) * held
 

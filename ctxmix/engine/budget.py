@@ -90,6 +90,7 @@ def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | No
     return int(max(1, min(max_batch, (budget // 2) // max(1, sequence_bytes(model, n)))))
 
 
+ROUTES_CHUNK_ELEMENTS = 1 << 24  # elements of one chunk of routes' (targets x sources x heads x d) temporaries, CPU
 MIN_CHUNK_ROWS = 8  # on a card, rows per chunk before the products fall back to matrix-vector shape
 
 

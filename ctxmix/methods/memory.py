@@ -30,6 +30,7 @@ GiB = 2**30
 DEFAULT_CARD_BYTES = 80 * 10**9  # a CUDA device named but not present: an 80 GB card (H100, A100-80GB)
 RESPONSE_TOKENS = 32  # `n_response` when not given: a few sentences of answer
 ROUTES_TARGETS = 1  # targets per chunk routes counts: its frontier is the few states over the threshold
+TOKENS_PER_SOURCE = 30  # `n_sources` when not given: sentences of about 30 tokens
 ONE_PASS_ROWS = ("logit", "attention", "at2_exact")  # context methods that read the response rows only
 ABLATION_METHODS = ("contextcite", "leave_one_out")
 
@@ -242,6 +243,7 @@ def estimate_memory(
     device_memory: int | None = None,
     n_ablations: int = 32,
     batch_size: int = 8,
+    n_sources: int | None = None,
 ) -> MemoryEstimate:
     """The peak memory of `call` on `n_tokens` tokens, per device, before anything runs (module docstring).
 
@@ -249,7 +251,8 @@ def estimate_memory(
     they are loaded) or a transformers config (nothing loaded: `dtype` how the weights would be held, default
     the config's; the weights counted). call: "explain" (with `methods`), "scope_maps", "routes",
     "attribute_context" (with context `methods`, `n_response` response tokens, default 32, and `n_ablations`,
-    `batch_size` for contextcite / leave_one_out). device: the engine's device for a config ("cuda", "cpu";
+    `batch_size`, `n_sources` (default: one per 30 tokens) for contextcite / leave_one_out). device: the
+    engine's device for a config ("cuda", "cpu";
     default: cuda when present). device_map (config only): {device: layers or fraction} spreading the layers;
     the embeddings, the head and the engine's work stay on the first. device_memory: bytes per device instead
     of what is read (for a config on a device that is not here: an 80 GB card unless given)."""
@@ -289,7 +292,9 @@ def estimate_memory(
         base[engine]["one layer's engine copy (V, O, FF)"] = W.layer_copy or acct._copy_bytes(
             W.d, W.d_ff, W.H, W.Hkv, W.dh, W.gated, W.w
         )
-    phases = _phases(W, n_tokens, call, methods, n_response, n_ablations, batch_size, engine, card, budget, notes)
+    phases = _phases(
+        W, n_tokens, call, methods, (n_response, n_ablations, batch_size, n_sources), engine, card, budget, notes
+    )
     best: dict[str, dict[str, int]] = {}  # each device at its own peak phase
     for ph in phases:
         total = {d: dict(p) for d, p in base.items()}
@@ -308,7 +313,7 @@ def estimate_memory(
     return MemoryEstimate(call, n_tokens, methods, engine, parts, budget, not loaded, notes, dict(ADVICE))
 
 
-def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, card, budget, notes) -> list[dict]:
+def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[dict]:
     """The phases of a call, each {part: ("engine" | "layers" | "host", bytes)}: "layers" parts are on every
     device that runs layers (the forward pass's own transient), "engine" parts on the engine's device, "host"
     parts in the host's memory (the float64 maps returned)."""
@@ -322,7 +327,7 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
         ),
     }
     if call == "attribute_context":
-        return _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, fwd_layer, card, engine)
+        return _context_phases(W, n, methods, context, sizing, card, engine)
     stored_states = acct.trace_states_bytes(W, n) - W.L * W.H * n * n * W.w
     streamed = acct.trace_states_bytes(W, n) > sizing // STREAM_SHARE
     if streamed:
@@ -360,7 +365,7 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
         if "value_zeroing" in mixing:
             P = 2 if W.gated else 1
             work["head vectors of one layer"] = ("engine", acct.head_vectors_bytes(W, n))
-            work["projected head values G (one layer)"] = ("engine", P * n * W.H * W.d_ff * W.w)
+            work["projected head values G (one layer)"] = ("engine", (P + 1) * n * W.H * W.d_ff * W.w)
             work["chunk temporaries"] = ("engine", _chunk_temporaries(W, n, W.d_ff, 6, engine, card))
         if any(m in methods for m in ("grad_input", "integrated_gradients", "gradient", "saliency")):
             work["backward activations"] = ("engine", 3 * acct.trace_states_bytes(W, n))
@@ -370,7 +375,8 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
         P = 2 if W.gated else 1
         n_maps = 4
         work["head vectors of one layer"] = ("engine", acct.head_vectors_bytes(W, n))
-        work["projected head values G (one layer)"] = ("engine", P * n * W.H * W.d_ff * W.w)
+        # G per FF projection, and one more while each is made (the product, then its (j, h)-ordered copy)
+        work["projected head values G (one layer)"] = ("engine", (P + 1) * n * W.H * W.d_ff * W.w)
         ff_maps = P * W.H * W.dh * W.d_ff * W.w
         from ctxmix.engine.layer import HEAD_FF_CACHE_BYTES
 
@@ -382,11 +388,9 @@ def _phases(W, n, call, methods, n_response, n_ablations, batch_size, engine, ca
         work["chunk temporaries"] = ("engine", _chunk_temporaries(W, n, W.d_ff, 6, engine, card))
     else:  # routes
         n_maps = 0
-        from ctxmix.engine.budget import chunk_elements
-        from ctxmix.methods.routes import CHUNK_ELEMENTS as ROUTES_CHUNK
+        from ctxmix.engine.budget import ROUTES_CHUNK_ELEMENTS as ROUTES_CHUNK
 
         step = max(1, (ROUTES_CHUNK if card is None else max(ROUTES_CHUNK, card // 64)) // max(1, n * W.H * W.d))
-        del chunk_elements
         work["head vectors of one layer"] = ("engine", acct.head_vectors_bytes(W, n))
         # a chunk of targets' pieces (c, n, H, d) and their difference from the whole: c is the frontier's part
         # in a chunk of `step`; the frontier is the few states above the threshold (ROUTES_TARGETS); at
@@ -418,11 +422,12 @@ def _sizing_budget(engine: str) -> int:
     return memory_budget(dev)
 
 
-def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, fwd_layer, card, engine):
+def _context_phases(W, n, methods, context, sizing, card, engine):
     """`attribute_context`: the rows trace for the one-pass methods (row chunks of the attention, the response
     rows kept), a full trace for alti_logit, the ablation batch for contextcite and leave_one_out."""
     from ctxmix.engine.rows import ATTENTION_CHUNK_BYTES, query_block_rows
 
+    n_response, n_ablations, batch_size, n_sources = context
     T = n_response or RESPONSE_TOKENS
     phases: list[dict] = []
     one_pass = [m for m in methods if m in ONE_PASS_ROWS]
@@ -454,7 +459,7 @@ def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, 
             }
         )
     if "alti_logit" in methods:
-        full = _phases(W, n, "explain", ("alti", "logit"), None, 0, 0, engine, card, {engine: sizing}, [])
+        full = _phases(W, n, "explain", ("alti", "logit"), (None, 0, 0, None), engine, card, {engine: sizing}, [])
         phases += full
     if any(m in methods for m in ABLATION_METHODS):
         from ctxmix.engine.budget import CPU_MAX_BATCH, CUDA_MAX_BATCH
@@ -462,9 +467,10 @@ def _context_phases(W, n, methods, n_response, n_ablations, batch_size, sizing, 
         per = acct.ablation_sequence_bytes(W, n, T)  # the head reads the T response rows only
         most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
         B = int(max(1, min(most, sizing // max(1, per))))  # the batch `ablation_batch_size` picks
-        # ...of ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each source with probability
-        # keep_prob (1/2), so the longest of a batch is about 3/4 of the prompt
-        width = n if "leave_one_out" in methods else max(T, (3 * n) // 4)
+        # ...of ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each of S sources with
+        # probability 1/2, so the longest of a batch holds about 1/2 + 2 sd = 1/2 + 1/sqrt(S) of the prompt
+        S = n_sources or max(1, n // TOKENS_PER_SOURCE)
+        width = n if "leave_one_out" in methods else min(n, T + int(n * (0.5 + S**-0.5)))
         phases.append({"ablation batch": ("layers", B * acct.ablation_sequence_bytes(W, width, T))})
     return phases or [{}]
 

@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ctxmix.engine.budget import ROUTES_CHUNK_ELEMENTS as CHUNK_ELEMENTS  # chunks of (targets x sources x H x d)
 from ctxmix.engine.layer import LayerState, head_vectors
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
@@ -55,7 +56,6 @@ from ctxmix.errors import BadInput
 MODES = ("subedge_renorm", "summed_edge")
 VALUE_BIAS = ("unattributed", "distribute")
 EPS = 1e-5  # the tool's clip (routes/contributions.py); 0 is the paper's max(., 0)
-CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's (targets x sources x heads x d) temporaries on a CPU
 NODE_TYPES = {"X": "original", "A": "after_attn", "M": "ffn", "I": "after_ffn"}
 
 

@@ -1,5 +1,7 @@
 """Offline examples for context attribution's benchmark (docs/context.md, "The benchmark"): needles,
 summaries and documents built from gensim's shipped Lee background news texts, seeded and fixed.
+(Over 500 lines: the three builders, their splits and the fact sets stay together, so one module shows that
+train, validation and test never share a text.)
 
 - **needles** (`needle_examples`): a fact sentence written for the example ("The code for the staff
   entrance is 4817.") inserted at a seeded sentence boundary of news texts joined to a seeded length; the

@@ -462,6 +462,7 @@ def attribute_context(
         n_response=n_response,
         n_ablations=n_ablations,
         batch_size=batch_size,
+        n_sources=len(src.spans),
     )
     resp = make_response(model, builder, src, prompt, response, max_new_tokens, progress)
     P, T = len(prompt.ids), len(resp.ids)
