@@ -1,4 +1,5 @@
-"""`explain`: every requested method on one text, from one traced forward pass."""
+"""`explain`: every requested method on one text, from one traced forward pass.
+(Over 500 lines: explain, explain_batch and scope_maps share their checks, encoding and per-sequence assembly.)"""
 
 from __future__ import annotations
 
