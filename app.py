@@ -182,6 +182,7 @@ with common.errors_as_messages():
     common.set_qp(heads=int(heads), position=int(position))
     if heads:
         opts["per_head"] = True
+    common.memory_caption(model, len(ids), "explain", methods)
     with st.spinner("Computing (cached per model, text and method)…"):
         ex = cached_explain(model, None if gen_t is not None else source, methods, **opts)
 

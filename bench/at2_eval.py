@@ -3,8 +3,11 @@
     python bench/at2_eval.py --model smollm2 --weights out/at2/at2_weights.npz --out out/at2_eval \
         --needles 10 --summaries 10 --masks 32 --threads 1
 
-Examples: the benchmark's needles and summaries (`ctxmix.benchmark.context.data`, gensim's Lee background news:
-texts disjoint from the Wikipedia training set), 200-400 tokens, responses generated greedily. Per example
+Examples: the needles and summaries of the validation split (`ctxmix.benchmark.context.data`, "Splits": Lee
+background news texts and needle facts that the benchmark's test examples never use, disjoint from the Wikipedia
+training set too), 200-400 tokens, responses generated greedily. This table is where at2_exact's default is chosen
+(`ctxmix.methods.context.at2.resolve_weights`: trained or uniform weights per feature kind), so it is built on
+validation and never on the benchmark's test split. Per example
 (`at2_train.build_example`, one file each, resumable): every feature kind from one traced pass, the whole
 response as the target unit, and `--masks` held-out removal ablations drawn with ContextCite's generator at
 seeds from LDS_SEED = 10,000 (disjoint from the training masks' 0..31). For each kind x {untrained (1/(L H)),
@@ -28,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ctxmix, not an installed one
+
+SPLIT = "validation"  # where a default is chosen: never the benchmark's test split
 
 
 def table(examples: list[dict], weights: dict[str, np.ndarray]) -> list[dict]:
@@ -145,8 +150,8 @@ def main(argv=None) -> None:
     model = ctxmix.load_model(a.model)
     tok = model.tokenizer
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    exs = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count)
-    exs += summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count)
+    exs = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    exs += summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
     paths = build_set(model, exs, Path(a.out) / "examples", a.masks, LDS_SEED, "response")
     data = load_set(paths)
     wpath = a.weights or shipped_weights_path(model.name)
@@ -164,7 +169,9 @@ def main(argv=None) -> None:
         "model": model.name,
         "weights": str(wpath),
         "examples": {"needles": a.needles, "summaries": a.summaries},
-        "texts": "gensim Lee background news (context_data), disjoint from the Wikipedia training texts",
+        "split": SPLIT,
+        "texts": "gensim Lee background news, the validation split of ctxmix.benchmark.context.data (disjoint by "
+        "source text from the benchmark's test split and from the Wikipedia training texts)",
         "context_tokens": [a.min_tokens, a.max_tokens],
         "heldout_masks": a.masks,
         "heldout_seeds": [LDS_SEED, LDS_SEED + a.masks - 1],
@@ -186,12 +193,12 @@ def main(argv=None) -> None:
 
 def ship(wpath, info: dict) -> None:
     """ctxmix/methods/context/at2_weights/<model>.npz and .json: the trained weights, their provenance and the held-out
-    table (package data: pyproject's [tool.setuptools.package-data])."""
+    table, with the split it was built on (package data: pyproject's [tool.setuptools.package-data])."""
     from ctxmix.methods.context.at2 import load_weights, save_weights
 
     weights, (L, H), meta = load_weights(wpath)
     meta["heldout"] = {k: v for k, v in info.items() if k not in ("training", "weights")}
-    folder = Path(__file__).resolve().parents[1] / "ctxmix" / "methods" / "at2_weights"
+    folder = Path(__file__).resolve().parents[1] / "ctxmix" / "methods" / "context" / "at2_weights"
     save_weights(folder / f"{info['model']}.npz", weights, L, H, meta)
     (folder / f"{info['model']}.json").write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -37,17 +37,12 @@ for p in (str(HERE.parent), str(HERE)):
 import torch  # noqa: E402
 from perf_common import log, row, timed_peak  # noqa: E402
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+from ctxmix.methods.memory import REFERENCE_CONFIGS  # noqa: E402
+
+# Llama-3-8B's widths (its published config), the layer count left to each row
+LLAMA3_8B = {
+    k: v for k, v in REFERENCE_CONFIGS["llama-3-8b"].items() if k not in ("model_type", "dtype", "num_hidden_layers")
+}
 
 
 def random_llama(n_layers: int, dtype: torch.dtype, device: str, **widths):
@@ -131,6 +126,7 @@ def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
         dm.update({f"model.layers.{i}": (0 if i < 16 else "cpu") for i in range(32)})
         hf = dispatch_model(hf, device_map=dm)
     tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
     model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b")
     text = _text(tok, n_tokens)
     runs = {
@@ -147,6 +143,63 @@ def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
 
 GPU_ROWS = [("attribute_context", 4096), ("explain_alti", 1024), ("scope_maps", 256), ("routes", 2048)]
 
+# the CPU rows: (call, tokens, bound on the peak over the model in GiB or None)
+CPU_ROWS = [
+    ("attribute_context", 4096, 1.5),
+    ("contextcite", 4096, 4.0),
+    ("explain_alti", 512, None),
+    ("explain_alti", 1024, None),
+    ("scope_maps", 256, None),
+    ("routes", 2048, None),
+]
+RESPONSE = " It rained and the fire went out."
+
+
+def _calls(ctxmix, model, text):
+    """{row name: (the call, estimate_memory's keywords for it)}."""
+    ask = dict(query="What happened?", response=RESPONSE, progress=False)
+    return {
+        "attribute_context": (
+            lambda: ctxmix.attribute_context(model, text, methods=["logit", "attention"], **ask),
+            dict(call="attribute_context", methods=["logit", "attention"]),
+        ),
+        "contextcite": (
+            lambda: ctxmix.attribute_context(model, text, methods=["contextcite"], n_ablations=8, **ask),
+            dict(call="attribute_context", methods=["contextcite"], n_ablations=8),
+        ),
+        "explain_alti": (lambda: ctxmix.explain(model, text, ["alti"]), dict(call="explain", methods=["alti"])),
+        "scope_maps": (lambda: ctxmix.scope_maps(model, text), dict(call="scope_maps")),
+        "routes": (lambda: ctxmix.routes(model, text), dict(call="routes")),
+    }
+
+
+def cpu_child(call: str, n_tokens: int) -> dict:
+    """A random Llama of Llama-3-8B's widths with 2 layers in float32 (built on `meta`, then `to_empty`) on the
+    CPU: the call's time and peak over the model, beside `estimate_memory`'s estimate for the loaded model."""
+    import transformers as T
+
+    import ctxmix
+
+    hf = random_llama(2, torch.float32, "cpu")
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
+    model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b-widths-2-layers")
+    text = _text(tok, n_tokens if call in ("explain_alti", "scope_maps", "routes") else n_tokens - 16)
+    run, kw = _calls(ctxmix, model, text)[call]
+    n = len(tok(text)["input_ids"]) + (len(tok(RESPONSE)["input_ids"]) if kw["call"] == "attribute_context" else 0)
+    if kw["call"] == "attribute_context":
+        kw["n_response"] = len(tok(RESPONSE)["input_ids"])
+    est = ctxmix.estimate_memory(model, n, **kw)
+    _, sec, peak_mb = timed_peak(run, "cpu")
+    name, _, size = est.largest
+    return {
+        "seconds": sec,
+        "peak_mb": peak_mb,
+        "n": n,
+        "estimate_mb": est.peak_bytes / 2**20,
+        "largest": f"{name} {size / 2**30:.2f} GiB",
+    }
+
 
 def _child(kind: str, *args) -> dict:
     """One row in a fresh process (its peak memory is its own)."""
@@ -160,19 +213,43 @@ def _child(kind: str, *args) -> dict:
 def bench_scale(a, dev) -> list[dict]:
     rows = []
     n_layers, n_tokens = 4, 16
-    log(f"scale: bf16 Llama-3-8B widths, {n_layers} layers, explain(['logit']) on {n_tokens} tokens")
-    r = _child("half", str(dev), n_layers, n_tokens)
-    goal_mb = one_layer_float32_bytes(LLAMA3_8B) / 2**20
-    rows.append(
-        row(
-            f"bf16 Llama-3-8B widths x{n_layers} layers: explain(logit) {n_tokens} tok, peak over model",
-            f"{r['peak_mb']:.0f} MB in {r['seconds']:.1f} s",
-            f"one layer's float32 V/O/FF {goal_mb:.0f} MB",
-            r["peak_mb"] / goal_mb,
-            "<= ~1 layer (ratio <= 1.3)",
-            r["peak_mb"] <= 1.3 * goal_mb,
+    if not getattr(a, "rows", None):
+        log(f"scale: bf16 Llama-3-8B widths, {n_layers} layers, explain(['logit']) on {n_tokens} tokens")
+        r = _child("half", str(dev), n_layers, n_tokens)
+        goal_mb = one_layer_float32_bytes(LLAMA3_8B) / 2**20
+        rows.append(
+            row(
+                f"bf16 Llama-3-8B widths x{n_layers} layers: explain(logit) {n_tokens} tok, peak over model",
+                f"{r['peak_mb']:.0f} MB in {r['seconds']:.1f} s",
+                f"one layer's float32 V/O/FF {goal_mb:.0f} MB",
+                r["peak_mb"] / goal_mb,
+                "<= ~1 layer (ratio <= 1.3)",
+                r["peak_mb"] <= 1.3 * goal_mb,
+            )
         )
-    )
+    if dev.type == "cpu":
+        only = set(getattr(a, "rows", None) or [])
+        for call, n, bound in CPU_ROWS:
+            if only and f"{call}:{n}" not in only and call not in only:
+                continue
+            log(f"scale: Llama-3-8B widths x 2 layers (float32, CPU), {call} on {n} tokens")
+            try:
+                r = _child("cpu", call, n)
+            except RuntimeError as e:
+                rows.append(row(f"8B widths x2 float32 CPU: {call} {n} tok", f"failed: {str(e)[:80]}", "-", None, "-"))
+                continue
+            ratio = r["estimate_mb"] / r["peak_mb"]
+            ok = 0.75 <= ratio <= 1.33 and (bound is None or r["peak_mb"] <= bound * 1024)
+            rows.append(
+                row(
+                    f"8B widths x2 float32 CPU: {call} {r['n']} tok, peak over the model (estimate / measured)",
+                    f"{r['peak_mb']:.0f} MB in {r['seconds']:.0f} s",
+                    f"estimate {r['estimate_mb']:.0f} MB (largest: {r['largest']})",
+                    ratio,
+                    "estimate in [0.75, 1.33]" + (f", peak <= {bound} GiB" if bound else ""),
+                    ok,
+                )
+            )
     if dev.type == "cuda":
         for split in (False, True):
             for call, n in GPU_ROWS:
@@ -191,10 +268,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", nargs="*", help="CPU rows to run: call or call:tokens (default: all)")
     a = ap.parse_args()
     if a.child:
         kind, *args = json.loads(a.child)
-        print(json.dumps({"half": half_child, "gpu": gpu_child}[kind](*args)))
+        print(json.dumps({"half": half_child, "gpu": gpu_child, "cpu": cpu_child}[kind](*args)))
         return
     import pandas as pd
     from perf_common import table_text

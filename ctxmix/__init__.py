@@ -66,6 +66,8 @@ _API = {
     "ff_report": "analyses.corpus",
     "ff_residual_norms": "analyses.corpus",
     "verify": "verify",
+    "estimate_memory": "methods.memory",
+    "MemoryEstimate": "methods.memory",
 }
 # documented submodules reachable as attributes (`ctxmix.data.corpus(...)`, `ctxmix.analysis.ff_amp`)
 _SUBMODULES = {
@@ -124,6 +126,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     from .methods.context.attribution import ContextAttribution, attribute_context  # noqa: F401
     from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
     from .methods.explanation import Explanation  # noqa: F401
+    from .methods.memory import MemoryEstimate, estimate_memory  # noqa: F401
     from .methods.mixing import rollout  # noqa: F401
     from .methods.registry import (  # noqa: F401
         CONTEXT_METHODS,

@@ -1,4 +1,5 @@
-"""Command line: `python -m ctxmix <verb> ...`; `python -m ctxmix --help` lists the verbs."""
+"""Command line: `python -m ctxmix <verb> ...`; `python -m ctxmix --help` lists the verbs.
+(Over 500 lines: one parser and one short handler per verb, so `--help` and the code read side by side.)"""
 
 from __future__ import annotations
 
@@ -246,6 +247,57 @@ def cmd_verify(args) -> None:
     print(f"\nall {len(df)} checks passed on {m.name}")
 
 
+def cmd_estimate(args) -> None:
+    """The memory a call would take, per device, from a config (no weights loaded) or a loaded embedded model."""
+    import json as _json
+
+    from ctxmix.engine.models import EMBEDDED
+    from ctxmix.errors import BadInput
+    from ctxmix.methods.memory import CALLS, REFERENCE_CONFIGS, estimate_memory, reference_config
+
+    if args.call not in CALLS:
+        raise BadInput(f"--call must be one of {', '.join(CALLS)}")
+    try:
+        lengths = [int(t) for t in str(args.tokens).split(",") if t.strip()]
+    except ValueError:
+        raise BadInput(f"--tokens takes integers separated by commas, got {args.tokens!r}") from None
+    if args.config:
+        import transformers as T
+
+        with open(args.config) as fh:
+            raw = _json.load(fh)
+        target: object = T.AutoConfig.for_model(**raw)
+    elif args.model in REFERENCE_CONFIGS:
+        target = reference_config(args.model)
+    elif args.model in EMBEDDED:
+        import ctxmix
+
+        target = ctxmix.load_model(
+            args.model, device=args.device, dtype="float32" if args.dtype == "auto" else args.dtype
+        )
+    else:
+        import transformers as T
+
+        target = T.AutoConfig.from_pretrained(args.model)  # the config only: no weights downloaded or read
+    device_map = _json.loads(args.device_map) if args.device_map else None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    default = {"attribute_context": ["logit", "attention"], "explain": ["alti"]}.get(args.call, [])
+    for n in lengths:
+        est = estimate_memory(
+            target,
+            n,
+            call=args.call,
+            methods=methods or default,
+            dtype=None if args.dtype == "auto" else args.dtype,
+            device=None if args.device == "auto" else args.device,
+            n_response=args.n_response,
+            device_map=device_map,
+            device_memory=None if args.device_memory is None else int(args.device_memory * 10**9),
+        )
+        print(str(est) if args.parts else est.message())
+        print(f"  fits: {'yes' if est.fits() else 'NO'}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ctxmix import METHODS
 
@@ -423,6 +475,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
+    s = sub.add_parser(
+        "estimate", help="the memory a call would take, per device, before loading a model (from its config)"
+    )
+    s.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="llama-3-8b, llama-3-70b, qwen3-8b (their published widths), an embedded name (loaded), or a HF id / "
+        "folder (its config only)",
+    )
+    s.add_argument("--config", help="a config.json to estimate from instead (no weights)")
+    s.add_argument("--tokens", default="1024", help="input lengths, comma-separated (e.g. 4096,16384,32768)")
+    s.add_argument("--call", default="explain", help="explain, scope_maps, routes or attribute_context")
+    s.add_argument("--methods", help="comma-separated (default: alti for explain, logit,attention for context)")
+    s.add_argument("--dtype", default="auto", help="how the weights would be held: auto (the config's), bfloat16, ...")
+    s.add_argument("--device", default="auto", help="the engine's device: auto (cuda if present), cpu, cuda")
+    s.add_argument("--device-map", help='layers per device for a config, JSON: {"cuda:0": 40, "cuda:1": 40}')
+    s.add_argument("--device-memory", type=float, help="GB per device (default: read; an absent card: 80)")
+    s.add_argument("--n-response", type=int, help="response tokens for attribute_context (default 32)")
+    s.add_argument("--parts", action="store_true", help="print every part, by device")
+    s.set_defaults(func=cmd_estimate)
     s = sub.add_parser("methods", help="list the methods")
     s.set_defaults(func=cmd_methods)
     s = sub.add_parser("models", help="list the embedded models and supported families")

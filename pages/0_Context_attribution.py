@@ -249,6 +249,15 @@ def _attribute(ca, todo: list[str], what: str):
 
 one_pass = [m for m in methods if m not in ABLATION]
 ablation = [m for m in methods if m in ABLATION]
+common.memory_caption(
+    model,
+    model.count_tokens(" ".join([context] if isinstance(context, str) else context) + " " + str(messages_arg or ""))
+    + int(n_new),
+    "attribute_context",
+    methods,
+    n_response=int(n_new),
+    n_ablations=int(n_abl),
+)
 with common.errors_as_messages():
     todo = [m for m in one_pass if ca is None or m not in ca.methods]
     if todo:

@@ -268,8 +268,8 @@ def test_at2_train_command_checks_its_options(tmp_path, capsys):
 
 def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypatch):
     """at2_weights=None takes the model's shipped file, except a kind whose trained weights scored below uniform
-    ones on the file's held-out table: uniform then, with a note naming both LDS values; an explicit path forces
-    the trained weights."""
+    ones on the file's held-out table: uniform then, with a note naming both LDS values and the table's split; an
+    explicit path forces the trained weights."""
     m = tiny_model("llama", tokenizer)
     L, H = len(m.layers), m.layers[0].n_heads
     w = {k: np.arange(L * H, dtype=float) + i for i, k in enumerate(at2.KINDS)}
@@ -289,3 +289,8 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
     assert np.array_equal(got, w["norm"])
     got, _ = at2.resolve_weights(m, "logit", p)
     assert np.array_equal(got, w["logit"])
+    # the note names the texts the table was built on: the validation split, or (no split named, a table built
+    # before the splits) texts that overlap the benchmark's test examples
+    assert "overlap the benchmark's test examples" in at2.resolve_weights(m, "logit", None)[1]["note"]
+    at2.save_weights(p, w, L, H, {"model": m.name, "heldout": {"rows": rows, "split": "validation"}})
+    assert "on the validation split's texts (LDS 0.600" in at2.resolve_weights(m, "logit", None)[1]["note"]

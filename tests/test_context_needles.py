@@ -1,14 +1,16 @@
-"""The needle check on smollm2 (SmolLM2-135M-Instruct, offline): in 10 fixed needles of
-`ctxmix.benchmark.context.data` (200-400-token shipped news texts, a fact sentence inserted at a seeded
-boundary), the needle's sentence ranks first for `contextcite` (32 ablations) and for `alti_logit` in at
-least 9 of 10.
+"""The needle check on smollm2 (SmolLM2-135M-Instruct, offline): in 12 fixed needles of the validation split
+of `ctxmix.benchmark.context.data` (200-400-token shipped news texts, a fact sentence written for that split
+inserted at a seeded boundary: no sentence of them is in the benchmark's test examples), the needle's sentence
+ranks first for `contextcite` (32 ablations) in at least 10 and for `alti_logit` in at least 9.
 
-The examples are `needle_examples(16, 200, 400, seed=0)` counted in smollm2's tokens; the 10 kept are those
-whose greedy answer (max_new_tokens=24, measured on 2026-11-24) contains the fact; needles 1, 5, 6, 11, 14
-and 15 did not (6 answered "BENCER22" for "bluefern22"). The greedy answers are stored below and passed as
-`response=`, so a near-tie in greedy decoding on another CPU does not change what is explained.
-Measured then (2 shared CPU cores): the needle ranked first in 10/10 for both methods (logit too; attention
-in 1/10); contextcite-32 took 10-13 s and alti_logit 2-8 s per example on an idle machine.
+The examples are `needle_examples(16, 200, 400, seed=0, split="validation")` counted in smollm2's tokens; the 12
+kept are those whose greedy answer (max_new_tokens=24, measured on 2026-11-27) contains the fact; needles 3, 4,
+8 and 14 did not (14 answered "Peter McGauran" for "Priya Dalton"). The greedy answers are stored below and
+passed as `response=`, so a near-tie in greedy decoding on another CPU does not change what is explained.
+Measured then (2 shared CPU cores, heavily loaded): the needle ranked first in 11/12 for contextcite and logit
+(not needle 5, whose answer runs on to George Harrison), 10/12 for alti_logit (not 5 and 7), 1/12 for
+attention; each threshold is one below its measurement. contextcite-32 with alti_logit, logit and attention took
+36-164 s per example.
 """
 
 import time
@@ -17,23 +19,26 @@ import numpy as np
 import pytest
 
 import ctxmix
-from ctxmix.benchmark.context.data import NEEDLES, contains_answer, needle_examples
+from ctxmix.benchmark.context.data import VALIDATION_NEEDLES, contains_answer, needle_examples
 
 pytestmark = pytest.mark.slow
 
 RESPONSES = {
-    0: "The code for the staff entrance is 4817.",
-    2: "The harbour festival will be held on 14 March at the Red Lion, a popular venue in Sydney, Australia,",
-    3: "The mayor's new car is a bright orange.",
-    4: "The lighthouse keeper's dog is called Biscuit.",
-    7: "The winning lottery ticket was sold in the town of Merrivale, Queensland, Australia.",
-    8: "The school choir's conductor plays the bassoon.",
-    9: "The research ship is called the Southern Albatross.",
-    10: "The room where the council meeting was moved to is Room 214.",
-    12: "The chef's favourite spice is saffron.",
-    13: "The missing painting was found in a barn near Ashford, Australia.",
+    0: "The gate code for the car park is 6392.",
+    1: "The hospital's new surgeon is named Ingrid Halvorsen.",
+    2: "The kite festival will take place on 22 August at the 22nd-day-of-the-",
+    5: "The secret ingredient in the cafe's soup is fennel. The Beatles' former lead guitarist, George Harrison",
+    6: 'The guest network password is "redcedar47."',
+    7: "The stolen bicycle was found in the village of Thornbury, which is a cricket village in the state of "
+    "Maharashtra,",
+    9: "The cargo plane is called the Northern Kestrel.",
+    10: "The chess tournament was moved to Hall 309, which is a separate venue from the original Hall of Mirrors",
+    11: "The town's oldest oak tree is 418 years old.",
+    12: "The gardener's favourite flower is the peony.",
+    13: "The lost wedding ring was found under a bench near Bexley, in the town of Bexley, in the",
+    15: "The new train platform number is 19.",
 }
-METHODS = ("contextcite", "alti_logit")
+MIN_FIRST = {"contextcite": 10, "alti_logit": 9}  # of the 12: one below what was measured
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +52,20 @@ def test_the_needle_ranks_first(smollm2):
     def count(text):
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
-    examples = needle_examples(16, 200, 400, seed=0, count_tokens=count)
-    first = {m: [] for m in METHODS}
+    examples = needle_examples(16, 200, 400, seed=0, count_tokens=count, split="validation")
+    first = {m: [] for m in MIN_FIRST}
     t0 = time.perf_counter()
     for i, response in RESPONSES.items():
         e = examples[i]
         assert contains_answer(response, e.answer)
         assert 190 <= count(e.context) <= 410  # 200-400, give or take a token merged at a join
         ca = ctxmix.attribute_context(
-            smollm2, e.context, e.query, response=response, methods=METHODS, n_ablations=32, progress=False
+            smollm2, e.context, e.query, response=response, methods=tuple(MIN_FIRST), n_ablations=32, progress=False
         )
-        assert ca.sources[e.gold[0]] == NEEDLES[i].fact
-        for m in METHODS:
+        assert ca.sources[e.gold[0]] == VALIDATION_NEEDLES[i].fact
+        for m in MIN_FIRST:
             first[m].append(int(np.argmax(ca.scores[m])) == e.gold[0])
     seconds = time.perf_counter() - t0
-    for m in METHODS:
-        assert sum(first[m]) >= 9, (m, first[m])
+    for m, least in MIN_FIRST.items():
+        assert sum(first[m]) >= least, (m, first[m])
     print(f"needles: {seconds:.0f} s; first: { ({m: sum(v) for m, v in first.items()}) }")

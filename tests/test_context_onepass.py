@@ -478,3 +478,185 @@ def test_logit_and_alti_logit_rows_equal_a_float64_transcription(tokenizer):
         tol = 2.0**-52 * (d + n) * L * H * np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=method)
     assert np.abs(alti - logit).max() > 0.01  # the ALTI maps moved something: two distinct checks
+
+
+def _rows_and_full(m, ids, P):
+    """`logit` and `attention` from the rows trace and from a full stored trace (tests above)."""
+    from ctxmix.methods.context.onepass import run_one_pass
+
+    fast = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob")
+    full = run_one_pass(m, ["logit", "attention"], ids, P, "log_prob", streamed=False)
+    return fast, full
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_rows_trace_forms_no_n_by_n_map(tokenizer, family, monkeypatch):
+    """With blocks of 3 query rows (a budget of 3 rows' scores), every softmax of the rows trace's forward is over
+    at most 3 query rows while n is several times that: no (H, n, n) map, in any family (sliding windows: mistral,
+    gemma2, gemma3 with a window of 4 < n; soft-capped logits: gemma2). The blocks' kept rows and outputs are the
+    eager ones: the same numbers as the full trace (float64: association order only, as above). The previous
+    rows trace ran eager attention over all n rows (shape (1, H, n, n)) and fails here."""
+    from ctxmix.engine import rows as rows_mod
+
+    m = tiny_model(family, tokenizer)
+    ca = _ca(m, ["attention"])
+    ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)
+    n = len(ids)
+    # bytes per query row inside an eager function: copies x element size x heads x keys
+    monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 3 * rows_mod._SCORE_COPIES * 8 * m.n_heads * n)
+    assert rows_mod.query_block_rows(m.n_heads, n, 8) == 3 and n > 6
+    shapes = []
+    real_softmax = torch.nn.functional.softmax
+
+    def spy(x, *a, **k):
+        if x.dim() == 4:
+            shapes.append(tuple(x.shape))
+        return real_softmax(x, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", spy)
+    rt = rows_mod.trace_rows(m, ids, list(range(P - 1, n - 1)))
+    monkeypatch.setattr(torch.nn.functional, "softmax", real_softmax)
+    assert len(shapes) >= m.n_layers * (n // 3)  # every layer's attention ran by blocks
+    assert max(s[-2] for s in shapes) <= 3, shapes[:3]
+    assert rt.states[0].alpha.shape == (m.n_heads, n - P, n)
+    fast, full = _rows_and_full(m, ids, P)
+    # GPT-2's eager softmax runs in the model's float64: association order only (as above). Every other family's
+    # runs in float32 (`softmax(..., dtype=torch.float32)`) over a block's keys, not all n: each probability's
+    # normaliser is another float32 sum of <= n terms, 2 n u32 apart at most, and the L H probability-weighted
+    # terms of a contribution (and of the next layers' inputs) carry it
+    rel = 1e-9 if family == "gpt2" else 2 * n * F32_UNIT_ROUNDOFF * m.n_layers * m.n_heads
+    for meth in ("logit", "attention"):
+        a, b = fast[meth]["per_token"], full[meth]["per_token"]
+        assert np.allclose(a, b, rtol=0, atol=rel * np.abs(b).max()), meth
+    np.testing.assert_allclose(fast["logit"]["target"], full["logit"]["target"], rtol=max(rel, 1e-12))
+
+
+def test_rows_attention_keeps_sinks_and_sliding_window_rows(monkeypatch):
+    """gpt-oss's attention (learned sinks per head, a sliding window, GQA): no ctxmix family has sinks, so the
+    registered attention function is checked on the module itself against its family's eager function over all
+    rows: the same output and the same probabilities of the asked rows, by blocks of 2 rows (float64 rounding of
+    sums in another blocking: 1e-12 relative)."""
+    import transformers as T
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    from ctxmix.engine import rows as rows_mod
+
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        sliding_window=4,
+        num_local_experts=2,
+        intermediate_size=16,
+        vocab_size=100,
+    )
+    module = GptOssAttention(cfg, 0).double().eval().requires_grad_(False)
+    with torch.no_grad():
+        module.sinks.copy_(torch.randn(4, dtype=torch.float64))
+    n, H, dh = 11, 4, 8
+    q, k, v = torch.randn(1, H, n, dh, dtype=torch.float64), *torch.randn(2, 1, 2, n, dh, dtype=torch.float64)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= i) & (i - j < 4)  # causal with a window of 4
+    zero, low = torch.zeros((), dtype=torch.float64), torch.tensor(torch.finfo(torch.float64).min, dtype=torch.float64)
+    rows = [3, 4, 9, 10]
+    # eager's additive masks: causal with a window of 4 (the blocks drop the later keys), and one that opens later
+    # keys too (they must not)
+    for allowed in ((j <= i) & (i - j < 4), (i - j).abs() < 4):
+        mask = torch.where(allowed, zero, low)[None, None]
+        want_out, want_p = eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)
+        slots = [None]
+        token = rows_mod.ROWS.set(rows_mod._Request(torch.tensor(rows), rows, slots, {module: 0}))
+        monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 2 * rows_mod._SCORE_COPIES * 8 * H * n)
+        try:
+            out, none = rows_mod.rows_attention(module, q, k, v, mask, scaling=module.scaling)
+        finally:
+            rows_mod.ROWS.reset(token)
+        assert none is None and out.shape == want_out.shape == (1, n, H, dh)
+        torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(slots[0], want_p[0][:, rows], rtol=1e-12, atol=1e-14)
+        assert float(want_p[0].sum(-1).min()) < 0.99  # the sinks took mass: something to check
+        assert float(want_p[0, :, 10, :7].abs().max()) == 0.0  # and the window cut the early keys
+    assert float(want_p[0, :, 3, 4:7].min()) > 0  # the second mask opened later keys
+
+
+def test_bf16_rows_trace_is_within_bf16_rounding_of_the_full_trace(tokenizer, monkeypatch):
+    """A bf16 tiny Llama through the rows trace (its attention by blocks of 2 query rows, so the bf16 roundings
+    fall elsewhere than in one eager call): `logit`'s targets are within the bf16 bound of the float32 model's,
+    4 u16 sum_l sum_i |h^{l+1}_{q_t i} rho_{t i}| (`test_bf16_buckets_add_up_to_the_float32_target`), hence
+    within twice that of the full trace's on the same bf16 model; so is the "half_precision" term; and the
+    buckets add up to their target to float32 rounding, as the full trace's do."""
+    import copy
+
+    from ctxmix.engine import rows as rows_mod
+    from ctxmix.methods.context.onepass import run_one_pass
+
+    m16 = tiny_model("llama", tokenizer, dtype=torch.bfloat16)
+    m32 = ctxmix.model_from_hf(copy.deepcopy(m16.hf).to(torch.float32), tokenizer, name=m16.name)
+    used = []
+    real = rows_mod.trace_rows
+    monkeypatch.setattr(rows_mod, "trace_rows", lambda *a: used.append(1) or real(*a))
+    ca16, ca32 = _ca(m16, ["logit"], target="logit"), _ca(m32, ["logit"], target="logit")
+    ids, P = ca16.prompt_ids + ca16.response_ids, len(ca16.prompt_ids)
+    n = len(ids)
+    monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 2 * rows_mod._SCORE_COPIES * 4 * m16.n_heads * n)
+    assert ca16.response_ids == ca32.response_ids and used
+    rows16 = run_one_pass(m16, ["logit"], ids, P, "logit")["logit"]
+    full16 = run_one_pass(m16, ["logit"], ids, P, "logit", streamed=False)["logit"]
+    assert len(used) == 3  # attribute_context twice, then run_one_pass: the rows trace each time
+    h, rho = _layer_outputs_and_readouts(m16, ca16, "logit")
+    bound = 4 * BF16_UNIT_ROUNDOFF * (h.abs() * rho.abs()).sum((0, 2)).numpy()  # (T,)
+    assert np.all(np.abs(rows16["target"] - ca32.targets["logit"]) <= bound)
+    assert np.all(np.abs(rows16["target"] - full16["target"]) <= 2 * bound)
+    assert np.all(np.abs(rows16["terms"]["half_precision"]) <= bound)
+    parts = rows16["per_token"].sum(1) + sum(rows16["terms"].values())
+    scale = np.abs(rows16["per_token"]).sum(1) + sum(np.abs(v) for v in rows16["terms"].values())
+    assert np.all(np.abs(parts - rows16["target"]) <= F32_UNIT_ROUNDOFF * (n + h.shape[-1]) * scale)
+
+
+_ROWS_MEMORY_CHILD = """
+import json, sys
+import numpy as np, torch, transformers as T
+import ctxmix
+from ctxmix.engine.rows import trace_rows
+
+def kib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+
+n, heads = 2048, 32
+torch.manual_seed(0)
+cfg = T.LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=heads,
+                    num_key_value_heads=heads, intermediate_size=512, max_position_embeddings=n)
+hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+m = ctxmix.model_from_hf(hf, T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path()))
+ids = np.random.RandomState(0).randint(0, 1024, n).tolist()
+trace_rows(m, ids[:64], list(range(56, 63))).reconstruction_error  # warm up at a small size
+open("/proc/self/clear_refs", "w").write("5")  # the peak resident memory from here on
+before = kib("VmRSS")
+err = trace_rows(m, ids, list(range(n - 9, n - 1))).reconstruction_error  # every layer built
+print(json.dumps({"extra": (kib("VmHWM") - before) * 1024, "err": err}))
+"""
+
+
+@pytest.mark.slow
+def test_rows_trace_memory_is_far_below_one_attention_map():
+    """A float32 random Llama with 32 heads (d 256, 2 layers) on 2,048 tokens, in a fresh process: the rows trace
+    (forward pass and every layer built) holds less than a quarter of one (H, n, n) float32 map (512 MiB) over
+    what the process held before. Its parts: one block of scores (`ATTENTION_CHUNK_BYTES`, 64 MiB), eager's (1, 1,
+    n, n) float32 mask (16 MiB), L + 1 hidden states and one layer's activations (~10 MiB). The previous rows
+    trace ran eager attention over all rows: two or three such maps at once (1.07 GiB measured)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]  # this checkout's ctxmix
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    res = subprocess.run([sys.executable, "-c", _ROWS_MEMORY_CHILD], cwd=root, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    one_map = 32 * 2048 * 2048 * 4
+    assert got["extra"] < one_map / 4, got["extra"] / 2**20
+    assert got["err"] < 1e-4  # the layers rebuilt right: float32 sums over d = 256 of states ~1, 256 x 2^-24 = 2e-5

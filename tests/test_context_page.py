@@ -549,11 +549,10 @@ def test_saved_page_reopens_a_conversation(_env, llama):
 
 @pytest.mark.slow
 def test_page_on_smollm2_with_a_needle(_env):
-    """Done means: smollm2, needle 0 of the fixed needles (its stored greedy answer given): the needle sentence
-    is the top source of alti_logit; a span changes the scores with no trace; the ablation check drops
-    log P and regenerates without the code; the link reopens the same table."""
-    from test_context_needles import RESPONSES
-
+    """Done means: smollm2, needle 0 of the benchmark's (test split's) needles at 200-400 tokens (its stored
+    greedy answer given): the needle sentence is the top source of alti_logit; a span changes the scores with no
+    trace; the ablation check drops log P and regenerates without the code; the link reopens the same table. (A
+    check of the page, not a choice: no default is tuned on it.)"""
     from ctxmix.benchmark.context.data import NEEDLES, needle_examples
 
     m = ctxmix.load_model("smollm2")
@@ -562,7 +561,8 @@ def test_page_on_smollm2_with_a_needle(_env):
         return len(m.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     e = needle_examples(16, 200, 400, seed=0, count_tokens=count)[0]
-    at = _page(model="smollm2", ctx=e.context, query=e.query, resp=RESPONSES[0], cmethod=["alti_logit"])
+    response = "The code for the staff entrance is 4817."  # smollm2's greedy answer (24 new tokens)
+    at = _page(model="smollm2", ctx=e.context, query=e.query, resp=response, cmethod=["alti_logit"])
     at.run()
     _ok(at)
     top = _top(at)

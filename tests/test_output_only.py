@@ -103,9 +103,8 @@ def test_ablation_passes_equal_exact_eager_without_probabilities(decoders, token
         assert probe.with_probs == probe.calls
     else:  # no H x n x n probabilities were formed by any layer
         assert probe.with_probs == 0
-    # only the rows that hold a response row are turned into logits: (B, K, V) with K < the batch's width
-    widths = [len(prompts[i]) + len(response) for i in range(5)]
-    assert [k for _, k, _ in probe.logits] == [widths[1] - widths[0] + 5, widths[3] - widths[2] + 5, 5]
+    # only each sequence's T response rows reach the head: (B, T, V), not the padded window of the batch
+    assert [(b, k) for b, k, _ in probe.logits] == [(2, 4), (2, 4), (1, 4)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_neox"])
@@ -133,7 +132,7 @@ def test_the_ablation_batch_shrinks_to_the_memory_budget(decoders, tokenizer, mo
     prompts, response = _prompts(seed=1, m=6)
     full = ablation.response_logit_probs(model, prompts, response, batch_size=8)
     longest = max(map(len, prompts)) + len(response)
-    kept = longest - min(map(len, prompts)) + 1
+    kept = len(response)  # the head reads the response rows only
     per_seq = ablation.ablation_sequence_bytes(model, longest, kept)
     monkeypatch.setattr(ablation, "memory_budget", lambda device: 2 * per_seq + per_seq // 2)  # room for 2
     assert ablation.ablation_batch_size(model, longest, kept, 8) == 2

@@ -95,7 +95,8 @@ def test_check_tolerance_passes_machine_moves_and_fails_a_one_percent_change(nam
 
 def test_a_context_config_pinning_the_official_seeds_keeps_its_identity(tmp_path):
     """`mask_seeds: official` names how the shipped context results were made (before the key existed): the
-    config's hash is unchanged by it, and changed by the per-example scheme."""
+    config's hash is unchanged by it, and changed by the per-example scheme. The same for an offline task's
+    `split: test` and the `examples` record."""
     from ctxmix.benchmark.shipped import config_sha256
 
     base = "kind: context\nmodel: smollm2\n"
@@ -104,3 +105,16 @@ def test_a_context_config_pinning_the_official_seeds_keeps_its_identity(tmp_path
     (tmp_path / "c.yaml").write_text(base + "mask_seeds: example\n")
     assert config_sha256(tmp_path / "a.yaml") == config_sha256(tmp_path / "b.yaml")
     assert config_sha256(tmp_path / "a.yaml") != config_sha256(tmp_path / "c.yaml")
+    # an offline task's split: test (the builders' default) and the `examples` record keep it too; another
+    # split, or a hub task's split (a dataset split of its own), changes it
+    task = "tasks:\n  - {id: needles, n: 2%s}\n  - {id: cnn_dm, n: 2%s}\n"
+    identity = {
+        "d": base + task % ("", ""),
+        "e": base + task % (", split: test", "") + "examples: {tasks: {needles: {n: 2}}}\n",
+        "f": base + task % (", split: validation", ""),
+        "g": base + task % ("", ", split: test"),
+    }
+    for name, text in identity.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    sha = {name: config_sha256(tmp_path / f"{name}.yaml") for name in identity}
+    assert sha["d"] == sha["e"] and len({sha["d"], sha["f"], sha["g"]}) == 3

@@ -35,15 +35,25 @@ def job_slot():
             _ACTIVE -= 1
 
 
-def _cpu_available() -> int:
+def _meminfo(field: str, default: int) -> int:
+    """A field of /proc/meminfo in bytes (`default` where there is none)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 * 2**30
+    return default
+
+
+def _cpu_available() -> int:
+    return _meminfo("MemAvailable", 8 * 2**30)
+
+
+def cpu_total() -> int:
+    """The host's memory (MemTotal)."""
+    return _meminfo("MemTotal", _cpu_available())
 
 
 def memory_budget(device) -> int:
@@ -61,15 +71,13 @@ def memory_budget(device) -> int:
 
 
 def sequence_bytes(model, n: int, n_maps: int = 6) -> int:
-    """Memory one sequence of n tokens holds during a corpus pass: its traced layer states
-    (8 vectors of width d and 2 of width d' per token, H x n x n attention per layer), and
-    `n_maps` float64 maps per layer with their ranks and sort indices."""
-    w = model.widths
-    d, dff, H, L = w["d"], w["d_ff"], w["heads"], model.n_layers
-    elem = torch.finfo(model.work_dtype).bits // 8
-    states = L * (n * (8 * d + 2 * dff) + H * n * n) * elem
-    maps = 3 * n_maps * L * n * n * 8
-    return states + maps
+    """Memory one sequence of n tokens holds during a corpus pass (`ctxmix.engine.memory`): its traced layer
+    states (`trace_states_bytes`: 8 vectors of width d and 2 of width d' per token, H x n x n attention per
+    layer) and `n_maps` float64 maps per layer with their ranks and sort indices."""
+    from ctxmix.engine.memory import maps_bytes, trace_states_bytes, widths_of
+
+    W = widths_of(model)
+    return trace_states_bytes(W, n) + maps_bytes(W, n, 3 * n_maps)
 
 
 def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | None = None) -> int:
@@ -82,6 +90,7 @@ def batch_size_for(model, n: int, max_batch: int | None = None, budget: int | No
     return int(max(1, min(max_batch, (budget // 2) // max(1, sequence_bytes(model, n)))))
 
 
+ROUTES_CHUNK_ELEMENTS = 1 << 24  # elements of one chunk of routes' (targets x sources x heads x d) temporaries, CPU
 MIN_CHUNK_ROWS = 8  # on a card, rows per chunk before the products fall back to matrix-vector shape
 
 

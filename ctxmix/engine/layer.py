@@ -46,7 +46,21 @@ def head_values(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Ten
 
 def head_vectors(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
     """f^h(x_j) = (x_j W_V^h [+ b_V^h]) W_O^h for every head: x (..., n, d) -> (..., H, n, d)."""
-    return torch.matmul(head_values(lw, x, with_bias), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+    return values_through_heads(lw, head_values(lw, x, with_bias))
+
+
+def values_through_heads(lw: LayerWeights, v: torch.Tensor) -> torch.Tensor:
+    """v^h W_O^h for every head: v (..., H, n, dh) -> (..., H, n, d), a view of (..., n, H, d) storage.
+
+    The per-chunk products (`mix_T`) read the head vectors in (j, h) order. Stored that way once per
+    layer, `mix_T`'s contiguous operand is this storage itself; stored (h, j) it copied all n x H x d of
+    them for every chunk of rows (537 MB per chunk at 1,024 tokens and Llama-3-8B's widths). One GEMM per
+    head writes its (n, d) slice in place (BLAS takes the row stride H x d)."""
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+    out = v.new_empty(*v.shape[:-3], v.shape[-2], lw.n_heads, Wo.shape[-1])  # (..., n, H, d)
+    for h in range(lw.n_heads):
+        torch.matmul(v[..., h, :, :], Wo[h], out=out[..., h, :])
+    return out.transpose(-3, -2)
 
 
 def ff_in_norm(lw: LayerWeights):
@@ -63,15 +77,23 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
     """Per FF input projection W, M^h = W_O^h C diag(gamma) W, (H, dh, d'): C centres (LayerNorm;
     identity for RMSNorm). A head vector's normalised share times W is then v^h M^h, so the
     factorised paths project the n*H head values (n*d*d' FLOPs) instead of the n*H head vectors
-    (n*H*d*d'). Depends only on the weights, so it is computed once and kept with them."""
+    (n*H*d*d'). Depends only on the weights: kept with them while one layer's maps are small
+    (`HEAD_FF_CACHE_BYTES`), computed again per call otherwise (Llama-3-8B's would hold 470 MB a layer,
+    15 GB for the model's life)."""
     key = "head_ff_maps"
-    if key not in lw.extra:
-        norm = ff_in_norm(lw)
-        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
-        if norm.kind == "layernorm":
-            Wo = Wo - Wo.mean(-1, keepdim=True)
-        lw.extra[key] = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
-    return lw.extra[key]
+    if key in lw.extra:
+        return lw.extra[key]
+    norm = ff_in_norm(lw)
+    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+    if norm.kind == "layernorm":
+        Wo = Wo - Wo.mean(-1, keepdim=True)
+    maps = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
+    if sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
+        lw.extra[key] = maps
+    return maps
+
+
+HEAD_FF_CACHE_BYTES = 32 * 2**20  # one layer's head_ff_maps kept with its weights up to this size (BERT-base: 9 MB)
 
 
 def project_heads(lw: LayerWeights, v: torch.Tensor, precision: str = "float32") -> list[torch.Tensor]:
@@ -463,7 +485,7 @@ def scope_pieces(
     if lw.position == "post":
         if "f" not in cache:
             cache["v"] = head_values(lw, st.x, with_bias=False)
-            cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+            cache["f"] = values_through_heads(lw, cache["v"])
         f = cache["f"]
         b = value_bias_rows(lw, None, alpha) + lw.bo
         F = _diag_add(mix(alpha, f), rows, st.x[:, rows])
@@ -491,7 +513,7 @@ def scope_pieces(
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)  # LN1(x_j) - beta
         cache["v"] = head_values(lw, xhat, with_bias=False)
-        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+        cache["f"] = values_through_heads(lw, cache["v"])
     f = cache["f"]
     b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
     F_atb = _diag_add(mix(alpha, f), rows, st.x[:, rows])
@@ -521,7 +543,7 @@ def _sandwich_scopes(
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
-        cache["f"] = torch.matmul(head_values(lw, xhat, with_bias=False), lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+        cache["f"] = values_through_heads(lw, head_values(lw, xhat, with_bias=False))
     F_a, b = _through(
         lw.post_attn_norm, mix(alpha, cache["f"]), value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo, st.attn[:, rows]
     )
@@ -548,7 +570,7 @@ def _parallel_scopes(
     if "f" not in cache:
         xhat = lw.ln1.decompose_pieces(st.x.unsqueeze(-2), lw.ln1.scale(st.x)).squeeze(-2)
         cache["v"] = head_values(lw, xhat, with_bias=False)
-        cache["f"] = torch.matmul(cache["v"], lw.Wo.view(lw.n_heads, lw.head_dim, -1))
+        cache["f"] = values_through_heads(lw, cache["v"])
     F_atb = mix(alpha, cache["f"])
     b_atb = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
     out["Atb"] = (F_atb, b_atb)
@@ -693,15 +715,15 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     src = st.x if lw.position == "post" else st.x1
     norm = ff_in_norm(lw)
     v = head_values(lw, src, with_bias=True)  # (B, H, n, dh)
-    f = torch.matmul(v, lw.Wo.view(lw.n_heads, lw.head_dim, -1))  # (B, H, n, d)
+    f = values_through_heads(lw, v).transpose(1, 2)  # (B, n, H, d), contiguous
     if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
-        return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": []}
+        return {"f": f, "norm": norm, "proj": []}
     r1c = norm.centre(st.r1) * norm.gamma
     proj = [
         (r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
         for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))
     ]
-    return {"f": f.transpose(1, 2).contiguous(), "norm": norm, "proj": proj}
+    return {"f": f, "norm": norm, "proj": proj}
 
 
 def first_receiving_rows(alpha: torch.Tensor) -> list[int]:

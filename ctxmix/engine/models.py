@@ -272,6 +272,10 @@ class Model:
             t = t.expand(batch, -1)
         return {"token_type_ids": t.to(self.device)}
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text with the model's special tokens, uncapped (for estimates before a call)."""
+        return len(self.tokenizer(text or "", add_special_tokens=True)["input_ids"])
+
     def encode_input(self, text) -> Encoded:
         """One text or a sentence pair (text_a, text_b), tokenised as the model's tokenizer pairs
         them (truncated longest-first to `max_length`, with a note). Returns the ids, the

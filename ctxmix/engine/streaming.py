@@ -141,17 +141,26 @@ class ReplayedStates(Sequence):
             return last[1]
         self._last = None  # free the previous layer first
         with torch.no_grad(), tf32_switches(self._tf32, self.model.device):  # as the forward pass ran
-            alpha = replayed_alpha(self.model, self.calls[l])
-            if alpha is None:
-                raise NotReplayable(f"layer {l}'s attention module returned no probabilities when called again")
-            st = layer_forward(self.model.layers[l], self.hidden[l], alpha)
+            st = self._build(l)
         if self._errors[l] is None and self._targets is not None:
             mine = st.y
             if l == len(self) - 1 and self.model.spec.final_norm is not None:
                 mine = self.model.layers[l].next_norm(mine)  # as in `_rebuild`: the model's is after the final norm
-            self._errors[l] = float((mine - self._targets[l + 1]).abs().max())
+            self._errors[l] = float((mine - self._target(l)).abs().max())
         self._last = (l, st)
         return st
+
+    def _build(self, l: int) -> LayerState:
+        """Layer l rebuilt: its attention call replayed, then `layer_forward` on its input."""
+        alpha = replayed_alpha(self.model, self.calls[l])
+        if alpha is None:
+            raise NotReplayable(f"layer {l}'s attention module returned no probabilities when called again")
+        return layer_forward(self.model.layers[l], self.hidden[l], alpha)
+
+    def _target(self, l: int) -> torch.Tensor:
+        """The model's own output of layer l, which the rebuilt one is measured against."""
+        assert self._targets is not None
+        return self._targets[l + 1]
 
     def reconstruction_error(self) -> float:
         """The largest error of the rebuilt layers against the model's own states, over every layer."""

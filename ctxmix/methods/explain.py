@@ -1,4 +1,5 @@
-"""`explain`: every requested method on one text, from one traced forward pass."""
+"""`explain`: every requested method on one text, from one traced forward pass.
+(Over 500 lines: explain, explain_batch and scope_maps share their checks, encoding and per-sequence assembly.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_ids
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
+from ctxmix.methods.memory import check_memory
 from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout_tensor, scope_layer_maps
 from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, PREDICTION_METHODS, check_methods
 
@@ -130,6 +132,7 @@ def explain(
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
     # attention flow's cost and DecompX's memory (and its options), refused before the forward pass
     check_batch_methods(model, [len(e.ids)], [list(methods)], embedding, flow_rows, decompx)
+    check_memory(model, len(e.ids), call="explain", methods=methods)
     # the gradient and perturbation methods read the ids and the prediction only: no layer rebuilt for them
     layers = any(m in MIXING_METHODS or m in PREDICTION_METHODS for m in methods)
     tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
@@ -190,6 +193,8 @@ def _trace_one(model: Model, text, input_ids, token_type_ids, segments, layers: 
     """The trace of one text, pair, or id list (with its segments / token types); layers=False: the
     logits only (`trace_ids`)."""
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
+    if layers:
+        check_memory(model, len(e.ids), call="scope_maps")
     return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
 
 

@@ -275,6 +275,7 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
                 J = int(rows[-1]) + 1 if causal else n  # later columns are zero in a causal model's rows
                 for m, v in norm_family_row_maps(lw, st, rows_d, names, f, J).items():
                     out[m][part, _span(rows), :J] = v.to(out[m])
+            del f  # before the next layer's: two layers' head vectors (n x H x d each) are never alive at once
         flush_layer(dests, out)
     return {m: _crop(v, tb) for m, v in maps.items()}
 
@@ -299,6 +300,7 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
             vz = layer_targets(dests, dev)["vz"]
             for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
                 st = st_all.sub_batch(part)
+                prep = None  # the previous part's products go before this part's are made
                 prep = value_zeroing_prepare(lw, st, precision) if factorised else None
                 first_rows = first_receiving_rows(st.alpha)  # one host read per layer, none per chunk
                 # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the

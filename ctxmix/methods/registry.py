@@ -366,9 +366,10 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "smollm2.",
             caveat="Cost: one forward pass plus the per-head features of the response rows ('alti': one ALTI layer "
             "pass over those rows). Scores are scale-free (L1-normalised weights); weights are per model: others need "
-            "`ctxmix at2-train` (or at2_weights='untrained'). smollm2's weights come from 56 examples: held out, "
+            "`ctxmix at2-train` (or at2_weights='untrained'). smollm2's weights come from 56 examples: on a held-out "
+            "table built before the benchmark's splits (its texts overlap the test examples; docs/context.md), "
             "uniform F-logit/F-alti (LDS 0.85) beat raw attention (0.64); training lifts F-attn to 0.81 but not the "
-            "exact features (trained F-logit 0.67: overfit; docs/context.md).",
+            "exact features (trained F-logit 0.67: overfit).",
         ),
     ]
 }

@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ctxmix.engine.budget import ROUTES_CHUNK_ELEMENTS as CHUNK_ELEMENTS  # chunks of (targets x sources x H x d)
 from ctxmix.engine.layer import LayerState, head_vectors
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
@@ -55,7 +56,6 @@ from ctxmix.errors import BadInput
 MODES = ("subedge_renorm", "summed_edge")
 VALUE_BIAS = ("unattributed", "distribute")
 EPS = 1e-5  # the tool's clip (routes/contributions.py); 0 is the paper's max(., 0)
-CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's (targets x sources x heads x d) temporaries on a CPU
 NODE_TYPES = {"X": "original", "A": "after_attn", "M": "ffn", "I": "after_ffn"}
 
 
@@ -541,6 +541,7 @@ def routes_from_trace(
     frontier = {position}
     for l in range(L - 1, -1, -1):
         lw, st = model.layers[l], tr.states[l]
+        P = None  # the layer above's parts (n x H x d head vectors) go before this layer's are made
         P = layer_parts(lw, st, value_bias, dtype)
         src_name = _source_namer(l)
         nxt: set[int] = set()
@@ -651,5 +652,8 @@ def routes(
     e = encode_one(model, text if input_ids is None else input_ids, ids=input_ids is not None)
     pos = resolve_position(len(e.ids), position, default_position(model, e.ids))
     check_dense(model, len(e.ids), threshold, dense)
+    from ctxmix.methods.memory import check_memory
+
+    check_memory(model, len(e.ids), call="routes")
     tr = trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments)
     return routes_from_trace(model, tr, pos, threshold, mode, p, eps, value_bias)

@@ -67,6 +67,26 @@ def stop_over_cap(n_tokens: int, what: str = "The text") -> None:
         st.stop()
 
 
+LONG_INPUT_TOKENS = 1024  # from this length on, the page shows the call's memory estimate beside the run
+
+
+def memory_caption(model, n_tokens: int, call: str, methods=(), **options) -> None:
+    """For a long input, the call's memory estimate (`ctxmix.estimate_memory`) as a caption: its peak, what the
+    device can give and the largest part. A call that would not fit is refused by ctxmix itself, before it runs."""
+    if n_tokens < LONG_INPUT_TOKENS:
+        return
+    try:
+        est = ctxmix.estimate_memory(model, int(n_tokens), call=call, methods=tuple(methods), **options)
+    except ctxmix.CtxmixError:
+        return  # the call reports the same problem when it runs
+    name, dev, size = est.largest
+    verdict = "fits" if est.fits() else "does not fit"
+    st.caption(
+        f"Memory estimate for {n_tokens:,} tokens: about {est.peak_bytes / 2**30:.1f} GiB over the loaded model on "
+        f"{est.device} ({verdict}; largest part: {name}, {size / 2**30:.1f} GiB)."
+    )
+
+
 def allowed_models() -> list[str]:
     if hosted():
         return list(_secret("allowed_models", EMBEDDED_MODELS))

@@ -1,11 +1,13 @@
 """Training `at2_exact`'s per-head weights as AT2 trains its estimator (Cohen-Wang et al. 2025, "Learning to
 Attribute with Attention"; docs/context.md, "`at2_exact`"; `ctxmix at2-train`).
 
-Training set, offline and disjoint from the evaluation's texts (the benchmark and the held-out comparison use
-gensim's Lee background news; training uses the English Wikipedia extract shipped in gensim's test data,
-`wiki_paragraphs`): needles (a fact sentence written for training, `TRAIN_NEEDLES`, none of them the benchmark's,
-inserted at a drawn sentence boundary of Wikipedia sentences, and its question) and summaries ("Summarize the
-article in one sentence."), alternating, contexts of a drawn length in [min, max] tokens. Per example
+Training set, offline: the train split of `ctxmix.benchmark.context.data` (disjoint by source text from the
+validation split, where the held-out table is built, and the test split, the benchmark's: those use gensim's Lee
+background news; training uses the English Wikipedia extract shipped in gensim's test data, `data.wiki_paragraphs`,
+less any paragraph sharing a sentence with a Lee text): needles (a fact sentence written for training,
+`data.TRAIN_NEEDLES`, none of them another split's, inserted at a drawn sentence boundary of Wikipedia sentences,
+and its question) and summaries ("Summarize the article in one sentence."), alternating, contexts of a drawn
+length in [min, max] tokens. Per example
 (`build_example`): the response generated greedily; one traced pass over prompt + response gives every feature kind
 (`ctxmix.methods.context.at2.head_features`), aggregated per (unit, source) as AT2 aggregates (the mean over the
 unit's tokens of the sum over the source's tokens), the units being the response's sentences; n_masks masks
@@ -28,60 +30,27 @@ from __future__ import annotations
 import datetime
 import json
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from ctxmix.benchmark.context.data import SUMMARY_QUERY, ContextExample, Needle, _cut, _insert, _sentences
+from ctxmix.benchmark.context.data import (
+    SPLIT_NEEDLES,
+    SUMMARY_QUERY,
+    WIKI_FILE,
+    ContextExample,
+    _cut,
+    _insert,
+    _sentences,
+    split_texts,
+)
 from ctxmix.errors import BadInput
 from ctxmix.methods.context.at2 import KINDS
 
-WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-MIN_WORDS = 25  # a paragraph kept for training has at least this many words (prose, not lists or captions)
 BATCH = 512  # AT2's batch: examples per step, drawn without replacement
-
-TRAIN_NEEDLES: tuple[Needle, ...] = (
-    Needle("The password for the archive room is maple731.", "What is the password for the archive room?", "maple731"),
-    Needle("The expedition's cook was a man named Oskar Lind.", "What was the name of the expedition's cook?", "Lind"),
-    Needle(
-        "The observatory opens to visitors on 9 October.", "When does the observatory open to visitors?", "9 October"
-    ),
-    Needle(
-        "The committee's chairwoman drives a green tractor.", "What does the committee's chairwoman drive?", "tractor"
-    ),
-    Needle("The ferry to the island leaves from Pier 52.", "Which pier does the ferry to the island leave from?", "52"),
-    Needle("The old mill's cat is called Pepper.", "What is the old mill's cat called?", "Pepper"),
-    Needle("The professor's favourite fruit is the quince.", "What is the professor's favourite fruit?", "quince"),
-    Needle("The team's mascot is a blue heron named Wade.", "What is the name of the team's mascot?", "Wade"),
-    Needle("The vault combination is 2951.", "What is the vault combination?", "2951"),
-    Needle("The first prize was won by a baker from Dunmore.", "Where was the first prize winner from?", "Dunmore"),
-)
-
-
-@lru_cache(maxsize=1)
-def wiki_paragraphs() -> tuple[str, ...]:
-    """Prose paragraphs of gensim's shipped English Wikipedia extract (206 pages; markup removed by gensim's
-    `filter_wiki`, lines with leftover markup, lists and headings dropped, at least MIN_WORDS words each)."""
-    import bz2
-    from importlib import resources
-
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    path = resources.files("gensim") / "test" / "test_data" / WIKI_FILE
-    out = []
-    with bz2.open(str(path)) as f:
-        for _, text, _ in extract_pages(f):
-            for line in filter_wiki(text).replace("'''", "").replace("''", "").splitlines():
-                line = re.sub(r"\s+", " ", line).strip()
-                if len(line.split()) < MIN_WORDS or re.search(r"[|{}\[\]<>=*#]|https?:", line) or line[0] in ":;!":
-                    continue
-                out.append(line)
-    return tuple(out)
 
 
 def _split(paragraph: str) -> list[str]:
@@ -99,18 +68,20 @@ def training_examples(
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
 ) -> list[ContextExample]:
-    """n examples from Wikipedia paragraphs: even i a needle (TRAIN_NEEDLES[(i // 2) % 10]), odd i a summary;
+    """n examples of the train split (`data.split_texts("train")`: Wikipedia paragraphs sharing no sentence with
+    the validation and test splits' news texts): even i a needle (TRAIN_NEEDLES[(i // 2) % 10]), odd i a summary;
     contexts of whole sentences from consecutive paragraphs from a drawn one on, a drawn length in
     [min_tokens, max_tokens]."""
     count = count_tokens or (lambda s: len(s.split()))
-    paras = wiki_paragraphs()
+    paras = split_texts("train")
+    needles = SPLIT_NEEDLES["train"]
     out = []
     for i in range(n):
         rng = random.Random(f"at2-train:{seed}:{i}")
         start = rng.randrange(len(paras))  # consecutive paragraphs: mostly one article, as a summary needs
         sents = (s for k in range(start, start + len(paras)) for s in _split(paras[k % len(paras)]))
         if i % 2 == 0:
-            nd = TRAIN_NEEDLES[(i // 2) % len(TRAIN_NEEDLES)]
+            nd = needles[(i // 2) % len(needles)]
             extra = count(nd.fact) + 1
             hay = _cut(sents, rng.randint(min_tokens, max_tokens) - extra, max_tokens - extra, count)
             text, gold = _insert(rng, hay, nd.fact)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ctxmix.benchmark.context.data import TASKS, ContextExample, contains_answer
+from ctxmix.benchmark.context.data import OFFLINE_TASKS, SPLITS, TASKS, ContextExample, contains_answer
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -40,6 +40,7 @@ CONFIG_KEYS = {
     "tasks",
     "responses",
     "check",
+    "examples",
 }
 TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents", "methods", "split", "query"}
 CHECK_KEYS = {"tasks", "evaluate", "max_new_tokens"}
@@ -64,6 +65,8 @@ def validate_context_config(raw) -> dict:
     for t in tasks:
         if not isinstance(t, dict) or t.get("id") not in TASKS or set(t) - TASK_KEYS:
             raise BadInput(f"a task is {{id: one of {', '.join(TASKS)}, keys among {sorted(TASK_KEYS)}}}; got {t!r}")
+        if t["id"] in OFFLINE_TASKS and t.get("split", "test") not in SPLITS:
+            raise BadInput(f"task {t['id']}: split must be one of {', '.join(SPLITS)}; got {t['split']!r}")
         tm = t.get("methods")
         if tm is not None and (not isinstance(tm, list) or not tm or any(m not in methods for m in tm)):
             raise BadInput(f"task {t['id']}: methods must be a non-empty sublist of the config's {methods}; got {tm!r}")
@@ -75,6 +78,8 @@ def validate_context_config(raw) -> dict:
             raise BadInput(f"check.tasks maps a task id ({', '.join(TASKS)}) to overrides among {sorted(TASK_KEYS)}")
     if raw.get("mask_seeds") not in (None, "example", "official"):
         raise BadInput(f"mask_seeds must be example (the default) or official; got {raw.get('mask_seeds')!r}")
+    if not isinstance(raw.get("examples") or {}, dict):
+        raise BadInput("examples is a mapping (a record of what the tasks build: counts and lengths)")
     responses = raw.get("responses") or {}
     if not isinstance(responses, dict) or not all(isinstance(v, str) and v for v in responses.values()):
         raise BadInput("responses must map example ids to non-empty response strings")

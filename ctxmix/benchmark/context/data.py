@@ -1,5 +1,7 @@
 """Offline examples for context attribution's benchmark (docs/context.md, "The benchmark"): needles,
 summaries and documents built from gensim's shipped Lee background news texts, seeded and fixed.
+(Over 500 lines: the three builders, their splits and the fact sets stay together, so one module shows that
+train, validation and test never share a text.)
 
 - **needles** (`needle_examples`): a fact sentence written for the example ("The code for the staff
   entrance is 4817.") inserted at a seeded sentence boundary of news texts joined to a seeded length; the
@@ -12,21 +14,55 @@ summaries and documents built from gensim's shipped Lee background news texts, s
 Lengths are counted by `count_tokens` (a callable str -> int, e.g. a model's tokenizer; default: the
 number of whitespace-separated words): a context is the longest run of whole sentences not over its drawn
 length. An example's id ("needle-3") names the template and the draw, so a config can store its
-response by id. Every draw comes from `random.Random(f"{kind}:{seed}:{i}")`: the same examples on any
-machine and any Python 3.
+response by id. Every draw of the test split comes from `random.Random(f"{kind}:{seed}:{i}")` (other
+splits: `f"{split}:{kind}:{seed}:{i}"`): the same examples on any machine and any Python 3.
+
+**Splits** (`SPLITS`; every builder's `split=`, default "test"): disjoint by source text, so that nothing
+chosen on one split (at2_exact's weights, a default, a threshold) has seen the texts it is measured on.
+
+- **test**: the benchmark's examples (configs/context.yaml). Lee texts of the test split; the facts `NEEDLES`.
+- **validation**: where a default or a hyper-parameter is chosen (bench/at2_eval.py's held-out table, the needle
+  test). Lee texts of the validation split; the facts `VALIDATION_NEEDLES`.
+- **train**: at2_exact's training (`at2_train.training_examples`). The English Wikipedia extract shipped in
+  gensim's test data (`wiki_paragraphs`), less any paragraph sharing a sentence with a Lee text; the facts
+  `TRAIN_NEEDLES`.
+
+Lee texts are split by story (`lee_splits`): texts that share a sentence of at least MIN_SHARED_WORDS words
+(the corpus repeats some stories, whole or in part) form one story, and a story goes whole to one split. A
+story holding a text of `SHIPPED_TEST_TEXTS` is test (the shipped examples stay as they were made); of the
+others, one in VALIDATION_SHARE, by a hash of the story's first text, is validation, the rest test. A split's
+examples draw as the test split always did and skip the texts of other splits: the test examples whose texts
+are all test texts, the shipped ones among them, are unchanged. Non-test draws and ids carry the split's name
+("validation-needle-3", stream "validation:needle:0:3").
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ctxmix.errors import BadInput
 
 SUMMARY_QUERY = "Summarize the article in one sentence."
 MAX_DRAWS = 20  # boundaries drawn for one needle before giving up (`_insert`)
+SPLITS = ("train", "validation", "test")
+MIN_SHARED_WORDS = 5  # texts sharing a sentence this long are one story (shorter ones: "He said." is no story)
+VALIDATION_SHARE = 3  # one story in three, of those no shipped example uses, is validation
+# Lee texts (indices into `ctxmix.data.lee_background()`) that the shipped examples draw sentences from:
+# configs/context.yaml's tasks and check (counted in smollm2's tokens), needle_examples(1, 60, 100, seed=2)
+# (docs/python.md, docs/cli.md) and needle_examples(16, 200, 400, seed=0)[0] in smollm2's tokens (the page
+# test). Their stories stay in the test split, so those examples are what the shipped results were made on.
+SHIPPED_TEST_TEXTS = frozenset(
+    {3, 9, 13, 15, 26, 37, 52, 55, 59, 61, 65, 69, 72, 81, 82, 85, 90, 92, 97, 98, 99, 107, 111, 115, 119, 128}
+    | {131, 141, 145, 150, 156, 158, 161, 175, 177, 178, 182, 186, 191, 197, 199, 200, 205, 206, 207, 210, 214}
+    | {220, 221, 226, 232, 233, 238, 239, 241, 242, 243, 249, 251, 253, 255, 261, 263, 271, 296, 298}
+)
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+MIN_WORDS = 25  # a Wikipedia paragraph kept for training has at least this many words (prose, not lists or captions)
 
 
 @dataclass(frozen=True)
@@ -74,6 +110,72 @@ NEEDLES: tuple[Needle, ...] = (
     Needle("The new bus route number is 738.", "What is the new bus route number?", "738"),
 )
 
+# the validation split's facts: none of them the test split's (NEEDLES) or the training split's (TRAIN_NEEDLES)
+VALIDATION_NEEDLES: tuple[Needle, ...] = (
+    Needle("The gate code for the car park is 6392.", "What is the gate code for the car park?", "6392"),
+    Needle(
+        "The hospital's new surgeon is named Ingrid Halvorsen.",
+        "What is the name of the hospital's new surgeon?",
+        "Halvorsen",
+    ),
+    Needle("The kite festival will take place on 22 August.", "When will the kite festival take place?", "22 August"),
+    Needle("The headmaster's bicycle is painted lime green.", "What colour is the headmaster's bicycle?", "green"),
+    Needle("The farmer's horse is called Thistle.", "What is the farmer's horse called?", "Thistle"),
+    Needle(
+        "The secret ingredient in the cafe's soup is fennel.",
+        "What is the secret ingredient in the cafe's soup?",
+        "fennel",
+    ),
+    Needle(
+        "The hotel's guest network password is redcedar47.", "What is the hotel's guest network password?", "redcedar47"
+    ),
+    Needle(
+        "The stolen bicycle was found in the village of Thornbury.",
+        "In which village was the stolen bicycle found?",
+        "Thornbury",
+    ),
+    Needle(
+        "The orchestra's new violinist also plays the harp.",
+        "Which other instrument does the orchestra's new violinist play?",
+        "harp",
+    ),
+    Needle("The cargo plane is named the Northern Kestrel.", "What is the cargo plane named?", "Kestrel"),
+    Needle("The chess tournament was moved to Hall 309.", "Which hall was the chess tournament moved to?", "309"),
+    Needle("The town's oldest oak tree is 418 years old.", "How old is the town's oldest oak tree?", "418"),
+    Needle("The gardener's favourite flower is the peony.", "What is the gardener's favourite flower?", "peony"),
+    Needle(
+        "The lost wedding ring was found under a bench near Bexley.",
+        "Where was the lost wedding ring found?",
+        "Bexley",
+    ),
+    Needle("The coach of the netball team is Priya Dalton.", "Who is the coach of the netball team?", "Dalton"),
+    Needle("The new train platform number is 19.", "What is the new train platform number?", "19"),
+)
+
+# the training split's facts (at2_exact's training set)
+TRAIN_NEEDLES: tuple[Needle, ...] = (
+    Needle("The password for the archive room is maple731.", "What is the password for the archive room?", "maple731"),
+    Needle("The expedition's cook was a man named Oskar Lind.", "What was the name of the expedition's cook?", "Lind"),
+    Needle(
+        "The observatory opens to visitors on 9 October.", "When does the observatory open to visitors?", "9 October"
+    ),
+    Needle(
+        "The committee's chairwoman drives a green tractor.", "What does the committee's chairwoman drive?", "tractor"
+    ),
+    Needle("The ferry to the island leaves from Pier 52.", "Which pier does the ferry to the island leave from?", "52"),
+    Needle("The old mill's cat is called Pepper.", "What is the old mill's cat called?", "Pepper"),
+    Needle("The professor's favourite fruit is the quince.", "What is the professor's favourite fruit?", "quince"),
+    Needle("The team's mascot is a blue heron named Wade.", "What is the name of the team's mascot?", "Wade"),
+    Needle("The vault combination is 2951.", "What is the vault combination?", "2951"),
+    Needle("The first prize was won by a baker from Dunmore.", "Where was the first prize winner from?", "Dunmore"),
+)
+
+SPLIT_NEEDLES: dict[str, tuple[Needle, ...]] = {
+    "train": TRAIN_NEEDLES,
+    "validation": VALIDATION_NEEDLES,
+    "test": NEEDLES,
+}
+
 
 @dataclass
 class ContextExample:
@@ -101,12 +203,17 @@ def _words(text: str) -> int:
 
 
 def _sentences(text: str) -> list[str]:
+    return list(_split_sentences(text))
+
+
+@lru_cache(maxsize=8192)  # a corpus text is split again by every example that draws it (pysbd: ~10 ms a text)
+def _split_sentences(text: str) -> tuple[str, ...]:
     from ctxmix.methods.context.sources import make_sources
 
     try:
-        return make_sources(text, "sentence").texts
+        return tuple(make_sources(text, "sentence").texts)
     except BadInput:  # one sentence (a short document): make_sources refuses it as a context, not as text here
-        return [text.strip()] if text.strip() else []
+        return (text.strip(),) if text.strip() else ()
 
 
 def _check_lengths(n: int, min_tokens: int, max_tokens: int) -> None:
@@ -133,14 +240,121 @@ def _cut(sentences, low: int, high: int, count: Callable[[str], int]) -> list[st
     return out
 
 
-def _fill(rng: random.Random, low: int, high: int, count: Callable[[str], int]) -> list[str]:
-    """Whole sentences of news texts in a drawn order, from `low` to `high` tokens (`_cut`)."""
+def _fill(rng: random.Random, low: int, high: int, count: Callable[[str], int], split: str) -> list[str]:
+    """Whole sentences of the split's texts in a drawn order, from `low` to `high` tokens (`_cut`). The order
+    is drawn over the whole corpus and the other splits' texts skipped: a test example that drew none of them
+    is the one drawn before the splits existed."""
+    texts, keep = _corpus(split)
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    return _cut((s for t in order if t in keep for s in _sentences(texts[t])), low, high, count)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# splits
+
+
+def normalise(sentence: str) -> str:
+    """A sentence with its whitespace runs made single spaces (how sentences are compared across splits)."""
+    return " ".join(sentence.split())
+
+
+def _long_sentences(text: str) -> set[str]:
+    """The text's sentences of at least MIN_SHARED_WORDS words, normalised."""
+    return {normalise(s) for s in _sentences(text) if len(s.split()) >= MIN_SHARED_WORDS}
+
+
+def _check_split(split) -> None:
+    if split not in SPLITS:
+        raise BadInput(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+
+
+@lru_cache(maxsize=1)
+def wiki_paragraphs() -> tuple[str, ...]:
+    """Prose paragraphs of gensim's shipped English Wikipedia extract (206 pages; markup removed by gensim's
+    `filter_wiki`, lines with leftover markup, lists and headings dropped, at least MIN_WORDS words each)."""
+    import bz2
+    from importlib import resources
+
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = resources.files("gensim") / "test" / "test_data" / WIKI_FILE
+    out = []
+    with bz2.open(str(path)) as f:
+        for _, text, _ in extract_pages(f):
+            for line in filter_wiki(text).replace("'''", "").replace("''", "").splitlines():
+                line = re.sub(r"\s+", " ", line).strip()
+                if len(line.split()) < MIN_WORDS or re.search(r"[|{}\[\]<>=*#]|https?:", line) or line[0] in ":;!":
+                    continue
+                out.append(line)
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def lee_splits() -> tuple[str, ...]:
+    """The split ("validation" or "test") of each Lee text, in `ctxmix.data.lee_background()`'s order: texts
+    sharing a sentence of MIN_SHARED_WORDS words or more are one story (transitively), a story goes whole to one
+    split: test when it holds a text of SHIPPED_TEST_TEXTS, else validation when the sha256 of its first text's
+    UTF-8 is 0 modulo VALIDATION_SHARE, else test."""
     from ctxmix.data import lee_background
 
     texts = lee_background()
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    return _cut((s for t in order for s in _sentences(texts[t])), low, high, count)
+    parent = list(range(len(texts)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, t in enumerate(texts):
+        for s in _long_sentences(t):
+            a, b = root(i), root(first.setdefault(s, i))
+            parent[max(a, b)] = min(a, b)  # a story's root is its first text
+    stories: dict[int, set[int]] = {}
+    for i in range(len(texts)):
+        stories.setdefault(root(i), set()).add(i)
+    split = {}
+    for r, members in stories.items():
+        h = int.from_bytes(hashlib.sha256(texts[r].encode("utf-8")).digest(), "big")
+        split[r] = "test" if members & SHIPPED_TEST_TEXTS or h % VALIDATION_SHARE else "validation"
+    return tuple(split[root(i)] for i in range(len(texts)))
+
+
+@lru_cache(maxsize=len(SPLITS))
+def _corpus(split: str) -> tuple[tuple[str, ...], frozenset[int]]:
+    """(the corpus the split draws from, the indices of the split's texts in it): Lee news for validation and
+    test (`lee_splits`), Wikipedia paragraphs for train, less any that holds a Lee text's sentence of
+    MIN_SHARED_WORDS words or more."""
+    _check_split(split)
+    from ctxmix.data import lee_background
+
+    lee = tuple(lee_background())
+    if split == "train":
+        # a paragraph that has a news sentence among its sentences holds it as a substring (whitespace
+        # normalised): one search of the whole extract per news sentence finds them all, without splitting it
+        paragraphs = wiki_paragraphs()
+        flat = [normalise(p) for p in paragraphs]
+        extract = "\n".join(flat)
+        found = [n for n in set().union(*map(_long_sentences, lee)) if n in extract]
+        return paragraphs, frozenset(i for i, p in enumerate(flat) if not any(n in p for n in found))
+    return lee, frozenset(i for i, s in enumerate(lee_splits()) if s == split)
+
+
+def split_texts(split: str) -> list[str]:
+    """The texts of a split (`SPLITS`), in their corpus's order."""
+    texts, keep = _corpus(split)
+    return [texts[i] for i in sorted(keep)]
+
+
+def _draw(kind: str, split: str, seed: int, i: int) -> random.Random:
+    """Example i's generator: the test split's streams are those of the benchmark before the splits existed."""
+    return random.Random(f"{kind}:{seed}:{i}" if split == "test" else f"{split}:{kind}:{seed}:{i}")
+
+
+def _example_id(name: str, split: str, i: int) -> str:
+    return f"{name}-{i}" if split == "test" else f"{split}-{name}-{i}"
 
 
 def _insert(rng: random.Random, sentences: list[str], fact: str) -> tuple[str, int]:
@@ -163,21 +377,25 @@ def needle_examples(
     max_tokens: int = 400,
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
+    split: str = "test",
 ) -> list[ContextExample]:
-    """n needles: example i uses template NEEDLES[i % len(NEEDLES)], a length drawn uniformly in
-    [min_tokens, max_tokens] for the context (haystack and needle; counted piecewise, so a merge at a
-    join can shift it by a token or two), news texts in a drawn order,
-    the needle at a drawn sentence boundary; gold = [the needle's sentence index]."""
+    """n needles of a split (`SPLITS`): example i uses the split's fact i (`SPLIT_NEEDLES`, cycled), a length
+    drawn uniformly in [min_tokens, max_tokens] for the context (haystack and needle; counted piecewise, so a
+    merge at a join can shift it by a token or two), the split's texts in a drawn order, the needle at a drawn
+    sentence boundary; gold = [the needle's sentence index]."""
     _check_lengths(n, min_tokens, max_tokens)
+    _check_split(split)
     count = count_tokens or _words
+    needles = SPLIT_NEEDLES[split]
     out = []
     for i in range(n):
-        rng = random.Random(f"needle:{seed}:{i}")
-        nd = NEEDLES[i % len(NEEDLES)]
+        rng = _draw("needle", split, seed, i)
+        nd = needles[i % len(needles)]
         extra = count(nd.fact) + 1  # the needle and its space
-        hay = _fill(rng, rng.randint(min_tokens, max_tokens) - extra, max_tokens - extra, count)
+        hay = _fill(rng, rng.randint(min_tokens, max_tokens) - extra, max_tokens - extra, count, split)
         text, gold = _insert(rng, hay, nd.fact)
-        out.append(ContextExample(f"needle-{i}", "needles", text, nd.question, "sentence", [gold], nd.answer))
+        eid = _example_id("needle", split, i)
+        out.append(ContextExample(eid, "needles", text, nd.question, "sentence", [gold], nd.answer))
     return out
 
 
@@ -187,17 +405,26 @@ def summary_examples(
     max_tokens: int = 400,
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
+    split: str = "test",
 ) -> list[ContextExample]:
-    """n summaries: a drawn news text (continued by the next drawn ones when shorter) cut at a sentence end
-    to a drawn length in [min_tokens, max_tokens]; query SUMMARY_QUERY; no gold."""
+    """n summaries of a split (`SPLITS`): a drawn text of the split (continued by the next drawn ones when
+    shorter) cut at a sentence end to a drawn length in [min_tokens, max_tokens]; query SUMMARY_QUERY; no gold."""
     _check_lengths(n, min_tokens, max_tokens)
+    _check_split(split)
     count = count_tokens or _words
     out = []
     for i in range(n):
-        rng = random.Random(f"summary:{seed}:{i}")
-        text = " ".join(_fill(rng, rng.randint(min_tokens, max_tokens), max_tokens, count))
-        out.append(ContextExample(f"summary-{i}", "summaries", text, SUMMARY_QUERY, "sentence"))
+        rng = _draw("summary", split, seed, i)
+        text = " ".join(_fill(rng, rng.randint(min_tokens, max_tokens), max_tokens, count, split))
+        out.append(ContextExample(_example_id("summary", split, i), "summaries", text, SUMMARY_QUERY, "sentence"))
     return out
+
+
+def _within(rng: random.Random, picks: list[int], keep: frozenset[int]) -> list[int]:
+    """`picks` with each text outside the split replaced by a drawn one of the split not yet picked (no draw
+    when all are inside: a test example that picked only test texts is the one picked before the splits)."""
+    spare = sorted(keep - set(picks))
+    return [t if t in keep else spare.pop(rng.randrange(len(spare))) for t in picks]
 
 
 def document_examples(
@@ -207,32 +434,35 @@ def document_examples(
     max_tokens: int = 120,
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
+    split: str = "test",
 ) -> list[ContextExample]:
-    """n examples of `n_documents` news texts as documents (each cut to a drawn length in [min_tokens,
-    max_tokens] at a sentence end), a needle (templates from the end of NEEDLES backwards, so they differ
-    from the needles task's first ones) inserted at a sentence boundary of a drawn document; gold = [that
-    document]."""
+    """n examples of a split (`SPLITS`) of `n_documents` of its texts as documents (each cut to a drawn length
+    in [min_tokens, max_tokens] at a sentence end), a needle (the split's facts from the end backwards, so they
+    differ from its needles task's first ones) inserted at a sentence boundary of a drawn document; gold =
+    [that document]."""
     _check_lengths(n, min_tokens, max_tokens)
+    _check_split(split)
     if isinstance(n_documents, bool) or not isinstance(n_documents, int) or n_documents < 2:
         raise BadInput(
             f"n_documents must be a whole number >= 2 (one document is nothing to compare), got {n_documents!r}"
         )
-    from ctxmix.data import lee_background
-
     count = count_tokens or _words
-    texts = lee_background()
-    n_texts = len(texts)
+    texts, keep = _corpus(split)
+    if n_documents > len(keep):
+        raise BadInput(f"the {split} split has {len(keep)} texts, fewer than n_documents={n_documents}")
+    needles = SPLIT_NEEDLES[split]
     out = []
     for i in range(n):
-        rng = random.Random(f"document:{seed}:{i}")
-        nd = NEEDLES[-1 - i % len(NEEDLES)]
-        picks = rng.sample(range(n_texts), n_documents)
+        rng = _draw("document", split, seed, i)
+        nd = needles[-1 - i % len(needles)]
+        picks = _within(rng, rng.sample(range(len(texts)), n_documents), keep)
         docs = [
             " ".join(_cut(_sentences(texts[t]), rng.randint(min_tokens, max_tokens), max_tokens, count)) for t in picks
         ]
         g = rng.randrange(n_documents)
         docs[g], _ = _insert(rng, _sentences(docs[g]), nd.fact)
-        out.append(ContextExample(f"document-{i}", "documents", docs, nd.question, "document", [g], nd.answer))
+        eid = _example_id("document", split, i)
+        out.append(ContextExample(eid, "documents", docs, nd.question, "document", [g], nd.answer))
     return out
 
 
@@ -360,6 +590,7 @@ def tydiqa_examples(
     ]
 
 
+OFFLINE_TASKS = ("needles", "summaries", "documents")  # built here from shipped texts, split by `SPLITS`
 TASKS: dict[str, Callable[..., list[ContextExample]]] = {
     "needles": needle_examples,
     "summaries": summary_examples,

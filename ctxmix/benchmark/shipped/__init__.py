@@ -53,9 +53,26 @@ def config_sha256(path: str | Path) -> str:
     import yaml
 
     raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    if isinstance(raw, dict) and raw.get("mask_seeds") == "official":
-        raw.pop("mask_seeds")  # it names what a context config computed before the key existed: same identity
+    if isinstance(raw, dict) and raw.get("kind") == "context":
+        raw = _context_identity(raw)
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _context_identity(raw: dict) -> dict:
+    """A context config less what names the computation it made before the key existed (mask_seeds: official;
+    an offline task's split: test, the builders' default) and the `examples` record (counts and lengths of what
+    the tasks build: derived, not chosen)."""
+    from ctxmix.benchmark.context.data import OFFLINE_TASKS
+
+    raw = {k: v for k, v in raw.items() if k != "examples" and not (k == "mask_seeds" and v == "official")}
+    if isinstance(raw.get("tasks"), list):
+        raw["tasks"] = [
+            {k: v for k, v in t.items() if not (k == "split" and v == "test" and t.get("id") in OFFLINE_TASKS)}
+            if isinstance(t, dict)
+            else t
+            for t in raw["tasks"]
+        ]
+    return raw
 
 
 def _kind(json_path: Path) -> str | None:

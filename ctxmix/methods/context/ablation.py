@@ -35,6 +35,7 @@ makes the span more likely (ContextCite's top-k drop with k = 1 on that source).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -133,16 +134,12 @@ def lasso_fit(masks: np.ndarray, y: np.ndarray, n_tokens: int, alpha: float = LA
 
 
 def ablation_sequence_bytes(model: Model, n: int, K: int) -> int:
-    """Bytes one sequence of n tokens holds during an output-only (SDPA) ablation pass that keeps K rows of logits:
-    one layer's transient at a time (the residual stream, its normed copy, q, k, v and the attention output: 6
-    vectors of width d per token; the MLP's hidden activations: 3 of width d' (gate, up, their product); the
-    fused attention kernel's O(n) per head), in the model's dtype; and the kept logits (K, V) in the model's
-    dtype with their float32 copies for the log-softmax (the gathered rows, the scatter's copy: 2 x K x V)."""
-    w = model.widths
-    d, dff, H = w["d"], w["d_ff"], w["heads"]
-    V = int(model.hf.get_output_embeddings().weight.shape[0]) if model.hf.get_output_embeddings() is not None else d
-    elem = torch.finfo(model.dtype).bits // 8
-    return n * (6 * d + 3 * dff + 2 * H) * elem + K * V * (elem + 2 * 4)
+    """Bytes one sequence of n tokens holds during an output-only (SDPA) ablation pass that keeps K rows of logits
+    (`ctxmix.engine.memory.ablation_sequence_bytes`: one layer's activations and the kept logits with their
+    float32 copies; nothing of n x n)."""
+    from ctxmix.engine import memory
+
+    return memory.ablation_sequence_bytes(memory.widths_of(model), n, K)
 
 
 def ablation_batch_size(model: Model, n: int, K: int, most: int) -> int:
@@ -177,7 +174,10 @@ def response_logit_probs(
     cache = {"use_cache": False} if accepts(hf, "use_cache") else {}
     out = np.empty((len(seqs), T), dtype=np.float64)
     longest = max(len(q) for q in seqs)
-    kept = min(longest, longest - min(len(q) for q in seqs) + T + 1) if can_keep else longest  # most rows kept
+    if _head_reads_base(hf):  # the head runs on the T response rows only (`_response_rows_only`)
+        kept = T
+    else:
+        kept = min(longest, longest - min(len(q) for q in seqs) + T + 1) if can_keep else longest  # most rows kept
     batch_size = ablation_batch_size(model, longest, kept, batch_size)
     done = 0
     with output_only(model):
@@ -204,22 +204,62 @@ def _batch_logit_probs(model: Model, seqs: list[list[int]], response_ids: list[i
     # An all-ones mask also lets SDPA run its causal kernel with no (B, n, n) mask.
     mask = torch.ones((len(seqs), width), dtype=torch.long)
     pos = torch.arange(width).expand(len(seqs), -1)
+    wanted = torch.stack([torch.arange(n - T - 1, n - 1) for n in lens]).to(model.device)  # (B, T) response rows
     K = width - min(lens) + T + 1  # the kept rows cover every sequence's response rows
-    logits = hf(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        position_ids=pos.to(model.device),
-        **({"logits_to_keep": K} if can_keep else {}),
-        **cache,
-    ).logits
-    first = width - logits.shape[1]  # the position of the first kept row
-    rows = torch.stack([torch.arange(n - T - 1, n - 1) - first for n in lens]).to(logits.device)  # (B, T)
-    z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+    gathered: list[bool] = []
+    hook = (
+        head_input.register_forward_hook(partial(_response_rows_only, wanted, gathered))
+        if (head_input := _head_input(hf)) is not None
+        else None
+    )
+    try:
+        logits = hf(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            position_ids=pos.to(model.device),
+            **({"logits_to_keep": 0 if hook is not None else K} if can_keep else {}),
+            **cache,
+        ).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    if gathered and logits.shape[1] == T:  # the head ran on the response rows only: (B, T, V)
+        z = logits
+    else:
+        first = width - logits.shape[1]  # the position of the first kept row
+        rows = (wanted - first).to(logits.device)
+        z = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
     z = z if z.dtype == torch.float64 else z.float()  # log-softmax and sums in float32 at least (bf16 models too)
     r = torch.tensor(response_ids, device=z.device).expand(len(seqs), T)[..., None]
     correct = z.gather(-1, r)[..., 0]
     other = z.scatter(-1, r, -torch.inf).logsumexp(-1)
     return (correct - other).double().cpu().numpy()
+
+
+def _head_input(hf) -> torch.nn.Module | None:
+    """The module whose last hidden states the LM head reads (the decoder: OPT's `model.decoder`, Llama's
+    `model`), when it is a separate module a hook can cut to some rows; None otherwise."""
+    try:
+        dec = hf.get_decoder()
+    except (AttributeError, NotImplementedError):
+        dec = getattr(hf, "base_model", None)
+    return dec if isinstance(dec, torch.nn.Module) and dec is not hf else None
+
+
+def _head_reads_base(hf) -> bool:
+    return _head_input(hf) is not None
+
+
+def _response_rows_only(rows: torch.Tensor, done: list, module, args, out):
+    """A forward hook on the base model: its last hidden states (B, n, d) cut to each sequence's response rows
+    `rows` (B, T) before the LM head reads them, so the head forms B x T x V logits, not B x K x V over the
+    padded window K (which the ablations' different lengths widen to hundreds of rows)."""
+    h = getattr(out, "last_hidden_state", None)
+    if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[0] != rows.shape[0]:
+        return None
+    out.last_hidden_state = h.gather(1, rows.to(h.device)[..., None].expand(-1, -1, h.shape[-1]))
+    done.append(True)
+    return out
 
 
 def _passes(model, builder, prompts, response_ids, batch_size, progress, desc) -> tuple[np.ndarray, float]:

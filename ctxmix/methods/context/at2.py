@@ -197,10 +197,10 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
 
 def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
     """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file; uniform
-    1/(L H) instead where that file's held-out table shows its trained weights of `kind` below uniform ones,
-    said in the info's "note"), a path, or "untrained" (uniform 1/(L H)). Raises BadInput, naming the training
-    command, when the model has no shipped weights and none are given, and when the file's shape or kinds do not
-    fit the model."""
+    1/(L H) instead where that file's held-out table, built on the validation split (`heldout_texts`), shows its
+    trained weights of `kind` below uniform ones, said in the info's "note"), a path, or "untrained" (uniform
+    1/(L H)). Raises BadInput, naming the training command, when the model has no shipped weights and none are
+    given, and when the file's shape or kinds do not fit the model."""
     if kind not in KINDS:
         raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
     L, H = model.n_layers, model.n_heads
@@ -230,12 +230,22 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
         worse = _below_uniform(meta, kind)
         if worse is not None:  # the default follows the shipped held-out evidence, and says so
             note = (
-                f"at2_exact ({kind}): the shipped trained weights scored below uniform weights on held-out texts "
-                f"(LDS {worse[0]:.3f} against {worse[1]:.3f}), so uniform weights are used; "
+                f"at2_exact ({kind}): the shipped trained weights scored below uniform weights on "
+                f"{heldout_texts(meta)} (LDS {worse[0]:.3f} against {worse[1]:.3f}), so uniform weights are used; "
                 f"at2_weights='{path}' forces the trained ones"
             )
             return uniform_weights(L, H), {"weights": "untrained (auto)", "kind": kind, "note": note}
     return ws[kind], {"weights": how, "kind": kind, "trained_on": meta.get("model")}
+
+
+def heldout_texts(meta: dict) -> str:
+    """Which texts a weights file's held-out table (bench/at2_eval.py) was built on: the validation split of the
+    context benchmark's data (`ctxmix.benchmark.context.data`), or, for a table that names no split, the
+    needles and summaries drawn before the splits existed, which overlap the benchmark's test examples."""
+    split = (meta.get("heldout") or {}).get("split")
+    if split is None:
+        return "held-out texts that overlap the benchmark's test examples (a table built before the splits)"
+    return f"the {split} split's texts"
 
 
 def _below_uniform(meta: dict, kind: str) -> tuple[float, float] | None:

@@ -25,6 +25,7 @@ import numpy as np
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 from ctxmix.methods.context.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE
+from ctxmix.methods.memory import check_memory
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -451,6 +452,18 @@ def attribute_context(
             f"the prompt has {len(prompt.ids)} tokens, over {model.name}'s window of {window} positions: "
             "shorten the context"
         )
+    # refused before any forward pass (the generation's included) when the estimate exceeds what the devices give
+    n_response = max_new_tokens if response is None else len(model.tokenizer(response)["input_ids"])
+    check_memory(
+        model,
+        len(prompt.ids) + n_response,
+        call="attribute_context",
+        methods=methods,
+        n_response=n_response,
+        n_ablations=n_ablations,
+        batch_size=batch_size,
+        n_sources=len(src.spans),
+    )
     resp = make_response(model, builder, src, prompt, response, max_new_tokens, progress)
     P, T = len(prompt.ids), len(resp.ids)
     if P + T > window:

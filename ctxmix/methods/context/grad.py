@@ -47,9 +47,9 @@ from ctxmix.engine.models import Model
 def gradient_attention(model: Model, n: int) -> str:
     """ "eager" where its backward's attention probabilities (L x H x n^2 in the model's dtype, counted twice:
     the softmax's output and its float32 copy on some families) fit in half of the memory budget, else "sdpa"."""
-    H, L = model.n_heads, model.n_layers
-    elem = torch.finfo(model.dtype).bits // 8
-    return "eager" if 2 * L * H * n * n * elem <= memory_budget(model.device) // 2 else "sdpa"
+    from ctxmix.engine.memory import kept_attention_bytes, widths_of
+
+    return "eager" if 2 * kept_attention_bytes(widths_of(model), n) <= memory_budget(model.device) // 2 else "sdpa"
 
 
 def response_log_probs(model: Model, E: torch.Tensor, P: int, response_ids: list[int]) -> torch.Tensor:

@@ -218,7 +218,7 @@ def decompose_rows(
     own = dict.fromkeys(want, 0.0) | sw.seconds()  # read once, after the loop
     out: dict = {"shared_seconds": own.pop("shared")}
     if logit_like:
-        emb = (tr.hidden[0][Q] * R).sum(-1).double()  # the predicted position's own embedding, at column q_t
+        emb = (tr.hidden[0][Q].to(R) * R).sum(-1).double()  # the predicted position's own embedding, at column q_t
         terms = {"attention_bias": attn_bias, "mlp": mlp, **top_terms}
         for m, M in (("logit", per_logit), ("alti_logit", acc)):
             if m not in want:
