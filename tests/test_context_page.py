@@ -593,8 +593,8 @@ def test_page_on_smollm2_with_a_needle(_env):
 )
 def test_page_on_gemma3_with_a_needle(_env):
     """The page on the second embedded decoder (a base model: the plain prompt, its query ending in an answer
-    cue) with a needle and its answer given ("4817.", gemma3's own greedy answer to it): the needle sentence is
-    the top source of logit."""
+    cue) with a needle and its answer text given as the response: the needle sentence is the top source of
+    logit."""
     from test_gemma3 import ANSWER_CUE, gemma3_needles
 
     from ctxmix.methods.context.sources import make_sources

@@ -132,10 +132,10 @@ def test_every_scope_reconstructs_on_the_real_weights(gemma3):
 
 
 def gemma3_needles(count_tokens) -> list:
-    """The needle examples this check explains, from this one call (repoint it, to a seed or a split of the
-    needle test's own, and nothing else here changes: the answers are generated, not stored): 200-300-token
-    shipped news texts with a fact inserted."""
-    return needle_examples(3, 200, 300, seed=0, count_tokens=count_tokens)
+    """The needle examples this check explains, from this one call (repoint it and nothing else here changes:
+    the answers are generated, not stored): the validation split's needles, as smollm2's needle test, in
+    200-300-token shipped news texts, none of whose sentences is in the benchmark's test examples."""
+    return needle_examples(3, 200, 300, seed=0, count_tokens=count_tokens, split="validation")
 
 
 ANSWER_CUE = "\nAnswer:"  # a base model: the plain prompt ("Context: ...\n\nQuery: ...") ends with an answer cue
@@ -155,9 +155,9 @@ def test_gemma3_finds_the_needle(gemma3):
     """gemma3 answers each needle question with the fact, and the needle's sentence ranks first for
     contextcite (32 ablations), as on smollm2 (tests/test_context_needles.py), and for logit. alti_logit, the
     one-pass method of smollm2's check, is left out here (its trace costs as much as a needle's ContextCite):
-    measured here on needle_examples(6, 200, 300, seed=0), contextcite and logit rank the needle first in 6 of
-    6, alti_logit in 3 of 6 (second in the other 3; on smollm2's needles first in 10 of 10), attention in 2 of
-    6: a conclusion that does not carry over whole to the second family."""
+    measured here on the benchmark's former seed-0 needles (6, 200-300 tokens), contextcite and logit rank the
+    needle first in 6 of 6, alti_logit in 3 of 6 (second in the other 3; on smollm2's needles first in 10 of
+    10), attention in 2 of 6: a conclusion that does not carry over whole to the second family."""
     tok = gemma3.tokenizer
     examples = gemma3_needles(lambda t: len(tok(t, add_special_tokens=False)["input_ids"]))
     ranks: dict[str, list[int]] = {"contextcite": [], "logit": []}
