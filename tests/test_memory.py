@@ -212,16 +212,15 @@ def test_the_ablation_batch_in_the_estimate_is_the_one_the_passes_use(tokenizer,
         tokenizer, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
     )
     n, T = 300, 5
-    per = ablation.ablation_sequence_bytes(model, n, T)
-    assert per == acct.ablation_sequence_bytes(acct.widths_of(model), n, T)
+    S = n // mem.TOKENS_PER_SOURCE  # the longest ablated prompt of a ContextCite batch: 1/2 + 2 sd kept
+    width = min(n, T + int(n * (0.5 + S**-0.5)))
+    per = ablation.ablation_sequence_bytes(model, width, T)
+    assert per == acct.ablation_sequence_bytes(acct.widths_of(model), width, T)
     for room in (1, 3, 8):
         monkeypatch.setattr(ablation, "memory_budget", lambda device, room=room: room * per)
         monkeypatch.setattr(mem, "_sizing_budget", lambda engine, room=room: room * per)
         est = ctxmix.estimate_memory(model, n, call="attribute_context", methods=["contextcite"], n_response=T)
-        S = n // mem.TOKENS_PER_SOURCE  # the longest ablated prompt of a ContextCite batch: 1/2 + 2 sd kept
-        width = min(n, T + int(n * (0.5 + S**-0.5)))
-        held = acct.ablation_sequence_bytes(acct.widths_of(model), width, T)
-        assert est.parts["cpu"]["ablation batch"] == ablation.ablation_batch_size(model, n, T, 8) * held
+        assert est.parts["cpu"]["ablation batch"] == ablation.ablation_batch_size(model, width, T, 8) * per
 
 
 def test_ctxmix_estimate_prints_the_estimate(tmp_path, capsys):

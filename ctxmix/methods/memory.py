@@ -396,7 +396,7 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
         # in a chunk of `step`; the frontier is the few states above the threshold (ROUTES_TARGETS); at
         # Llama-3-8B's widths and 2k tokens a step is one target anyway (1 GiB a copy)
         work["chunk temporaries"] = ("engine", 2 * min(step, ROUTES_TARGETS) * n * W.H * W.d * W.w)
-        work["routes' per-target importances (one layer)"] = ("engine", 2 * n * n * W.H * W.w)
+        work["routes' per-target importances (one layer)"] = ("engine", 2 * ROUTES_TARGETS * n * W.H * W.w)
     if n_maps:  # the maps come back as float64 numpy arrays: on the host
         on_device = ("engine", acct.maps_bytes(W, n, n_maps, 4 if W.w <= 4 else 8))
         returned = ("host", acct.maps_bytes(W, n, n_maps, 8))
@@ -464,14 +464,14 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
     if any(m in methods for m in ABLATION_METHODS):
         from ctxmix.engine.budget import CPU_MAX_BATCH, CUDA_MAX_BATCH
 
-        per = acct.ablation_sequence_bytes(W, n, T)  # the head reads the T response rows only
-        most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
-        B = int(max(1, min(most, sizing // max(1, per))))  # the batch `ablation_batch_size` picks
-        # ...of ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each of S sources with
-        # probability 1/2, so the longest of a batch holds about 1/2 + 2 sd = 1/2 + 1/sqrt(S) of the prompt
+        # ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each of S sources with probability
+        # 1/2, so the longest holds about 1/2 + 2 sd = 1/2 + 1/sqrt(S) of the prompt
         S = n_sources or max(1, n // TOKENS_PER_SOURCE)
         width = n if "leave_one_out" in methods else min(n, T + int(n * (0.5 + S**-0.5)))
-        phases.append({"ablation batch": ("layers", B * acct.ablation_sequence_bytes(W, width, T))})
+        per = acct.ablation_sequence_bytes(W, width, T)  # the head reads the T response rows only
+        most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
+        B = int(max(1, min(most, sizing // max(1, per))))  # the batch `ablation_batch_size` picks for them
+        phases.append({"ablation batch": ("layers", B * per)})
     return phases or [{}]
 
 
