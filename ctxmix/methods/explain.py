@@ -189,12 +189,14 @@ def _encoder_only_methods(methods) -> None:
         )
 
 
-def _trace_one(model: Model, text, input_ids, token_type_ids, segments, layers: bool = True) -> Trace:
+def _trace_one(
+    model: Model, text, input_ids, token_type_ids, segments, layers: bool = True, memory_call: str | None = None
+) -> Trace:
     """The trace of one text, pair, or id list (with its segments / token types); layers=False: the
-    logits only (`trace_ids`)."""
+    logits only (`trace_ids`). memory_call: the call whose memory estimate is checked before the pass."""
     e = encode_one(model, text if input_ids is None else input_ids, token_type_ids, segments, ids=input_ids is not None)
-    if layers:
-        check_memory(model, len(e.ids), call="scope_maps")
+    if memory_call is not None:
+        check_memory(model, len(e.ids), call=memory_call)
     return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
 
 
@@ -521,5 +523,5 @@ def scope_maps(
 
     precision = resolve_precision(model, precision)
     _check_call(res2, None, {})
-    tr = _trace_one(model, text, input_ids, token_type_ids, segments)
+    tr = _trace_one(model, text, input_ids, token_type_ids, segments, memory_call="scope_maps")
     return scope_layer_maps(tr, res2=res2, precision=precision)

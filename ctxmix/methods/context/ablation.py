@@ -174,7 +174,7 @@ def response_logit_probs(
     cache = {"use_cache": False} if accepts(hf, "use_cache") else {}
     out = np.empty((len(seqs), T), dtype=np.float64)
     longest = max(len(q) for q in seqs)
-    if _head_reads_base(hf):  # the head runs on the T response rows only (`_response_rows_only`)
+    if _head_input(hf) is not None:  # the head runs on the T response rows only (`_response_rows_only`)
         kept = T
     else:
         kept = min(longest, longest - min(len(q) for q in seqs) + T + 1) if can_keep else longest  # most rows kept
@@ -244,10 +244,6 @@ def _head_input(hf) -> torch.nn.Module | None:
     except (AttributeError, NotImplementedError):
         dec = getattr(hf, "base_model", None)
     return dec if isinstance(dec, torch.nn.Module) and dec is not hf else None
-
-
-def _head_reads_base(hf) -> bool:
-    return _head_input(hf) is not None
 
 
 def _response_rows_only(rows: torch.Tensor, done: list, module, args, out):
