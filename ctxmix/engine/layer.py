@@ -416,21 +416,20 @@ def ff_pieces_factorised(
     ar = torch.arange(c, device=rows.device)
     aT = st.alpha[:, :, rows].permute(0, 3, 2, 1).contiguous()  # (B, n, c, H)
 
-    def project(G, W):  # (B, n, c, d') = pieces @ W, in (j, i) order
+    def project(G, W, weight):  # (B, n, c, d') = (pieces @ W) / s * weight, in (j, i) order
         P = torch.matmul(aT, G)
         P[:, rows, ar] += xg @ W
-        return P.div_(s.view(B, 1, c, 1))
+        # one pass over the (n, c, d') product, not two: 1 / s folded into the (c, d') weight
+        return P.mul_((weight / s.view(B, c, 1)).unsqueeze(1))
 
     if lw.gated:
         up = st.u_up[:, rows]
         I1, I2 = layer_gated_ig_weights(lw, st, rows, cache, gated_nodes)
-        hT = project(cache["G"][0], lw.Wg).mul_((up * I1).unsqueeze(1)) + project(cache["G"][1], lw.Wu).mul_(
-            I2.unsqueeze(1)
-        )
+        hT = project(cache["G"][0], lw.Wg, up * I1).add_(project(cache["G"][1], lw.Wu, I2))
         hb = (b @ lw.Wg + lw.bg) * up * I1 + (b @ lw.Wu + lw.bu) * I2
     else:
         r = ig_ratio(st.u[:, rows], lw.act)
-        hT = project(cache["G"][0], lw.W1).mul_(r.unsqueeze(1))
+        hT = project(cache["G"][0], lw.W1, r)
         hb = (b @ lw.W1 + lw.b1) * r
     return big_matmul(hT, lw.W2, precision).transpose(1, 2), hb @ lw.W2 + lw.b2
 
@@ -789,21 +788,32 @@ def value_zeroing_columns(
     else:
         prep = prep if prep is not None else value_zeroing_prepare(lw, st, precision)
         norm = prep["norm"]
-        removed = torch.matmul(alT, prep["f"][:, cols])  # (B, c, m, d)
-        h = st.r1[:, first:].unsqueeze(1) - removed  # residual stream after attention, v_t zeroed
-        s = norm.scale(h)  # (B, c, m, 1)
-        us = [
-            torch.matmul(alT, Bh[:, cols]).neg_().add_(A[:, first:].unsqueeze(1)).div_(s).add_(const)
-            for A, Bh, const in prep["proj"]
-        ]
-        inner = lw.act(us[0]) * us[1] if lw.gated else lw.act(us[0])
+        # residual stream after attention, v_t zeroed: r1 - alpha f (one product, the subtraction in its epilogue)
+        h = _minus_product(st.r1[:, first:], alT, prep["f"][:, cols])  # (B, c, m, d)
+        s = norm.fused_scale(h)  # (B, c, m, 1)
+        # u = (A - alpha B) / s + const: fused steps, because on c x m x d' tensors each pass costs as
+        # much memory traffic as a share of the W_2 product's arithmetic
+        us = [torch.addcdiv(const, _minus_product(A[:, first:], alT, Bh[:, cols]), s) for A, Bh, const in prep["proj"]]
+        inner = lw.act(us[0]).mul_(us[1]) if lw.gated else lw.act(us[0])
+        del us
         if precision == "bf16":
             real = lw.act(st.u[:, first:]) * st.u_up[:, first:] if lw.gated else lw.act(st.u[:, first:])
             ff = big_matmul(inner - real.unsqueeze(1), lw.W2, precision).add_(st.ff[:, first:].unsqueeze(1))
         else:
-            ff = inner @ lw.W2 + lw.b2
-        y = lw.ln2(norm.decompose_bias(h, s) + ff) if lw.position == "post" else h + ff
+            ff = torch.matmul(inner, lw.W2)
+            if lw.b2 is not None:
+                ff.add_(lw.b2)
+        del inner
+        y = lw.ln2.fused(ff.add_(norm.fused(h))) if lw.position == "post" else ff.add_(h)
     cos = torch.nn.functional.cosine_similarity(y.double(), st.y[:, first:].double().unsqueeze(1), dim=-1)
     # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
     out[:, :, first:] = (1.0 - cos).clamp(min=0.0) * (alT != 0).any(-1)
     return out  # (B, c zeroed, n outputs)
+
+
+def _minus_product(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """base (B, m, k) broadcast over c, less a (B, c, m, H) @ b (B, c, H, k): (B, c, m, k), as one batched
+    product whose epilogue adds the (copied) base, instead of a product, a negation and an addition."""
+    B, c, m, H = a.shape
+    out = base.unsqueeze(1).expand(B, c, m, b.shape[-1]).reshape(B * c, m, b.shape[-1])
+    return torch.baddbmm(out, a.reshape(B * c, m, H), b.reshape(B * c, H, -1), alpha=-1).view(B, c, m, -1)
