@@ -38,41 +38,55 @@ SPLIT = "validation"  # where a default is chosen: never the benchmark's test sp
 def table(examples: list[dict], weights: dict[str, np.ndarray]) -> list[dict]:
     from ctxmix.benchmark.context.metrics import lds, recall_at
     from ctxmix.methods.context.ablation import aggregate
-    from ctxmix.methods.context.at2 import KINDS
 
     rows = []
-    for kind in KINDS:
-        for trained in (False, True):
-            w = _weights(weights, kind, trained)
-            ld = {"needles": [], "summaries": []}
-            rec = []
-            for e in examples:
-                s = e[f"features_{kind}"][0].astype(np.float64) @ w  # (d,)
-                measured = aggregate(e["logit_probs"])
-                v = lds(s, e["masks"], measured)
-                ld[e["meta"]["kind"]].append(v)
-                if e["meta"]["gold"]:
-                    rec.append(recall_at(s, e["meta"]["gold"], 1))
-            allv = [x for v in ld.values() for x in v if not math.isnan(x)]
-            se = float(np.std(allv, ddof=1) / math.sqrt(len(allv))) if len(allv) > 1 else math.nan
-            rows.append(
-                {
-                    "features": kind,
-                    "weights": "trained" if trained else "untrained",
-                    "lds": float(np.mean(allv)) if allv else math.nan,
-                    "lds_se": se,
-                    "lds_needles": float(np.nanmean(ld["needles"])) if ld["needles"] else math.nan,
-                    "lds_summaries": float(np.nanmean(ld["summaries"])) if ld["summaries"] else math.nan,
-                    "recall@1_needles": float(np.mean(rec)) if rec else math.nan,
-                    "n": len(allv),
-                }
-            )
+    for kind, trained in _estimators(weights):
+        w = _weights(weights, kind, trained)
+        ld = {"needles": [], "summaries": []}
+        rec = []
+        for e in examples:
+            s = _features(e, kind)[0] @ w  # (d,)
+            measured = aggregate(e["logit_probs"])
+            v = lds(s, e["masks"], measured)
+            ld[e["meta"]["kind"]].append(v)
+            if e["meta"]["gold"]:
+                rec.append(recall_at(s, e["meta"]["gold"], 1))
+        allv = [x for v in ld.values() for x in v if not math.isnan(x)]
+        se = float(np.std(allv, ddof=1) / math.sqrt(len(allv))) if len(allv) > 1 else math.nan
+        rows.append(
+            {
+                "features": kind,
+                "weights": "trained" if trained else "untrained",
+                "lds": float(np.mean(allv)) if allv else math.nan,
+                "lds_se": se,
+                "lds_needles": float(np.nanmean(ld["needles"])) if ld["needles"] else math.nan,
+                "lds_summaries": float(np.nanmean(ld["summaries"])) if ld["summaries"] else math.nan,
+                "recall@1_needles": float(np.mean(rec)) if rec else math.nan,
+                "n": len(allv),
+            }
+        )
     return rows
 
 
 def _weights(weights: dict[str, np.ndarray], kind: str, trained: bool) -> np.ndarray:
-    K = len(next(iter(weights.values())))
+    K = len(weights[kind])
     return weights[kind] if trained else np.full(K, 1.0 / K)
+
+
+def _estimators(weights: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
+    """(kind, trained) rows: every single kind untrained and trained, "combined" trained only (it has no
+    untrained form) when the weights file holds it."""
+    from ctxmix.methods.context.at2 import COMBINED, KINDS
+
+    rows = [(k, t) for k in KINDS for t in (False, True)]
+    return rows + ([(COMBINED, True)] if COMBINED in weights else [])
+
+
+def _features(e: dict, kind: str) -> np.ndarray:
+    """(U, d, K) float64: an example's unit features for an estimator (the four kinds stacked for "combined")."""
+    from ctxmix.methods.context.at2 import estimator_kinds, stacked_features
+
+    return stacked_features({k: e[f"features_{k}"] for k in estimator_kinds(kind)}, kind).astype(np.float64)
 
 
 def topk_drops(model, exs, examples: list[dict], weights: dict[str, np.ndarray], ks=(1, 3)) -> dict:
@@ -81,25 +95,24 @@ def topk_drops(model, exs, examples: list[dict], weights: dict[str, np.ndarray],
     distinct mask of an example once."""
     from ctxmix.benchmark.context.metrics import topk_drop, without_top
     from ctxmix.methods.context.ablation import log_probs, response_logit_probs
-    from ctxmix.methods.context.at2 import KINDS
     from ctxmix.methods.context.prompt import PromptBuilder
     from ctxmix.methods.context.sources import make_sources
 
-    out: dict = {(k, t): {kk: [] for kk in ks} for k in KINDS for t in ("untrained", "trained")}
+    rows = [(k, "trained" if t else "untrained") for k, t in _estimators(weights)]
+    out: dict = {row: {kk: [] for kk in ks} for row in rows}
     for ex, e in zip(exs, examples):
         src = make_sources(ex.context, ex.sources)
         builder = PromptBuilder(model, ex.query)
         d = len(src)
         masks = {np.ones(d, bool).tobytes(): np.ones(d, bool)}
         want = {}
-        for kind in KINDS:
-            for t in ("untrained", "trained"):
-                s = e[f"features_{kind}"][0].astype(np.float64) @ _weights(weights, kind, t == "trained")
-                for kk in ks:
-                    if kk < d:
-                        mk = without_top(s, kk)
-                        masks.setdefault(mk.tobytes(), mk)
-                        want[(kind, t, kk)] = mk.tobytes()
+        for kind, t in rows:
+            s = _features(e, kind)[0] @ _weights(weights, kind, t == "trained")
+            for kk in ks:
+                if kk < d:
+                    mk = without_top(s, kk)
+                    masks.setdefault(mk.tobytes(), mk)
+                    want[(kind, t, kk)] = mk.tobytes()
         keys = list(masks)
         lp = response_logit_probs(model, [builder.ids(src.rebuild(masks[k])) for k in keys], list(e["response_ids"]))
         logp = dict(zip(keys, log_probs(lp)))

@@ -233,8 +233,9 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "A ⟨W_O^h(W_V^h n(x_j) + b_V^h), ρ_t⟩ (head h's share of the `logit` method), `alti` the per-head ALTI "
         "proximity (as routes). w trained as AT2: −Pearson over 32 removal ablations per example, Adam, cosine, "
         "L1-normalised.",
-        "options": "`at2_features` ('logit', 'attn', 'norm', 'alti'); `at2_weights` (None: the weights shipped "
-        "for the model, uniform where their held-out table scores the trained ones lower, with a warning; a file "
+        "options": "`at2_features` ('logit', 'attn', 'norm', 'alti', 'combined': trained weights only); "
+        "`at2_weights` (None: the weights shipped for the model, uniform where their held-out table scores the "
+        "trained ones lower, with a warning; a file "
         "from `ctxmix at2-train --model M --out DIR`; 'untrained': uniform 1/(L·H)).",
         "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 only, trained on 56 "
         "examples: on held-out texts they help raw attention (LDS 0.64 → 0.81) but not the exact features, and "

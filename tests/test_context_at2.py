@@ -294,3 +294,62 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
     assert "overlap the benchmark's test examples" in at2.resolve_weights(m, "logit", None)[1]["note"]
     at2.save_weights(p, w, L, H, {"model": m.name, "heldout": {"rows": rows, "split": "validation"}})
     assert "on the validation split's texts (LDS 0.600" in at2.resolve_weights(m, "logit", None)[1]["note"]
+
+
+def test_combined_scores_are_the_sum_of_the_kinds(tokenizer, tmp_path):
+    """at2_features="combined" with w = (w_attn, w_norm, w_logit, w_alti) scores sum_k w_k . F_k: its per_token
+    equals the sum of the four single-kind estimators run with their own slices (float64 model, the same features
+    of the same full trace: rounding ~1e-16 x 4 L H terms)."""
+    m = tiny_model("llama", tokenizer)
+    L, H = len(m.layers), m.layers[0].n_heads
+    rng = np.random.default_rng(1)
+    w = {k: rng.normal(size=L * H) for k in at2.KINDS}
+    w[at2.COMBINED] = np.concatenate([w[k] for k in at2.KINDS])
+    p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": "tiny-llama"})
+    ca = _ca(m, ["at2_exact"], at2_features="combined", at2_weights=p)
+    ids, P, _ = _rows(ca)
+    want = sum(at2.run_at2(m, ids, P, k, w[k])["per_token"] for k in at2.KINDS)
+    scale = np.abs(want).max()
+    assert np.allclose(ca.per_token["at2_exact"], want, rtol=0, atol=1e-12 * scale)
+    assert ca.options["at2"]["kind"] == "combined"
+
+
+def test_combined_weights_are_checked(tokenizer, tmp_path):
+    """No untrained form; a file without combined weights, or with the wrong length, is refused by name."""
+    m = tiny_model("llama", tokenizer)
+    L, H = len(m.layers), m.layers[0].n_heads
+    with pytest.raises(BadInput, match="no untrained form"):
+        at2.resolve_weights(m, "combined", "untrained")
+    p = at2.save_weights(tmp_path / "w.npz", {k: np.ones(L * H) for k in at2.KINDS}, L, H, {})
+    with pytest.raises(BadInput, match="no 'combined' weights.*ctxmix at2-train"):
+        at2.resolve_weights(m, "combined", p)
+    p = at2.save_weights(tmp_path / "short.npz", {"combined": np.ones(L * H)}, L, H, {})
+    with pytest.raises(BadInput, match=f"not {4 * L * H}"):
+        at2.resolve_weights(m, "combined", p)
+
+
+def test_combined_fit_scales_each_kind():
+    """Two kinds whose raw features differ by 1e4 in scale, labels planted on both: the combined fit (each kind
+    divided by its RMS, the scales folded back) predicts with the planted weights' correlation, and its weights
+    score the raw features; fitting the raw concatenation instead (scales 1) stays far from it in 1000 steps."""
+    rng = np.random.default_rng(0)
+    N, U, d, m, K = 120, 1, 8, 32, 6
+    examples = []
+    for _ in range(N):
+        feats = {k: rng.normal(size=(U, d, K)) * (1e4 if k == "logit" else 1.0) for k in at2.KINDS}
+        masks = rng.random((m, d)) < 0.5
+        examples.append({**{f"features_{k}": v.astype(np.float32) for k, v in feats.items()}, "masks": masks})
+    w_star = {k: rng.normal(size=K) / (1e4 if k == "logit" else 1.0) for k in at2.KINDS}
+    for e in examples:
+        pm = 2.0 * e["masks"] - 1.0
+        y = sum(pm @ e[f"features_{k}"][0].astype(np.float64) @ w_star[k] for k in at2.KINDS)
+        # labels are logit P per unit: aggregate(lp) of one token with l = y gives y back
+        e["logit_probs"] = y[:, None] + 0.01 * rng.normal(size=(m, 1))
+        e["units"] = np.array([[0, 1]])
+    w, _ = at2_train.fit_kind(examples, "combined", steps=1000)
+    assert w.shape == (4 * K,) and np.abs(w).sum() == pytest.approx(1.0)
+    star = np.concatenate([w_star[k] for k in at2.KINDS])
+    Xt = np.concatenate([rng.normal(size=(500, K)) * (1e4 if k == "logit" else 1.0) for k in at2.KINDS], axis=1)
+    assert np.corrcoef(Xt @ w, Xt @ star)[0, 1] > 0.99
+    raw = at2_train.fit(at2_train.fit_data(examples, "combined"), steps=1000)["w"]
+    assert np.corrcoef(Xt @ raw, Xt @ star)[0, 1] < 0.9

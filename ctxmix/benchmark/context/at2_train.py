@@ -48,7 +48,7 @@ from ctxmix.benchmark.context.data import (
     split_texts,
 )
 from ctxmix.errors import BadInput
-from ctxmix.methods.context.at2 import KINDS
+from ctxmix.methods.context.at2 import COMBINED, ESTIMATORS, KINDS, estimator_kinds, stacked_features
 
 BATCH = 512  # AT2's batch: examples per step, drawn without replacement
 
@@ -236,13 +236,32 @@ class FitData:
     y: list[np.ndarray]
 
 
-def fit_data(examples: list[dict], kind: str) -> FitData:
-    """AT2's mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v)."""
+def kind_scales(examples: list[dict], kind: str) -> np.ndarray:
+    """(K,) the divisor of each feature for fitting `kind`: 1 for a single kind (AT2's raw features); for
+    "combined", each kind's RMS over every example's (unit, source, head) features, so that the four kinds enter
+    the fit on one scale (their raw values differ by orders of magnitude: attention in [0, 1], logit
+    contributions in nats)."""
+    kinds = estimator_kinds(kind)
+    if kind != COMBINED:
+        return np.ones(examples[0][f"features_{kind}"].shape[-1]) if examples else np.ones(0)
+    parts = []
+    for k in kinds:
+        sq = np.concatenate([e[f"features_{k}"].astype(np.float64).ravel() ** 2 for e in examples])
+        rms = float(np.sqrt(sq.mean())) if sq.size else 1.0
+        parts.append(np.full(examples[0][f"features_{k}"].shape[-1], rms if rms > 0 else 1.0))
+    return np.concatenate(parts)
+
+
+def fit_data(examples: list[dict], kind: str, scales: np.ndarray | None = None) -> FitData:
+    """AT2's mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v);
+    f the kind's features (for "combined", the four kinds' concatenated), divided by `scales` (K,) if given."""
     from ctxmix.methods.context.ablation import aggregate
 
     Xs, ys = [], []
     for e in examples:
-        f = e[f"features_{kind}"].astype(np.float64)  # (U, d, K)
+        f = stacked_features({k: e[f"features_{k}"] for k in estimator_kinds(kind)}, kind).astype(np.float64)
+        if scales is not None:
+            f = f / scales  # (U, d, K)
         pm = 2.0 * e["masks"].astype(np.float64) - 1.0  # (m, d)
         Xs.append(np.einsum("md,udk->umk", pm, f).astype(np.float32))
         ys.append(np.stack([aggregate(e["logit_probs"][:, a:b]) for a, b in e["units"]]).astype(np.float32))
@@ -283,6 +302,15 @@ def fit(data: FitData, steps: int = 1000, lr: float = 1e-3, batch: int = BATCH, 
     return {"w": wf, "loss_start": losses[0], "loss_final": losses[-1], "losses": losses}
 
 
+def fit_kind(data: list[dict], kind: str, steps: int = 1000, seed: int = 0) -> tuple[np.ndarray, dict]:
+    """(w, {"start", "final"} losses) for one estimator: AT2's fit on the kind's features, scaled per kind for
+    "combined" and the scales folded back into w (so that scoring is w . f on the raw features), L1-normalised."""
+    scales = kind_scales(data, kind)
+    r = fit(fit_data(data, kind, scales), steps=steps, seed=seed)
+    w = r["w"] / scales
+    return w / max(np.abs(w).sum(), 1e-300), {"start": r["loss_start"], "final": r["loss_final"]}
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -312,10 +340,8 @@ def train(
     build_s = time.perf_counter() - t0
     data = load_set(paths)
     weights, losses = {}, {}
-    for k in KINDS:
-        r = fit(fit_data(data, k), steps=steps, seed=seed)
-        weights[k] = r["w"]
-        losses[k] = {"start": r["loss_start"], "final": r["loss_final"]}
+    for k in ESTIMATORS:
+        weights[k], losses[k] = fit_kind(data, k, steps, seed)
     L, H = model.n_layers, model.n_heads
     meta = {
         "model": model.name,

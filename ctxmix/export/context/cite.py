@@ -34,7 +34,7 @@ TEXT_WIDTH = (40, 100)  # a source's text is cut to the terminal's width, within
 def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     """The options after `model_args` (cli.py gives --model, --device, --dtype, --precision): one flag per
     option of `attribute_context` (and of `attribute_contexts` for --batch)."""
-    from ctxmix.methods.context.at2 import KINDS
+    from ctxmix.methods.context.at2 import ESTIMATORS
     from ctxmix.methods.context.onepass import TARGETS
     from ctxmix.methods.registry import CONTEXT_METHODS
 
@@ -104,7 +104,7 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="reproduce the official ContextCite package (context and query only)",
     )
-    s.add_argument("--at2-features", choices=KINDS, default="logit", help="at2_exact's features (default logit)")
+    s.add_argument("--at2-features", choices=ESTIMATORS, default="logit", help="at2_exact's features (default logit)")
     s.add_argument(
         "--at2-weights",
         default=None,

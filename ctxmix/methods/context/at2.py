@@ -21,6 +21,9 @@ w in R^{L H}, no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_e
 sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens of the per-source sums
 (`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
 
+"combined": all four kinds at once, w in R^{4 L H} (a trained combination of exact features; it has no untrained
+form, and it costs F-alti's full trace).
+
 Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for smollm2
 ship with the package (ctxmix/methods/context/at2_weights/). Scores are scale-free (the weights are L1-normalised).
 """
@@ -39,6 +42,11 @@ from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
 KINDS = ("attn", "norm", "logit", "alti")
+# every kind at once: w in R^{4 L H} over the four kinds' features (kind-major), trained on the same examples
+# with each kind's features divided by their RMS over the training set (the kinds' scales differ by orders of
+# magnitude; the scales are folded back into the stored weights, so scoring is sum_k w_k . F_k)
+COMBINED = "combined"
+ESTIMATORS = (*KINDS, COMBINED)  # what at2_features takes
 DEFAULT_KIND = "logit"
 SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (attribution.py reads it)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
@@ -128,15 +136,29 @@ def head_features(
 def weighted_features(
     model: Model, tr, rows: list[int], targets: list[int], kind: str, w: np.ndarray, target: str = "log_prob"
 ) -> np.ndarray:
-    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j), accumulated one layer at a time (never (T, L, H, n))."""
+    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j) (for "combined", summed over the four kinds too),
+    accumulated one layer at a time (never (T, L, H, n))."""
     L, H = model.n_layers, model.n_heads
-    W = torch.tensor(np.asarray(w, dtype=np.float64).reshape(L, H))
+    kinds = estimator_kinds(kind)
+    W = torch.tensor(np.asarray(w, dtype=np.float64).reshape(len(kinds), L, H))
     acc = None
-    for l, feats in _layers(model, tr, rows, targets, (kind,), target):
-        F = feats[kind].double()
-        part = torch.einsum("thn,h->tn", F, W[l].to(F.device))
-        acc = part if acc is None else acc + part
+    for l, feats in _layers(model, tr, rows, targets, kinds, target):
+        for i, k in enumerate(kinds):
+            F = feats[k].double()
+            part = torch.einsum("thn,h->tn", F, W[i, l].to(F.device))
+            acc = part if acc is None else acc + part
     return acc.cpu().numpy()
+
+
+def estimator_kinds(kind: str) -> tuple[str, ...]:
+    """The feature kinds an estimator reads: all four for "combined", else the one."""
+    return KINDS if kind == COMBINED else (kind,)
+
+
+def stacked_features(features: dict[str, np.ndarray], kind: str) -> np.ndarray:
+    """An estimator's features from {kind: (..., L H)} arrays: the kind's own, or for "combined" the four kinds
+    concatenated on the last axis (kind-major, as the combined weights are stored)."""
+    return np.concatenate([features[k] for k in estimator_kinds(kind)], axis=-1)
 
 
 def source_matrix(source_tokens: list[list[int]], n: int) -> np.ndarray:
@@ -192,7 +214,7 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
     with np.load(p, allow_pickle=False) as z:
         L, H = (int(x) for x in z["shape"])
         meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-        return {k: z[k].astype(np.float64) for k in z.files if k in KINDS}, (L, H), meta
+        return {k: z[k].astype(np.float64) for k in z.files if k in ESTIMATORS}, (L, H), meta
 
 
 def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
@@ -201,10 +223,15 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
     trained weights of `kind` below uniform ones, said in the info's "note"), a path, or "untrained" (uniform
     1/(L H)). Raises BadInput, naming the training command, when the model has no shipped weights and none are
     given, and when the file's shape or kinds do not fit the model."""
-    if kind not in KINDS:
-        raise BadInput(f"at2_features must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind not in ESTIMATORS:
+        raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)}, got {kind!r}")
     L, H = model.n_layers, model.n_heads
     if isinstance(weights, str) and weights == "untrained":
+        if kind == COMBINED:
+            raise BadInput(
+                "at2_features='combined' has no untrained form (its weights mix four kinds of different scales): "
+                "use the shipped or your trained weights, or one kind with at2_weights='untrained'"
+            )
         return uniform_weights(L, H), {"weights": "untrained", "kind": kind}
     if weights is None:
         path = shipped_weights_path(model.name)
@@ -225,7 +252,13 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
             f"the AT2 weights in {str(path)!r} are for {shape[0]} layers x {shape[1]} heads; {model.name} has {L} x {H}"
         )
     if kind not in ws:
-        raise BadInput(f"the AT2 weights in {str(path)!r} hold no {kind!r} weights (they hold {', '.join(ws)})")
+        raise BadInput(
+            f"the AT2 weights in {str(path)!r} hold no {kind!r} weights (they hold {', '.join(ws)}); "
+            f"train them with `{TRAIN_COMMAND.format(model=model.name)}`"
+        )
+    want = len(estimator_kinds(kind)) * L * H
+    if len(ws[kind]) != want:
+        raise BadInput(f"the {kind!r} weights in {str(path)!r} have {len(ws[kind])} values, not {want}")
     if weights is None:
         worse = _below_uniform(meta, kind)
         if worse is not None:  # the default follows the shipped held-out evidence, and says so
@@ -267,12 +300,13 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     from ctxmix.methods.context.onepass import _trace
     from ctxmix.methods.prediction import check_logit_model
 
-    if kind == "logit":
+    if kind in ("logit", COMBINED):
         check_logit_model(model, "logit")
     t0 = time.perf_counter()
     T = len(ids) - P
     rows = list(range(P - 1, P - 1 + T))
-    tr = _trace(model, ids, rows, None, full=kind == "alti")  # F-alti reads every row; the others the response's
+    # F-alti (alone or in the combination) reads every row; the others the response's
+    tr = _trace(model, ids, rows, None, full=kind in ("alti", COMBINED))
     per_token = weighted_features(model, tr, rows, list(ids[P:]), kind, w, target)
     cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
     # no explained quantity: the per-token total of the estimator, so `buckets` add up to it

@@ -366,9 +366,9 @@ def attribute_context(
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
-    "logit" (default), "attn", "norm" or "alti"; at2_weights None (the weights shipped for the model, or
-    uniform ones where their held-out table scores the trained ones lower, with a warning), a file
-    from `ctxmix at2-train`, or "untrained" (uniform)).
+    "logit" (default), "attn", "norm", "alti" or "combined" (all four, trained weights only); at2_weights None
+    (the weights shipped for the model, or uniform ones where their held-out table scores the trained ones
+    lower, with a warning), a file from `ctxmix at2-train`, or "untrained" (uniform)).
 
     compat=True reproduces the official ContextCite package (context/query form only): the prompt, the
     generated response and every ablation are built from the official rebuild of the context, which keeps
@@ -454,11 +454,12 @@ def attribute_context(
         )
     # refused before any forward pass (the generation's included) when the estimate exceeds what the devices give
     n_response = max_new_tokens if response is None else len(model.tokenizer(response)["input_ids"])
+    full_at2 = at2_features in ("alti", "combined")  # F-alti reads a full trace: counted as alti_logit's (a bound)
     check_memory(
         model,
         len(prompt.ids) + n_response,
         call="attribute_context",
-        methods=methods,
+        methods=[("alti_logit" if m == "at2_exact" and full_at2 else m) for m in methods],
         n_response=n_response,
         n_ablations=n_ablations,
         batch_size=batch_size,
