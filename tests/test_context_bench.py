@@ -62,7 +62,7 @@ def test_bad_input():
 
 def test_shipped_config_is_valid():
     cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml")
-    assert {t["id"] for t in cfg["tasks"]} == {"needles", "summaries", "documents"}  # the offline ones
+    assert {t["id"] for t in cfg["tasks"]} == set(cd.OFFLINE_TASKS)  # the offline ones, long contexts included
     # the shipped numbers were computed with the official seeds (the same masks for every example): pinned until
     # they are regenerated, so the shipped check reproduces them
     assert cfg["mask_seeds"] == "official"
@@ -411,3 +411,115 @@ def test_the_page_default_is_the_best_one_pass_method_of_the_shipped_results():
     best = lds.groupby("method")["mean"].mean().idxmax()
     page = (root / "pages" / "0_Context_attribution.py").read_text()
     assert re.search(r'^ONE_PASS_DEFAULT = "(\w+)"', page, re.M).group(1) == best
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the long task, a base model's prompt (configs/context-gemma3.yaml)
+
+
+def test_long_examples_alternate_needles_and_summaries_on_draws_of_their_own():
+    a = cd.long_examples(3, 1000, 1500, seed=0)
+    assert [e.id for e in a] == ["long-needle-0", "long-summary-0", "long-needle-1"]
+    assert [vars(e) for e in a] == [vars(e) for e in cd.long_examples(3, 1000, 1500, seed=0)]
+    assert all(1000 <= len(e.context.split()) <= 1500 for e in a)  # default count: whitespace words
+    for e, nd in zip(a[::2], cd.NEEDLES):
+        sents = make_sources(e.context, "sentence").texts
+        assert sents[e.gold[0]] == nd.fact and e.answer == nd.answer and e.query == nd.question
+    assert a[1].query == cd.SUMMARY_QUERY and a[1].gold == [] and a[1].answer is None
+    # not the needles (summaries) task's examples at these lengths: their draws differ
+    assert a[0].context != cd.needle_examples(1, 1000, 1500, seed=0)[0].context
+    assert a[1].context != cd.summary_examples(1, 1000, 1500, seed=0)[0].context
+    assert cd.TASKS["long"] is cd.long_examples and "long" in cd.OFFLINE_TASKS
+
+
+def test_a_base_models_answer_is_cut_at_its_first_sentence_or_line():
+    # gemma3 (a base model) never ends its answer: it goes on with news text or another "Query:"
+    assert cb.cut_at_stop(" 4817. A rare calm in the territories", "sentence") == " 4817."
+    assert cb.cut_at_stop(" 4817. A rare calm in the territories", "line") == " 4817. A rare calm in the territories"
+    assert cb.cut_at_stop(" Clara Voss.\n\nQuery: What is", "sentence") == " Clara Voss."
+    assert cb.cut_at_stop(" Clara Voss\nQuery: What is", "line") == " Clara Voss"
+    assert cb.cut_at_stop(" The U.S. envoy met Dr. Smith on Monday. Then", "sentence") == (
+        " The U.S. envoy met Dr. Smith on Monday."
+    )
+    assert cb.cut_at_stop("no end", "sentence") == "no end" and cb.cut_at_stop("a. b", None) == "a. b"
+    assert cd.first_sentence("738. The bus runs daily.") == "738."  # not a numbered list's "1. "
+
+
+def test_the_configs_prompt_keys_reach_the_prompt_and_the_response(tokenizer, monkeypatch):
+    """template, query_suffix (a base model's answer cue), stop and at2_weights: the prompt generate_response
+    builds, the generated text cut, and the same query, template and weights passed to attribute_context."""
+    from ctxmix.methods.context import prompt as cp
+
+    llama = tiny_model("llama", tokenizer)
+    cfg = {**_config({}), "template": "plain", "query_suffix": "\nAnswer:", "stop": "sentence"}
+    cfg["at2_weights"] = "untrained"
+    ex = cd.needle_examples(1, 30, 50, seed=0)[0]
+    seen = {}
+
+    def fake_response(model, builder, src, prompt, response, max_new_tokens, progress):
+        seen.update(query=builder.query, kind=builder.kind, text=builder.text(builder.full(src)))
+        return type("R", (), {"text": f" {ex.answer}. And then the news goes on.\nQuery: more"})()
+
+    monkeypatch.setattr(cp, "make_response", fake_response)
+    text, n_prompt, n_sources = cb.generate_response(llama, cfg, ex)
+    assert text == f" {ex.answer}." and seen["query"] == ex.query + "\nAnswer:" and seen["kind"] == "plain"
+    assert seen["text"].endswith(ex.query + "\nAnswer:") and n_sources == len(make_sources(ex.context).texts)
+    got = {}
+
+    def fake_attribute(model, context, query, **kw):
+        got.update(query=query, **kw)
+        return type("CA", (), {"response": "nothing"})()  # lacks the answer: dropped before evaluate
+
+    rec = cb._one_example(llama, cfg, ["logit"], ex, None, {}, False, fake_attribute)
+    assert rec["dropped"] and got["response"] == f" {ex.answer}." and got["template"] == "plain"
+    assert got["query"] == ex.query + "\nAnswer:" and got["at2_weights"] == "untrained"
+    with pytest.raises(BadInput, match="stop must be"):
+        cb.validate_context_config({**cfg, "stop": "\n"})
+    with pytest.raises(BadInput, match="template must be"):
+        cb.validate_context_config({**cfg, "template": "base"})
+    with pytest.raises(BadInput, match="query_suffix"):
+        cb.validate_context_config({**cfg, "query_suffix": ""})
+
+
+class _WordModel:
+    """A stand-in with a tokenizer that counts words: the example ids a config builds do not depend on it."""
+
+    @staticmethod
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": text.split()}
+
+
+@pytest.mark.parametrize("name", ["context.yaml", "context-gemma3.yaml"])
+def test_every_example_of_the_context_configs_has_its_stored_response(name):
+    """Run and check examples alike (`--check-sizes --limit 2`), so a run explains stored text only; the long
+    task's recorded lengths lie in [1,000, 4,000] tokens of the config's model (tests/test_context_splits.py
+    recomputes the record) and the long task is not in the check."""
+    from ctxmix.benchmark import shipped
+
+    cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / name)
+    keys = [
+        cb.example_key(e, check)
+        for check in (False, True)
+        for t in cb.run_tasks(cfg, check)
+        for e in cb.task_examples(t, _WordModel, shipped.CHECK_LIMIT if check else None)
+    ]
+    assert len(keys) == len(set(keys)) and sorted(cfg["responses"]) == sorted(keys)
+    assert [k for k in keys if k.startswith("long")] == [
+        "long-needle-0",
+        "long-summary-0",
+        "long-needle-1",
+        "long-summary-1",
+    ]
+    lo, _, hi = cfg["examples"]["tasks"]["long"]["context_tokens"]
+    assert 1000 <= lo and hi <= 4000 and cfg["examples"]["check"]["long"] == {"n": 0}
+
+
+def test_the_gemma3_config_is_the_smollm2_benchmark_on_a_base_model():
+    """configs/context-gemma3.yaml: the same tasks and methods as configs/context.yaml, on gemma3 with the plain
+    prompt, an answer cue and the first sentence of each response; per-example mask seeds (the default)."""
+    root = cb.Path(cb.__file__).parents[1] / "configs"
+    a, b = (cb.load_context_config(root / n) for n in ("context.yaml", "context-gemma3.yaml"))
+    assert b["model"] == "gemma3" and b["template"] == "plain" and b["query_suffix"] == "\nAnswer:"
+    assert b["stop"] == "sentence" and "mask_seeds" not in b and b["at2_weights"] == "untrained"
+    same = ("methods", "n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate", "tasks", "check")
+    assert {k: a[k] for k in same} == {k: b[k] for k in same}

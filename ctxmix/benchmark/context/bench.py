@@ -22,7 +22,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ctxmix.benchmark.context.data import OFFLINE_TASKS, SPLITS, TASKS, ContextExample, contains_answer
+from ctxmix.benchmark.context.data import (
+    OFFLINE_TASKS,
+    SPLITS,
+    TASKS,
+    ContextExample,
+    contains_answer,
+    first_sentence,
+)
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -41,6 +48,10 @@ CONFIG_KEYS = {
     "responses",
     "check",
     "examples",
+    "template",
+    "query_suffix",
+    "stop",
+    "at2_weights",
 }
 TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents", "methods", "split", "query"}
 CHECK_KEYS = {"tasks", "evaluate", "max_new_tokens"}
@@ -78,6 +89,15 @@ def validate_context_config(raw) -> dict:
             raise BadInput(f"check.tasks maps a task id ({', '.join(TASKS)}) to overrides among {sorted(TASK_KEYS)}")
     if raw.get("mask_seeds") not in (None, "example", "official"):
         raise BadInput(f"mask_seeds must be example (the default) or official; got {raw.get('mask_seeds')!r}")
+    if raw.get("template") not in (None, "chat", "plain"):
+        what = raw["template"]
+        raise BadInput(f"template must be chat or plain (default: chat where the model has one); got {what!r}")
+    if "query_suffix" in raw and (not isinstance(raw["query_suffix"], str) or not raw["query_suffix"]):
+        raise BadInput(f"query_suffix must be a non-empty string; got {raw['query_suffix']!r}")
+    if raw.get("stop") not in (None, "line", "sentence"):
+        raise BadInput(f"stop must be line or sentence (where a generated response is cut); got {raw['stop']!r}")
+    if "at2_weights" in raw and (not isinstance(raw["at2_weights"], str) or not raw["at2_weights"]):
+        raise BadInput(f"at2_weights is a file path or untrained; got {raw['at2_weights']!r}")
     if not isinstance(raw.get("examples") or {}, dict):
         raise BadInput("examples is a mapping (a record of what the tasks build: counts and lengths)")
     responses = raw.get("responses") or {}
@@ -285,15 +305,19 @@ def _one_example(
 ) -> dict:
     """One example attributed and (unless dropped) evaluated: {response, dropped, rows, check}. A stored response
     that lacks the needle's answer is dropped before any pass."""
+    if response is None and config.get("stop"):  # generated here, cut at the stop text, then explained
+        response = generate_response(model, config, ex)[0]
     if response is not None and ex.answer is not None and not contains_answer(response, ex.answer):
         return {"response": response, "dropped": True, "rows": [], "check": []}
     ca = attribute(
         model,
         ex.context,
-        ex.query,
+        example_query(config, ex),
         response=response,
         sources=ex.sources,
         methods=methods,
+        template=config.get("template"),
+        at2_weights=config.get("at2_weights"),  # None: the model's shipped weights
         max_new_tokens=int(config.get("max_new_tokens", 64)),
         n_ablations=int(config.get("n_ablations", 32)),
         seed=int(config.get("seed", 0)),
@@ -398,29 +422,57 @@ def cmd_context_bench(args) -> None:
         print(f"wrote {p}")
 
 
-def generate_responses(config: dict, model, *, check: bool = False, limit: int | None = None, log=None) -> dict:
-    """Every example's greedy response, as `attribute_context` would generate it (same prompt, same
-    `max_new_tokens`, end-of-sequence dropped), with no attribution: {key: response}. `check`: the check
-    sizes' examples ("check/..." keys). Cheap next to a run: one generation per example."""
+def example_query(config: dict, ex: ContextExample) -> str:
+    """The query an example is asked with: its own, then the config's `query_suffix` (a base model's answer
+    cue, "\nAnswer:"; part of the query, never a source)."""
+    return ex.query + config.get("query_suffix", "")
+
+
+def cut_at_stop(text: str, stop: str | None) -> str:
+    """A generated response cut where a base model's answer ends (it never emits end-of-sequence: it goes on
+    with more news text or another "Query:"): stop "line", the text up to its first line break; "sentence",
+    its first sentence (ctxmix's sentence splitter, which also breaks at a line break); None, the whole text.
+    Leading whitespace is kept (the response's own first token)."""
+    lead = len(text) - len(text.lstrip())
+    body = text[lead:]
+    if stop == "line":
+        body = body.split("\n", 1)[0]
+    elif stop == "sentence":
+        body = first_sentence(body)
+    return text[:lead] + body
+
+
+def generate_response(model, config: dict, ex: ContextExample) -> tuple[str, int, int]:
+    """(response, prompt tokens, sources) of one example: greedy, as `attribute_context` would generate it (the
+    same prompt and `max_new_tokens`, end-of-sequence dropped), cut at the config's `stop`."""
     from ctxmix.methods.context.prompt import PromptBuilder, make_response
     from ctxmix.methods.context.sources import make_sources
 
+    src = make_sources(ex.context, ex.sources)
+    builder = PromptBuilder(model, example_query(config, ex), config.get("template"), False)
+    prompt = builder.encode(src)
+    resp = make_response(model, builder, src, prompt, None, int(config.get("max_new_tokens", 64)), False)
+    return cut_at_stop(resp.text, config.get("stop")), len(prompt.ids), len(src)
+
+
+def generate_responses(
+    config: dict, model, *, check: bool = False, limit: int | None = None, log=None, skip=frozenset()
+) -> dict:
+    """Every example's greedy response (`generate_response`), with no attribution: {key: response}. `check`:
+    the check sizes' examples ("check/..." keys); `skip`: keys left out (responses already stored). Cheap next
+    to a run: one generation per example."""
     config = with_check(validate_context_config(config), check)
     out = {}
     for task in run_tasks(config, check):
         for ex in task_examples(task, model, limit):
-            src = make_sources(ex.context, ex.sources)
-            builder = PromptBuilder(model, ex.query, None, False)
-            prompt = builder.encode(src)
-            resp = make_response(model, builder, src, prompt, None, int(config.get("max_new_tokens", 64)), False)
             key = example_key(ex, check)
-            out[key] = resp.text
+            if key in skip:
+                continue
+            text, n_prompt, n_sources = generate_response(model, config, ex)
+            out[key] = text
             if log is not None:
-                ok = ex.answer is None or contains_answer(resp.text, ex.answer)
-                log(
-                    f"{key}: {len(prompt.ids)} prompt tokens, {len(src)} sources, "
-                    f"{'' if ok else 'DROPPED '}{resp.text!r}"
-                )
+                ok = ex.answer is None or contains_answer(text, ex.answer)
+                log(f"{key}: {n_prompt} prompt tokens, {n_sources} sources, {'' if ok else 'DROPPED '}{text!r}")
     return out
 
 

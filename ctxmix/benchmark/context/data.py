@@ -10,6 +10,8 @@ train, validation and test never share a text.)
   the article in one sentence." (the CNN/DM setting); no gold source.
 - **documents** (`document_examples`): five news texts as documents (sources="document"), a needle
   inserted in one of them at a sentence boundary; gold = that document.
+- **long** (`long_examples`): needles and summaries in turn at 1,000-4,000 tokens (draws of their own), where
+  one-pass methods are measured against ContextCite's 32 ablations on long contexts.
 
 Lengths are counted by `count_tokens` (a callable str -> int, e.g. a model's tokenizer; default: the
 number of whitespace-separated words): a context is the longest run of whole sentences not over its drawn
@@ -39,6 +41,7 @@ are all test texts, the shipped ones among them, are unchanged. Non-test draws a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import re
 from collections.abc import Callable
@@ -196,6 +199,15 @@ class ContextExample:
 def contains_answer(response: str, answer: str) -> bool:
     """Whether `answer` appears in `response`, case folded, not inside a longer word or number."""
     return re.search(rf"(?<!\w){re.escape(answer.casefold())}(?!\w)", response.casefold()) is not None
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of an answer `text` as the sentence sources split it (the whole text when it is one).
+    Split after a word ("Answer: "), as the answer is read, so one that opens with a number ("4817. A rare
+    calm ...") is not taken for a numbered list's "1. " (pysbd keeps such an item with what follows)."""
+    head = "Answer: "
+    first = _sentences(head + text)[0][len(head) :]
+    return first if first.strip() and text.startswith(first) else text
 
 
 def _words(text: str) -> int:
@@ -378,23 +390,25 @@ def needle_examples(
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
     split: str = "test",
+    *,
+    name: str = "needle",
 ) -> list[ContextExample]:
     """n needles of a split (`SPLITS`): example i uses the split's fact i (`SPLIT_NEEDLES`, cycled), a length
     drawn uniformly in [min_tokens, max_tokens] for the context (haystack and needle; counted piecewise, so a
     merge at a join can shift it by a token or two), the split's texts in a drawn order, the needle at a drawn
-    sentence boundary; gold = [the needle's sentence index]."""
+    sentence boundary; gold = [the needle's sentence index]. name: the ids' and draws' name ("needle-3")."""
     _check_lengths(n, min_tokens, max_tokens)
     _check_split(split)
     count = count_tokens or _words
     needles = SPLIT_NEEDLES[split]
     out = []
     for i in range(n):
-        rng = _draw("needle", split, seed, i)
+        rng = _draw(name, split, seed, i)
         nd = needles[i % len(needles)]
         extra = count(nd.fact) + 1  # the needle and its space
         hay = _fill(rng, rng.randint(min_tokens, max_tokens) - extra, max_tokens - extra, count, split)
         text, gold = _insert(rng, hay, nd.fact)
-        eid = _example_id("needle", split, i)
+        eid = _example_id(name, split, i)
         out.append(ContextExample(eid, "needles", text, nd.question, "sentence", [gold], nd.answer))
     return out
 
@@ -406,18 +420,40 @@ def summary_examples(
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
     split: str = "test",
+    *,
+    name: str = "summary",
 ) -> list[ContextExample]:
     """n summaries of a split (`SPLITS`): a drawn text of the split (continued by the next drawn ones when
-    shorter) cut at a sentence end to a drawn length in [min_tokens, max_tokens]; query SUMMARY_QUERY; no gold."""
+    shorter) cut at a sentence end to a drawn length in [min_tokens, max_tokens]; query SUMMARY_QUERY; no gold.
+    name: the ids' and draws' name ("summary-3")."""
     _check_lengths(n, min_tokens, max_tokens)
     _check_split(split)
     count = count_tokens or _words
     out = []
     for i in range(n):
-        rng = _draw("summary", split, seed, i)
+        rng = _draw(name, split, seed, i)
         text = " ".join(_fill(rng, rng.randint(min_tokens, max_tokens), max_tokens, count, split))
-        out.append(ContextExample(_example_id("summary", split, i), "summaries", text, SUMMARY_QUERY, "sentence"))
+        out.append(ContextExample(_example_id(name, split, i), "summaries", text, SUMMARY_QUERY, "sentence"))
     return out
+
+
+def long_examples(
+    n: int,
+    min_tokens: int = 1000,
+    max_tokens: int = 4000,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+    split: str = "test",
+) -> list[ContextExample]:
+    """n long contexts of a split (`SPLITS`), needles and summaries in turn ("long-needle-0", "long-summary-0",
+    "long-needle-1", ...): `needle_examples` and `summary_examples` at these lengths, on draws of their own
+    (streams "long-needle:{seed}:{i}", "long-summary:{seed}:{i}"), so a long example is no other task's example
+    at another length. A long summary's context is several news texts in a row (the test split's longest text has
+    559 words), the query still SUMMARY_QUERY."""
+    _check_lengths(n, min_tokens, max_tokens)
+    needles = needle_examples((n + 1) // 2, min_tokens, max_tokens, seed, count_tokens, split, name="long-needle")
+    summaries = summary_examples(n // 2, min_tokens, max_tokens, seed, count_tokens, split, name="long-summary")
+    return [e for pair in itertools.zip_longest(needles, summaries) for e in pair if e is not None]
 
 
 def _within(rng: random.Random, picks: list[int], keep: frozenset[int]) -> list[int]:
@@ -590,11 +626,12 @@ def tydiqa_examples(
     ]
 
 
-OFFLINE_TASKS = ("needles", "summaries", "documents")  # built here from shipped texts, split by `SPLITS`
+OFFLINE_TASKS = ("needles", "summaries", "documents", "long")  # built here from shipped texts, split by `SPLITS`
 TASKS: dict[str, Callable[..., list[ContextExample]]] = {
     "needles": needle_examples,
     "summaries": summary_examples,
     "documents": document_examples,
+    "long": long_examples,
     "cnn_dm": cnn_dm_examples,
     "hotpotqa": hotpotqa_examples,
     "tydiqa": tydiqa_examples,
