@@ -116,8 +116,11 @@ def main(argv=None) -> None:
     model = ctxmix.load_model(a.model)
     tok = model.tokenizer
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    exs = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
-    exs += summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    needles = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    summaries = summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    # alternating, so that a run stopped early has both kinds
+    exs = [e for pair in zip(needles, summaries) for e in pair]
+    exs += needles[len(summaries) :] + summaries[len(needles) :]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "examples.jsonl"
