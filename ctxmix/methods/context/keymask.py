@@ -31,9 +31,10 @@ attention to them. A positive rescaling of the target does not change a ranking,
 than ContextCite's logit P(span) matters only through the latter's non-linearity.
 
 Spans: per-token rows would need T backward passes (one per response token) or one batched backward
-(`torch.autograd.grad(..., is_grads_batched=True)`, the same T backwards' work); measured on smollm2 they take
-far more than 1/8 of ContextCite's 32 ablations (docs/context.md, "Key-mask gradient"), so only the whole
-response is scored, and `scores_for` on a sub-span refuses (`check_whole_response`).
+(`torch.autograd.grad(..., is_grads_batched=True)`, the same T backwards' work, slower here); measured on
+smollm2 with T = 32 (bench/keymask_cost.py, one CPU thread): 57 s and 741 s at 408 and 1,492 context tokens,
+against ContextCite-32's 24 s and 193 s and one backward's 3.5 s and 27 s (docs/context.md, "Key-mask
+gradient"). So only the whole response is scored, and `scores_for` on a sub-span refuses (`check_whole_response`).
 
 Attention: the gate runs inside the model's own attention function, registered with transformers'
 AttentionInterface as `KEYMASK_EAGER` (the family's eager function, `ctxmix.engine.rows.family_eager`, with
