@@ -225,6 +225,38 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["grad_x_input"])\n'
         'ca.cost["grad_x_input"]  # forward 1, backward T, seconds, attention',
     },
+    "key_mask_grad": {
+        "paper": "Attribution patching (Neel Nanda 2023; Syed, Rager, Conmy 2023) of the attention-masking ablation "
+        "of Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with Attention* (AT2), "
+        "arXiv 2504.13752, 2025; ctxmix.",
+        "formula": "Gates a_s multiply the unnormalised attention weights exp(score) of source s's keys in every "
+        "layer and head (an additive bias log a_s after any soft-cap, with the causal / window mask); a_s = 0 is "
+        "AT2's masking ablation (no query attends s), a = 1 the model. score_s = ∂ log P(response) / ∂a_s at "
+        "a = 1 = Σ_{j ∈ s} ∂ log P / ∂b_j, log P = Σ_t log p(r_t); −score_s is the first-order prediction of "
+        "log P(response | s masked) − log P(response).",
+        "options": "none (SDPA with the bias in an extra query/key column where eager attention's n × n "
+        "probabilities would not fit the memory budget; soft-capped families stay eager).",
+        "caveats": "The counterfactual masks attention to the source; ContextCite and the metrics remove its text "
+        "and re-tokenise (positions move). Whole response only: `scores_for` on a sub-span refuses (per-token "
+        "rows would take T backward passes; see Context attribution). The per-key derivatives sum to 0 over all "
+        "positions (softmax shift), so `terms['first_order_gap']` = log P closes the buckets.",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["key_mask_grad"])\n'
+        'ca.cost["key_mask_grad"]  # forward 1, backward 1, seconds, attention',
+    },
+    "key_mask_ig": {
+        "paper": "Integrated gradients (Mukund Sundararajan, Ankur Taly, Qiqi Yan, ICML 2017) along AT2's "
+        "attention-masking path (Cohen-Wang, Chuang, Mądry 2025); ctxmix.",
+        "formula": "score_s = (1/K) Σ_k ∂ log P / ∂a_s at a = α_k·1 (every source's gate at α_k, template, query, "
+        "separators and response never gated), α_k = (k − ½)/K: a K-point midpoint Riemann integrated gradient "
+        "from every source masked (a = 0) to none (a = 1). Σ_s score_s → log P(all kept) − log P(all sources "
+        "masked) as K grows.",
+        "options": "`key_mask_levels`: K (default 4) or a list of levels in (0, 1].",
+        "caveats": "K forward and K backward passes, plus one forward pass with every source masked "
+        "(`terms['all_sources_masked']`; `terms['integration_error']` is the Riemann error). Whole response only. "
+        "Masking, not removal (as key_mask_grad).",
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["key_mask_ig"], key_mask_levels=8)\n'
+        'ca.buckets("key_mask_ig")  # sources + all_sources_masked + integration_error = log P',
+    },
     "at2_exact": {
         "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
         "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix.",

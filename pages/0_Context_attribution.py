@@ -133,7 +133,8 @@ methods = st.multiselect(  # its own full-width row, chips named by the method a
     list(CONTEXT_METHODS),
     default=[m for m in common.qp_list("cmethod", default_methods) if m in CONTEXT_METHODS] or default_methods,
     key="cmethods",
-    help="One-pass methods (logit, alti_logit, attention, grad_x_input, at2_exact) run at once; contextcite and "
+    help="One-pass methods (logit, alti_logit, attention, grad_x_input, key_mask_grad, key_mask_ig, at2_exact) run "
+    "at once (key_mask_grad and key_mask_ig score the whole response only); contextcite and "
     "leave_one_out make one forward pass per ablation and run when you click their button. "
     + "; ".join(f"{m}: {info.title}" for m, info in CONTEXT_METHODS.items()),
 )

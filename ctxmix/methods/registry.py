@@ -323,6 +323,30 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "First-order only: saturated tokens get small gradients whatever their role.",
         ),
         MethodInfo(
+            "key_mask_grad",
+            "context",
+            "Key-mask gradient (per source)",
+            "attribution patching of AT2's attention masking (Cohen-Wang, Chuang, Madry 2025); ctxmix",
+            doc="d log P(response) / d a_s at a = 1, a_s a gate multiplying the attention weights of source s's "
+            "keys in every layer and head (a_s = 0: no query attends s, AT2's masking ablation): -score is the "
+            "first-order prediction of log P(response | s masked) - log P(response).",
+            caveat="Cost: one forward and one backward pass (SDPA with the bias in an extra key column where eager's "
+            "n x n probabilities would not fit the memory budget). Whole response only: a sub-span needs a new call "
+            "with that span as the response. Masks attention to the source, where ContextCite and the metrics "
+            "remove its text; first-order only.",
+        ),
+        MethodInfo(
+            "key_mask_ig",
+            "context",
+            "Key-mask integrated gradient (per source)",
+            "integrated gradients (Sundararajan et al. 2017) on AT2's attention masking; ctxmix",
+            doc="The key-mask gradient averaged over K gate levels (midpoints of K steps of (0, 1), every source's "
+            "gate at the level; key_mask_levels=, default 4): a Riemann integrated gradient from every source "
+            "masked to none, whose sum over sources approaches log P(all kept) - log P(all sources masked).",
+            caveat="Cost: K forward and K backward passes, plus one forward pass with every source masked. Whole "
+            "response only. Masks attention to the sources, where ContextCite and the metrics remove their text.",
+        ),
+        MethodInfo(
             "attention",
             "context",
             "Attention (AT2 baseline)",

@@ -104,6 +104,12 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="reproduce the official ContextCite package (context and query only)",
     )
+    s.add_argument(
+        "--key-mask-levels",
+        type=int,
+        default=4,
+        help="key_mask_ig's gate levels K (midpoints of K steps of (0, 1); default 4)",
+    )
     s.add_argument("--at2-features", choices=ESTIMATORS, default="logit", help="at2_exact's features (default logit)")
     s.add_argument(
         "--at2-weights",
@@ -279,6 +285,7 @@ def attribution_options(args, methods: list[str]) -> dict:
         "batch_size": args.batch_size,
         "at2_features": args.at2_features,
         "at2_weights": args.at2_weights,
+        "key_mask_levels": args.key_mask_levels,
     }
 
 
@@ -458,6 +465,8 @@ def reproduce_command(
         cmd += ["--alpha", repr(float(o["alpha"]))] if float(o["alpha"]) != 0.01 else []
     cmd += ["--target", str(o["target"])] if o.get("target", "log_prob") != "log_prob" else []
     cmd += ["--compat"] if o.get("compat") else []
+    levels = o.get("key_mask_levels", 4)
+    cmd += ["--key-mask-levels", str(levels)] if isinstance(levels, int) and levels != 4 else []
     if "at2" in o:
         at2 = o["at2"]
         cmd += ["--at2-features", str(at2["kind"])] if at2.get("kind", "logit") != "logit" else []

@@ -11,7 +11,8 @@ Over 500 lines because the result (spans, views, files) and the one call that fi
 The prompt, the sources and the response are described in `ctxmix.methods.context.prompt` and
 `ctxmix.methods.context.sources`; the methods in `ctxmix.methods.context.ablation` (contextcite,
 leave_one_out) and `ctxmix.methods.context.onepass` (logit, alti_logit, attention), `ctxmix.methods.context.grad`
-(grad_x_input), and in the registry's context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
+(grad_x_input), `ctxmix.methods.context.keymask` (key_mask_grad, key_mask_ig), and in the registry's
+context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class ContextAttribution:
     prompt token's source or bucket (-1 template, -2 query, -3 separators), response (str),
     response_ids (T,), response_offsets (T, 2) each response token's characters in `response`;
     scores[m] (d,) for the whole response; per_token[m] (T, P + T) the one-pass methods' contributions
-    of every position to each response token's target, terms[m] {name: (T,)} what no position gets,
+    of every position to each response token's target ((1, P + T) for key_mask_grad and key_mask_ig: the whole
+    response's per-key derivatives, so a sub-span is refused), terms[m] {name: (T,)} (those two: (1,)) what no
+    position gets,
     targets[m] (T,) the explained quantity per token; ablations[m] {"masks": (m, d) bool (True = kept),
     "logit_probs": (m, T)} behind each ablation method; intercepts[m] the surrogate's bias;
     cost[m] {"forward", "backward", "seconds"}; options (everything that changes a number); provenance;
@@ -124,6 +127,9 @@ class ContextAttribution:
         self._check_method(method)
         a, b = self.token_range(span)
         if method in self.per_token:
+            from ctxmix.methods.context.keymask import check_whole_response
+
+            check_whole_response(method, a, b, len(self.response_ids))
             from ctxmix.methods.context.at2 import SPAN_AGGREGATION as AT2_AGGREGATION
             from ctxmix.methods.context.onepass import SPAN_AGGREGATION
 
@@ -151,6 +157,9 @@ class ContextAttribution:
         if method not in self.per_token:
             raise BadInput(f"{method} is an ablation method: it has no per-position contributions to bucket")
         a, b = self.token_range(span)
+        from ctxmix.methods.context.keymask import check_whole_response
+
+        check_whole_response(method, a, b, len(self.response_ids))
         M = self.per_token[method][a:b].sum(0)  # (P + T,)
         P = len(self.prompt_ids)
         out = {"sources": float(M[:P][self.labels >= 0].sum())}
@@ -330,6 +339,7 @@ def attribute_context(
     at2_features: str = "logit",
     at2_weights=None,
     seeds: str | None = None,
+    key_mask_levels=4,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
@@ -362,7 +372,12 @@ def attribute_context(
     streamed one layer at a time; target="log_prob" (T1) explains each token's log-probability exactly,
     "logit_prob" (T2) its log p - log(1 - p), "logit" its raw logit), "attention" (AT2's raw-attention
     baseline), "grad_x_input" (gradient x input of each token's log-probability: one forward and T
-    backward passes, `ctxmix.methods.context.grad`), "contextcite" (n_ablations random ablations, seed,
+    backward passes, `ctxmix.methods.context.grad`), "key_mask_grad" (d log P(response) / d a_s, a_s a gate on
+    the attention weights of source s's keys in every layer and head: attribution patching of AT2's
+    attention-masking ablation, one forward and one backward pass, whole response only), "key_mask_ig" (the
+    same gradient averaged over `key_mask_levels` gate levels, a count K (midpoints of K steps of (0, 1), default
+    4) or a list of levels in (0, 1]: a Riemann integrated gradient from every source masked to none;
+    `ctxmix.methods.context.keymask`), "contextcite" (n_ablations random ablations, seed,
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
@@ -425,6 +440,9 @@ def attribute_context(
         raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise BadInput(f"alpha must be a positive number, got {alpha!r}")
+    from ctxmix.methods.context.keymask import check_levels
+
+    check_levels(key_mask_levels)
     if "at2_exact" in methods:  # the weights checked before any pass
         from ctxmix.methods.context.at2 import resolve_weights
 
@@ -519,6 +537,7 @@ def attribute_context(
             "rebuild": "contextcite" if compat else "ctxmix",
             "model_dtype": str(model.dtype).replace("torch.", ""),
             "batch_size": batch_size,
+            "key_mask_levels": key_mask_levels,  # key_mask_ig's, also when it is added later (extend_attribution)
         },
         provenance=provenance(model),
         messages=src.messages if chat else builder.turns(builder.full(src)),
@@ -530,7 +549,9 @@ def attribute_context(
         ca.warnings.append(f"source(s) {empty} have no token of their own (merged into a neighbour's token)")
     one_pass = [m for m in methods if m not in ABLATION_METHODS and m != "at2_exact"]
     if one_pass:
-        for m, res in run_one_pass(model, one_pass, prompt.ids + resp.ids, P, target).items():
+        gated = [j for toks in source_tokens for j in toks]
+        res_all = run_one_pass(model, one_pass, prompt.ids + resp.ids, P, target, gated=gated, levels=key_mask_levels)
+        for m, res in res_all.items():
             ca.per_token[m] = res["per_token"]
             ca.terms[m] = res["terms"]
             ca.targets[m] = res["target"]

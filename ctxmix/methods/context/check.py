@@ -113,7 +113,9 @@ def extend_attribution(
     ids = list(ca.prompt_ids) + list(ca.response_ids)
     one_pass = [m for m in todo if m in ONE_PASS_METHODS]
     if one_pass:
-        res = run_one_pass(model, one_pass, ids, P, ca.options["target"])
+        gated = [j for toks in ca.source_tokens for j in toks]
+        levels = ca.options.get("key_mask_levels", 4)  # the call's (an attribution saved before it had none: 4)
+        res = run_one_pass(model, one_pass, ids, P, ca.options["target"], gated=gated, levels=levels)
         for m, r in res.items():
             ca.per_token[m], ca.terms[m], ca.targets[m], ca.cost[m] = r["per_token"], r["terms"], r["target"], r["cost"]
             if "reconstruction_error" in r:

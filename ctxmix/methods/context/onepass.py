@@ -46,7 +46,8 @@ the mean over its tokens (as AT2 aggregates), a source's the sum over its tokens
 
 All three are read in one loop over the layers (top-down) of one trace: methods asked together share it,
 and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`.
-`grad_x_input` is in `ctxmix.methods.context.grad`.
+`grad_x_input` is in `ctxmix.methods.context.grad`, `key_mask_grad` and `key_mask_ig` in
+`ctxmix.methods.context.keymask`.
 """
 
 from __future__ import annotations
@@ -63,8 +64,15 @@ from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readou
 
 TARGETS = ("log_prob", "logit_prob", "logit")
 DECOMPOSED = ("logit", "alti_logit", "attention")  # read from the traced layers (`decompose_rows`)
-ONE_PASS_METHODS = (*DECOMPOSED, "grad_x_input")
-SPAN_AGGREGATION = {"logit": "sum", "alti_logit": "sum", "attention": "mean", "grad_x_input": "sum"}
+ONE_PASS_METHODS = (*DECOMPOSED, "grad_x_input", "key_mask_grad", "key_mask_ig")
+SPAN_AGGREGATION = {
+    "logit": "sum",
+    "alti_logit": "sum",
+    "attention": "mean",
+    "grad_x_input": "sum",
+    "key_mask_grad": "sum",  # one row, the whole response (ctxmix.methods.context.keymask)
+    "key_mask_ig": "sum",
+}
 
 
 def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -> tuple[torch.Tensor, dict, dict]:
@@ -268,11 +276,21 @@ def _trace(model: Model, ids: list[int], rows: list[int], streamed: bool | None,
 
 
 def run_one_pass(
-    model: Model, methods: list[str], ids: list[int], P: int, target: str, streamed: bool | None = None
+    model: Model,
+    methods: list[str],
+    ids: list[int],
+    P: int,
+    target: str,
+    streamed: bool | None = None,
+    *,
+    gated: list[int] | None = None,
+    levels=4,
 ) -> dict:
     """{method: {"per_token", "terms", "target", "cost"}} from one traced pass over ids (prompt + response)
-    for the decomposed methods, and `grad_x_input`'s own pass (`ctxmix.methods.context.grad`).
-    streamed: trace_ids' choice (None: streamed above its memory share)."""
+    for the decomposed methods, and `grad_x_input`'s, `key_mask_grad`'s and `key_mask_ig`'s own passes
+    (`ctxmix.methods.context.grad`, `ctxmix.methods.context.keymask`: gated, the sources' token positions, is
+    needed by key_mask_ig; levels, its gate levels). streamed: trace_ids' choice (None: streamed above its
+    memory share)."""
     from ctxmix.methods.prediction import check_logit_model
 
     for m in ("logit", "alti_logit"):
@@ -303,4 +321,11 @@ def run_one_pass(
         from ctxmix.methods.context.grad import grad_x_input_rows
 
         out["grad_x_input"] = grad_x_input_rows(model, ids, P)
+    for m in ("key_mask_grad", "key_mask_ig"):
+        if m in methods:
+            from ctxmix.methods.context.keymask import key_mask_rows
+
+            if m == "key_mask_ig" and gated is None:
+                raise ValueError("key_mask_ig needs the sources' token positions (gated=)")
+            out[m] = key_mask_rows(model, ids, P, gated or [], m, levels)
     return out

@@ -1,0 +1,148 @@
+"""Held-out faithfulness of any context-attribution methods on the validation split (docs/context.md, "Key-mask
+gradient"): which one-pass method comes closest to ContextCite's 32 ablations.
+
+    python bench/onepass_eval.py --model smollm2 --out out/onepass_eval --needles 10 --summaries 10 --threads 1 \
+        --methods logit attention alti_logit grad_x_input key_mask_grad key_mask_ig contextcite
+
+Examples: the needles and summaries of the validation split built as bench/at2_eval.py builds them
+(`needle_examples` / `summary_examples`, 200-400 tokens, seed 0; texts the benchmark's test examples never use),
+the response generated greedily (at most --max-new-tokens, at2_eval's 48). Per example, one `attribute_context`
+call with every method (ContextCite with --masks ablations), then `evaluate` with --masks held-out removal
+ablations (seeds disjoint from ContextCite's), k = 1 and 3, the needle's sentence as gold: LDS, top-k
+log-probability drops (natural log, higher is better), recall@1; and each method's `cost["seconds"]`. One JSON
+line per finished example in OUT/examples.jsonl (a killed run resumes). Prints the table (mean over examples,
+LDS ± its standard error) and writes OUT/onepass_eval.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ctxmix, not an installed one
+
+SPLIT = "validation"
+DEFAULT_METHODS = ["logit", "attention", "alti_logit", "grad_x_input", "key_mask_grad", "key_mask_ig", "contextcite"]
+
+
+def score_example(model, ex, methods: list[str], masks: int, max_new_tokens: int) -> dict:
+    """One example's evaluation row per method: {"id", "kind", "tokens", "T", "methods": {m: {lds, topk_drop@1,
+    topk_drop@3, recall@1, seconds}}}."""
+    import ctxmix
+
+    ca = ctxmix.attribute_context(
+        model,
+        ex.context,
+        ex.query,
+        sources=ex.sources,
+        methods=methods,
+        response=ex.response,
+        max_new_tokens=max_new_tokens,
+        n_ablations=masks,
+        at2_weights="untrained" if "at2_exact" in methods else None,
+        progress=False,
+    )
+    gold = list(ex.gold) or None
+    ev = ca.evaluate(model, k=(1, 3), n_ablations=masks, gold=gold, progress=False).set_index("method")
+    out = {}
+    for m in methods:
+        r = ev.loc[m]
+        out[m] = {
+            "lds": float(r["lds"]),
+            "topk_drop@1": float(r["topk_drop@1"]),
+            "topk_drop@3": float(r["topk_drop@3"]),
+            "recall@1": float(r["recall@1"]) if gold else math.nan,
+            "seconds": float(ca.cost[m]["seconds"]),
+        }
+    return {"id": ex.id, "kind": ex.kind, "tokens": len(ca.prompt_ids), "T": len(ca.response_ids), "methods": out}
+
+
+def table(records: list[dict], methods: list[str]) -> str:
+    """Markdown: per method, LDS mean ± se over the examples, per kind, recall@1 over the needles, top-k drops and
+    seconds (means)."""
+    head = (
+        "| method | LDS (mean ± se) | LDS needles | LDS summaries | recall@1 needles | top-1 drop | top-3 drop | "
+        "seconds |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for m in methods:
+        rows = [r for r in records if m in r["methods"]]
+
+        def col(key: str, kind: str | None = None, rows=rows, m=m) -> np.ndarray:
+            v = [r["methods"][m][key] for r in rows if kind is None or r["kind"] == kind]
+            return np.array([x for x in v if not math.isnan(x)], dtype=float)
+
+        lds = col("lds")
+        se = float(lds.std(ddof=1) / math.sqrt(len(lds))) if len(lds) > 1 else math.nan
+
+        def mean(a: np.ndarray) -> float:
+            return float(a.mean()) if len(a) else math.nan
+
+        lines.append(
+            f"| `{m}` | {mean(lds):.3f} ± {se:.3f} | {mean(col('lds', 'needles')):.3f} | "
+            f"{mean(col('lds', 'summaries')):.3f} | {mean(col('recall@1', 'needles')):.2f} | "
+            f"{mean(col('topk_drop@1')):.3f} | {mean(col('topk_drop@3')):.3f} | {mean(col('seconds')):.1f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", required=True)
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--needles", type=int, default=10)
+    p.add_argument("--summaries", type=int, default=10)
+    p.add_argument("--masks", type=int, default=32, help="ContextCite's ablations and evaluate's held-out ones")
+    p.add_argument("--min-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--report", action="store_true", help="print the table of the examples stored so far, run nothing")
+    a = p.parse_args(argv)
+    import torch
+
+    import ctxmix
+    from ctxmix.benchmark.context.data import needle_examples, summary_examples
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = ctxmix.load_model(a.model)
+    tok = model.tokenizer
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    needles = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    summaries = summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
+    # alternating, so that a run stopped early has both kinds
+    exs = [e for pair in zip(needles, summaries) for e in pair]
+    exs += needles[len(summaries) :] + summaries[len(needles) :]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "examples.jsonl"
+    key = {"model": model.name, "methods": a.methods, "masks": a.masks, "max_new_tokens": a.max_new_tokens}
+    records = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    records = [r for r in records if r.get("key") == key]
+    done = {r["id"] for r in records}
+    for ex in exs:
+        if ex.id in done or a.report:
+            continue
+        t0 = time.perf_counter()
+        rec = {**score_example(model, ex, a.methods, a.masks, a.max_new_tokens), "key": key}
+        rec["wall_seconds"] = time.perf_counter() - t0
+        with store.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        records.append(rec)
+        print(f"{ex.id}: {rec['tokens']} prompt tokens, T = {rec['T']}, {rec['wall_seconds']:.0f} s", flush=True)
+    md = table(records, a.methods)
+    md += f"\n{len(records)} examples ({sum(r['kind'] == 'needles' for r in records)} needles), {SPLIT} split\n"
+    print(md)
+    (out / "onepass_eval.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
