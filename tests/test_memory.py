@@ -132,7 +132,15 @@ def _text(tok, n: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "call, n",
-    [("explain", 384), ("scope_maps", 96), ("routes", 512), ("attribute_context", 768), ("contextcite", 512)],
+    [
+        ("explain", 384),
+        ("scope_maps", 96),
+        ("routes", 512),
+        ("attribute_context", 768),
+        ("contextcite", 512),
+        ("grad_x_input", 512),
+        ("key_mask_grad", 512),
+    ],
 )
 def test_the_estimate_is_within_a_third_of_the_live_tensors(tokenizer, call, n):
     """The account against the peak of the tensors a real call holds (counted by a dispatch mode, so the test does
@@ -157,6 +165,11 @@ def test_the_estimate_is_within_a_third_of_the_live_tensors(tokenizer, call, n):
             dict(call="attribute_context", methods=["contextcite"], n_ablations=8),
         ),
     }
+    for m in ("grad_x_input", "key_mask_grad"):  # a forward pass kept for the backward
+        runs[m] = (
+            lambda m=m: ctxmix.attribute_context(model, text, methods=[m], **ask),
+            dict(call="attribute_context", methods=[m]),
+        )
     run, kw = runs[call]
     n_tok = len(model.tokenizer(text)["input_ids"])
     if kw["call"] == "attribute_context":

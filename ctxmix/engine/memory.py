@@ -192,6 +192,17 @@ def head_vectors_bytes(W: Widths, n: int, batch: int = 1) -> int:
     return batch * n * W.H * W.d * W.w
 
 
+def backward_saved_bytes(W: Widths, n: int, eager: bool) -> int:
+    """What autograd keeps of a forward pass for its backward (the gradient methods' pass), over every layer: per
+    layer and token about 2 vectors of width d and 4 of width d' (2 without a gate) in the model's dtype (counted
+    with torch's saved-tensor hooks on a float32 Llama, d 512, d' 2048: 9,026 elements per token and layer against
+    2 d + 4 d' = 9,216), and with eager attention its probabilities: the float32 softmax output, and in another
+    dtype the cast copy that the value product keeps."""
+    acts = W.L * n * (2 * W.d + (4 if W.gated else 2) * W.d_ff) * W.e
+    probs = W.L * W.H * n * n * (4 + (W.e if W.e != 4 else 0)) if eager else 0
+    return acts + probs
+
+
 def ablation_sequence_bytes(W: Widths, n: int, K: int) -> int:
     """One sequence of an output-only (SDPA) ablation pass that keeps K rows of logits: one layer's activations
     (`layer_activation_bytes`; the fused attention kernel holds O(n) per head) and the kept logits (K, V) in the

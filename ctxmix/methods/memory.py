@@ -37,6 +37,7 @@ ALLOCATOR_KEPT = "freed by the forward pass, kept by the allocator (CPU)"
 TOKENS_PER_SOURCE = 30  # `n_sources` when not given: sentences of about 30 tokens
 ONE_PASS_ROWS = ("logit", "attention", "at2_exact")  # context methods that read the response rows only
 ABLATION_METHODS = ("contextcite", "leave_one_out")
+GRADIENT_METHODS = ("grad_x_input", "key_mask_grad", "key_mask_ig")  # a forward pass kept for the backward
 
 
 # The published configs of the models ctxmix's users study (their config.json files, trimmed to the widths), so
@@ -303,9 +304,12 @@ def estimate_memory(
     for ph in phases:
         total = {d: dict(p) for d, p in base.items()}
         for name, (where, size) in ph.items():
-            devs = list(shares) if where == "layers" else ["cpu" if where == "host" else engine]
-            for d in devs:
-                total.setdefault(d, {})[name] = total.get(d, {}).get(name, 0) + int(size)
+            if where == "spread":  # a part of every layer: each device holds its layers' share
+                at = {d: size * s for d, s in shares.items()}
+            else:
+                at = {d: size for d in (list(shares) if where == "layers" else ["cpu" if where == "host" else engine])}
+            for d, b in at.items():
+                total.setdefault(d, {})[name] = total.get(d, {}).get(name, 0) + int(b)
         for d, p in total.items():
             if d not in best or sum(p.values()) > sum(best[d].values()):
                 best[d] = p
@@ -318,8 +322,9 @@ def estimate_memory(
 
 
 def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[dict]:
-    """The phases of a call, each {part: ("engine" | "layers" | "host", bytes)}: "layers" parts are on every
-    device that runs layers (the forward pass's own transient), "engine" parts on the engine's device, "host"
+    """The phases of a call, each {part: ("engine" | "layers" | "spread" | "host", bytes)}: "layers" parts are on
+    every device that runs layers (the forward pass's own transient), "spread" parts are split over them by their
+    share of the layers (what every layer keeps), "engine" parts on the engine's device, "host"
     parts in the host's memory (the float64 maps returned)."""
     from ctxmix.engine.streaming import STREAM_SHARE
 
@@ -467,6 +472,17 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
     if "alti_logit" in methods:
         full = _phases(W, n, "explain", ("alti", "logit"), (None, 0, 0, None), engine, card, {engine: sizing}, [])
         phases += full
+    if any(m in methods for m in GRADIENT_METHODS):
+        # the attention the gradient passes choose (`methods.context.grad.gradient_attention`): eager while its
+        # kept probabilities fit half the budget, else the fused kernel's O(n)
+        eager = 2 * acct.kept_attention_bytes(W, n) <= sizing // 2
+        phases.append(
+            {
+                "activations kept for the backward (every layer)": ("spread", acct.backward_saved_bytes(W, n, eager)),
+                "response logits": ("engine", acct.logits_bytes(W, T + 1)),
+                "one layer's backward transient": ("layers", 2 * n * W.d_ff * W.e),
+            }
+        )
     if any(m in methods for m in ABLATION_METHODS):
         from ctxmix.engine.budget import CPU_MAX_BATCH, CUDA_MAX_BATCH
 
