@@ -103,8 +103,13 @@ def test_runner_on_a_tiny_model(tokenizer):
     ex = table.attrs["examples"]
     assert set(ex["example"]) == {"needle-0", "summary-0", "summary-1"}
     # recall only where a gold source is known
-    assert set(ex[ex.task == "summaries"].metric) == {"topk_drop@1", "lds"}
-    assert set(ex[ex.task == "needles"].metric) == {"topk_drop@1", "lds", "recall@1", "recall@3"}
+    cost = {"seconds", "time_vs_contextcite"}  # each method's time, and its ratio to ContextCite's on the example
+    assert set(ex[ex.task == "summaries"].metric) == {"topk_drop@1", "lds"} | cost
+    assert set(ex[ex.task == "needles"].metric) == {"topk_drop@1", "lds", "recall@1", "recall@3"} | cost
+    ratio = ex[ex.metric == "time_vs_contextcite"].pivot(index="example", columns="method", values="value")
+    secs = ex[ex.metric == "seconds"].pivot(index="example", columns="method", values="value")
+    assert (ratio["contextcite"] == 1.0).all() and (secs > 0).all().all()
+    assert np.allclose(ratio["logit"], secs["logit"] / secs["contextcite"], rtol=1e-15, atol=0)
     # the aggregate is the mean of the examples
     for r in table.itertuples():
         v = ex[(ex.task == r.task) & (ex.method == r.method) & (ex.metric == r.metric)].value

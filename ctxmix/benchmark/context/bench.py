@@ -332,7 +332,17 @@ def _one_example(
     for rec in table.to_dict("records"):
         method = rec.pop("method")
         rows += [{"method": method, "metric": k, "value": float(v)} for k, v in rec.items()]
+    rows += cost_rows(ca.cost)
     return {"response": ca.response, "dropped": False, "rows": rows, "check": check_rows(ca, table)}
+
+
+def cost_rows(cost: dict) -> list[dict]:
+    """Each method's seconds on the example and, beside a ContextCite run, their ratio to ContextCite's."""
+    rows = [{"method": m, "metric": "seconds", "value": float(c["seconds"])} for m, c in cost.items()]
+    ref = (cost.get("contextcite") or {}).get("seconds")
+    if ref:
+        rows += [{"method": r["method"], "metric": "time_vs_contextcite", "value": r["value"] / ref} for r in rows]
+    return rows
 
 
 def write_tables(table: pd.DataFrame, out: Path) -> list[Path]:

@@ -81,7 +81,29 @@ def context_metric(name: str) -> Metric:
             f"Share of the gold sources among the top-{k} sources.",
             "context",
         )
-    raise BadInput(f"unknown context metric {name!r}; valid: topk_drop@K, lds, recall@K (K a positive whole number)")
+    if name == "seconds":
+        return Metric(
+            "seconds",
+            "Seconds",
+            False,
+            (0.0, math.inf),
+            "The method's own wall-clock time for the example (its cost['seconds']: ContextCite's includes its "
+            "ablation passes), one thread; as loaded as the machine was.",
+            "context",
+        )
+    if name == "time_vs_contextcite":
+        return Metric(
+            "time_vs_contextcite",
+            "Time / ContextCite's",
+            False,
+            (0.0, math.inf),
+            "The method's seconds over ContextCite's on the same example and run (the moonshot asks at most 1/8).",
+            "context",
+        )
+    raise BadInput(
+        f"unknown context metric {name!r}; valid: topk_drop@K, lds, recall@K (K a positive whole number), seconds, "
+        "time_vs_contextcite"
+    )
 
 
 CONTEXT_METRICS = {
