@@ -62,7 +62,8 @@ def test_bad_input():
 
 def test_shipped_config_is_valid():
     cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml")
-    assert {t["id"] for t in cfg["tasks"]} == set(cd.OFFLINE_TASKS)  # the offline ones, long contexts included
+    # the offline ones; the long task joins at the shipped results' regeneration (as in configs/context-gemma3.yaml)
+    assert {t["id"] for t in cfg["tasks"]} == set(cd.OFFLINE_TASKS) - {"long"}
     # the shipped numbers were computed with the official seeds (the same masks for every example): pinned until
     # they are regenerated, so the shipped check reproduces them
     assert cfg["mask_seeds"] == "official"
@@ -509,6 +510,8 @@ def test_every_example_of_the_context_configs_has_its_stored_response(name):
         for e in cb.task_examples(t, _WordModel, shipped.CHECK_LIMIT if check else None)
     ]
     assert len(keys) == len(set(keys)) and sorted(cfg["responses"]) == sorted(keys)
+    if "long" not in {t["id"] for t in cfg["tasks"]}:  # configs/context.yaml until its results are regenerated
+        return
     assert [k for k in keys if k.startswith("long")] == [
         "long-needle-0",
         "long-summary-0",
@@ -526,5 +529,22 @@ def test_the_gemma3_config_is_the_smollm2_benchmark_on_a_base_model():
     a, b = (cb.load_context_config(root / n) for n in ("context.yaml", "context-gemma3.yaml"))
     assert b["model"] == "gemma3" and b["template"] == "plain" and b["query_suffix"] == "\nAnswer:"
     assert b["stop"] == "sentence" and "mask_seeds" not in b and b["at2_weights"] == "untrained"
-    same = ("methods", "n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate", "tasks", "check")
+    same = ("n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate")
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    # what configs/context.yaml gains when its shipped results are regenerated (they pin it until then): the long
+    # task and the key-mask methods
+    new = ["key_mask_grad", "key_mask_ig"]
+
+    def without_new(methods):
+        return [m for m in methods if m not in new]
+
+    assert without_new(b["methods"]) == a["methods"] and set(b["methods"]) - set(a["methods"]) == set(new)
+    tasks_b = {t["id"]: t for t in b["tasks"]}
+    assert set(tasks_b) - {t["id"] for t in a["tasks"]} == {"long"}
+    for t in a["tasks"]:
+        u = tasks_b[t["id"]]
+        assert {**u, "methods": without_new(u.get("methods", b["methods"]))} == {
+            **t,
+            "methods": t.get("methods", a["methods"]),
+        }
+    assert {k: v for k, v in b["check"]["tasks"].items() if k != "long"} == a["check"]["tasks"]
