@@ -106,6 +106,7 @@ def ship_context(config: Path, finished: Path | None, check_only: bool = False) 
         "name": name,
         "kind": "context",
         "config": f"configs/{config.name}",
+        "model": cfg["model"],
         "ctxmix_version": __version__,
         "config_sha256": config_sha256(config),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

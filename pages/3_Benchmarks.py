@@ -211,31 +211,40 @@ if papers:
 
 
 st.divider()
-st.subheader("Context attribution (configs/context.yaml)")
+st.subheader("Context attribution (configs/context*.yaml)")
 with common.errors_as_messages():
     from ctxmix.benchmark.context.bench import context_table
 
-    ctx = shipped.load_context_shipped("context")
-    if ctx is None:
+    names = shipped.shipped_names("context")
+    if not names:
         st.info(
             "No shipped context-attribution results in this install. Make them with "
             "`python bench/ship_results.py --context` (about 35 minutes on 2 CPU cores), or run "
             "`python -m ctxmix bench --config configs/context.yaml` to see them in the terminal and results/context/."
         )
     else:
-        cagg, cmeta = ctx
+        name = st.radio(
+            "Model",
+            names,
+            horizontal=True,
+            key="context_results",
+            format_func=lambda n: f"{n} ({shipped.load_context_shipped(n)[1].get('model', n)})",
+            help="One shipped benchmark per model: the same tasks, scored the same way.",
+        )
+        cagg, cmeta = shipped.load_context_shipped(name)
         st.caption(
             f"Shipped results: computed by `{cmeta['command']}` with ctxmix {cmeta['ctxmix_version']} on "
             f"{cmeta['date'][:10]} ({cmeta.get('cpu', cmeta.get('machine', ''))}); {cmeta.get('counts', '')} "
-            "Which sources of a context made smollm2 answer as it did, each method scored against removal "
-            "ablations: topk_drop@k (log P(response) minus log P(response) without the method's top-k sources), "
-            "lds (Spearman over held-out random ablations), recall@k (the gold source among the top k). "
-            "Means over examples; ↑ higher is better, ↓ lower."
+            f"Which sources of a context made {cmeta.get('model', 'the model')} answer as it did, each method "
+            "scored against removal ablations: topk_drop@k (log P(response) minus log P(response) without the "
+            "method's top-k sources), lds (Spearman over held-out random ablations), recall@k (the gold source among "
+            "the top k), seconds and time_vs_contextcite (each method's time, and its ratio to ContextCite's, where "
+            "recorded). Means over examples; ↑ higher is better, ↓ lower."
         )
-        for why in shipped.stale_reasons("context", ROOT):
+        for why in shipped.stale_reasons(name, ROOT):
             st.warning(f"These shipped results may be stale: {why}.")
         for task in dict.fromkeys(cagg["task"]):
             ct = context_table(cagg, task)
             st.markdown(f"**{task}**")
             st.dataframe(ct.style.format(precision=3, subset=[c for c in ct.columns if c != "n"]), width="stretch")
-            common.export_table(ct, f"context_{task}", caption=f"context attribution on {task}: methods x metrics")
+            common.export_table(ct, f"{name}_{task}", caption=f"{name} on {task}: methods x metrics")

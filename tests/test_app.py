@@ -103,7 +103,8 @@ def test_benchmarks_page_without_results(tmp_path, monkeypatch):
 @pytest.mark.parametrize("with_context", [True, False])
 def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, with_context):
     """The Benchmarks page's context-attribution section: a method x metric table per task from a small fake
-    shipped result (each metric's direction in its header), or, without one, how to make it."""
+    shipped result (each metric's direction in its header), one result per model to pick from, or, without one,
+    how to make it."""
     import json
     import shutil
 
@@ -123,22 +124,24 @@ def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, wi
         ] + [("summaries", "logit", "lds", 0.25, 1)]
         agg = pd.DataFrame(rows, columns=["task", "method", "metric", "mean", "higher_is_better"])
         agg = agg.assign(std=0.1, n=3, nan=0)
-        agg.to_csv(folder / "context.aggregates.csv", index=False)
-        meta = {
-            "name": "context",
-            "kind": "context",
-            "config": "configs/context.yaml",
-            "ctxmix_version": "0.0.0-fake",
-            "config_sha256": "0",
-            "date": "2026-01-01T00:00:00+00:00",
-            "command": "python -m ctxmix bench --config configs/context.yaml --threads 1",
-            "counts": "examples kept per task: needles 3 (1 dropped).",
-        }
-        (folder / "context.json").write_text(json.dumps(meta))
+        for name, shift in (("context", 0.0), ("context-gemma3", 0.1)):
+            agg.assign(mean=agg["mean"] + shift).to_csv(folder / f"{name}.aggregates.csv", index=False)
+            meta = {
+                "name": name,
+                "kind": "context",
+                "config": f"configs/{name}.yaml",
+                "model": "smollm2" if shift == 0 else "gemma3",
+                "ctxmix_version": "0.0.0-fake",
+                "config_sha256": "0",
+                "date": "2026-01-01T00:00:00+00:00",
+                "command": f"python -m ctxmix bench --config configs/{name}.yaml --threads 1",
+                "counts": "examples kept per task: needles 3 (1 dropped).",
+            }
+            (folder / f"{name}.json").write_text(json.dumps(meta))
     monkeypatch.setattr(shipped, "SHIPPED", folder)
     monkeypatch.setenv("CTXMIX_BENCH_DIR", str(tmp_path))
     at = _run("pages/3_Benchmarks.py")
-    assert any(h.value == "Context attribution (configs/context.yaml)" for h in at.subheader)
+    assert any(h.value == "Context attribution (configs/context*.yaml)" for h in at.subheader)
     if not with_context:
         assert any("python bench/ship_results.py --context" in i.value for i in at.info)
         assert not any("needles" in m.value for m in at.markdown)
@@ -152,6 +155,13 @@ def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, wi
     assert list(needles.columns) == ["topk_drop@1 ↑", "lds ↑", "recall@1 ↑", "n"]
     assert needles.at["contextcite", "lds ↑"] == 0.7 and needles.at["logit", "n"] == 3
     assert any("configs/context.yaml changed" in w.value or "made by ctxmix 0.0.0-fake" in w.value for w in at.warning)
+    # the other model's result, picked by name
+    at.radio(key="context_results").set_value("context-gemma3")
+    at.run()
+    assert not at.exception
+    tables = [d.value for d in at.dataframe if "lds ↑" in getattr(d.value, "columns", [])]
+    needles = tables[0].data if hasattr(tables[0], "data") else tables[0]
+    assert needles.at["contextcite", "lds ↑"] == pytest.approx(0.8, abs=1e-12)
 
 
 def test_hosted_mode_asks_for_a_password(monkeypatch):
