@@ -264,6 +264,28 @@ def test_at2_train_command_checks_its_options(tmp_path, capsys):
     assert main(["at2-train", "--model", "no-such-model", "--out", str(tmp_path), "--masks", "1"]) == 2
     assert "--masks" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+    assert main(["at2-train", "--model", "no-such-model", "--out", str(tmp_path), "--shard", "2/2"]) == 2
+    assert "--shard" in capsys.readouterr().err
+
+
+def test_a_shard_builds_its_own_examples_and_fits_nothing(tokenizer, tmp_path):
+    """train(shard=(1, 2)) builds examples 1 and 3 of 4 (one file each) and writes no weights; the other shard's
+    files are left for its own process."""
+    m = tiny_model("llama", tokenizer)
+    got = at2_train.train(
+        m,
+        tmp_path,
+        n_examples=4,
+        n_masks=2,
+        min_tokens=20,
+        max_tokens=30,
+        max_new_tokens=4,
+        progress=False,
+        shard=(1, 2),
+    )
+    assert got == {"built": 2, "shard": [1, 2]}
+    assert sorted(p.name for p in (tmp_path / "examples").iterdir()) == ["train-summary-1.npz", "train-summary-3.npz"]
+    assert not (tmp_path / "at2_weights.npz").exists()
 
 
 def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypatch):

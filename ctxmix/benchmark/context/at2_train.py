@@ -325,9 +325,12 @@ def train(
     seed: int = 0,
     max_new_tokens: int = 48,
     progress: bool = True,
+    shard: tuple[int, int] | None = None,
 ) -> dict:
     """`ctxmix at2-train`: builds (or resumes) the training set under out/examples/, fits every feature kind and
-    writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance)."""
+    writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance). shard (k, m):
+    build only examples k, k + m, k + 2m, ... and return without fitting (m processes share the building; a last
+    run without a shard fits on all of them); returns {"built": count} then."""
     from ctxmix import __version__
     from ctxmix.methods.context.at2 import save_weights
 
@@ -336,6 +339,11 @@ def train(
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     t0 = time.perf_counter()
     exs = training_examples(n_examples, min_tokens, max_tokens, seed, count)
+    if shard is not None:
+        k, m = shard
+        mine = exs[k::m]
+        build_set(model, mine, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress)
+        return {"built": len(mine), "shard": [k, m]}
     paths = build_set(model, exs, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress)
     build_s = time.perf_counter() - t0
     data = load_set(paths)
@@ -392,6 +400,12 @@ def add_at2_arguments(s) -> None:
     s.add_argument("--seed", type=int, default=0, help="examples' draws and the trainer's sampler")
     s.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared CPU)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument(
+        "--shard",
+        default=None,
+        metavar="K/M",
+        help="build only examples K, K+M, ... (M processes share the building; run once more without it to fit)",
+    )
 
 
 def cmd_at2_train(args) -> None:
@@ -403,6 +417,12 @@ def cmd_at2_train(args) -> None:
         if args.threads < 1:
             raise BadInput(f"--threads must be a positive whole number, got {args.threads}")
         torch.set_num_threads(args.threads)
+    shard = None
+    if args.shard is not None:
+        k, _, m = str(args.shard).partition("/")
+        if not (k.isdigit() and m.isdigit() and int(m) >= 1 and int(k) < int(m)):
+            raise BadInput(f"--shard is K/M with 0 <= K < M whole numbers, got {args.shard!r}")
+        shard = (int(k), int(m))
     for name in ("examples", "masks", "min_tokens", "max_tokens", "steps"):
         if getattr(args, name) < (2 if name == "masks" else 1):
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
@@ -422,6 +442,10 @@ def cmd_at2_train(args) -> None:
         args.seed,
         args.max_new_tokens,
         not args.quiet,
+        shard,
     )
+    if shard is not None:
+        print(f"built shard {shard[0]}/{shard[1]}: {meta['built']} examples; run again without --shard to fit")
+        return
     print(json.dumps({k: meta[k] for k in ("examples", "units", "masks", "training_loss", "build_seconds")}, indent=2))
     print(f"weights: {Path(args.out) / 'at2_weights.npz'}")
