@@ -27,10 +27,12 @@ def _bench_perf():
 perf = _bench_perf()
 
 
-@pytest.fixture(params=["one chunk", "many chunks"])
+@pytest.fixture(params=["one chunk", "many chunks", "single rows"])
 def chunking(request, monkeypatch):
     if request.param == "many chunks":  # a few rows (or zeroed tokens) per chunk
         monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
+    if request.param == "single rows":  # one row (or zeroed token) per chunk: views of one row must stay views
+        monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 1)
     return request.param
 
 

@@ -790,10 +790,15 @@ def value_zeroing_columns(
         norm = prep["norm"]
         # residual stream after attention, v_t zeroed: r1 - alpha f (one product, the subtraction in its epilogue)
         h = _minus_product(st.r1[:, first:], alT, prep["f"][:, cols])  # (B, c, m, d)
-        s = norm.fused_scale(h)  # (B, c, m, 1)
-        # u = (A - alpha B) / s + const: fused steps, because on c x m x d' tensors each pass costs as
-        # much memory traffic as a share of the W_2 product's arithmetic
-        us = [torch.addcdiv(const, _minus_product(A[:, first:], alT, Bh[:, cols]), s) for A, Bh, const in prep["proj"]]
+        h_normed, s = norm.fused_with_scale(h)  # (B, c, m, d), (B, c, m, 1)
+        # u = (A - alpha B) / s + const = (A / s + const) - (alpha / s) B: one pass writes the first term, the
+        # batched product subtracts in its epilogue (on c x m x d' tensors each pass costs as much memory traffic
+        # as a share of the W_2 product's arithmetic)
+        r = s.reciprocal()
+        us = [
+            _minus_product(torch.addcmul(const, r, A[:, first:].unsqueeze(1)), alT * r, Bh[:, cols])
+            for A, Bh, const in prep["proj"]
+        ]
         inner = lw.act(us[0]).mul_(us[1]) if lw.gated else lw.act(us[0])
         del us
         if precision == "bf16":
@@ -804,16 +809,30 @@ def value_zeroing_columns(
             if lw.b2 is not None:
                 ff.add_(lw.b2)
         del inner
-        y = lw.ln2.fused(ff.add_(norm.fused(h))) if lw.position == "post" else ff.add_(h)
-    cos = torch.nn.functional.cosine_similarity(y.double(), st.y[:, first:].double().unsqueeze(1), dim=-1)
+        y = lw.ln2.fused(ff.add_(h_normed)) if lw.position == "post" else ff.add_(h)
     # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
-    out[:, :, first:] = (1.0 - cos).clamp(min=0.0) * (alT != 0).any(-1)
+    out[:, :, first:] = cosine_distances(y, st.y[:, first:]).mul_((alT != 0).any(-1))
     return out  # (B, c zeroed, n outputs)
 
 
+def cosine_distances(y_new: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """1 - cos(y_new, y) in float64, at least 0: y_new (B, c, m, d) against y (B, m, d) -> (B, c, m). As
+    cosine_similarity in float64 (a zero vector has cosine 0: the norms' product is clamped at 1e-16), in fewer
+    passes over the c x m x d vectors (two dot products instead of its norms, products and divisions)."""
+    Y, y64 = y_new.double(), y.double().unsqueeze(1)
+    dot, sq, ref = torch.linalg.vecdot(Y, y64), torch.linalg.vecdot(Y, Y), torch.linalg.vecdot(y64, y64)
+    return (1.0 - dot / (sq * ref).clamp(min=1e-16).sqrt()).clamp_(min=0.0)
+
+
 def _minus_product(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """base (B, m, k) broadcast over c, less a (B, c, m, H) @ b (B, c, H, k): (B, c, m, k), as one batched
-    product whose epilogue adds the (copied) base, instead of a product, a negation and an addition."""
+    """base (B, m, k) broadcast over c, or (B, c, m, k) (overwritten), less a (B, c, m, H) @ b (B, c, H, k):
+    (B, c, m, k), as one batched product whose epilogue adds the base, instead of a product, a negation and an
+    addition."""
     B, c, m, H = a.shape
-    out = base.unsqueeze(1).expand(B, c, m, b.shape[-1]).reshape(B * c, m, b.shape[-1])
-    return torch.baddbmm(out, a.reshape(B * c, m, H), b.reshape(B * c, H, -1), alpha=-1).view(B, c, m, -1)
+    k = b.shape[-1]
+    if base.dim() == 4:
+        out = base.reshape(B * c, m, k)
+    else:  # a fresh copy: with c = 1 a reshape of the broadcast base would be a view of it (overwritten below)
+        out = base.new_empty(B * c, m, k)
+        out.view(B, c, m, k).copy_(base.unsqueeze(1))
+    return out.baddbmm_(a.reshape(B * c, m, H), b.reshape(B * c, H, k), alpha=-1).view(B, c, m, k)
