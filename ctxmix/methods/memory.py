@@ -225,14 +225,17 @@ def _capacity(dev: str, loaded: bool, device_memory: int | None, notes: list[str
     return _cpu_available() if loaded else cpu_total()
 
 
-def _chunk_temporaries(W: acct.Widths, n: int, width: int, copies: int, dev: str, card: int | None) -> int:
-    """The temporaries of one chunk of rows of a decomposition, at the size the engine picks (`chunk_rows`)."""
+def _chunk_temporaries(
+    W: acct.Widths, n: int, width: int, copies: int, dev: str, card: int | None, alive: int | None = None
+) -> int:
+    """The temporaries of one chunk of rows of a decomposition, at the size the engine picks (`chunk_rows`, which
+    sizes a chunk for `copies` copies of rows x n x width), `alive` of them alive at once (default `copies`)."""
     from ctxmix.engine.budget import chunk_rows
     from ctxmix.methods.mixing import CHUNK_ELEMENTS
 
     elements = CHUNK_ELEMENTS if card is None else max(CHUNK_ELEMENTS, card // 64)
     rows = chunk_rows(n, width, copies, 1, elements, card)
-    return rows * n * width * copies * W.w
+    return rows * n * width * (alive or copies) * W.w
 
 
 def estimate_memory(
@@ -394,7 +397,9 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
             "engine",
             ff_maps * (W.L if cached else 1),
         )
-        work["chunk temporaries"] = ("engine", _chunk_temporaries(W, n, W.d_ff, 6, engine, card))
+        # sized for 6 copies (smaller chunks run faster on a CPU); the in-place FF path keeps about 4 alive (the
+        # live-tensor count on a d 512 Llama: 3.2)
+        work["chunk temporaries"] = ("engine", _chunk_temporaries(W, n, W.d_ff, 6, engine, card, alive=4))
     else:  # routes
         n_maps = 0
         from ctxmix.engine.budget import ROUTES_CHUNK_ELEMENTS as ROUTES_CHUNK
