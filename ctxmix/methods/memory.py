@@ -1,5 +1,7 @@
 """How much memory a call will take, before it runs: `ctxmix.estimate_memory` and the refusal built on it.
 
+Over 500 lines because every call's phases are followed in one place, where they are read together.
+
 The estimate adds the parts of the memory account (`ctxmix.engine.memory`) that a call holds at its peak, per
 device, following the call's code path: the weights as placed, the forward pass (eager attention where a method
 reads the probabilities, a fused kernel where none does, row chunks for the response rows), the traced states
