@@ -213,6 +213,7 @@ if papers:
 st.divider()
 st.subheader("Context attribution (configs/context*.yaml)")
 with common.errors_as_messages():
+    from ctxmix.benchmark.context import summary as context_summary
     from ctxmix.benchmark.context.bench import context_table
 
     names = shipped.shipped_names("context")
@@ -243,6 +244,14 @@ with common.errors_as_messages():
         )
         for why in shipped.stale_reasons(name, ROOT):
             st.warning(f"These shipped results may be stale: {why}.")
+        summary = context_summary.summary_table(cagg)
+        st.markdown("**Every task** (means over tasks)")
+        st.dataframe(summary.style.format(precision=3, subset=[c for c in summary.columns if c != "tasks"]))
+        common.export_table(summary.reset_index(), f"{name}_summary", caption=f"{name}: means over tasks")
+        st.caption(context_summary.moonshot(summary).sentence())
+        if "long" in set(cagg["task"]):
+            long_verdict = context_summary.moonshot(context_summary.summary_table(cagg, ["long"]))
+            st.caption("Long contexts (1,000-4,000 tokens) alone: " + long_verdict.sentence())
         for task in dict.fromkeys(cagg["task"]):
             ct = context_table(cagg, task)
             st.markdown(f"**{task}**")

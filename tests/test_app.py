@@ -151,7 +151,12 @@ def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, wi
         "**summaries**",
     ]
     tables = [d.value for d in at.dataframe if "lds ↑" in getattr(d.value, "columns", [])]
-    needles = tables[0].data if hasattr(tables[0], "data") else tables[0]
+    tables = [t.data if hasattr(t, "data") else t for t in tables]
+    summary, needles = tables[0], tables[1]
+    # means over tasks first: logit ran on both tasks, contextcite on needles only (so 1 task, and no verdict)
+    assert summary.at["logit", "lds ↑"] == pytest.approx(0.375) and summary.at["contextcite", "tasks"] == 1
+    assert summary.at["logit", "gap to contextcite ↓"] == pytest.approx(0.2)  # over needles, where both ran
+    assert any(c.value.startswith("Moonshot (") for c in at.caption)
     assert list(needles.columns) == ["topk_drop@1 ↑", "lds ↑", "recall@1 ↑", "n"]
     assert needles.at["contextcite", "lds ↑"] == 0.7 and needles.at["logit", "n"] == 3
     assert any("configs/context.yaml changed" in w.value or "made by ctxmix 0.0.0-fake" in w.value for w in at.warning)
@@ -160,7 +165,7 @@ def test_benchmarks_page_shows_shipped_context_results(tmp_path, monkeypatch, wi
     at.run()
     assert not at.exception
     tables = [d.value for d in at.dataframe if "lds ↑" in getattr(d.value, "columns", [])]
-    needles = tables[0].data if hasattr(tables[0], "data") else tables[0]
+    needles = tables[1].data if hasattr(tables[1], "data") else tables[1]
     assert needles.at["contextcite", "lds ↑"] == pytest.approx(0.8, abs=1e-12)
 
 

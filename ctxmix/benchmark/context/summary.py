@@ -1,0 +1,128 @@
+"""One table per model for the context benchmark (docs/context.md, "Shipped results"): every method's mean over
+the tasks of LDS, top-k drops and time relative to ContextCite, and the moonshot's verdict (a method within
+`MOONSHOT_GAP` of ContextCite-32's mean LDS at no more than `MOONSHOT_TIME` of its time).
+
+Means are over tasks (each task's mean over its examples, as the runner aggregates them), so a task with few
+examples weighs as much as one with many, the way the docs have always quoted "mean LDS". A method that ran on
+only some tasks (leave_one_out: documents; grad_x_input: not the long task) is summarised over those, its
+"tasks" column says how many, and it is no moonshot candidate: the verdict needs every task.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+REFERENCE = "contextcite"
+MOONSHOT_GAP = 0.05  # LDS points behind ContextCite-32's mean
+MOONSHOT_TIME = 1 / 8  # of ContextCite-32's time
+# column -> (metric in the aggregates, higher is better)
+COLUMNS = {
+    "lds ↑": ("lds", True),
+    "gap to contextcite ↓": (None, False),
+    "topk_drop@1 ↑": ("topk_drop@1", True),
+    "topk_drop@3 ↑": ("topk_drop@3", True),
+    "time_vs_contextcite ↓": ("time_vs_contextcite", False),
+}
+
+
+def _means(agg: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """(task x method) task means of one metric; NaN where a method did not run or the metric is absent."""
+    t = agg[agg["metric"] == metric]
+    return t.pivot_table(index="task", columns="method", values="mean", aggfunc="first")
+
+
+def summary_table(agg: pd.DataFrame, tasks: list[str] | None = None) -> pd.DataFrame:
+    """Method x column table (`COLUMNS`, plus "tasks": how many tasks the method's LDS covers), sorted by LDS.
+    agg: the runner's aggregates (task, method, metric, mean, ...); tasks: a subset (default every task).
+    "gap to contextcite" is ContextCite's mean LDS minus the method's over the tasks both ran on;
+    "time_vs_contextcite" is the mean over tasks of the per-example ratios (NaN where no time was recorded)."""
+    if tasks is not None:
+        agg = agg[agg["task"].isin(tasks)]
+    lds = _means(agg, "lds")
+    if lds.empty:
+        return pd.DataFrame(columns=[*COLUMNS, "tasks"])
+    out = pd.DataFrame(index=pd.Index(lds.columns, name="method"))
+    out["lds ↑"] = lds.mean()
+    ran = lds.notna()
+    if REFERENCE in lds:
+        ref = lds[REFERENCE]
+        both = ran.mul(ran[REFERENCE], axis=0)
+        out["gap to contextcite ↓"] = [ref[both[m]].mean() - lds[m][both[m]].mean() for m in lds.columns]
+    else:
+        out["gap to contextcite ↓"] = math.nan
+    for col, (metric, _) in COLUMNS.items():
+        if metric is not None and metric != "lds":
+            means = _means(agg, metric)
+            out[col] = means.mean().reindex(out.index) if not means.empty else math.nan
+    out["tasks"] = ran.sum().astype(int)
+    out.columns.name = None
+    return out.sort_values("lds ↑", ascending=False, kind="stable")
+
+
+@dataclass(frozen=True)
+class Moonshot:
+    """The verdict on one summary table: `met` (None where no time was recorded), the best candidate (every task,
+    time ratio <= MOONSHOT_TIME) with its gap and time ratio, and the closest method of any cost besides the
+    reference (None where none)."""
+
+    met: bool | None
+    reference_lds: float
+    best: str | None
+    gap: float
+    time: float
+    closest: str | None
+    closest_gap: float
+    closest_time: float
+
+    def sentence(self) -> str:
+        """One line for a page or the docs."""
+        goal = f"within {MOONSHOT_GAP:.2f} of ContextCite-32's mean LDS ({self.reference_lds:.3f}) at ≤ 1/8 of its time"
+        if self.met is None:
+            near = f"; closest: {self.closest}, {self.closest_gap:.3f} behind" if self.closest is not None else ""
+            return f"Moonshot ({goal}): not measurable here (no time recorded){near}."
+        if self.met:
+            return f"Moonshot ({goal}): met by {self.best}, {self.gap:.3f} behind at {self.time:.3f} of the time."
+        if self.best is None:
+            head = "no method covering every task is that cheap"
+        else:
+            head = f"the best that cheap is {self.best}, {self.gap:.3f} behind at {self.time:.3f} of the time"
+        tail = ""
+        if self.closest is not None and self.closest != self.best:
+            tail = f"; closest at any cost: {self.closest}, {self.closest_gap:.3f} behind at {self.closest_time:.3f}"
+        return f"Moonshot ({goal}): not met: {head}{tail}."
+
+
+def moonshot(table: pd.DataFrame) -> Moonshot:
+    """The moonshot's verdict on a `summary_table` (the reference must be in it)."""
+    if REFERENCE not in table.index:
+        raise ValueError(f"the summary table has no {REFERENCE} row")
+    full = table["tasks"] == table.loc[REFERENCE, "tasks"]
+    others = table[full & (table.index != REFERENCE)]
+    time = others["time_vs_contextcite ↓"]
+    ref = float(table.loc[REFERENCE, "lds ↑"])
+    nan = math.nan
+    if others.empty:
+        return Moonshot(None, ref, None, nan, nan, None, nan, nan)
+    closest = others["gap to contextcite ↓"].idxmin()
+    c_gap, c_time = float(others.loc[closest, "gap to contextcite ↓"]), float(time[closest])
+    if time.isna().all():
+        return Moonshot(None, ref, None, nan, nan, closest, c_gap, c_time)
+    cheap = others[time <= MOONSHOT_TIME]
+    if cheap.empty:
+        return Moonshot(False, ref, None, nan, nan, closest, c_gap, c_time)
+    best = cheap["gap to contextcite ↓"].idxmin()
+    gap, t = float(cheap.loc[best, "gap to contextcite ↓"]), float(time[best])
+    return Moonshot(bool(gap <= MOONSHOT_GAP), ref, best, gap, t, closest, c_gap, c_time)
+
+
+def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """The summary as a Markdown table (methods in backticks, NaN as "-")."""
+    cols = list(table.columns)
+    lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m, row in table.iterrows():
+        cells = [str(int(v)) if c == "tasks" else ("-" if pd.isna(v) else f"{v:.{digits}f}") for c, v in row.items()]
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
