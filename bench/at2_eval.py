@@ -74,16 +74,16 @@ def _weights(weights: dict[str, np.ndarray], kind: str, trained: bool) -> np.nda
 
 
 def _estimators(weights: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
-    """(kind, trained) rows: every single kind untrained and trained, "combined" trained only (it has no
-    untrained form) when the weights file holds it."""
-    from ctxmix.methods.context.at2 import COMBINED, KINDS
+    """(kind, trained) rows: every single kind untrained and trained, each combination trained only (it has no
+    untrained form) where the weights file holds it."""
+    from ctxmix.methods.context.at2 import COMBINATIONS, KINDS
 
     rows = [(k, t) for k in KINDS for t in (False, True)]
-    return rows + ([(COMBINED, True)] if COMBINED in weights else [])
+    return rows + [(c, True) for c in COMBINATIONS if c in weights]
 
 
 def _features(e: dict, kind: str) -> np.ndarray:
-    """(U, d, K) float64: an example's unit features for an estimator (the four kinds stacked for "combined")."""
+    """(U, d, K) float64: an example's unit features for an estimator (a combination's kinds stacked)."""
     from ctxmix.methods.context.at2 import estimator_kinds, stacked_features
 
     return stacked_features({k: e[f"features_{k}"] for k in estimator_kinds(kind)}, kind).astype(np.float64)

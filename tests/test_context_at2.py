@@ -2,6 +2,8 @@
 features against the one-pass methods and direct computations from the HF weights, AT2's Pearson loss and fit,
 the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -318,36 +320,49 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
     assert "on the validation split's texts (LDS 0.600" in at2.resolve_weights(m, "logit", None)[1]["note"]
 
 
-def test_combined_scores_are_the_sum_of_the_kinds(tokenizer, tmp_path):
-    """at2_features="combined" with w = (w_attn, w_norm, w_logit, w_alti) scores sum_k w_k . F_k: its per_token
-    equals the sum of the four single-kind estimators run with their own slices (float64 model, the same features
-    of the same full trace: rounding ~1e-16 x 4 L H terms)."""
+@pytest.mark.parametrize("combination", list(at2.COMBINATIONS))
+def test_combined_scores_are_the_sum_of_the_kinds(tokenizer, tmp_path, monkeypatch, combination):
+    """A combination's w = (w_k for its kinds k) scores sum_k w_k . F_k: its per_token equals the sum of the
+    single-kind estimators run with their own slices (float64 model, the same features of the same trace:
+    rounding ~1e-16 x 4 L H terms). "attn+norm+logit" costs logit's rows pass: no full trace is formed."""
+    from ctxmix.methods.context import onepass
+
     m = tiny_model("llama", tokenizer)
     L, H = len(m.layers), m.layers[0].n_heads
     rng = np.random.default_rng(1)
+    kinds = at2.COMBINATIONS[combination]
     w = {k: rng.normal(size=L * H) for k in at2.KINDS}
-    w[at2.COMBINED] = np.concatenate([w[k] for k in at2.KINDS])
+    w[combination] = np.concatenate([w[k] for k in kinds])
     p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": "tiny-llama"})
-    ca = _ca(m, ["at2_exact"], at2_features="combined", at2_weights=p)
+    if "alti" not in kinds:
+
+        def no_full_trace(*a, **k):
+            raise AssertionError("a full trace for a one-pass combination")
+
+        monkeypatch.setattr(onepass, "trace_ids", no_full_trace)
+    ca = _ca(m, ["at2_exact"], at2_features=combination, at2_weights=p)
+    monkeypatch.undo()
     ids, P, _ = _rows(ca)
-    want = sum(at2.run_at2(m, ids, P, k, w[k])["per_token"] for k in at2.KINDS)
+    want = sum(at2.run_at2(m, ids, P, k, w[k])["per_token"] for k in kinds)
     scale = np.abs(want).max()
     assert np.allclose(ca.per_token["at2_exact"], want, rtol=0, atol=1e-12 * scale)
-    assert ca.options["at2"]["kind"] == "combined"
+    assert ca.options["at2"]["kind"] == combination
 
 
-def test_combined_weights_are_checked(tokenizer, tmp_path):
-    """No untrained form; a file without combined weights, or with the wrong length, is refused by name."""
+@pytest.mark.parametrize("combination", list(at2.COMBINATIONS))
+def test_combined_weights_are_checked(tokenizer, tmp_path, combination):
+    """No untrained form; a file without the combination's weights, or with the wrong length, is refused by
+    name."""
     m = tiny_model("llama", tokenizer)
     L, H = len(m.layers), m.layers[0].n_heads
     with pytest.raises(BadInput, match="no untrained form"):
-        at2.resolve_weights(m, "combined", "untrained")
+        at2.resolve_weights(m, combination, "untrained")
     p = at2.save_weights(tmp_path / "w.npz", {k: np.ones(L * H) for k in at2.KINDS}, L, H, {})
-    with pytest.raises(BadInput, match="no 'combined' weights.*ctxmix at2-train"):
-        at2.resolve_weights(m, "combined", p)
-    p = at2.save_weights(tmp_path / "short.npz", {"combined": np.ones(L * H)}, L, H, {})
-    with pytest.raises(BadInput, match=f"not {4 * L * H}"):
-        at2.resolve_weights(m, "combined", p)
+    with pytest.raises(BadInput, match=f"no '{re.escape(combination)}' weights.*ctxmix at2-train"):
+        at2.resolve_weights(m, combination, p)
+    p = at2.save_weights(tmp_path / "short.npz", {combination: np.ones(L * H)}, L, H, {})
+    with pytest.raises(BadInput, match=f"not {len(at2.COMBINATIONS[combination]) * L * H}"):
+        at2.resolve_weights(m, combination, p)
 
 
 def test_combined_fit_scales_each_kind():

@@ -387,8 +387,9 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             doc="AT2's learned linear estimator, w . f(unit, source) over the L x H heads, with ctxmix's exact "
             "per-head contributions as features: 'logit' (default: each head's logit contribution towards the "
             "response token's log-probability), 'attn' (AT2's raw attention), 'norm' (attention x value-vector norm) "
-            "'alti' (the routes' per-head ALTI proximity) or 'combined' (all four kinds, 4 L H trained weights: a "
-            "learned combination of exact features); summed over a source's tokens, averaged over the span's "
+            "'alti' (the routes' per-head ALTI proximity), 'combined' (all four kinds, 4 L H trained weights: a "
+            "learned combination of exact features) or 'attn+norm+logit' (the three kinds of one forward pass, "
+            "3 L H trained weights); summed over a source's tokens, averaged over the span's "
             "tokens. Weights trained on removal ablations of Wikipedia texts (`ctxmix at2-train`), shipped for "
             "smollm2.",
             caveat="Cost: one forward pass plus the per-head features of the response rows ('alti': one ALTI layer "

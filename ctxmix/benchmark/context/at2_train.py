@@ -48,7 +48,7 @@ from ctxmix.benchmark.context.data import (
     split_texts,
 )
 from ctxmix.errors import BadInput
-from ctxmix.methods.context.at2 import COMBINED, ESTIMATORS, KINDS, estimator_kinds, stacked_features
+from ctxmix.methods.context.at2 import COMBINATIONS, ESTIMATORS, KINDS, estimator_kinds, stacked_features
 
 BATCH = 512  # AT2's batch: examples per step, drawn without replacement
 
@@ -238,11 +238,11 @@ class FitData:
 
 def kind_scales(examples: list[dict], kind: str) -> np.ndarray:
     """(K,) the divisor of each feature for fitting `kind`: 1 for a single kind (AT2's raw features); for
-    "combined", each kind's RMS over every example's (unit, source, head) features, so that the four kinds enter
+    a combination, each kind's RMS over every example's (unit, source, head) features, so that its kinds enter
     the fit on one scale (their raw values differ by orders of magnitude: attention in [0, 1], logit
     contributions in nats)."""
     kinds = estimator_kinds(kind)
-    if kind != COMBINED:
+    if kind not in COMBINATIONS:
         return np.ones(examples[0][f"features_{kind}"].shape[-1]) if examples else np.ones(0)
     parts = []
     for k in kinds:
@@ -254,7 +254,7 @@ def kind_scales(examples: list[dict], kind: str) -> np.ndarray:
 
 def fit_data(examples: list[dict], kind: str, scales: np.ndarray | None = None) -> FitData:
     """AT2's mask-level features X(u, v) = sum_s (2 v_s - 1) f(u, s) and y(u, v) = logit P(unit u | ablation v);
-    f the kind's features (for "combined", the four kinds' concatenated), divided by `scales` (K,) if given."""
+    f the kind's features (for a combination, its kinds' concatenated), divided by `scales` (K,) if given."""
     from ctxmix.methods.context.ablation import aggregate
 
     Xs, ys = [], []
@@ -304,7 +304,7 @@ def fit(data: FitData, steps: int = 1000, lr: float = 1e-3, batch: int = BATCH, 
 
 def fit_kind(data: list[dict], kind: str, steps: int = 1000, seed: int = 0) -> tuple[np.ndarray, dict]:
     """(w, {"start", "final"} losses) for one estimator: AT2's fit on the kind's features, scaled per kind for
-    "combined" and the scales folded back into w (so that scoring is w . f on the raw features), L1-normalised."""
+    a combination and the scales folded back into w (so that scoring is w . f on the raw features), L1-normalised."""
     scales = kind_scales(data, kind)
     r = fit(fit_data(data, kind, scales), steps=steps, seed=seed)
     w = r["w"] / scales

@@ -22,7 +22,8 @@ sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens 
 (`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
 
 "combined": all four kinds at once, w in R^{4 L H} (a trained combination of exact features; it has no untrained
-form, and it costs F-alti's full trace).
+form, and it costs F-alti's full trace). "attn+norm+logit": the three kinds one forward pass over the response rows
+gives (`trace_rows`), w in R^{3 L H}: a trained combination at the cost of `logit`.
 
 Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for smollm2
 ship with the package (ctxmix/methods/context/at2_weights/). Scores are scale-free (the weights are L1-normalised).
@@ -46,7 +47,9 @@ KINDS = ("attn", "norm", "logit", "alti")
 # with each kind's features divided by their RMS over the training set (the kinds' scales differ by orders of
 # magnitude; the scales are folded back into the stored weights, so scoring is sum_k w_k . F_k)
 COMBINED = "combined"
-ESTIMATORS = (*KINDS, COMBINED)  # what at2_features takes
+ONE_PASS_COMBINED = "attn+norm+logit"  # the kinds of one rows pass (no full trace), combined the same way
+COMBINATIONS = {COMBINED: KINDS, ONE_PASS_COMBINED: ("attn", "norm", "logit")}
+ESTIMATORS = (*KINDS, *COMBINATIONS)  # what at2_features takes
 DEFAULT_KIND = "logit"
 SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (attribution.py reads it)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
@@ -136,7 +139,7 @@ def head_features(
 def weighted_features(
     model: Model, tr, rows: list[int], targets: list[int], kind: str, w: np.ndarray, target: str = "log_prob"
 ) -> np.ndarray:
-    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j) (for "combined", summed over the four kinds too),
+    """(T, n) float64: sum_{l,h} w_{l,h} F^{l,h}(t, j) (for a combination, summed over its kinds too),
     accumulated one layer at a time (never (T, L, H, n))."""
     L, H = model.n_layers, model.n_heads
     kinds = estimator_kinds(kind)
@@ -151,12 +154,12 @@ def weighted_features(
 
 
 def estimator_kinds(kind: str) -> tuple[str, ...]:
-    """The feature kinds an estimator reads: all four for "combined", else the one."""
-    return KINDS if kind == COMBINED else (kind,)
+    """The feature kinds an estimator reads: a combination's (`COMBINATIONS`), else the one."""
+    return COMBINATIONS.get(kind, (kind,))
 
 
 def stacked_features(features: dict[str, np.ndarray], kind: str) -> np.ndarray:
-    """An estimator's features from {kind: (..., L H)} arrays: the kind's own, or for "combined" the four kinds
+    """An estimator's features from {kind: (..., L H)} arrays: the kind's own, or for a combination its kinds
     concatenated on the last axis (kind-major, as the combined weights are stored)."""
     return np.concatenate([features[k] for k in estimator_kinds(kind)], axis=-1)
 
@@ -197,6 +200,20 @@ def shipped_weights_path(model_name: str) -> Path | None:
     return Path(str(p)) if p.is_file() else None
 
 
+def weights_sha256(model_name: str, weights=None) -> str | None:
+    """The first 16 hex digits of the sha256 of the file at2_exact reads for `model_name` with `at2_weights`
+    `weights` (None: the shipped file), or None ("untrained", or no such file): what a stored result computed
+    with the weights depends on beyond its config."""
+    import hashlib
+
+    if isinstance(weights, str) and weights == "untrained":
+        return None
+    path = shipped_weights_path(model_name) if weights is None else Path(weights)
+    if path is None or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def save_weights(path, weights: dict[str, np.ndarray], n_layers: int, n_heads: int, meta: dict) -> Path:
     """weights {kind: (L H,)} into an .npz (allow_pickle=False) with "shape" (L, H) and the JSON `meta`."""
     path = Path(path)
@@ -227,9 +244,9 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
         raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)}, got {kind!r}")
     L, H = model.n_layers, model.n_heads
     if isinstance(weights, str) and weights == "untrained":
-        if kind == COMBINED:
+        if kind in COMBINATIONS:
             raise BadInput(
-                "at2_features='combined' has no untrained form (its weights mix four kinds of different scales): "
+                f"at2_features={kind!r} has no untrained form (its weights mix kinds of different scales): "
                 "use the shipped or your trained weights, or one kind with at2_weights='untrained'"
             )
         return uniform_weights(L, H), {"weights": "untrained", "kind": kind}
@@ -300,13 +317,13 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     from ctxmix.methods.context.onepass import _trace
     from ctxmix.methods.prediction import check_logit_model
 
-    if kind in ("logit", COMBINED):
+    if "logit" in estimator_kinds(kind):
         check_logit_model(model, "logit")
     t0 = time.perf_counter()
     T = len(ids) - P
     rows = list(range(P - 1, P - 1 + T))
     # F-alti (alone or in the combination) reads every row; the others the response's
-    tr = _trace(model, ids, rows, None, full=kind in ("alti", COMBINED))
+    tr = _trace(model, ids, rows, None, full="alti" in estimator_kinds(kind))
     per_token = weighted_features(model, tr, rows, list(ids[P:]), kind, w, target)
     cost = {"forward": 1, "backward": 0, "seconds": time.perf_counter() - t0, "streamed": bool(tr.streamed)}
     # no explained quantity: the per-token total of the estimator, so `buckets` add up to it

@@ -381,7 +381,8 @@ def attribute_context(
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
-    "logit" (default), "attn", "norm", "alti" or "combined" (all four, trained weights only); at2_weights None
+    "logit" (default), "attn", "norm", "alti", "combined" (all four, trained weights only) or "attn+norm+logit"
+    (the three of one forward pass, trained weights only); at2_weights None
     (the weights shipped for the model, or uniform ones where their held-out table scores the trained ones
     lower, with a warning), a file from `ctxmix at2-train`, or "untrained" (uniform)).
 
@@ -472,7 +473,10 @@ def attribute_context(
         )
     # refused before any forward pass (the generation's included) when the estimate exceeds what the devices give
     n_response = max_new_tokens if response is None else len(model.tokenizer(response)["input_ids"])
-    full_at2 = at2_features in ("alti", "combined")  # F-alti reads a full trace: counted as alti_logit's (a bound)
+    from ctxmix.methods.context.at2 import estimator_kinds
+
+    # F-alti reads a full trace: counted as alti_logit's (a bound)
+    full_at2 = "alti" in estimator_kinds(at2_features)
     check_memory(
         model,
         len(prompt.ids) + n_response,
