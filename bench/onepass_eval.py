@@ -9,9 +9,16 @@ Examples: the needles and summaries of the validation split built as bench/at2_e
 the response generated greedily (at most --max-new-tokens, at2_eval's 48). Per example, one `attribute_context`
 call with every method (ContextCite with --masks ablations), then `evaluate` with --masks held-out removal
 ablations (seeds disjoint from ContextCite's), k = 1 and 3, the needle's sentence as gold: LDS, top-k
-log-probability drops (natural log, higher is better), recall@1; and each method's `cost["seconds"]`. One JSON
-line per finished example in OUT/examples.jsonl (a killed run resumes). Prints the table (mean over examples,
-LDS ± its standard error) and writes OUT/onepass_eval.md.
+log-probability drops (natural log, higher is better), recall@1; and each method's `cost["seconds"]` (each
+method's own passes: `share_trace=False`; --shared-trace lets logit and attention share alti_logit's full trace,
+as runs before 2026-11-27 did). One JSON line per finished example in OUT/examples.jsonl (a killed run resumes).
+Prints the table (mean over examples, LDS ± its standard error) and writes OUT/onepass_eval.md.
+
+This is the table the Context attribution page's default one-pass method is chosen on (validation, never the
+benchmark's test split): --ship writes it to ctxmix/benchmark/shipped/onepass-validation.json, which
+tests/test_context_bench.py reads.
+
+    python bench/onepass_eval.py --out out/onepass_eval --report --ship   # ship the examples stored so far
 """
 
 from __future__ import annotations
@@ -31,10 +38,16 @@ SPLIT = "validation"
 DEFAULT_METHODS = ["logit", "attention", "alti_logit", "grad_x_input", "key_mask_grad", "key_mask_ig", "contextcite"]
 
 
-def score_example(model, ex, methods: list[str], masks: int, max_new_tokens: int) -> dict:
+def score_example(
+    model, ex, methods: list[str], masks: int, max_new_tokens: int, share_trace: bool = False, at2_weights=None
+) -> dict:
     """One example's evaluation row per method: {"id", "kind", "tokens", "T", "methods": {m: {lds, topk_drop@1,
-    topk_drop@3, recall@1, seconds}}}."""
+    topk_drop@3, recall@1, seconds}}}. at2_weights (a file from `ctxmix at2-train`): also a row "at2_exact/<kind>"
+    per estimator in it, scored against the same held-out ablations (LDS, recall@1 and seconds; no top-k drops,
+    which would need each ranking's own removal passes)."""
     import ctxmix
+    from ctxmix.benchmark.context.metrics import lds, recall_at
+    from ctxmix.methods.context.ablation import aggregate
 
     ca = ctxmix.attribute_context(
         model,
@@ -45,8 +58,8 @@ def score_example(model, ex, methods: list[str], masks: int, max_new_tokens: int
         response=ex.response,
         max_new_tokens=max_new_tokens,
         n_ablations=masks,
-        at2_weights="untrained" if "at2_exact" in methods else None,
         progress=False,
+        share_trace=share_trace,
     )
     gold = list(ex.gold) or None
     ev = ca.evaluate(model, k=(1, 3), n_ablations=masks, gold=gold, progress=False).set_index("method")
@@ -60,6 +73,31 @@ def score_example(model, ex, methods: list[str], masks: int, max_new_tokens: int
             "recall@1": float(r["recall@1"]) if gold else math.nan,
             "seconds": float(ca.cost[m]["seconds"]),
         }
+    if at2_weights is not None:
+        from ctxmix.methods.context.at2 import load_weights
+
+        a, b = ca.evaluation["options"]["span_tokens"]
+        measured = aggregate(np.asarray(ca.evaluation["logit_probs"])[:, a:b], False)
+        for kind in load_weights(at2_weights)[0]:
+            c = ctxmix.attribute_context(
+                model,
+                ex.context,
+                ex.query,
+                sources=ex.sources,
+                methods=["at2_exact"],
+                response=ca.response,
+                at2_features=kind,
+                at2_weights=at2_weights,
+                progress=False,
+            )
+            s = c.scores["at2_exact"]
+            out[f"at2_exact/{kind}"] = {
+                "lds": lds(s, ca.evaluation["masks"], measured),
+                "topk_drop@1": math.nan,
+                "topk_drop@3": math.nan,
+                "recall@1": float(recall_at(s, gold, 1)) if gold else math.nan,
+                "seconds": float(c.cost["at2_exact"]["seconds"]),
+            }
     return {"id": ex.id, "kind": ex.kind, "tokens": len(ca.prompt_ids), "T": len(ca.response_ids), "methods": out}
 
 
@@ -105,6 +143,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--report", action="store_true", help="print the table of the examples stored so far, run nothing")
+    p.add_argument("--shared-trace", action="store_true", help="logit and attention share alti_logit's full trace")
+    p.add_argument("--ship", action="store_true", help="write the table to ctxmix/benchmark/shipped/")
+    p.add_argument("--at2-weights", help="an at2_weights.npz: also a row at2_exact/<kind> per estimator in it")
     a = p.parse_args(argv)
     import torch
 
@@ -125,23 +166,91 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     store = out / "examples.jsonl"
     key = {"model": model.name, "methods": a.methods, "masks": a.masks, "max_new_tokens": a.max_new_tokens}
+    key["share_trace"] = bool(a.shared_trace)
+    if a.at2_weights:  # the file's hash: other weights, other rows
+        import hashlib
+
+        key["at2_weights_sha256"] = hashlib.sha256(Path(a.at2_weights).read_bytes()).hexdigest()[:16]
     records = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    for r in records:  # records from before the option shared the trace
+        r.get("key", {}).setdefault("share_trace", True)
     records = [r for r in records if r.get("key") == key]
     done = {r["id"] for r in records}
     for ex in exs:
         if ex.id in done or a.report:
             continue
         t0 = time.perf_counter()
-        rec = {**score_example(model, ex, a.methods, a.masks, a.max_new_tokens), "key": key}
+        rec = score_example(model, ex, a.methods, a.masks, a.max_new_tokens, a.shared_trace, a.at2_weights)
+        rec["key"] = key
         rec["wall_seconds"] = time.perf_counter() - t0
         with store.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         records.append(rec)
         print(f"{ex.id}: {rec['tokens']} prompt tokens, T = {rec['T']}, {rec['wall_seconds']:.0f} s", flush=True)
-    md = table(records, a.methods)
+    shown = list(dict.fromkeys([*a.methods, *(m for r in records for m in r["methods"])]))  # with at2_exact/<kind>
+    md = table(records, shown)
     md += f"\n{len(records)} examples ({sum(r['kind'] == 'needles' for r in records)} needles), {SPLIT} split\n"
     print(md)
     (out / "onepass_eval.md").write_text(md)
+    if a.ship:
+        path = ship(records, key, shown)
+        print(f"wrote {path}")
+
+
+def summary(records: list[dict], methods: list[str]) -> dict:
+    """{method: {"lds", "lds_se", "lds_needles", "lds_summaries", "recall@1_needles", "topk_drop@1", "topk_drop@3",
+    "seconds", "n"}}: means over the examples (NaN values left out)."""
+    out = {}
+    for m in methods:
+        rows = [r["methods"][m] for r in records if m in r["methods"]]
+        kinds = [r["kind"] for r in records if m in r["methods"]]
+
+        def mean(key, kind=None, rows=rows, kinds=kinds):
+            v = np.array([x[key] for x, k in zip(rows, kinds) if kind in (None, k)], dtype=float)
+            v = v[~np.isnan(v)]
+            return (float(v.mean()) if len(v) else math.nan), v
+
+        lds, v = mean("lds")
+        out[m] = {
+            "lds": lds,
+            "lds_se": float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan,
+            "lds_needles": mean("lds", "needles")[0],
+            "lds_summaries": mean("lds", "summaries")[0],
+            "recall@1_needles": mean("recall@1", "needles")[0],
+            "topk_drop@1": mean("topk_drop@1")[0],
+            "topk_drop@3": mean("topk_drop@3")[0],
+            "seconds": mean("seconds")[0],
+            "n": len(rows),
+        }
+    return out
+
+
+def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
+    """ctxmix/benchmark/shipped/onepass-validation.json: the table and what made it."""
+    import datetime
+    import platform
+
+    from ctxmix import __version__
+    from ctxmix.benchmark.shipped import SHIPPED
+
+    meta = {
+        "name": "onepass-validation",
+        "kind": "onepass-validation",
+        "split": SPLIT,
+        "model": key["model"],
+        "examples": len(records),
+        "needles": sum(r["kind"] == "needles" for r in records),
+        "masks": key["masks"],
+        "share_trace": key["share_trace"],
+        "command": "python bench/onepass_eval.py " + " ".join(sys.argv[1:]),
+        "ctxmix_version": __version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "methods": summary(records, methods),
+    }
+    path = SHIPPED / "onepass-validation.json"
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":

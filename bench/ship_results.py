@@ -80,7 +80,7 @@ def ship_context(config: Path, finished: Path | None, check_only: bool = False) 
     import pandas as pd
     import yaml
 
-    from ctxmix.benchmark.context.bench import load_context_config
+    from ctxmix.benchmark.context.bench import at2_weights_sha256, load_context_config
 
     cfg = load_context_config(config)
     name = cfg.get("name") or config.stem
@@ -109,6 +109,7 @@ def ship_context(config: Path, finished: Path | None, check_only: bool = False) 
         "model": cfg["model"],
         "ctxmix_version": __version__,
         "config_sha256": config_sha256(config),
+        "at2_weights_sha256": at2_weights_sha256(cfg),  # None: no at2_exact, or untrained weights
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": f"python -m ctxmix bench --config configs/{config.name} --threads 1",
         "check": f"check.csv of --check-sizes --limit {CHECK_LIMIT}",

@@ -62,11 +62,9 @@ def test_bad_input():
 
 def test_shipped_config_is_valid():
     cfg = cb.load_context_config(cb.Path(cb.__file__).parents[1] / "configs" / "context.yaml")
-    # the offline ones; the long task joins at the shipped results' regeneration (as in configs/context-gemma3.yaml)
-    assert {t["id"] for t in cfg["tasks"]} == set(cd.OFFLINE_TASKS) - {"long"}
-    # the shipped numbers were computed with the official seeds (the same masks for every example): pinned until
-    # they are regenerated, so the shipped check reproduces them
-    assert cfg["mask_seeds"] == "official"
+    assert {t["id"] for t in cfg["tasks"]} == set(cd.OFFLINE_TASKS)  # the offline ones, long contexts included
+    # each example draws its own masks (the default); the official scheme's shared seeds are gone from the shipped run
+    assert "mask_seeds" not in cfg
     with pytest.raises(BadInput, match="mask_seeds"):
         cb.validate_context_config({**cfg, "mask_seeds": "hash"})
 
@@ -402,19 +400,21 @@ def test_every_context_method_has_a_docs_page():
     assert all(f"methods/context/{m}.md" in nav for m in CONTEXT_METHODS)
 
 
-def test_the_page_default_is_the_best_one_pass_method_of_the_shipped_results():
-    """The Context attribution page's default one-pass method is the one with the best mean LDS (the mean of the
-    tasks' means) in the shipped context results."""
+def test_the_page_default_is_the_best_one_pass_method_on_validation():
+    """The Context attribution page's default one-pass method is the one with the best mean LDS among the methods
+    that run no ablations, on the validation split's table (bench/onepass_eval.py --ship): a default is chosen on
+    validation, never on the benchmark's test examples."""
+    import json
     import re
-
-    import pandas as pd
 
     from ctxmix.methods.context.onepass import ONE_PASS_METHODS
 
     root = Path(__file__).resolve().parents[1]
-    agg = pd.read_csv(root / "ctxmix" / "benchmark" / "shipped" / "context.aggregates.csv")
-    lds = agg[(agg.metric == "lds") & agg.method.isin([*ONE_PASS_METHODS, "at2_exact"])]
-    best = lds.groupby("method")["mean"].mean().idxmax()
+    rec = json.loads((shipped.SHIPPED / "onepass-validation.json").read_text())
+    assert rec["split"] == "validation" and rec["model"] == "smollm2" and rec["examples"] >= 20
+    lds = {m: v["lds"] for m, v in rec["methods"].items() if m in (*ONE_PASS_METHODS, "at2_exact")}
+    assert {"logit", "alti_logit", "attention"} <= set(lds) and "contextcite" in rec["methods"]
+    best = max(lds, key=lambda m: lds[m])
     page = (root / "pages" / "0_Context_attribution.py").read_text()
     assert re.search(r'^ONE_PASS_DEFAULT = "(\w+)"', page, re.M).group(1) == best
 
@@ -510,8 +510,6 @@ def test_every_example_of_the_context_configs_has_its_stored_response(name):
         for e in cb.task_examples(t, _WordModel, shipped.CHECK_LIMIT if check else None)
     ]
     assert len(keys) == len(set(keys)) and sorted(cfg["responses"]) == sorted(keys)
-    if "long" not in {t["id"] for t in cfg["tasks"]}:  # configs/context.yaml until its results are regenerated
-        return
     assert [k for k in keys if k.startswith("long")] == [
         "long-needle-0",
         "long-summary-0",
@@ -529,22 +527,89 @@ def test_the_gemma3_config_is_the_smollm2_benchmark_on_a_base_model():
     a, b = (cb.load_context_config(root / n) for n in ("context.yaml", "context-gemma3.yaml"))
     assert b["model"] == "gemma3" and b["template"] == "plain" and b["query_suffix"] == "\nAnswer:"
     assert b["stop"] == "sentence" and "mask_seeds" not in b and b["at2_weights"] == "untrained"
-    same = ("n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate")
+    same = ("methods", "n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate", "tasks", "check")
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
-    # what configs/context.yaml gains when its shipped results are regenerated (they pin it until then): the long
-    # task and the key-mask methods
-    new = ["key_mask_grad", "key_mask_ig"]
 
-    def without_new(methods):
-        return [m for m in methods if m not in new]
 
-    assert without_new(b["methods"]) == a["methods"] and set(b["methods"]) - set(a["methods"]) == set(new)
-    tasks_b = {t["id"]: t for t in b["tasks"]}
-    assert set(tasks_b) - {t["id"] for t in a["tasks"]} == {"long"}
-    for t in a["tasks"]:
-        u = tasks_b[t["id"]]
-        assert {**u, "methods": without_new(u.get("methods", b["methods"]))} == {
-            **t,
-            "methods": t.get("methods", a["methods"]),
-        }
-    assert {k: v for k, v in b["check"]["tasks"].items() if k != "long"} == a["check"]["tasks"]
+def test_a_retrained_at2_weights_file_makes_stored_results_stale(tmp_path, monkeypatch):
+    """at2_exact's numbers depend on its weights file, not only on the config: the resume stamp and the shipped
+    results' record carry the file's hash, so a retrained shipped file is neither reused nor shown as current."""
+    import hashlib
+    import json
+    import shutil
+
+    from ctxmix.methods.context import at2
+
+    root = Path(cb.__file__).parents[1] / "configs"
+    cfg = cb.load_context_config(root / "context.yaml")
+    shipped_file = at2.shipped_weights_path("smollm2")
+    assert cb.at2_weights_sha256(cfg) == hashlib.sha256(shipped_file.read_bytes()).hexdigest()[:16]
+    assert cb.at2_weights_sha256({**cfg, "at2_weights": "untrained"}) is None
+    no_at2 = {**cfg, "methods": ["logit"], "tasks": [{**t, "methods": ["logit"]} for t in cfg["tasks"]]}
+    assert cb.at2_weights_sha256(no_at2) is None
+    task = cfg["tasks"][0]
+    before = cb.config_stamp(cfg, False, task, "x")
+    # the same config, another weights file: another stamp (a resumed run recomputes the example)
+    other = tmp_path / "w.npz"
+    shutil.copy(shipped_file, other)
+    with_file = {**cfg, "at2_weights": str(other)}
+    stamp = cb.config_stamp(with_file, False, task, "x")
+    with other.open("ab") as f:
+        f.write(b"\0")
+    assert cb.config_stamp(with_file, False, task, "x") != stamp and stamp != before
+    # a shipped result records the hash; stale_reasons names a changed file
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    (tmp_path / "configs").mkdir()
+    shutil.copy(root / "context.yaml", tmp_path / "configs" / "context.yaml")
+    meta = {
+        "name": "context",
+        "kind": "context",
+        "config": "configs/context.yaml",
+        "config_sha256": shipped.config_sha256(root / "context.yaml"),
+        "ctxmix_version": ctxmix.__version__,
+        "at2_weights_sha256": cb.at2_weights_sha256(cfg),
+    }
+    (folder / "context.json").write_text(json.dumps(meta))
+    (folder / "context.aggregates.csv").write_text("task,method,metric,mean,std,n,nan,higher_is_better\n")
+    monkeypatch.setattr(shipped, "SHIPPED", folder)
+    assert shipped.stale_reasons("context", tmp_path) == []
+    (folder / "context.json").write_text(json.dumps({**meta, "at2_weights_sha256": "0" * 16}))
+    assert shipped.stale_reasons("context", tmp_path) == [
+        "at2_exact's weights file changed since these results were made"
+    ]
+
+
+@pytest.mark.parametrize("name", shipped.shipped_names("context"))
+def test_shipped_context_results_are_of_the_config_and_weights_as_they_are(name):
+    _, meta = shipped.load_context_shipped(name)
+    assert "at2_weights_sha256" in meta  # None where at2_exact's weights are untrained
+    assert shipped.stale_reasons(name, Path(cb.__file__).parents[1]) == []
+
+
+def test_onepass_eval_scores_at2_estimators_against_the_same_heldout_ablations(tokenizer, tmp_path):
+    """bench/onepass_eval.py's at2_exact/<kind> rows use the main call's held-out ablations: uniform F-logit
+    weights rank sources as `logit` does, so their LDS and recall equal logit's row exactly."""
+    import importlib.util
+    from dataclasses import replace
+
+    from ctxmix.methods.context import at2
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("onepass_eval", root / "bench" / "onepass_eval.py")
+    oe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oe)
+    llama = tiny_model("llama", tokenizer)
+    L, H = len(llama.layers), llama.layers[0].n_heads
+    count = lambda s: len(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    ex = cd.needle_examples(1, 30, 50, seed=0, count_tokens=count, split="validation")[0]
+    ex = replace(ex, response=f"The answer is {ex.answer}.")  # a random model answers nothing: a given response
+    w = {"logit": at2.uniform_weights(L, H), "attn": at2.uniform_weights(L, H)}
+    p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": "tiny"})
+    rec = oe.score_example(llama, ex, ["logit", "attention", "contextcite"], 4, 8, at2_weights=str(p))
+    got = rec["methods"]
+    assert set(got) == {"logit", "attention", "contextcite", "at2_exact/logit", "at2_exact/attn"}
+    assert got["at2_exact/logit"]["lds"] == pytest.approx(got["logit"]["lds"], abs=1e-12)
+    assert got["at2_exact/attn"]["lds"] == pytest.approx(got["attention"]["lds"], abs=1e-12)
+    assert got["at2_exact/logit"]["recall@1"] == got["logit"]["recall@1"]
+    assert math.isnan(got["at2_exact/logit"]["topk_drop@1"]) and got["at2_exact/logit"]["seconds"] > 0

@@ -660,3 +660,30 @@ def test_rows_trace_memory_is_far_below_one_attention_map():
     one_map = 32 * 2048 * 2048 * 4
     assert got["extra"] < one_map / 4, got["extra"] / 2**20
     assert got["err"] < 1e-4  # the layers rebuilt right: float32 sums over d = 256 of states ~1, 256 x 2^-24 = 2e-5
+
+
+def test_share_trace_false_gives_the_rows_methods_their_own_pass(tokenizer, monkeypatch):
+    """share_trace=False (the benchmark's time columns): logit and attention run on their own rows pass, not on
+    alti_logit's full trace, so each method's seconds are its own; the scores are the same either way."""
+    from ctxmix.engine import rows as engine_rows
+    from ctxmix.methods.context import onepass
+
+    m = tiny_model("llama", tokenizer)
+    methods = ["logit", "attention", "alti_logit"]
+    calls = []
+    for mod, name in ((onepass, "trace_ids"), (engine_rows, "trace_rows")):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, name, counted)
+    shared = _ca(m, methods)
+    assert calls == ["trace_ids"]  # one full trace for all three
+    calls.clear()
+    alone = _ca(m, methods, share_trace=False)
+    assert sorted(calls) == ["trace_ids", "trace_rows"]
+    for meth in methods:
+        assert np.allclose(alone.scores[meth], shared.scores[meth], rtol=1e-9, atol=1e-12), meth
+        assert alone.cost[meth]["seconds"] > 0

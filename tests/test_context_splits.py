@@ -143,6 +143,5 @@ def test_the_config_records_what_its_tasks_build(name):
         for tid, rec in got[run].items():
             assert cfg["examples"][run][tid] == rec, (run, tid, rec)
     assert set(got["tasks"]) == {t["id"] for t in cfg["tasks"]}
-    if "long" in got["tasks"]:  # configs/context.yaml gains it when its shipped results are regenerated
-        lo, _, hi = got["tasks"]["long"]["context_tokens"]
-        assert 1000 <= lo and hi <= 4000 and got["check"]["long"] == {"n": 0}
+    lo, _, hi = got["tasks"]["long"]["context_tokens"]
+    assert 1000 <= lo and hi <= 4000 and got["check"]["long"] == {"n": 0}

@@ -58,6 +58,11 @@ def test_moonshot_met_not_met_and_unmeasured():
     assert v.met is False and v.best == "cheap" and v.gap == pytest.approx(0.06)
     assert v.closest == "slow" and v.closest_gap == pytest.approx(0.005) and v.closest_time == pytest.approx(0.6)
     assert "not met" in v.sentence() and "slow" in v.sentence()
+    tie = _bench(0.70)
+    tie = pd.concat([tie, tie[tie.method == "cheap"].assign(method="twin")])  # at2_exact untrained = logit
+    assert (
+        moonshot(summary_table(tie)).tied == ("twin",) and "(tied with twin)" in moonshot(summary_table(tie)).sentence()
+    )
     v = moonshot(summary_table(_bench(0.76, with_time=False)))  # runs before the time columns
     assert v.met is None and "no time recorded" in v.sentence()
     with pytest.raises(ValueError, match="contextcite"):

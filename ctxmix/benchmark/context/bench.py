@@ -206,14 +206,27 @@ def append_done(path: Path, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+def at2_weights_sha256(config: dict) -> str | None:
+    """The hash of the AT2 weights file a context config's at2_exact reads (`at2.weights_sha256`; None where no
+    task runs at2_exact or its weights are untrained): a retrained shipped file changes the numbers, not the
+    config."""
+    from ctxmix.methods.context.at2 import weights_sha256
+
+    lists = [config.get("methods") or []] + [t.get("methods") or [] for t in config.get("tasks") or []]
+    if not any("at2_exact" in m for m in lists):
+        return None
+    return weights_sha256(str(config.get("model")), config.get("at2_weights"))
+
+
 def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:
     """A hash of everything that changes one example's numbers: the config but its other examples' responses,
-    the check switch, the task (with its check overrides) and the example's stored response."""
+    the check switch, the task (with its check overrides), the example's stored response and the AT2 weights
+    file's hash (`at2_weights_sha256`)."""
     import hashlib
     import json
 
     rest = {k: v for k, v in config.items() if k != "responses"}
-    raw = json.dumps([rest, check, task, response], sort_keys=True, default=str)
+    raw = json.dumps([rest, check, task, response, at2_weights_sha256(config)], sort_keys=True, default=str)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -324,6 +337,7 @@ def _one_example(
         seeds=config.get("mask_seeds") or "example",
         batch_size=int(config.get("batch_size", 8)),
         progress=progress,
+        share_trace=False,  # each method's seconds are its own (the time columns), not alti_logit's full trace
     )
     if ex.answer is not None and not contains_answer(ca.response, ex.answer):
         return {"response": ca.response, "dropped": True, "rows": [], "check": []}

@@ -76,6 +76,7 @@ class Moonshot:
     closest: str | None
     closest_gap: float
     closest_time: float
+    tied: tuple[str, ...] = ()  # other cheap methods with the best one's LDS (at2_exact untrained = logit)
 
     def sentence(self) -> str:
         """One line for a page or the docs."""
@@ -83,12 +84,13 @@ class Moonshot:
         if self.met is None:
             near = f"; closest: {self.closest}, {self.closest_gap:.3f} behind" if self.closest is not None else ""
             return f"Moonshot ({goal}): not measurable here (no time recorded){near}."
+        best = f"{self.best} (tied with {', '.join(self.tied)})" if self.tied else str(self.best)
         if self.met:
-            return f"Moonshot ({goal}): met by {self.best}, {self.gap:.3f} behind at {self.time:.3f} of the time."
+            return f"Moonshot ({goal}): met by {best}, {self.gap:.3f} behind at {self.time:.3f} of the time."
         if self.best is None:
             head = "no method covering every task is that cheap"
         else:
-            head = f"the best that cheap is {self.best}, {self.gap:.3f} behind at {self.time:.3f} of the time"
+            head = f"the best that cheap is {best}, {self.gap:.3f} behind at {self.time:.3f} of the time"
         tail = ""
         if self.closest is not None and self.closest != self.best:
             tail = f"; closest at any cost: {self.closest}, {self.closest_gap:.3f} behind at {self.closest_time:.3f}"
@@ -115,7 +117,8 @@ def moonshot(table: pd.DataFrame) -> Moonshot:
         return Moonshot(False, ref, None, nan, nan, closest, c_gap, c_time)
     best = cheap["gap to contextcite ↓"].idxmin()
     gap, t = float(cheap.loc[best, "gap to contextcite ↓"]), float(time[best])
-    return Moonshot(bool(gap <= MOONSHOT_GAP), ref, best, gap, t, closest, c_gap, c_time)
+    tied = tuple(m for m in cheap.index if m != best and abs(cheap.loc[m, "gap to contextcite ↓"] - gap) <= 1e-12)
+    return Moonshot(bool(gap <= MOONSHOT_GAP), ref, best, gap, t, closest, c_gap, c_time, tied)
 
 
 def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:

@@ -148,6 +148,11 @@ def stale_reasons(name: str, root: str | Path = PACKAGE_DIR) -> list[str]:
         why.append(f"{meta['config']} changed since these results were made")
     if meta.get("ctxmix_version") != __version__:
         why.append(f"made by ctxmix {meta.get('ctxmix_version')}, this is {__version__}")
+    if "at2_weights_sha256" in meta and cfg.exists():  # context results: at2_exact's weights file
+        from ctxmix.benchmark.context.bench import at2_weights_sha256, load_context_config
+
+        if at2_weights_sha256(load_context_config(cfg)) != meta["at2_weights_sha256"]:
+            why.append("at2_exact's weights file changed since these results were made")
     return why
 
 

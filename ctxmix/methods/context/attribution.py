@@ -340,6 +340,7 @@ def attribute_context(
     at2_weights=None,
     seeds: str | None = None,
     key_mask_levels=4,
+    share_trace: bool = True,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
@@ -402,6 +403,10 @@ def attribute_context(
     compat=True: "official"): mask i from RandomState(s + i) with s = `example_seed(seed, context, query)`,
     a stable hash of the texts, so every example gets its own masks; "official": s = seed for every example
     (the official package's seed + i). The first seed is kept in `options["mask_seed"]`.
+
+    share_trace: True (the default) lets the one-pass methods share one traced pass (alti_logit's full trace when
+    it is asked for); False gives the methods that read only the response rows their own rows pass, so each
+    method's cost["seconds"] is what it costs alone (the benchmark's time columns). Scores are the same.
 
     progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
     response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
@@ -554,7 +559,16 @@ def attribute_context(
     one_pass = [m for m in methods if m not in ABLATION_METHODS and m != "at2_exact"]
     if one_pass:
         gated = [j for toks in source_tokens for j in toks]
-        res_all = run_one_pass(model, one_pass, prompt.ids + resp.ids, P, target, gated=gated, levels=key_mask_levels)
+        res_all = run_one_pass(
+            model,
+            one_pass,
+            prompt.ids + resp.ids,
+            P,
+            target,
+            gated=gated,
+            levels=key_mask_levels,
+            share_trace=share_trace,
+        )
         for m, res in res_all.items():
             ca.per_token[m] = res["per_token"]
             ca.terms[m] = res["terms"]
