@@ -90,6 +90,8 @@ def score_example(
                 at2_weights=at2_weights,
                 progress=False,
             )
+            if c.response_ids != ca.response_ids:  # the text re-tokenised otherwise: other rows than measured
+                raise RuntimeError(f"{ex.id}: the response's ids differ between the calls; store the response")
             s = c.scores["at2_exact"]
             out[f"at2_exact/{kind}"] = {
                 "lds": lds(s, ca.evaluation["masks"], measured),

@@ -547,6 +547,12 @@ def test_a_retrained_at2_weights_file_makes_stored_results_stale(tmp_path, monke
     assert cb.at2_weights_sha256({**cfg, "at2_weights": "untrained"}) is None
     no_at2 = {**cfg, "methods": ["logit"], "tasks": [{**t, "methods": ["logit"]} for t in cfg["tasks"]]}
     assert cb.at2_weights_sha256(no_at2) is None
+    assert cb.at2_weights_sha256({**cfg, "at2_weights": str(tmp_path / "gone.npz")}).startswith("missing:")
+    # a config whose at2_exact reads no file keeps the stamp it had before the hash joined it
+    t0 = no_at2["tasks"][0]
+    rest = {k: v for k, v in no_at2.items() if k != "responses"}
+    old = hashlib.sha256(json.dumps([rest, False, t0, "x"], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert cb.config_stamp(no_at2, False, t0, "x") == old
     task = cfg["tasks"][0]
     before = cb.config_stamp(cfg, False, task, "x")
     # the same config, another weights file: another stamp (a resumed run recomputes the example)

@@ -226,7 +226,11 @@ def config_stamp(config: dict, check: bool, task: dict, response: str | None) ->
     import json
 
     rest = {k: v for k, v in config.items() if k != "responses"}
-    raw = json.dumps([rest, check, task, response, at2_weights_sha256(config)], sort_keys=True, default=str)
+    parts = [rest, check, task, response]
+    weights = at2_weights_sha256(config)
+    if weights is not None:  # appended only where at2_exact reads a file: other configs keep their stamps
+        parts.append(weights)
+    raw = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

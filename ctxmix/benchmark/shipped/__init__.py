@@ -150,9 +150,15 @@ def stale_reasons(name: str, root: str | Path = PACKAGE_DIR) -> list[str]:
         why.append(f"made by ctxmix {meta.get('ctxmix_version')}, this is {__version__}")
     if "at2_weights_sha256" in meta and cfg.exists():  # context results: at2_exact's weights file
         from ctxmix.benchmark.context.bench import at2_weights_sha256, load_context_config
+        from ctxmix.errors import BadInput
 
-        if at2_weights_sha256(load_context_config(cfg)) != meta["at2_weights_sha256"]:
-            why.append("at2_exact's weights file changed since these results were made")
+        try:
+            now = at2_weights_sha256(load_context_config(cfg))
+        except BadInput as e:  # a config edited into an invalid one: say so, do not stop the page
+            why.append(f"{meta['config']} no longer loads ({e})")
+        else:
+            if now != meta["at2_weights_sha256"]:
+                why.append("at2_exact's weights file changed since these results were made")
     return why
 
 

@@ -202,15 +202,18 @@ def shipped_weights_path(model_name: str) -> Path | None:
 
 def weights_sha256(model_name: str, weights=None) -> str | None:
     """The first 16 hex digits of the sha256 of the file at2_exact reads for `model_name` with `at2_weights`
-    `weights` (None: the shipped file), or None ("untrained", or no such file): what a stored result computed
-    with the weights depends on beyond its config."""
+    `weights` (None: the shipped file; a path is read as at2_exact reads it, from the working directory), None
+    ("untrained", or no shipped file for the model), or "missing:<path>": what a stored result computed with the
+    weights depends on beyond its config."""
     import hashlib
 
     if isinstance(weights, str) and weights == "untrained":
         return None
     path = shipped_weights_path(model_name) if weights is None else Path(weights)
-    if path is None or not path.is_file():
+    if path is None:
         return None
+    if not path.is_file():  # not "untrained": a stored result made with the file is not current
+        return f"missing:{path}"
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
