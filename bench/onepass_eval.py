@@ -170,9 +170,9 @@ def main(argv=None) -> None:
     key = {"model": model.name, "methods": a.methods, "masks": a.masks, "max_new_tokens": a.max_new_tokens}
     key["share_trace"] = bool(a.shared_trace)
     if a.at2_weights:  # the file's hash: other weights, other rows
-        import hashlib
+        from ctxmix.methods.context.at2 import weights_sha256
 
-        key["at2_weights_sha256"] = hashlib.sha256(Path(a.at2_weights).read_bytes()).hexdigest()[:16]
+        key["at2_weights_sha256"] = weights_sha256(model.name, a.at2_weights)
     records = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
     for r in records:  # records from before the option shared the trace
         r.get("key", {}).setdefault("share_trace", True)
