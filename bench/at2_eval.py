@@ -89,10 +89,12 @@ def _features(e: dict, kind: str) -> np.ndarray:
     return stacked_features({k: e[f"features_{k}"] for k in estimator_kinds(kind)}, kind).astype(np.float64)
 
 
-def topk_drops(model, exs, examples: list[dict], weights: dict[str, np.ndarray], ks=(1, 3)) -> dict:
+def topk_drops(
+    model, exs, examples: list[dict], weights: dict[str, np.ndarray], ks=(1, 3), prompt: dict | None = None
+) -> dict:
     """{(kind, "trained"/"untrained"): {k: mean over examples of log P(response | context) - log P(response |
     context without the top-k sources)}}: removal ablations (`context_ablation.response_logit_probs`), each
-    distinct mask of an example once."""
+    distinct mask of an example once; prompt: the examples' prompt form (`at2_train.prompt_form`)."""
     from ctxmix.benchmark.context.metrics import topk_drop, without_top
     from ctxmix.methods.context.ablation import log_probs, response_logit_probs
     from ctxmix.methods.context.prompt import PromptBuilder
@@ -102,7 +104,8 @@ def topk_drops(model, exs, examples: list[dict], weights: dict[str, np.ndarray],
     out: dict = {row: {kk: [] for kk in ks} for row in rows}
     for ex, e in zip(exs, examples):
         src = make_sources(ex.context, ex.sources)
-        builder = PromptBuilder(model, ex.query)
+        form = prompt or {}
+        builder = PromptBuilder(model, ex.query + form.get("query_suffix", ""), form.get("template"))
         d = len(src)
         masks = {np.ones(d, bool).tobytes(): np.ones(d, bool)}
         want = {}
@@ -165,13 +168,14 @@ def main(argv=None) -> None:
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     exs = needle_examples(a.needles, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
     exs += summary_examples(a.summaries, a.min_tokens, a.max_tokens, 0, count, split=SPLIT)
-    paths = build_set(model, exs, Path(a.out) / "examples", a.masks, LDS_SEED, "response")
-    data = load_set(paths)
     wpath = a.weights or shipped_weights_path(model.name)
     weights, _, meta = load_weights(wpath)
+    prompt = meta.get("prompt", {})  # validated on the prompt form the weights were trained on
+    paths = build_set(model, exs, Path(a.out) / "examples", a.masks, LDS_SEED, "response", prompt=prompt)
+    data = load_set(paths)
     rows = table(data, weights)
     t1 = time.perf_counter()
-    drops = topk_drops(model, exs, data, weights)
+    drops = topk_drops(model, exs, data, weights, prompt=prompt)
     for r in rows:
         for kk, v in drops[(r["features"], r["weights"])].items():
             r[f"topk_drop@{kk}"] = v
@@ -189,6 +193,7 @@ def main(argv=None) -> None:
         "heldout_masks": a.masks,
         "heldout_seeds": [LDS_SEED, LDS_SEED + a.masks - 1],
         "unit": "the whole response (EOS dropped)",
+        "prompt": prompt,
         "needles_answered": sum(
             contains_answer(e["meta"]["response"], e["meta"]["answer"]) for e in data if e["meta"]["answer"]
         ),

@@ -104,30 +104,22 @@ def score_example(
 
 
 def table(records: list[dict], methods: list[str]) -> str:
-    """Markdown: per method, LDS mean ± se over the examples, per kind, recall@1 over the needles, top-k drops and
-    seconds (means)."""
+    """Markdown of `summary`: per method, LDS mean ± se over the examples, per kind, recall@1 over the needles,
+    top-k drops, seconds and the time ratio to ContextCite (means; "-" where not measured)."""
     head = (
         "| method | LDS (mean ± se) | LDS needles | LDS summaries | recall@1 needles | top-1 drop | top-3 drop | "
-        "seconds |\n|---|---|---|---|---|---|---|---|\n"
+        "seconds | time vs contextcite |\n|---|---|---|---|---|---|---|---|---|\n"
     )
+
+    def f(x: float, spec: str) -> str:
+        return "-" if math.isnan(x) else format(x, spec)
+
     lines = []
-    for m in methods:
-        rows = [r for r in records if m in r["methods"]]
-
-        def col(key: str, kind: str | None = None, rows=rows, m=m) -> np.ndarray:
-            v = [r["methods"][m][key] for r in rows if kind is None or r["kind"] == kind]
-            return np.array([x for x in v if not math.isnan(x)], dtype=float)
-
-        lds = col("lds")
-        se = float(lds.std(ddof=1) / math.sqrt(len(lds))) if len(lds) > 1 else math.nan
-
-        def mean(a: np.ndarray) -> float:
-            return float(a.mean()) if len(a) else math.nan
-
+    for m, r in summary(records, methods).items():
         lines.append(
-            f"| `{m}` | {mean(lds):.3f} ± {se:.3f} | {mean(col('lds', 'needles')):.3f} | "
-            f"{mean(col('lds', 'summaries')):.3f} | {mean(col('recall@1', 'needles')):.2f} | "
-            f"{mean(col('topk_drop@1')):.3f} | {mean(col('topk_drop@3')):.3f} | {mean(col('seconds')):.1f} |"
+            f"| `{m}` | {f(r['lds'], '.3f')} ± {f(r['lds_se'], '.3f')} | {f(r['lds_needles'], '.3f')} | "
+            f"{f(r['lds_summaries'], '.3f')} | {f(r['recall@1_needles'], '.2f')} | {f(r['topk_drop@1'], '.3f')} | "
+            f"{f(r['topk_drop@3'], '.3f')} | {f(r['seconds'], '.1f')} | {f(r['time_vs_contextcite'], '.3f')} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -201,7 +193,7 @@ def main(argv=None) -> None:
 
 def summary(records: list[dict], methods: list[str]) -> dict:
     """{method: {"lds", "lds_se", "lds_needles", "lds_summaries", "recall@1_needles", "topk_drop@1", "topk_drop@3",
-    "seconds", "n"}}: means over the examples (NaN values left out)."""
+    "seconds", "time_vs_contextcite", "n"}}: means over the examples (NaN values left out)."""
     out = {}
     for m in methods:
         rows = [r["methods"][m] for r in records if m in r["methods"]]
@@ -222,9 +214,21 @@ def summary(records: list[dict], methods: list[str]) -> dict:
             "topk_drop@1": mean("topk_drop@1")[0],
             "topk_drop@3": mean("topk_drop@3")[0],
             "seconds": mean("seconds")[0],
+            # the mean over examples of the ratio on each (ContextCite's 32 ablations and LASSO on the same example)
+            "time_vs_contextcite": _mean(
+                [r["methods"][m]["seconds"] / r["methods"]["contextcite"]["seconds"] for r in records if _both(r, m)]
+            ),
             "n": len(rows),
         }
     return out
+
+
+def _both(record: dict, m: str) -> bool:
+    return m in record["methods"] and record["methods"].get("contextcite", {}).get("seconds", 0) > 0
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
 
 
 def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
@@ -244,6 +248,8 @@ def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
         "needles": sum(r["kind"] == "needles" for r in records),
         "masks": key["masks"],
         "share_trace": key["share_trace"],
+        # the at2_exact/<kind> rows' weights (at2.weights_sha256): the page's at2_exact is the row of the shipped file
+        "at2_weights_sha256": key.get("at2_weights_sha256"),
         "command": "python bench/onepass_eval.py " + " ".join(sys.argv[1:]),
         "ctxmix_version": __version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

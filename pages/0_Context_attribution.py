@@ -11,6 +11,7 @@ from ctxmix.export.context import view as cv
 from ctxmix.export.context.cite import messages_json, reproduce_command
 from ctxmix.export.context.json_file import context_attribution_json
 from ctxmix.export.context.npz_file import context_attribution_bytes
+from ctxmix.methods.context.at2 import one_pass_default
 from ctxmix.methods.context.check import extend_attribution, prompt_token_count
 from ctxmix.methods.context.prompt import context_message
 from ctxmix.methods.registry import CONTEXT_METHODS
@@ -18,7 +19,6 @@ from ctxmix.service.limits import check_context_request
 from ctxmix_dashboard.ui import common
 
 ABLATION = ("contextcite", "leave_one_out")  # slow: behind a button
-ONE_PASS_DEFAULT = "logit"  # the best LDS without ablations on the validation table (onepass-validation.json)
 DEFAULT_CONTEXT = (
     "The museum opened in 1902 in a former railway station. Its collection grew slowly at first. "
     "The code for the staff entrance is 4817. Visitors enter through the main hall on the north side. "
@@ -127,7 +127,8 @@ with st.expander(
             label_visibility="collapsed",
         )
         turns.append({"role": role, "content": text})
-default_methods = [ONE_PASS_DEFAULT, "contextcite"]
+# the best LDS without ablations on the validation table (onepass-validation.json): at2_exact where weights ship
+default_methods = [one_pass_default(model.name), "contextcite"]
 methods = st.multiselect(  # its own full-width row, chips named by the method alone: no label cut with "…"
     "Methods",
     list(CONTEXT_METHODS),

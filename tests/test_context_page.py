@@ -604,3 +604,28 @@ def test_page_on_gemma3_with_a_needle(_env):
     at.run()
     _ok(at)
     assert _top(at)["text"][0] == make_sources(e.context, "sentence").texts[e.gold[0]]
+
+
+def test_page_default_one_pass_method_follows_the_shipped_weights(_env, tiny_lm_dir, monkeypatch, tmp_path):
+    """With no methods in the link, the page runs the validation table's best method without ablations: logit
+    for a model without shipped AT2 weights, at2_exact (with those weights) for one that has them."""
+    import json
+
+    import numpy as np
+
+    from ctxmix.methods.context import at2
+
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP)
+    at.run()
+    _ok(at)
+    assert at.multiselect(key="cmethods").value == ["logit", "contextcite"]
+    cfg = json.loads((Path(tiny_lm_dir) / "config.json").read_text())
+    L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    w = at2.save_weights(tmp_path / "w.npz", {at2.DEFAULT_KIND: np.arange(1.0, L * H + 1)}, L, H, {})
+    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: w)
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP)
+    at.run()
+    _ok(at)
+    assert at.multiselect(key="cmethods").value == ["at2_exact", "contextcite"]
+    (ca,) = at.session_state["_ctx_cache"].values()
+    assert ca.methods[0] == "at2_exact" and ca.options["at2"]["weights"] == "shipped:w.npz"

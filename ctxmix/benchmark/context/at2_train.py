@@ -51,6 +51,13 @@ from ctxmix.errors import BadInput
 from ctxmix.methods.context.at2 import COMBINATIONS, ESTIMATORS, KINDS, estimator_kinds, stacked_features
 
 BATCH = 512  # AT2's batch: examples per step, drawn without replacement
+PROMPT_KEYS = ("template", "query_suffix", "stop")  # a context config's prompt form (configs/context-gemma3.yaml)
+
+
+def prompt_form(config: dict | None) -> dict:
+    """The prompt form a context config asks its model with: the keys of PROMPT_KEYS it sets ({}: the model's
+    default, the chat template where it has one). A base model is trained on the form it is benchmarked with."""
+    return {k: config[k] for k in PROMPT_KEYS if config and config.get(k) is not None}
 
 
 def _split(paragraph: str) -> list[str]:
@@ -124,11 +131,15 @@ def build_example(
     units: str = "sentences",
     max_new_tokens: int = 48,
     batch_size: int = 8,
+    prompt: dict | None = None,
 ) -> dict:
     """Everything AT2's trainer needs for one example, as arrays: features_<kind> (U, d, L H) float32,
     masks (m, d) bool (True = kept), logit_probs (m, T) float64 (removal ablations), units (U, 2), response_ids
     (T,), and "meta"
-    (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds)."""
+    (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds, the prompt form). prompt: a
+    `prompt_form` (query_suffix appended to the query, a generated response cut at `stop` as the benchmark cuts
+    its stored responses)."""
+    from ctxmix.benchmark.context.bench import cut_at_stop
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.context.ablation import _ablated, contextcite_masks
     from ctxmix.methods.context.at2 import head_features, unit_features
@@ -137,9 +148,14 @@ def build_example(
 
     t0 = time.perf_counter()
     src = make_sources(ex.context, ex.sources)
-    builder = PromptBuilder(model, ex.query)
+    form = dict(prompt or {})
+    builder = PromptBuilder(model, ex.query + form.get("query_suffix", ""), form.get("template"))
     prompt = builder.encode(src)
-    resp = make_response(model, builder, src, prompt, ex.response, max_new_tokens, False)
+    response = ex.response
+    if response is None and form.get("stop"):
+        generated = make_response(model, builder, src, prompt, None, max_new_tokens, False)
+        response = cut_at_stop(generated.text, form["stop"])
+    resp = make_response(model, builder, src, prompt, response, max_new_tokens, False)
     P, T, d = len(prompt.ids), len(resp.ids), len(src)
     source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(d)]
     us = response_units(resp, units)
@@ -164,6 +180,7 @@ def build_example(
         "sources": d,
         "response": resp.text,
         "mask_seed": mask_seed,
+        "prompt": form,
         "seconds": {"generate": t1 - t0, "features": t2 - t1, "ablations": t3 - t2},
     }
     return {
@@ -185,9 +202,11 @@ def build_set(
     units: str = "sentences",
     max_new_tokens: int = 48,
     progress: bool = True,
+    prompt: dict | None = None,
 ) -> list[Path]:
     """One <id>.npz per example in `folder` (written whole, then renamed: a killed run leaves no partial file);
-    examples whose file exists are skipped. Returns the files in the examples' order."""
+    examples whose file exists are skipped, unless it was built with another prompt form (BadInput: one folder,
+    one form; files from before the form was recorded count as the default {}). Returns the files in order."""
     from ctxmix.progress import progress_bar
 
     folder = Path(folder)
@@ -195,8 +214,15 @@ def build_set(
     paths = [folder / f"{ex.id}.npz" for ex in examples]
     with progress_bar(len(examples), "at2 examples", enabled=bool(progress), unit="example") as bar:
         for ex, p in zip(examples, paths):
-            if not p.exists():
-                arrays = build_example(model, ex, n_masks, mask_seed, units, max_new_tokens)
+            if p.exists():
+                with np.load(p, allow_pickle=False) as z:
+                    have = json.loads(str(z["meta"])).get("prompt", {})
+                if have != dict(prompt or {}):
+                    raise BadInput(
+                        f"{p} was built with the prompt form {have}, not {dict(prompt or {})}: use another folder"
+                    )
+            else:
+                arrays = build_example(model, ex, n_masks, mask_seed, units, max_new_tokens, prompt=prompt)
                 tmp = p.with_suffix(".tmp.npz")
                 np.savez(tmp, **arrays)
                 tmp.replace(p)
@@ -326,11 +352,13 @@ def train(
     max_new_tokens: int = 48,
     progress: bool = True,
     shard: tuple[int, int] | None = None,
+    prompt: dict | None = None,
 ) -> dict:
     """`ctxmix at2-train`: builds (or resumes) the training set under out/examples/, fits every feature kind and
     writes out/at2_weights.npz (kinds, shape, provenance) and out/at2_weights.json (the provenance). shard (k, m):
     build only examples k, k + m, k + 2m, ... and return without fitting (m processes share the building; a last
-    run without a shard fits on all of them); returns {"built": count} then."""
+    run without a shard fits on all of them); returns {"built": count} then. prompt: the `prompt_form` of the config
+    the weights are for (a base model's answer cue and stop), recorded in the weights file."""
     from ctxmix import __version__
     from ctxmix.methods.context.at2 import save_weights
 
@@ -342,14 +370,16 @@ def train(
     if shard is not None:
         k, m = shard
         mine = exs[k::m]
-        build_set(model, mine, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress)
+        build_set(model, mine, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress, prompt)
         return {"built": len(mine), "shard": [k, m]}
-    paths = build_set(model, exs, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress)
-    build_s = time.perf_counter() - t0
+    paths = build_set(model, exs, out / "examples", n_masks, 0, "sentences", max_new_tokens, progress, prompt)
+    run_s = time.perf_counter() - t0
     data = load_set(paths)
+    t1 = time.perf_counter()
     weights, losses = {}, {}
     for k in ESTIMATORS:
         weights[k], losses[k] = fit_kind(data, k, steps, seed)
+    fit_s = time.perf_counter() - t1
     L, H = model.n_layers, model.n_heads
     meta = {
         "model": model.name,
@@ -373,12 +403,17 @@ def train(
             int(max(e["meta"]["response_tokens"] for e in data)),
         ],
         "max_new_tokens": max_new_tokens,
+        "prompt": dict(prompt or {}),
         "steps": steps,
         "lr": 1e-3,
         "batch": BATCH,
         "seed": seed,
         "training_loss": losses,
-        "build_seconds": build_s,
+        # each example's own build time (its file's record: shards and resumed runs built most of them in other
+        # processes), and this run's: what a reader compares with another machine
+        "build_seconds": float(sum(sum(e["meta"].get("seconds", {}).values()) for e in data)),
+        "run_seconds": run_s,
+        "fit_seconds": fit_s,
         "date": datetime.date.today().isoformat(),
         "ctxmix_version": __version__,
         "shape": [L, H],
@@ -406,6 +441,12 @@ def add_at2_arguments(s) -> None:
         metavar="K/M",
         help="build only examples K, K+M, ... (M processes share the building; run once more without it to fit)",
     )
+    s.add_argument(
+        "--prompt-from",
+        default=None,
+        metavar="CONFIG",
+        help="a context config whose prompt form (template, query_suffix, stop) the examples use: a base model's",
+    )
 
 
 def cmd_at2_train(args) -> None:
@@ -428,6 +469,11 @@ def cmd_at2_train(args) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
     from ctxmix.engine.models import loading_options
 
+    prompt = {}
+    if args.prompt_from is not None:
+        from ctxmix.benchmark.context.bench import load_context_config
+
+        prompt = prompt_form(load_context_config(args.prompt_from))
     model = load_model(
         args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
     )
@@ -443,9 +489,15 @@ def cmd_at2_train(args) -> None:
         args.max_new_tokens,
         not args.quiet,
         shard,
+        prompt,
     )
     if shard is not None:
         print(f"built shard {shard[0]}/{shard[1]}: {meta['built']} examples; run again without --shard to fit")
         return
-    print(json.dumps({k: meta[k] for k in ("examples", "units", "masks", "training_loss", "build_seconds")}, indent=2))
+    print(
+        json.dumps(
+            {k: meta[k] for k in ("examples", "units", "masks", "training_loss", "build_seconds", "fit_seconds")},
+            indent=2,
+        )
+    )
     print(f"weights: {Path(args.out) / 'at2_weights.npz'}")

@@ -200,6 +200,14 @@ def shipped_weights_path(model_name: str) -> Path | None:
     return Path(str(p)) if p.is_file() else None
 
 
+def one_pass_default(model_name: str) -> str:
+    """The Context attribution page's default method without ablations for a model, as the validation table
+    (`bench/onepass_eval.py`, ctxmix/benchmark/shipped/onepass-validation.json) ranks them: at2_exact where the
+    package ships the model's trained weights (smollm2: trained F-logit, LDS 0.866 against logit's 0.818 and
+    ContextCite-32's 0.904, at logit's cost), else `logit`, the best method that needs no trained weights."""
+    return "at2_exact" if shipped_weights_path(model_name) is not None else "logit"
+
+
 def weights_sha256(model_name: str, weights=None) -> str | None:
     """The first 16 hex digits of the sha256 of the file at2_exact reads for `model_name` with `at2_weights`
     `weights` (None: the shipped file; a path is read as at2_exact reads it, from the working directory), None
