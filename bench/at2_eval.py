@@ -94,7 +94,7 @@ def topk_drops(
 ) -> dict:
     """{(kind, "trained"/"untrained"): {k: mean over examples of log P(response | context) - log P(response |
     context without the top-k sources)}}: removal ablations (`context_ablation.response_logit_probs`), each
-    distinct mask of an example once; prompt: the examples' prompt form (`at2_train.prompt_form`)."""
+    distinct mask of an example once; prompt: the examples' prompt form (`ctxmix.benchmark.context.prompt_form`)."""
     from ctxmix.benchmark.context.metrics import topk_drop, without_top
     from ctxmix.methods.context.ablation import log_probs, response_logit_probs
     from ctxmix.methods.context.prompt import PromptBuilder

@@ -39,23 +39,40 @@ DEFAULT_METHODS = ["logit", "attention", "alti_logit", "grad_x_input", "key_mask
 
 
 def score_example(
-    model, ex, methods: list[str], masks: int, max_new_tokens: int, share_trace: bool = False, at2_weights=None
+    model,
+    ex,
+    methods: list[str],
+    masks: int,
+    max_new_tokens: int,
+    share_trace: bool = False,
+    at2_weights=None,
+    prompt: dict | None = None,
 ) -> dict:
     """One example's evaluation row per method: {"id", "kind", "tokens", "T", "methods": {m: {lds, topk_drop@1,
     topk_drop@3, recall@1, seconds}}}. at2_weights (a file from `ctxmix at2-train`): also a row "at2_exact/<kind>"
     per estimator in it, scored against the same held-out ablations (LDS, recall@1 and seconds; no top-k drops,
-    which would need each ranking's own removal passes)."""
+    which would need each ranking's own removal passes). prompt: a context config's prompt form
+    (`ctxmix.benchmark.context.prompt_form`: a base model's template, answer cue and stop, the response generated
+    and cut as the benchmark's `generate_response` does)."""
     import ctxmix
     from ctxmix.benchmark.context.metrics import lds, recall_at
     from ctxmix.methods.context.ablation import aggregate
 
+    form = dict(prompt or {})
+    query, template = ex.query + form.get("query_suffix", ""), form.get("template")
+    response = ex.response
+    if response is None and form.get("stop"):
+        from ctxmix.benchmark.context.bench import generate_response
+
+        response = generate_response(model, {**form, "max_new_tokens": max_new_tokens}, ex)[0]
     ca = ctxmix.attribute_context(
         model,
         ex.context,
-        ex.query,
+        query,
         sources=ex.sources,
+        template=template,
         methods=methods,
-        response=ex.response,
+        response=response,
         max_new_tokens=max_new_tokens,
         n_ablations=masks,
         progress=False,
@@ -82,8 +99,9 @@ def score_example(
             c = ctxmix.attribute_context(
                 model,
                 ex.context,
-                ex.query,
+                query,
                 sources=ex.sources,
+                template=template,
                 methods=["at2_exact"],
                 response=ca.response,
                 at2_features=kind,
@@ -100,22 +118,34 @@ def score_example(
                 "recall@1": float(recall_at(s, gold, 1)) if gold else math.nan,
                 "seconds": float(c.cost["at2_exact"]["seconds"]),
             }
-    return {"id": ex.id, "kind": ex.kind, "tokens": len(ca.prompt_ids), "T": len(ca.response_ids), "methods": out}
+    return {
+        "id": ex.id,
+        "kind": ex.kind,
+        "tokens": len(ca.prompt_ids),
+        "T": len(ca.response_ids),
+        "response": ca.response,
+        "methods": out,
+    }
 
 
 def table(records: list[dict], methods: list[str]) -> str:
     """Markdown of `summary`: per method, LDS mean ± se over the examples, per kind, recall@1 over the needles,
     top-k drops, seconds and the time ratio to ContextCite (means; "-" where not measured)."""
+    return markdown(summary(records, methods))
+
+
+def markdown(means: dict) -> str:
+    """The table of a `summary` (or of a shipped file's "methods", where null stands for not measured)."""
     head = (
         "| method | LDS (mean ± se) | LDS needles | LDS summaries | recall@1 needles | top-1 drop | top-3 drop | "
         "seconds | time vs contextcite |\n|---|---|---|---|---|---|---|---|---|\n"
     )
 
-    def f(x: float, spec: str) -> str:
-        return "-" if math.isnan(x) else format(x, spec)
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None or math.isnan(x) else format(x, spec)
 
     lines = []
-    for m, r in summary(records, methods).items():
+    for m, r in means.items():
         lines.append(
             f"| `{m}` | {f(r['lds'], '.3f')} ± {f(r['lds_se'], '.3f')} | {f(r['lds_needles'], '.3f')} | "
             f"{f(r['lds_summaries'], '.3f')} | {f(r['recall@1_needles'], '.2f')} | {f(r['topk_drop@1'], '.3f')} | "
@@ -140,6 +170,11 @@ def main(argv=None) -> None:
     p.add_argument("--shared-trace", action="store_true", help="logit and attention share alti_logit's full trace")
     p.add_argument("--ship", action="store_true", help="write the table to ctxmix/benchmark/shipped/")
     p.add_argument("--at2-weights", help="an at2_weights.npz: also a row at2_exact/<kind> per estimator in it")
+    p.add_argument(
+        "--prompt-from",
+        metavar="CONFIG",
+        help="a context config whose prompt form (template, query_suffix, stop) to ask with: a base model's",
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -161,10 +196,20 @@ def main(argv=None) -> None:
     store = out / "examples.jsonl"
     key = {"model": model.name, "methods": a.methods, "masks": a.masks, "max_new_tokens": a.max_new_tokens}
     key["share_trace"] = bool(a.shared_trace)
+    prompt = {}
+    if a.prompt_from:
+        from ctxmix.benchmark.context.bench import load_context_config
+        from ctxmix.benchmark.context.prompt_form import prompt_form
+
+        prompt = prompt_form(load_context_config(a.prompt_from))
+        key["prompt"] = prompt  # only when given: the records made before the option keep their key
     if a.at2_weights:  # the file's hash: other weights, other rows
-        from ctxmix.methods.context.at2 import weights_sha256
+        from ctxmix.methods.context.at2 import load_weights, weights_sha256
 
         key["at2_weights_sha256"] = weights_sha256(model.name, a.at2_weights)
+        trained_on = load_weights(a.at2_weights)[2].get("prompt", {})
+        if trained_on != prompt:
+            sys.exit(f"the weights were trained with the prompt form {trained_on}, not {prompt}: give --prompt-from")
     records = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
     for r in records:  # records from before the option shared the trace
         r.get("key", {}).setdefault("share_trace", True)
@@ -174,7 +219,9 @@ def main(argv=None) -> None:
         if ex.id in done or a.report:
             continue
         t0 = time.perf_counter()
-        rec = score_example(model, ex, a.methods, a.masks, a.max_new_tokens, a.shared_trace, a.at2_weights)
+        rec = score_example(
+            model, ex, a.methods, a.masks, a.max_new_tokens, a.shared_trace, a.at2_weights, prompt=prompt
+        )
         rec["key"] = key
         rec["wall_seconds"] = time.perf_counter() - t0
         with store.open("a") as f:
@@ -224,7 +271,11 @@ def summary(records: list[dict], methods: list[str]) -> dict:
 
 
 def _both(record: dict, m: str) -> bool:
-    return m in record["methods"] and record["methods"].get("contextcite", {}).get("seconds", 0) > 0
+    """Both m's and ContextCite's time measured on the example (the ratio's examples)."""
+    if m not in record["methods"]:
+        return False
+    own, cc = record["methods"][m].get("seconds", math.nan), record["methods"].get("contextcite", {}).get("seconds", 0)
+    return not math.isnan(own) and cc > 0
 
 
 def _mean(values: list[float]) -> float:
@@ -232,15 +283,17 @@ def _mean(values: list[float]) -> float:
 
 
 def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
-    """ctxmix/benchmark/shipped/onepass-validation.json: the table and what made it."""
+    """ctxmix/benchmark/shipped/onepass-validation[-<model>].json: the table and what made it."""
     import datetime
     import platform
 
     from ctxmix import __version__
     from ctxmix.benchmark.shipped import SHIPPED
 
+    # smollm2's table keeps its first name (the page's test reads it); another model's is named after it
+    name = "onepass-validation" if key["model"] == "smollm2" else f"onepass-validation-{key['model']}"
     meta = {
-        "name": "onepass-validation",
+        "name": name,
         "kind": "onepass-validation",
         "split": SPLIT,
         "model": key["model"],
@@ -250,13 +303,17 @@ def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
         "share_trace": key["share_trace"],
         # the at2_exact/<kind> rows' weights (at2.weights_sha256): the page's at2_exact is the row of the shipped file
         "at2_weights_sha256": key.get("at2_weights_sha256"),
+        "prompt": key.get("prompt", {}),
         "command": "python bench/onepass_eval.py " + " ".join(sys.argv[1:]),
         "ctxmix_version": __version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "methods": summary(records, methods),
+        # not measured (NaN: the at2_exact/<kind> rows' top-k drops) as null: strict JSON
+        "methods": {
+            m: {k: None if math.isnan(v) else v for k, v in r.items()} for m, r in summary(records, methods).items()
+        },
     }
-    path = SHIPPED / "onepass-validation.json"
+    path = SHIPPED / f"{name}.json"
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return path
 

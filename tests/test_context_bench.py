@@ -2,6 +2,7 @@
 runner (`ctxmix.benchmark.context.bench.run_context_benchmark`) on a tiny random float64 Llama
 (tests/conftest.py), checked against a direct `attribute_context` + `evaluate` of the same example."""
 
+import importlib.util
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -424,6 +425,52 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
     assert at2.one_pass_default("smollm2") == max(lds, key=lambda m: lds[m])
     page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
     assert "default_methods = [one_pass_default(model.name)," in page
+    # the docs quote the shipped table as it renders now
+    spec = importlib.util.spec_from_file_location(
+        "onepass_eval", Path(__file__).parents[1] / "bench" / "onepass_eval.py"
+    )
+    oe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oe)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
+    assert oe.markdown(rec["methods"]) in docs
+
+
+def test_one_pass_default_needs_usable_weights_in_the_page_form(tmp_path, monkeypatch):
+    """at2_exact is the page's default only with a shipped file whose default kind's trained weights are in use and
+    were trained on the default prompt form; a name that is a path never reads a file outside the package."""
+    from ctxmix.methods.context import at2
+
+    w = {at2.DEFAULT_KIND: at2.uniform_weights(2, 2)}
+    rows = [{"features": at2.DEFAULT_KIND, "weights": w_, "lds": v} for w_, v in (("trained", 0.9), ("untrained", 0.8))]
+    good = at2.save_weights(tmp_path / "good.npz", w, 2, 2, {"heldout": {"rows": rows}})
+    low = [dict(r, lds=0.7) if r["weights"] == "trained" else r for r in rows]
+    below = at2.save_weights(tmp_path / "below.npz", w, 2, 2, {"heldout": {"rows": low}})
+    cue = at2.save_weights(tmp_path / "cue.npz", w, 2, 2, {"heldout": {"rows": rows}, "prompt": {"stop": "sentence"}})
+    for path, want in ((good, "at2_exact"), (below, "logit"), (cue, "logit")):
+        monkeypatch.setattr(at2, "shipped_weights_path", lambda name, path=path: path)
+        assert at2.one_pass_default("m") == want, path
+    monkeypatch.undo()
+    (tmp_path / "folder.npz").write_bytes(b"")
+    assert at2.shipped_weights_path(str(tmp_path / "folder")) is None
+    assert at2.one_pass_default(str(tmp_path / "folder")) == "logit"
+
+
+def test_a_config_refuses_at2_weights_of_another_prompt_form(tmp_path):
+    """A context config whose at2_exact reads weights trained on another prompt form than it asks with is refused
+    before any model is loaded (a base model's cue and cut change every feature); the same form runs."""
+    from ctxmix.methods.context import at2
+
+    root = Path(cb.__file__).parents[1] / "configs"
+    cfg = cb.load_context_config(root / "context-gemma3.yaml")
+    w = {at2.DEFAULT_KIND: at2.uniform_weights(2, 2)}
+    plain = at2.save_weights(tmp_path / "plain.npz", w, 2, 2, {})
+    with pytest.raises(BadInput, match="prompt form"):
+        cb.run_context_benchmark({**cfg, "at2_weights": str(plain)}, model=object())
+    from ctxmix.benchmark.context.prompt_form import prompt_form
+
+    cued = at2.save_weights(tmp_path / "cued.npz", w, 2, 2, {"prompt": prompt_form(cfg)})
+    cb.check_at2_prompt({**cfg, "at2_weights": str(cued)})  # no error
+    cb.check_at2_prompt(cfg)  # untrained: nothing to check
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -633,3 +680,11 @@ def test_onepass_eval_scores_at2_estimators_against_the_same_heldout_ablations(t
     assert summ["at2_exact/logit"]["time_vs_contextcite"] == pytest.approx(want, rel=1e-12)
     row = next(line for line in oe.table([rec], list(got)).splitlines() if line.startswith("| `at2_exact/logit`"))
     assert row.split(" | ")[5:7] == ["-", "-"] and row.endswith(f"| {want:.3f} |")
+    # a base model's prompt form: the benchmark's query cue, template and cut response (bench.generate_response)
+    config = {"template": "plain", "query_suffix": "\nAnswer:", "stop": "sentence", "max_new_tokens": 8}
+    asked = replace(ex, response=None)
+    rec = oe.score_example(
+        llama, asked, ["logit"], 4, 8, prompt={k: config[k] for k in ("template", "query_suffix", "stop")}
+    )
+    text, n_prompt, _ = cb.generate_response(llama, config, asked)
+    assert (rec["response"], rec["tokens"]) == (text, n_prompt)

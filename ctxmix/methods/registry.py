@@ -397,7 +397,7 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "`ctxmix at2-train` (or at2_weights='untrained'). smollm2's weights come from 500 Wikipedia examples: on "
             "the held-out table of the validation split (texts the benchmark never uses; docs/context.md), training "
             "lifts every kind above uniform weights (F-logit 0.83 -> 0.87, F-attn 0.70 -> 0.87, F-alti 0.86 -> 0.88), "
-            "so the default is trained F-logit, the best kind at logit's cost.",
+            "so the default is trained F-logit (level with F-attn and F-norm, at logit's cost).",
         ),
     ]
 }

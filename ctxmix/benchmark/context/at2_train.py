@@ -47,17 +47,11 @@ from ctxmix.benchmark.context.data import (
     _sentences,
     split_texts,
 )
+from ctxmix.benchmark.context.prompt_form import cut_at_stop, prompt_form
 from ctxmix.errors import BadInput
 from ctxmix.methods.context.at2 import COMBINATIONS, ESTIMATORS, KINDS, estimator_kinds, stacked_features
 
 BATCH = 512  # AT2's batch: examples per step, drawn without replacement
-PROMPT_KEYS = ("template", "query_suffix", "stop")  # a context config's prompt form (configs/context-gemma3.yaml)
-
-
-def prompt_form(config: dict | None) -> dict:
-    """The prompt form a context config asks its model with: the keys of PROMPT_KEYS it sets ({}: the model's
-    default, the chat template where it has one). A base model is trained on the form it is benchmarked with."""
-    return {k: config[k] for k in PROMPT_KEYS if config and config.get(k) is not None}
 
 
 def _split(paragraph: str) -> list[str]:
@@ -139,7 +133,6 @@ def build_example(
     (a JSON string: id, kind, gold, prompt/response lengths, response text, seconds, the prompt form). prompt: a
     `prompt_form` (query_suffix appended to the query, a generated response cut at `stop` as the benchmark cuts
     its stored responses)."""
-    from ctxmix.benchmark.context.bench import cut_at_stop
     from ctxmix.engine.trace import trace_ids
     from ctxmix.methods.context.ablation import _ablated, contextcite_masks
     from ctxmix.methods.context.at2 import head_features, unit_features
@@ -148,13 +141,15 @@ def build_example(
 
     t0 = time.perf_counter()
     src = make_sources(ex.context, ex.sources)
-    form = dict(prompt or {})
+    form = prompt_form(prompt)
     builder = PromptBuilder(model, ex.query + form.get("query_suffix", ""), form.get("template"))
     prompt = builder.encode(src)
     response = ex.response
     if response is None and form.get("stop"):
         generated = make_response(model, builder, src, prompt, None, max_new_tokens, False)
         response = cut_at_stop(generated.text, form["stop"])
+        if not response.strip():  # nothing before the stop: the whole response rather than no example
+            response = generated.text
     resp = make_response(model, builder, src, prompt, response, max_new_tokens, False)
     P, T, d = len(prompt.ids), len(resp.ids), len(src)
     source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(d)]
@@ -211,18 +206,22 @@ def build_set(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    form = prompt_form(prompt)
+    # the folder's form, checked before any work: a shard started without --prompt-from fails at once
+    stamp = folder / "prompt.json"
+    if stamp.exists() and json.loads(stamp.read_text()) != form:
+        raise BadInput(f"{folder} holds examples built with the prompt form {stamp.read_text().strip()}, not {form}")
+    stamp.write_text(json.dumps(form) + "\n")
     paths = [folder / f"{ex.id}.npz" for ex in examples]
     with progress_bar(len(examples), "at2 examples", enabled=bool(progress), unit="example") as bar:
         for ex, p in zip(examples, paths):
             if p.exists():
                 with np.load(p, allow_pickle=False) as z:
                     have = json.loads(str(z["meta"])).get("prompt", {})
-                if have != dict(prompt or {}):
-                    raise BadInput(
-                        f"{p} was built with the prompt form {have}, not {dict(prompt or {})}: use another folder"
-                    )
+                if have != form:  # files from before the folder's stamp
+                    raise BadInput(f"{p} was built with the prompt form {have}, not {form}: use another folder")
             else:
-                arrays = build_example(model, ex, n_masks, mask_seed, units, max_new_tokens, prompt=prompt)
+                arrays = build_example(model, ex, n_masks, mask_seed, units, max_new_tokens, prompt=form)
                 tmp = p.with_suffix(".tmp.npz")
                 np.savez(tmp, **arrays)
                 tmp.replace(p)
@@ -403,7 +402,7 @@ def train(
             int(max(e["meta"]["response_tokens"] for e in data)),
         ],
         "max_new_tokens": max_new_tokens,
-        "prompt": dict(prompt or {}),
+        "prompt": prompt_form(prompt),
         "steps": steps,
         "lr": 1e-3,
         "batch": BATCH,
@@ -430,7 +429,9 @@ def add_at2_arguments(s) -> None:
     s.add_argument("--masks", type=int, default=32, help="removal ablations per example (ContextCite's seeds 0..n-1)")
     s.add_argument("--min-tokens", type=int, default=200, help="shortest context (tokens)")
     s.add_argument("--max-tokens", type=int, default=400, help="longest context (tokens; ~400 keeps a CPU run short)")
-    s.add_argument("--max-new-tokens", type=int, default=48, help="longest greedy response")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=None, help="longest greedy response (48; --prompt-from: the config's)"
+    )
     s.add_argument("--steps", type=int, default=1000, help="optimiser steps per feature kind")
     s.add_argument("--seed", type=int, default=0, help="examples' draws and the trainer's sampler")
     s.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared CPU)")
@@ -469,11 +470,14 @@ def cmd_at2_train(args) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
     from ctxmix.engine.models import loading_options
 
-    prompt = {}
-    if args.prompt_from is not None:
+    prompt, max_new_tokens = {}, 48
+    if args.prompt_from is not None:  # the config's form and response length: its responses are cut the same way
         from ctxmix.benchmark.context.bench import load_context_config
 
-        prompt = prompt_form(load_context_config(args.prompt_from))
+        config = load_context_config(args.prompt_from)
+        prompt, max_new_tokens = prompt_form(config), int(config.get("max_new_tokens", 64))
+    if args.max_new_tokens is not None:
+        max_new_tokens = args.max_new_tokens
     model = load_model(
         args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
     )
@@ -486,7 +490,7 @@ def cmd_at2_train(args) -> None:
         args.max_tokens,
         args.steps,
         args.seed,
-        args.max_new_tokens,
+        max_new_tokens,
         not args.quiet,
         shard,
         prompt,

@@ -28,8 +28,8 @@ from ctxmix.benchmark.context.data import (
     TASKS,
     ContextExample,
     contains_answer,
-    first_sentence,
 )
+from ctxmix.benchmark.context.prompt_form import check_at2_prompt, cut_at_stop, runs_at2
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -212,8 +212,7 @@ def at2_weights_sha256(config: dict) -> str | None:
     config."""
     from ctxmix.methods.context.at2 import weights_sha256
 
-    lists = [config.get("methods") or []] + [t.get("methods") or [] for t in config.get("tasks") or []]
-    if not any("at2_exact" in m for m in lists):
+    if not runs_at2(config):
         return None
     return weights_sha256(str(config.get("model")), config.get("at2_weights"))
 
@@ -258,6 +257,7 @@ def run_context_benchmark(
     config = with_check(validate_context_config(config), check)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise BadInput(f"limit must be a whole number of at least 1, got {limit!r}")
+    check_at2_prompt(config)
     if model is None:
         model = load_model(config["model"])
     ev = dict(config.get("evaluate") or {})
@@ -454,20 +454,6 @@ def example_query(config: dict, ex: ContextExample) -> str:
     """The query an example is asked with: its own, then the config's `query_suffix` (a base model's answer
     cue, "\nAnswer:"; part of the query, never a source)."""
     return ex.query + config.get("query_suffix", "")
-
-
-def cut_at_stop(text: str, stop: str | None) -> str:
-    """A generated response cut where a base model's answer ends (it never emits end-of-sequence: it goes on
-    with more news text or another "Query:"): stop "line", the text up to its first line break; "sentence",
-    its first sentence (ctxmix's sentence splitter, which also breaks at a line break); None, the whole text.
-    Leading whitespace is kept (the response's own first token)."""
-    lead = len(text) - len(text.lstrip())
-    body = text[lead:]
-    if stop == "line":
-        body = body.split("\n", 1)[0]
-    elif stop == "sentence":
-        body = first_sentence(body)
-    return text[:lead] + body
 
 
 def generate_response(model, config: dict, ex: ContextExample) -> tuple[str, int, int]:

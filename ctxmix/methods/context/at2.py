@@ -195,7 +195,10 @@ def uniform_weights(n_layers: int, n_heads: int) -> np.ndarray:
 
 
 def shipped_weights_path(model_name: str) -> Path | None:
-    """The package's weights file for a model (ctxmix/methods/context/at2_weights/<name>.npz), or None."""
+    """The package's weights file for a model (ctxmix/methods/context/at2_weights/<name>.npz), or None (also for
+    a name that is a path, a model loaded from a folder: never a file outside the package)."""
+    if not model_name or Path(model_name).name != model_name or model_name in (".", ".."):
+        return None
     p = resources.files(WEIGHTS_PACKAGE) / f"{model_name}.npz"
     return Path(str(p)) if p.is_file() else None
 
@@ -204,8 +207,16 @@ def one_pass_default(model_name: str) -> str:
     """The Context attribution page's default method without ablations for a model, as the validation table
     (`bench/onepass_eval.py`, ctxmix/benchmark/shipped/onepass-validation.json) ranks them: at2_exact where the
     package ships the model's trained weights (smollm2: trained F-logit, LDS 0.866 against logit's 0.818 and
-    ContextCite-32's 0.904, at logit's cost), else `logit`, the best method that needs no trained weights."""
-    return "at2_exact" if shipped_weights_path(model_name) is not None else "logit"
+    ContextCite-32's 0.904, at logit's cost), their default kind's trained weights are in use (not below uniform on
+    the file's held-out table: else at2_exact would rank as `logit` does, with a warning) and they were trained on
+    the prompt the page asks with (the default form: a base model's answer cue is not the page's); else `logit`,
+    the best method that needs no trained weights."""
+    path = shipped_weights_path(model_name)
+    if path is None:
+        return "logit"
+    meta = load_weights(path)[2]
+    usable = _below_uniform(meta, DEFAULT_KIND) is None and not meta.get("prompt")
+    return "at2_exact" if usable else "logit"
 
 
 def weights_sha256(model_name: str, weights=None) -> str | None:

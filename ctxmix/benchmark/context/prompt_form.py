@@ -1,0 +1,62 @@
+"""The prompt form a context benchmark asks its model with, shared by the benchmark (`bench`) and AT2's trainer
+(`at2_train`), so a base model's weights are trained on the prompt they are benchmarked with: the config's
+`template`, `query_suffix` (an answer cue appended to the query) and `stop` (where a generated response is cut)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ctxmix.benchmark.context.data import first_sentence
+from ctxmix.errors import BadInput
+
+PROMPT_KEYS = ("template", "query_suffix", "stop")  # a context config's prompt form (configs/context-gemma3.yaml)
+
+
+def prompt_form(config: dict | None) -> dict:
+    """The prompt form a context config asks its model with: the keys of PROMPT_KEYS it sets ({}: the model's
+    default, the chat template where it has one). A base model is trained on the form it is benchmarked with.
+    Raises BadInput for a stop other than "line" or "sentence" (the benchmark's)."""
+    form = {k: config[k] for k in PROMPT_KEYS if config and config.get(k) is not None}
+    if form.get("stop") not in (None, "line", "sentence"):
+        raise BadInput(f"stop must be line or sentence, got {form['stop']!r}")
+    return form
+
+
+def runs_at2(config: dict) -> bool:
+    """Whether any task of a context config runs at2_exact."""
+    lists = [config.get("methods") or []] + [t.get("methods") or [] for t in config.get("tasks") or []]
+    return any("at2_exact" in m for m in lists)
+
+
+def cut_at_stop(text: str, stop: str | None) -> str:
+    """A generated response cut where a base model's answer ends (it never emits end-of-sequence: it goes on
+    with more news text or another "Query:"): stop "line", the text up to its first line break; "sentence",
+    its first sentence (ctxmix's sentence splitter, which also breaks at a line break); None, the whole text.
+    Leading whitespace is kept (the response's own first token)."""
+    lead = len(text) - len(text.lstrip())
+    body = text[lead:]
+    if stop == "line":
+        body = body.split("\n", 1)[0]
+    elif stop == "sentence":
+        body = first_sentence(body)
+    return text[:lead] + body
+
+
+def check_at2_prompt(config: dict) -> None:
+    """Raises BadInput where the config's at2_exact reads a weights file trained on another prompt form than the
+    config asks with (`prompt_form`: a base model's answer cue and cut): the estimator would read
+    features of a prompt it never saw. A file from before the form was recorded counts as the default form."""
+    from ctxmix.methods.context.at2 import load_weights, shipped_weights_path
+
+    weights = config.get("at2_weights")
+    if not runs_at2(config) or weights == "untrained":
+        return
+    path = shipped_weights_path(str(config.get("model"))) if weights is None else Path(weights)
+    if path is None or not path.is_file():  # at2_exact names the missing file itself
+        return
+    trained_on = load_weights(path)[2].get("prompt", {})
+    if trained_on != prompt_form(config):
+        raise BadInput(
+            f"the AT2 weights {str(path)!r} were trained with the prompt form {trained_on}, and this config asks "
+            f"with {prompt_form(config)}: train them with `ctxmix at2-train --prompt-from <this config>`"
+        )
