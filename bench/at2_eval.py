@@ -96,6 +96,7 @@ def topk_drops(
     context without the top-k sources)}}: removal ablations (`context_ablation.response_logit_probs`), each
     distinct mask of an example once; prompt: the examples' prompt form (`ctxmix.benchmark.context.prompt_form`)."""
     from ctxmix.benchmark.context.metrics import topk_drop, without_top
+    from ctxmix.benchmark.context.prompt_form import example_query
     from ctxmix.methods.context.ablation import log_probs, response_logit_probs
     from ctxmix.methods.context.prompt import PromptBuilder
     from ctxmix.methods.context.sources import make_sources
@@ -105,7 +106,7 @@ def topk_drops(
     for ex, e in zip(exs, examples):
         src = make_sources(ex.context, ex.sources)
         form = prompt or {}
-        builder = PromptBuilder(model, ex.query + form.get("query_suffix", ""), form.get("template"))
+        builder = PromptBuilder(model, example_query(form, ex), form.get("template"))
         d = len(src)
         masks = {np.ones(d, bool).tobytes(): np.ones(d, bool)}
         want = {}

@@ -56,10 +56,11 @@ def score_example(
     and cut as the benchmark's `generate_response` does)."""
     import ctxmix
     from ctxmix.benchmark.context.metrics import lds, recall_at
+    from ctxmix.benchmark.context.prompt_form import example_query
     from ctxmix.methods.context.ablation import aggregate
 
     form = dict(prompt or {})
-    query, template = ex.query + form.get("query_suffix", ""), form.get("template")
+    query, template = example_query(form, ex), form.get("template")
     response = ex.response
     if response is None and form.get("stop"):
         from ctxmix.benchmark.context.bench import generate_response

@@ -47,7 +47,7 @@ from ctxmix.benchmark.context.data import (
     _sentences,
     split_texts,
 )
-from ctxmix.benchmark.context.prompt_form import cut_at_stop, prompt_form
+from ctxmix.benchmark.context.prompt_form import cut_at_stop, example_query, prompt_form
 from ctxmix.errors import BadInput
 from ctxmix.methods.context.at2 import COMBINATIONS, ESTIMATORS, KINDS, estimator_kinds, stacked_features
 
@@ -142,7 +142,7 @@ def build_example(
     t0 = time.perf_counter()
     src = make_sources(ex.context, ex.sources)
     form = prompt_form(prompt)
-    builder = PromptBuilder(model, ex.query + form.get("query_suffix", ""), form.get("template"))
+    builder = PromptBuilder(model, example_query(form, ex), form.get("template"))
     prompt = builder.encode(src)
     response = ex.response
     if response is None and form.get("stop"):

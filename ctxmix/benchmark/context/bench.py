@@ -29,7 +29,7 @@ from ctxmix.benchmark.context.data import (
     ContextExample,
     contains_answer,
 )
-from ctxmix.benchmark.context.prompt_form import check_at2_prompt, cut_at_stop, runs_at2
+from ctxmix.benchmark.context.prompt_form import check_at2_prompt, cut_at_stop, example_query, runs_at2
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -448,12 +448,6 @@ def cmd_context_bench(args) -> None:
     print(f"dropped (response lacks the answer): {dropped}; {table.attrs['seconds']:.0f} s")
     for p in write_tables(table, out):
         print(f"wrote {p}")
-
-
-def example_query(config: dict, ex: ContextExample) -> str:
-    """The query an example is asked with: its own, then the config's `query_suffix` (a base model's answer
-    cue, "\nAnswer:"; part of the query, never a source)."""
-    return ex.query + config.get("query_suffix", "")
 
 
 def generate_response(model, config: dict, ex: ContextExample) -> tuple[str, int, int]:

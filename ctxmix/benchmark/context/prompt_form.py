@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxmix.benchmark.context.data import first_sentence
+from ctxmix.benchmark.context.data import ContextExample, first_sentence
 from ctxmix.errors import BadInput
 
 PROMPT_KEYS = ("template", "query_suffix", "stop")  # a context config's prompt form (configs/context-gemma3.yaml)
@@ -26,6 +26,12 @@ def runs_at2(config: dict) -> bool:
     """Whether any task of a context config runs at2_exact."""
     lists = [config.get("methods") or []] + [t.get("methods") or [] for t in config.get("tasks") or []]
     return any("at2_exact" in m for m in lists)
+
+
+def example_query(config: dict, ex: ContextExample) -> str:
+    """The query an example is asked with: its own, then the config's `query_suffix` (a base model's answer
+    cue, "\nAnswer:"; part of the query, never a source)."""
+    return ex.query + config.get("query_suffix", "")
 
 
 def cut_at_stop(text: str, stop: str | None) -> str:
