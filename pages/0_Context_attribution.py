@@ -364,7 +364,9 @@ fold = c3.toggle(
 common.set_qp(view=view, fold=int(fold))
 with common.errors_as_messages():
     scores = cv.span_scores(ca, view, span)
-    st.caption(f"{CONTEXT_METHODS[view].title}: {cv.colour_key(scores)}. Hover a source for its score.")
+    info = CONTEXT_METHODS[view]
+    units = f" Scores are {info.units}." if info.units else ""
+    st.caption(f"{info.title}: {cv.colour_key(scores)}.{units} Hover a source for its score.")
     shaded = cv.context_view_html(ca, scores, collapse=fold)
     with st.container(height=cv.context_box_height(shaded, MAIN_WIDTH_PX), border=True, key="shading_box"):
         st.html(shaded)

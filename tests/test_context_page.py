@@ -392,6 +392,9 @@ def test_page_adds_at2_exact_once_and_keeps_the_evaluation(_env, tiny_lm_dir, mo
     at.multiselect(key="cmethods").set_value(["logit", "at2_exact"]).run()
     _ok(at)
     assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit", "at2_exact"]
+    assert not any("scale-free" in c.value for c in at.caption)  # logit's scores carry their units
+    at.selectbox(key="view").set_value("at2_exact").run()
+    assert any("Scores are scale-free" in c.value for c in at.caption)  # at2_exact's size means nothing alone
     at.button(key="evaluate").click().run()
     _ok(at)
     assert _evaluation_methods(at) == ["logit", "at2_exact"]

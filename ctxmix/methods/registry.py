@@ -25,6 +25,7 @@ class MethodInfo:
     doc: str = ""
     per_head: str = ""  # how the per-head maps relate to the layer map ("" = no per-head form)
     caveat: str = ""  # what a reader must know before trusting the maps (shown by the page and `methods`)
+    units: str = ""  # what a score's size means where it is not self-evident (the page shows it beside the scores)
 
 
 ROLLOUT_CAVEAT = (
@@ -398,6 +399,8 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "the held-out table of the validation split (texts the benchmark never uses; docs/context.md), training "
             "lifts every kind above uniform weights (F-logit 0.83 -> 0.87, F-attn 0.70 -> 0.87, F-alti 0.86 -> 0.88), "
             "so the default is trained F-logit (level with F-attn and F-norm, at logit's cost).",
+            units="scale-free (the learned head weights are L1-normalised, so a score's size carries no unit): "
+            "compare sources by rank",
         ),
     ]
 }
