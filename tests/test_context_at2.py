@@ -3,6 +3,7 @@ features against the one-pass methods and direct computations from the HF weight
 the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -249,29 +250,41 @@ def test_weights_file_round_trip(tokenizer, tmp_path):
         at2.resolve_weights(m, "norm", tmp_path / "bad.npz")
 
 
-def test_shipped_smollm2_weights():
-    """The package ships smollm2's weights: every estimator (the four kinds, L H = 30 x 9 entries each, and the two
-    combinations, one L H block per kind), L1-normalised, trained on at least 500 examples (the issue's floor; 56
-    overfit), with the held-out table that chose the default built on the validation split; the default kind's
-    trained weights are used only where that table shows them above uniform ones."""
-    path = at2.shipped_weights_path("smollm2")
+# (model, layers x heads, the benchmark config whose prompt form the weights were trained in: None = the default)
+SHIPPED_WEIGHTS = [("smollm2", (30, 9), None), ("gemma3", (18, 4), "context-gemma3.yaml")]
+
+
+@pytest.mark.parametrize("name,shape,config", SHIPPED_WEIGHTS)
+def test_shipped_weights(name, shape, config):
+    """The package ships smollm2's and gemma3's weights: every estimator (the four kinds, L H entries each, and the
+    two combinations, one L H block per kind), L1-normalised, trained on at least 500 examples (the issue's floor;
+    56 overfit) in the prompt form of the model's benchmark config (gemma3: the plain prompt and the answer cue),
+    with the held-out table that chose the default built on the validation split in that same form; the default
+    kind's trained weights are used only where that table shows them above uniform ones."""
+    from ctxmix.benchmark.context import bench
+
+    path = at2.shipped_weights_path(name)
     assert path is not None
-    ws, shape, meta = at2.load_weights(path)
-    assert shape == (30, 9)
+    ws, got_shape, meta = at2.load_weights(path)
+    assert got_shape == shape
+    L, H = shape
     assert sorted(ws) == sorted(at2.ESTIMATORS)
     for kind, w in ws.items():
-        assert w.shape == (270 * len(at2.estimator_kinds(kind)),) and np.abs(w).sum() == pytest.approx(1.0)
-    assert meta["model"] == "smollm2" and meta["examples"] >= 500 and meta["heldout"]["split"] == "validation"
+        assert w.shape == (L * H * len(at2.estimator_kinds(kind)),) and np.abs(w).sum() == pytest.approx(1.0)
+    assert meta["model"] == name and meta["examples"] >= 500 and meta["heldout"]["split"] == "validation"
+    root = Path(bench.__file__).parents[1] / "configs"  # the package's configs (the repository's configs/ link here)
+    form = prompt_form(bench.load_context_config(root / config)) if config else {}
+    assert meta.get("prompt", {}) == form and meta["heldout"].get("prompt", {}) == form
     rows = {(r["features"], r["weights"]): r["lds"] for r in meta["heldout"]["rows"]}
     assert set(rows) >= {(k, "trained") for k in at2.ESTIMATORS}
-    # the docs' claim: with 500 examples each kind's trained weights beat its uniform ones on validation
-    assert all(rows[(k, "trained")] > rows[(k, "untrained")] for k in at2.KINDS)
-    m = SimpleNamespace(name="smollm2", n_layers=30, n_heads=9)
+    if name == "smollm2":  # the docs' claim: with 500 examples each kind's trained weights beat uniform ones
+        assert all(rows[(k, "trained")] > rows[(k, "untrained")] for k in at2.KINDS)
+    m = SimpleNamespace(name=name, n_layers=L, n_heads=H)
     got, info = at2.resolve_weights(m, at2.DEFAULT_KIND, None)
     if rows[(at2.DEFAULT_KIND, "trained")] >= rows[(at2.DEFAULT_KIND, "untrained")]:
         assert np.array_equal(got, ws[at2.DEFAULT_KIND]) and "note" not in info
     else:
-        assert np.array_equal(got, at2.uniform_weights(30, 9)) and "note" in info
+        assert np.array_equal(got, at2.uniform_weights(L, H)) and "note" in info
 
 
 def test_at2_train_command_checks_its_options(tmp_path, capsys):

@@ -426,13 +426,38 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
     page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
     assert "default_methods = [one_pass_default(model.name)," in page
     # the docs quote the shipped table as it renders now
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
+    assert _onepass_eval().markdown(rec["methods"]) in docs
+
+
+def test_gemma3_validation_table_scores_its_shipped_weights_in_its_benchmark_form():
+    """onepass-validation-gemma3.json: gemma3's validation table, asked in its benchmark config's prompt form, whose
+    at2_exact rows are the shipped gemma3 weights' (by hash), quoted by the docs as it renders now. The page's default
+    stays `logit` for gemma3: its weights were trained on the answer cue the page does not add."""
+    import json
+
+    from ctxmix.benchmark.context.prompt_form import prompt_form
+    from ctxmix.methods.context import at2
+
+    rec = json.loads((shipped.SHIPPED / "onepass-validation-gemma3.json").read_text())
+    assert rec["split"] == "validation" and rec["model"] == "gemma3" and rec["examples"] >= 20
+    config = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / "context-gemma3.yaml")
+    assert rec["prompt"] == prompt_form(config)
+    assert rec["at2_weights_sha256"] == at2.weights_sha256("gemma3")
+    assert {f"at2_exact/{k}" for k in at2.ESTIMATORS} | {"logit", "contextcite"} <= set(rec["methods"])
+    assert at2.one_pass_default("gemma3") == "logit"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
+    assert _onepass_eval().markdown(rec["methods"]) in docs
+
+
+def _onepass_eval():
+    """bench/onepass_eval.py as a module (bench/ is no package)."""
     spec = importlib.util.spec_from_file_location(
-        "onepass_eval", Path(__file__).parents[1] / "bench" / "onepass_eval.py"
+        "onepass_eval", Path(__file__).resolve().parents[1] / "bench" / "onepass_eval.py"
     )
     oe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(oe)
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
-    assert oe.markdown(rec["methods"]) in docs
+    return oe
 
 
 def test_one_pass_default_needs_usable_weights_in_the_page_form(tmp_path, monkeypatch):
@@ -580,9 +605,12 @@ def test_the_gemma3_config_is_the_smollm2_benchmark_on_a_base_model():
     root = cb.Path(cb.__file__).parents[1] / "configs"
     a, b = (cb.load_context_config(root / n) for n in ("context.yaml", "context-gemma3.yaml"))
     assert b["model"] == "gemma3" and b["template"] == "plain" and b["query_suffix"] == "\nAnswer:"
-    assert b["stop"] == "sentence" and "mask_seeds" not in b and b["at2_weights"] == "untrained"
+    assert b["stop"] == "sentence" and "mask_seeds" not in b
     same = ("methods", "n_ablations", "seed", "max_new_tokens", "batch_size", "evaluate", "tasks", "check")
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    # at2_exact reads gemma3's shipped weights, trained in this config's prompt form (else the run is refused)
+    assert "at2_weights" not in b and cb.at2_weights_sha256(b) is not None
+    cb.check_at2_prompt(b)
 
 
 def test_a_retrained_at2_weights_file_makes_stored_results_stale(tmp_path, monkeypatch):
@@ -650,15 +678,11 @@ def test_shipped_context_results_are_of_the_config_and_weights_as_they_are(name)
 def test_onepass_eval_scores_at2_estimators_against_the_same_heldout_ablations(tokenizer, tmp_path):
     """bench/onepass_eval.py's at2_exact/<kind> rows use the main call's held-out ablations: uniform F-logit
     weights rank sources as `logit` does, so their LDS and recall equal logit's row exactly."""
-    import importlib.util
     from dataclasses import replace
 
     from ctxmix.methods.context import at2
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("onepass_eval", root / "bench" / "onepass_eval.py")
-    oe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(oe)
+    oe = _onepass_eval()
     llama = tiny_model("llama", tokenizer)
     L, H = len(llama.layers), llama.layers[0].n_heads
     count = lambda s: len(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
