@@ -5,9 +5,10 @@
 
 Examples: the needles and summaries of the validation split (`ctxmix.benchmark.context.data`, "Splits": Lee
 background news texts and needle facts that the benchmark's test examples never use, disjoint from the Wikipedia
-training set too), 200-400 tokens, responses generated greedily. This table is where at2_exact's default is chosen
-(`ctxmix.methods.context.at2.resolve_weights`: trained or uniform weights per feature kind), so it is built on
-validation and never on the benchmark's test split. Per example
+training set too), 200-400 tokens, responses generated greedily. This table is where at2_exact chooses between
+trained and uniform weights per feature kind (`ctxmix.methods.context.at2.resolve_weights`; the default kind is
+chosen on bench/onepass_eval.py's table of the four test tasks' shapes, this one only for a file no shipped table
+scored), so it is built on validation and never on the benchmark's test split. Per example
 (`at2_train.build_example`, one file each, resumable): every feature kind from one traced pass, the whole
 response as the target unit, and `--masks` held-out removal ablations drawn with ContextCite's generator at
 seeds from LDS_SEED = 10,000 (disjoint from the training masks' 0..31). For each kind x {untrained (1/(L H)),

@@ -4,19 +4,24 @@ gradient"): which one-pass method comes closest to ContextCite's 32 ablations.
     python bench/onepass_eval.py --model smollm2 --out out/onepass_eval --needles 10 --summaries 10 --threads 1 \
         --methods logit attention alti_logit grad_x_input key_mask_grad key_mask_ig contextcite
 
-Examples: the needles and summaries of the validation split built as bench/at2_eval.py builds them
-(`needle_examples` / `summary_examples`, 200-400 tokens, seed 0; texts the benchmark's test examples never use),
-the response generated greedily (at most --max-new-tokens, at2_eval's 48). Per example, one `attribute_context`
-call with every method (ContextCite with --masks ablations), then `evaluate` with --masks held-out removal
-ablations (seeds disjoint from ContextCite's), k = 1 and 3, the needle's sentence as gold: LDS, top-k
-log-probability drops (natural log, higher is better), recall@1; and each method's `cost["seconds"]` (each
-method's own passes: `share_trace=False`; --shared-trace lets logit and attention share alti_logit's full trace,
-as runs before 2026-11-27 did). One JSON line per finished example in OUT/examples.jsonl (a killed run resumes).
+Examples: the needles and summaries of the validation split built as bench/at2_eval.py builds them (`needle_examples` /
+`summary_examples`, 200-400 tokens, seed 0; texts the benchmark's test examples never use), and, shaped like the
+benchmark's other two test tasks, --documents questions over five documents (`document_examples`, 40-120 tokens each)
+and --long contexts of 1,000-4,000 tokens (`long_examples`, needles and summaries in turn), all of the validation split;
+the response generated greedily (at most --max-new-tokens, at2_eval's 48). Per example, one `attribute_context` call
+with every method (ContextCite with --masks ablations), then `evaluate` with --masks held-out removal ablations (seeds
+disjoint from ContextCite's), k = 1 and 3, the needle's sentence as gold: LDS, top-k log-probability drops (natural log,
+higher is better), recall@1; and each method's `cost["seconds"]` (each method's own passes: `share_trace=False`;
+--shared-trace lets logit and attention share alti_logit's full trace, as runs before 2026-11-27 did). One JSON line per
+finished example in OUT/examples.jsonl (a killed run resumes).
 Prints the table (mean over examples, LDS ± its standard error) and writes OUT/onepass_eval.md.
 
-This is the table the Context attribution page's default one-pass method is chosen on (validation, never the
-benchmark's test split): --ship writes it to ctxmix/benchmark/shipped/onepass-validation.json, which
-tests/test_context_bench.py reads.
+These are the tables defaults are chosen on (validation, never the benchmark's test split; the choosers are in
+`ctxmix.methods.context.at2`): a table asked in the page's form (no --prompt-from) chooses the Context
+attribution page's default method without ablations for its model (`one_pass_default`), and a table with
+--at2-weights chooses those weights' default kind (`default_kind`, on the four tasks' shapes). --ship writes it
+to ctxmix/benchmark/shipped/ (onepass-validation[-MODEL].json, or --name), which tests/test_context_bench.py
+reads.
 
     python bench/onepass_eval.py --out out/onepass_eval --report --ship   # ship the examples stored so far
 """
@@ -34,6 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ctxmix, not an installed one
 
+from ctxmix.methods.context.at2 import VALIDATION_TASKS as TASKS  # noqa: E402  # the test tasks' validation twins
+
 SPLIT = "validation"
 DEFAULT_METHODS = ["logit", "attention", "alti_logit", "grad_x_input", "key_mask_grad", "key_mask_ig", "contextcite"]
 
@@ -47,10 +54,12 @@ def score_example(
     share_trace: bool = False,
     at2_weights=None,
     prompt: dict | None = None,
+    task: str | None = None,
 ) -> dict:
-    """One example's evaluation row per method: {"id", "kind", "tokens", "T", "methods": {m: {lds, topk_drop@1,
-    topk_drop@3, recall@1, seconds}}}. at2_weights (a file from `ctxmix at2-train`): also a row "at2_exact/<kind>"
-    per estimator in it, scored against the same held-out ablations (LDS, recall@1 and seconds; no top-k drops,
+    """One example's evaluation row per method: {"id", "kind", "task" (`TASKS`; default the kind), "tokens", "T",
+    "methods": {m: {lds, topk_drop@1, topk_drop@3, recall@1, seconds}}}. at2_weights (a file from `ctxmix
+        at2-train`): also a row "at2_exact/<kind>" per estimator in it, scored against the same held-out ablations (LDS,
+    recall@1 and seconds; no top-k drops,
     which would need each ranking's own removal passes). prompt: a context config's prompt form
     (`ctxmix.benchmark.context.prompt_form`: a base model's template, answer cue and stop, the response generated
     and cut as the benchmark's `generate_response` does)."""
@@ -122,6 +131,7 @@ def score_example(
     return {
         "id": ex.id,
         "kind": ex.kind,
+        "task": task or ex.kind,
         "tokens": len(ca.prompt_ids),
         "T": len(ca.response_ids),
         "response": ca.response,
@@ -136,10 +146,17 @@ def table(records: list[dict], methods: list[str]) -> str:
 
 
 def markdown(means: dict) -> str:
-    """The table of a `summary` (or of a shipped file's "methods", where null stands for not measured)."""
+    """The table of a `summary` (or of a shipped file's "methods", where null stands for not measured). The LDS
+    columns of the documents and long tasks only where some row measured them (a table of needles and summaries
+    keeps its first form)."""
+    measured = lambda x: x is not None and not math.isnan(x)  # noqa: E731  # null in a shipped file, NaN in a summary
+    extra = [t for t in TASKS[2:] if any(measured(r.get(f"lds_{t}")) for r in means.values())]
     head = (
-        "| method | LDS (mean ± se) | LDS needles | LDS summaries | recall@1 needles | top-1 drop | top-3 drop | "
-        "seconds | time vs contextcite |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| method | LDS (mean ± se) | LDS needles | LDS summaries | "
+        + "".join(f"LDS {t} | " for t in extra)
+        + "recall@1 needles | top-1 drop | top-3 drop | seconds | time vs contextcite |\n|"
+        + "---|" * (9 + len(extra))
+        + "\n"
     )
 
     def f(x: float | None, spec: str) -> str:
@@ -149,7 +166,9 @@ def markdown(means: dict) -> str:
     for m, r in means.items():
         lines.append(
             f"| `{m}` | {f(r['lds'], '.3f')} ± {f(r['lds_se'], '.3f')} | {f(r['lds_needles'], '.3f')} | "
-            f"{f(r['lds_summaries'], '.3f')} | {f(r['recall@1_needles'], '.2f')} | {f(r['topk_drop@1'], '.3f')} | "
+            f"{f(r['lds_summaries'], '.3f')} | "
+            + "".join(f"{f(r.get(f'lds_{t}'), '.3f')} | " for t in extra)
+            + f"{f(r['recall@1_needles'], '.2f')} | {f(r['topk_drop@1'], '.3f')} | "
             f"{f(r['topk_drop@3'], '.3f')} | {f(r['seconds'], '.1f')} | {f(r['time_vs_contextcite'], '.3f')} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -162,6 +181,8 @@ def main(argv=None) -> None:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
     p.add_argument("--needles", type=int, default=10)
     p.add_argument("--summaries", type=int, default=10)
+    p.add_argument("--documents", type=int, default=0, help="questions over five documents (the documents task's form)")
+    p.add_argument("--long", type=int, default=0, help="contexts of 1,000-4,000 tokens (the long task's form)")
     p.add_argument("--masks", type=int, default=32, help="ContextCite's ablations and evaluate's held-out ones")
     p.add_argument("--min-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=400)
@@ -170,6 +191,11 @@ def main(argv=None) -> None:
     p.add_argument("--report", action="store_true", help="print the table of the examples stored so far, run nothing")
     p.add_argument("--shared-trace", action="store_true", help="logit and attention share alti_logit's full trace")
     p.add_argument("--ship", action="store_true", help="write the table to ctxmix/benchmark/shipped/")
+    p.add_argument(
+        "--name",
+        help="the shipped table's name (default onepass-validation[-MODEL]; a second table of a model, asked in "
+        "another prompt form, needs its own)",
+    )
     p.add_argument("--at2-weights", help="an at2_weights.npz: also a row at2_exact/<kind> per estimator in it")
     p.add_argument(
         "--prompt-from",
@@ -180,7 +206,7 @@ def main(argv=None) -> None:
     import torch
 
     import ctxmix
-    from ctxmix.benchmark.context.data import needle_examples, summary_examples
+    from ctxmix.benchmark.context.data import document_examples, long_examples, needle_examples, summary_examples
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -192,6 +218,15 @@ def main(argv=None) -> None:
     # alternating, so that a run stopped early has both kinds
     exs = [e for pair in zip(needles, summaries) for e in pair]
     exs += needles[len(summaries) :] + summaries[len(needles) :]
+    tasks = {e.id: e.kind for e in exs}
+    # the test tasks' other two forms at the benchmark config's sizes (configs/context.yaml: documents 40-120 tokens
+    # each, five of them; long 1,000-4,000), after the short ones, so the records made before stay first
+    for task, more in (
+        ("documents", document_examples(a.documents, 5, 40, 120, 0, count, split=SPLIT) if a.documents else []),
+        ("long", long_examples(a.long, 1000, 4000, 0, count, split=SPLIT) if a.long else []),
+    ):
+        exs += more
+        tasks.update((e.id, task) for e in more)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "examples.jsonl"
@@ -205,12 +240,15 @@ def main(argv=None) -> None:
         prompt = prompt_form(load_context_config(a.prompt_from))
         key["prompt"] = prompt  # only when given: the records made before the option keep their key
     if a.at2_weights:  # the file's hash: other weights, other rows
-        from ctxmix.methods.context.at2 import load_weights, weights_sha256
+        from ctxmix.benchmark.context.prompt_form import check_weights_form
+        from ctxmix.errors import BadInput
+        from ctxmix.methods.context.at2 import weights_sha256
 
         key["at2_weights_sha256"] = weights_sha256(model.name, a.at2_weights)
-        trained_on = load_weights(a.at2_weights)[2].get("prompt", {})
-        if trained_on != prompt:
-            sys.exit(f"the weights were trained with the prompt form {trained_on}, not {prompt}: give --prompt-from")
+        try:
+            check_weights_form(a.at2_weights, prompt)
+        except BadInput as e:
+            sys.exit(str(e))
     records = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
     for r in records:  # records from before the option shared the trace
         r.get("key", {}).setdefault("share_trace", True)
@@ -221,7 +259,7 @@ def main(argv=None) -> None:
             continue
         t0 = time.perf_counter()
         rec = score_example(
-            model, ex, a.methods, a.masks, a.max_new_tokens, a.shared_trace, a.at2_weights, prompt=prompt
+            model, ex, a.methods, a.masks, a.max_new_tokens, a.shared_trace, a.at2_weights, prompt, tasks[ex.id]
         )
         rec["key"] = key
         rec["wall_seconds"] = time.perf_counter() - t0
@@ -231,21 +269,23 @@ def main(argv=None) -> None:
         print(f"{ex.id}: {rec['tokens']} prompt tokens, T = {rec['T']}, {rec['wall_seconds']:.0f} s", flush=True)
     shown = list(dict.fromkeys([*a.methods, *(m for r in records for m in r["methods"])]))  # with at2_exact/<kind>
     md = table(records, shown)
-    md += f"\n{len(records)} examples ({sum(r['kind'] == 'needles' for r in records)} needles), {SPLIT} split\n"
+    counts = ", ".join(f"{sum(_task(r) == t for r in records)} {t}" for t in TASKS)
+    md += f"\n{len(records)} examples ({counts}), {SPLIT} split\n"
     print(md)
     (out / "onepass_eval.md").write_text(md)
     if a.ship:
-        path = ship(records, key, shown)
+        path = ship(records, key, shown, a.name)
         print(f"wrote {path}")
 
 
 def summary(records: list[dict], methods: list[str]) -> dict:
-    """{method: {"lds", "lds_se", "lds_needles", "lds_summaries", "recall@1_needles", "topk_drop@1", "topk_drop@3",
-    "seconds", "time_vs_contextcite", "n"}}: means over the examples (NaN values left out)."""
+    """{method: {"lds", "lds_se", "lds_<task>" per task of `TASKS`, "recall@1_needles", "topk_drop@1", "topk_drop@3",
+    "seconds", "time_vs_contextcite", "n"}}: means over the examples (NaN values left out; a task's mean NaN where
+    it has no example)."""
     out = {}
     for m in methods:
         rows = [r["methods"][m] for r in records if m in r["methods"]]
-        kinds = [r["kind"] for r in records if m in r["methods"]]
+        kinds = [_task(r) for r in records if m in r["methods"]]
 
         def mean(key, kind=None, rows=rows, kinds=kinds):
             v = np.array([x[key] for x, k in zip(rows, kinds) if kind in (None, k)], dtype=float)
@@ -256,8 +296,7 @@ def summary(records: list[dict], methods: list[str]) -> dict:
         out[m] = {
             "lds": lds,
             "lds_se": float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan,
-            "lds_needles": mean("lds", "needles")[0],
-            "lds_summaries": mean("lds", "summaries")[0],
+            **{f"lds_{t}": mean("lds", t)[0] for t in TASKS},
             "recall@1_needles": mean("recall@1", "needles")[0],
             "topk_drop@1": mean("topk_drop@1")[0],
             "topk_drop@3": mean("topk_drop@3")[0],
@@ -269,6 +308,11 @@ def summary(records: list[dict], methods: list[str]) -> dict:
             "n": len(rows),
         }
     return out
+
+
+def _task(record: dict) -> str:
+    """The test task an example is shaped like (records from before --documents and --long: its kind)."""
+    return record.get("task", record["kind"])
 
 
 def _both(record: dict, m: str) -> bool:
@@ -283,8 +327,8 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
-    """ctxmix/benchmark/shipped/onepass-validation[-<model>].json: the table and what made it."""
+def ship(records: list[dict], key: dict, methods: list[str], name: str | None = None) -> Path:
+    """ctxmix/benchmark/shipped/<name>.json (default onepass-validation[-<model>]): the table and what made it."""
     import datetime
     import platform
 
@@ -292,15 +336,20 @@ def ship(records: list[dict], key: dict, methods: list[str]) -> Path:
     from ctxmix.benchmark.shipped import SHIPPED
 
     # smollm2's table keeps its first name (the page's test reads it); another model's is named after it
-    name = "onepass-validation" if key["model"] == "smollm2" else f"onepass-validation-{key['model']}"
+    default = "onepass-validation" if key["model"] == "smollm2" else f"onepass-validation-{key['model']}"
+    name = name or default
+    if not name.startswith("onepass-validation"):  # what at2.shipped_tables reads
+        raise SystemExit(f"--name must start with onepass-validation, got {name!r}")
     meta = {
         "name": name,
         "kind": "onepass-validation",
         "split": SPLIT,
         "model": key["model"],
         "examples": len(records),
-        "needles": sum(r["kind"] == "needles" for r in records),
+        "needles": sum(_task(r) == "needles" for r in records),
+        "tasks": {t: sum(_task(r) == t for r in records) for t in TASKS},
         "masks": key["masks"],
+        "max_new_tokens": key["max_new_tokens"],
         "share_trace": key["share_trace"],
         # the at2_exact/<kind> rows' weights (at2.weights_sha256): the page's at2_exact is the row of the shipped file
         "at2_weights_sha256": key.get("at2_weights_sha256"),

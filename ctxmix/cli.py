@@ -196,11 +196,20 @@ def cmd_res2(args) -> None:
 
 def cmd_methods(args) -> None:
     from ctxmix import METHODS
+    from ctxmix.methods.registry import CONTEXT_METHODS
 
     for name, info in METHODS.items():
         print(
             f"{name:22} {info.group:14} {info.paper}: {info.doc}"
             + (f" Per head (explain(..., per_head=True)): {info.per_head}." if info.per_head else "")
+            + (f" Caveat: {info.caveat}" if info.caveat else "")
+        )
+    # the same names can mean a token map above and a source score here: a section of their own
+    print("\ncontext attribution (attribute_context, `ctxmix cite`): scores for the sources of a context")
+    for name, info in CONTEXT_METHODS.items():
+        print(
+            f"{name:22} {info.paper}: {info.doc}"
+            + (f" Scores are {info.units}." if info.units else "")
             + (f" Caveat: {info.caveat}" if info.caveat else "")
         )
 

@@ -261,18 +261,19 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
         "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix.",
         "formula": "score(U, s) = w · f(U, s), f(U, s)_{l,h} = mean_{t ∈ U} Σ_{j ∈ s} F^{l,h}(t, j), w ∈ R^{L·H}, no "
-        "bias. F: `attn` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` (default) "
+        "bias. F: `attn` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` "
         "A ⟨W_O^h(W_V^h n(x_j) + b_V^h), ρ_t⟩ (head h's share of the `logit` method), `alti` the per-head ALTI "
         "proximity (as routes). w trained as AT2: −Pearson over 32 removal ablations per example, Adam, cosine, "
         "L1-normalised.",
-        "options": "`at2_features` ('logit', 'attn', 'norm', 'alti'; 'combined' and 'attn+norm+logit': trained "
-        "weights only); "
+        "options": "`at2_features` (None: the weights' default kind, the one-pass kind best on their validation "
+        "table, smollm2 'logit', gemma3 'attn+norm+logit', uniform weights 'logit'; 'logit', 'attn', 'norm', "
+        "'alti'; 'combined' and 'attn+norm+logit': trained weights only); "
         "`at2_weights` (None: the weights shipped for the model, uniform where their held-out table scores the "
         "trained ones lower, with a warning; a file "
         "from `ctxmix at2-train --model M --out DIR`; 'untrained': uniform 1/(L·H)).",
-        "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 only, trained on 500 "
-        "examples: on the validation split's held-out table each trained kind beats its uniform weights, raw "
-        "attention most (LDS 0.70 → 0.87), F-logit 0.83 → 0.87; the combinations add nothing (docs: Context "
+        "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 and gemma3 (gemma3's in "
+        "its benchmark's prompt form), each trained on 500 examples: on its validation split's held-out table each "
+        "trained kind beats its uniform weights; the default kind is the best one-pass kind there (docs: Context "
         "attribution).",
         "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["at2_exact"])\n'
         'ca.options["at2"], ca.warnings  # which weights, and why',

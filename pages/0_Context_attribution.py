@@ -327,6 +327,16 @@ if span_unit != "response":
 common.set_qp(span_unit=span_unit)
 if span_unit == "response":
     st.query_params.pop("pick", None)
+# key-mask methods score the whole response only: a span is explained by the others, or (none) not at all
+shown, whole_only = cv.span_methods(ca, shown, span)
+if whole_only and shown:
+    st.caption(f"{', '.join(whole_only)} score the whole response only: not shown for a part of it.")
+elif whole_only:
+    st.info(
+        f"{', '.join(whole_only)} score the whole response only, so the whole response is explained. For a part "
+        "of it, add a method with per-token rows (logit, alti_logit, at2_exact) or contextcite."
+    )
+    shown, span = whole_only, None
 
 common.set_provenance(
     model=name,
@@ -367,6 +377,9 @@ with common.errors_as_messages():
     info = CONTEXT_METHODS[view]
     units = f" Scores are {info.units}." if info.units else ""
     st.caption(f"{info.title}: {cv.colour_key(scores)}.{units} Hover a source for its score.")
+    if info.caveat:
+        with st.expander(f"What to know about {view}"):
+            st.markdown(info.caveat)
     shaded = cv.context_view_html(ca, scores, collapse=fold)
     with st.container(height=cv.context_box_height(shaded, MAIN_WIDTH_PX), border=True, key="shading_box"):
         st.html(shaded)

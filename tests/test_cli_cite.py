@@ -369,3 +369,18 @@ def test_a_foreign_or_damaged_json_is_refused(tmp_path):
         load_context_attribution_json(tmp_path / "other.json")
     with pytest.raises(BadInput, match="could not be read as a context attribution's JSON: JSONDecodeError"):
         load_context_attribution_json(tmp_path / "cut.json")
+
+
+def test_the_reproduce_command_names_at2_exacts_kind_and_weights():
+    """at2_exact's kind is always in the command (the default one is the weights', chosen on their validation
+    table, and may change with them); the weights only where they are not the shipped default."""
+    from types import SimpleNamespace
+
+    from ctxmix.export.context.cite import reproduce_command
+
+    opts = {"sources": "sentence", "max_new_tokens": 8, "at2": {"weights": "shipped:x.npz", "kind": "logit"}}
+    ca = SimpleNamespace(options=opts, methods=["at2_exact"], query="Q?", response=" A.")
+    cmd = reproduce_command(ca, "smollm2")
+    assert "--at2-features logit" in cmd and "--at2-weights" not in cmd
+    opts["at2"] = {"weights": "w.npz", "kind": "attn+norm+logit"}
+    assert "--at2-features attn+norm+logit --at2-weights w.npz" in reproduce_command(ca, "smollm2")

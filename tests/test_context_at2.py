@@ -2,6 +2,7 @@
 features against the one-pass methods and direct computations from the HF weights, AT2's Pearson loss and fit,
 the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -254,6 +255,10 @@ def test_weights_file_round_trip(tokenizer, tmp_path):
 SHIPPED_WEIGHTS = [("smollm2", (30, 9), None), ("gemma3", (18, 4), "context-gemma3.yaml")]
 
 
+# the default kind of each shipped file, as its validation table ranks the one-pass estimators (docs/context.md)
+SHIPPED_DEFAULT_KINDS = {"smollm2": "logit", "gemma3": "logit"}
+
+
 @pytest.mark.parametrize("name,shape,config", SHIPPED_WEIGHTS)
 def test_shipped_weights(name, shape, config):
     """The package ships smollm2's and gemma3's weights: every estimator (the four kinds, L H entries each, and the
@@ -285,6 +290,22 @@ def test_shipped_weights(name, shape, config):
         assert np.array_equal(got, ws[at2.DEFAULT_KIND]) and "note" not in info
     else:
         assert np.array_equal(got, at2.uniform_weights(L, H)) and "note" in info
+    # the model's default kind: the one-pass estimator with the best trained LDS on this validation table, and
+    # the kind its benchmark config runs (the config records it, so a change of default changes the stamp)
+    # (the shipped one-pass validation table of this very file, by its hash: the four tasks' shapes)
+    table = at2.validation_table(path)
+    assert table is not None and table["split"] == "validation" and table["model"] == name
+    assert all(table["tasks"][t] > 0 for t in at2.VALIDATION_TASKS)
+    task_mean = {
+        k: np.mean([table["methods"][f"at2_exact/{k}"][f"lds_{t}"] for t in at2.VALIDATION_TASKS])
+        for k in at2.ONE_PASS_KINDS
+    }
+    best = max(at2.ONE_PASS_KINDS, key=lambda k: task_mean[k])
+    got, info = at2.resolve_weights(m, None, None)
+    assert info["kind"] == best == SHIPPED_DEFAULT_KINDS[name] and np.array_equal(got, ws[best])
+    assert info["kind_chosen_on"].startswith(f"{table['name']}.json: the validation split's needles, summaries")
+    cfg = bench.load_context_config(root / (config or "context.yaml"))
+    assert cfg.get("at2_features", at2.DEFAULT_KIND) == best
 
 
 def test_at2_train_command_checks_its_options(tmp_path, capsys):
@@ -350,6 +371,66 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
     assert "overlap the benchmark's test examples" in at2.resolve_weights(m, "logit", None)[1]["note"]
     at2.save_weights(p, w, L, H, {"model": m.name, "heldout": {"rows": rows, "split": "validation"}})
     assert "on the validation split's texts (LDS 0.600" in at2.resolve_weights(m, "logit", None)[1]["note"]
+
+
+def test_default_kind_is_the_best_one_pass_kind_on_the_validation_table(tokenizer, tmp_path, monkeypatch):
+    """at2_features=None: the one-pass estimator (attn, norm, logit, attn+norm+logit) whose trained weights score
+    the highest LDS on the file's held-out table, never F-alti or the full combination (a full trace: alti_logit's
+    cost) however high; logit where the file has no table, or the first one-pass kind it holds without logit.
+    attribute_context runs and records the chosen kind; uniform weights default to logit."""
+    m = tiny_model("llama", tokenizer)
+    L, H = len(m.layers), m.layers[0].n_heads
+    rng = np.random.default_rng(0)
+    w = {k: rng.normal(size=L * H * len(at2.estimator_kinds(k))) for k in at2.ESTIMATORS}
+    lds = {"attn": 0.70, "norm": 0.75, "logit": 0.72, "alti": 0.90, "combined": 0.95, "attn+norm+logit": 0.74}
+    rows = [{"features": k, "weights": "trained", "lds": v} for k, v in lds.items()]
+    rows.append({"features": "attn", "weights": "untrained", "lds": 0.99})  # uniform rows do not choose
+    meta = {"model": m.name, "heldout": {"rows": rows, "split": "validation"}}
+    assert at2.default_kind(meta) == "norm"
+    assert at2.default_kind({}) == "logit" == at2.default_kind({"heldout": {"rows": []}})
+    assert at2.default_kind({}, held=("attn", "norm")) == "attn"
+    assert at2.default_kind(meta, held=("attn", "logit")) == "logit"
+    tie = {"heldout": {"rows": [{"features": k, "weights": "trained", "lds": 0.5} for k in ("logit", "attn")]}}
+    assert at2.default_kind(tie) == "attn"  # ONE_PASS_KINDS' order breaks a tie
+    p = at2.save_weights(tmp_path / "w.npz", w, L, H, meta)
+    got, info = at2.resolve_weights(m, None, p)
+    assert info["kind"] == "norm" and info["kind_chosen_on"] == "the validation split's texts"
+    assert np.array_equal(got, w["norm"])
+    assert "kind_chosen_on" not in at2.resolve_weights(m, "norm", p)[1]  # asked for, not chosen
+    assert at2.resolve_weights(m, None, "untrained")[1]["kind"] == "logit"
+    ca = _ca(m, ["at2_exact"], at2_weights=p)
+    assert ca.options["at2"]["kind"] == "norm"
+    ids, P, _ = _rows(ca)
+    assert np.array_equal(ca.per_token["at2_exact"], at2.run_at2(m, ids, P, "norm", w["norm"])["per_token"])
+    # a one-pass validation table of the same file (matched by its hash) outranks the file's own held-out table:
+    # each kind's score is the mean of its per-task means over the tasks the table measured
+    methods = {
+        "at2_exact/norm": {"lds_needles": 0.9, "lds_summaries": 0.9, "lds_documents": 0.1, "lds_long": None},
+        "at2_exact/logit": {"lds_needles": 0.6, "lds_summaries": 0.6, "lds_documents": 0.6, "lds_long": None},
+    }
+    table = {"name": "onepass-validation-x", "split": "validation", "methods": methods}
+    table.update(tasks={"needles": 1, "summaries": 1, "documents": 1, "long": 0})
+    assert at2.kind_scores(meta, table) == pytest.approx({"norm": 1.9 / 3, "logit": 0.6})
+    assert at2.default_kind(meta, table=table) == "norm"
+    table["methods"]["at2_exact/logit"]["lds_documents"] = 0.9  # the documents task turns it
+    assert at2.default_kind(meta, table=table) == "logit"
+    monkeypatch.setattr(at2, "SHIPPED_TABLES", tmp_path)
+    assert at2.validation_table(p) is None
+    (tmp_path / "onepass-validation-x.json").write_text(json.dumps({**table, "at2_weights_sha256": "0" * 16}))
+    assert at2.validation_table(p) is None  # another file's table
+    table["at2_weights_sha256"] = at2.weights_sha256(m.name, p)
+    (tmp_path / "onepass-validation-x.json").write_text(json.dumps(table))
+    assert at2.validation_table(p) == table
+    got, info = at2.resolve_weights(m, None, p)
+    assert info["kind"] == "logit" and np.array_equal(got, w["logit"])
+    assert info["kind_chosen_on"] == "onepass-validation-x.json: the validation split's needles, summaries, documents"
+    at2.save_weights(p, {"attn": w["attn"]}, L, H, {"model": m.name})
+    assert at2.resolve_weights(m, None, p)[1] == {
+        "weights": str(p),
+        "kind": "attn",
+        "trained_on": m.name,
+        "kind_chosen_on": "no validation table: the default",
+    }
 
 
 @pytest.mark.parametrize("combination", list(at2.COMBINATIONS))

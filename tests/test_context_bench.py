@@ -413,15 +413,16 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
     from ctxmix.methods.context.onepass import ONE_PASS_METHODS
 
     rec = json.loads((shipped.SHIPPED / "onepass-validation.json").read_text())
-    assert rec["split"] == "validation" and rec["model"] == "smollm2" and rec["examples"] >= 20
+    assert rec["split"] == "validation" and rec["model"] == "smollm2" and rec["examples"] >= 30
+    assert all(rec["tasks"][t] >= 4 for t in at2.VALIDATION_TASKS)  # the four test tasks' shapes
     lds = {m: v["lds"] for m, v in rec["methods"].items() if m in ONE_PASS_METHODS}
     assert {"logit", "alti_logit", "attention"} <= set(lds) and "contextcite" in rec["methods"]
     assert at2.one_pass_default("no-such-model") == max(lds, key=lambda m: lds[m])
     # the rows of the shipped file's estimators, scored on the same held-out ablations
     assert rec["at2_weights_sha256"] == at2.weights_sha256("smollm2")
-    _, info = at2.resolve_weights(SimpleNamespace(name="smollm2", n_layers=30, n_heads=9), at2.DEFAULT_KIND, None)
-    trained = info["weights"].startswith("shipped:")  # else uniform F-logit: logit's ranking
-    lds["at2_exact"] = rec["methods"][f"at2_exact/{at2.DEFAULT_KIND}"]["lds"] if trained else lds["logit"]
+    _, info = at2.resolve_weights(SimpleNamespace(name="smollm2", n_layers=30, n_heads=9), None, None)
+    trained = info["weights"].startswith("shipped:")  # else uniform weights: at2_exact ranks as `attention`/`logit`
+    lds["at2_exact"] = rec["methods"][f"at2_exact/{info['kind']}"]["lds"] if trained else lds["logit"]
     assert at2.one_pass_default("smollm2") == max(lds, key=lambda m: lds[m])
     page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
     assert "default_methods = [one_pass_default(model.name)," in page
@@ -430,24 +431,36 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
     assert _onepass_eval().markdown(rec["methods"]) in docs
 
 
-def test_gemma3_validation_table_scores_its_shipped_weights_in_its_benchmark_form():
-    """onepass-validation-gemma3.json: gemma3's validation table, asked in its benchmark config's prompt form, whose
-    at2_exact rows are the shipped gemma3 weights' (by hash), quoted by the docs as it renders now. The page's default
-    stays `logit` for gemma3: its weights were trained on the answer cue the page does not add."""
+def test_gemma3_validation_tables_its_benchmark_form_and_the_pages():
+    """gemma3 has two validation tables. onepass-validation-gemma3.json is asked in its benchmark config's prompt
+    form, with the rows of the shipped gemma3 weights (by hash), on the four test tasks' shapes: it chooses their
+    default kind. onepass-validation-gemma3-page.json is asked as the page asks (the default form: no answer cue,
+    no cut, the page's 24 new tokens), without at2_exact (its weights were trained with the cue): the page's default
+    for gemma3 is its best method without ablations. The docs quote both as they render now."""
     import json
 
     from ctxmix.benchmark.context.prompt_form import prompt_form
     from ctxmix.methods.context import at2
+    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
 
     rec = json.loads((shipped.SHIPPED / "onepass-validation-gemma3.json").read_text())
-    assert rec["split"] == "validation" and rec["model"] == "gemma3" and rec["examples"] >= 20
+    assert rec["split"] == "validation" and rec["model"] == "gemma3" and rec["examples"] >= 30
+    assert all(rec["tasks"][t] >= 4 for t in at2.VALIDATION_TASKS)
     config = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / "context-gemma3.yaml")
-    assert rec["prompt"] == prompt_form(config)
+    assert rec["prompt"] == prompt_form(config) and rec["max_new_tokens"] == config["max_new_tokens"]
     assert rec["at2_weights_sha256"] == at2.weights_sha256("gemma3")
     assert {f"at2_exact/{k}" for k in at2.ESTIMATORS} | {"logit", "contextcite"} <= set(rec["methods"])
-    assert at2.one_pass_default("gemma3") == "logit"
+    page_rec = json.loads((shipped.SHIPPED / "onepass-validation-gemma3-page.json").read_text())
+    assert page_rec["model"] == "gemma3" and page_rec["split"] == "validation" and page_rec["prompt"] == {}
+    assert page_rec["max_new_tokens"] == 24 and page_rec["at2_weights_sha256"] is None  # the page's New tokens
+    page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
+    assert 'common.qp_int("new", min(24, lim.max_context_new_tokens)' in page
+    lds = {m: v["lds"] for m, v in page_rec["methods"].items() if m in ONE_PASS_METHODS}
+    assert {"logit", "key_mask_ig"} <= set(lds) and "contextcite" in page_rec["methods"]
+    assert at2.one_pass_default("gemma3") == max(lds, key=lambda m: lds[m])
     docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
     assert _onepass_eval().markdown(rec["methods"]) in docs
+    assert _onepass_eval().markdown(page_rec["methods"]) in docs
 
 
 def _onepass_eval():
@@ -461,8 +474,12 @@ def _onepass_eval():
 
 
 def test_one_pass_default_needs_usable_weights_in_the_page_form(tmp_path, monkeypatch):
-    """at2_exact is the page's default only with a shipped file whose default kind's trained weights are in use and
-    were trained on the default prompt form; a name that is a path never reads a file outside the package."""
+    """The page's default is the best method without ablations on the model's own page-form validation table;
+    at2_exact competes only where that table scored the shipped file (by hash), whose default kind's trained
+    weights are in use and were trained on the default prompt form; a model without a table gets the best of
+    smollm2's table that needs no weights; a name that is a path never reads a file outside the package."""
+    import json
+
     from ctxmix.methods.context import at2
 
     w = {at2.DEFAULT_KIND: at2.uniform_weights(2, 2)}
@@ -471,9 +488,25 @@ def test_one_pass_default_needs_usable_weights_in_the_page_form(tmp_path, monkey
     low = [dict(r, lds=0.7) if r["weights"] == "trained" else r for r in rows]
     below = at2.save_weights(tmp_path / "below.npz", w, 2, 2, {"heldout": {"rows": low}})
     cue = at2.save_weights(tmp_path / "cue.npz", w, 2, 2, {"heldout": {"rows": rows}, "prompt": {"stop": "sentence"}})
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    methods = {"logit": {"lds": 0.8}, "key_mask_ig": {"lds": 0.7}, "contextcite": {"lds": 0.95}}
+    methods["at2_exact/logit"] = {"lds": 0.85, "lds_needles": 0.85}
+    ref = {"model": "smollm2", "prompt": {}, "methods": {"key_mask_ig": {"lds": 0.9}, "logit": {"lds": 0.8}}}
+    (tables / "onepass-validation.json").write_text(json.dumps(ref))
+    monkeypatch.setattr(at2, "SHIPPED_TABLES", tables)
     for path, want in ((good, "at2_exact"), (below, "logit"), (cue, "logit")):
+        table = {"model": "m", "prompt": {}, "methods": methods, "at2_weights_sha256": at2.weights_sha256("m", path)}
+        (tables / "onepass-validation-m.json").write_text(json.dumps(table))
         monkeypatch.setattr(at2, "shipped_weights_path", lambda name, path=path: path)
         assert at2.one_pass_default("m") == want, path
+    # the table of another file (a retrained one): at2_exact does not compete
+    (tables / "onepass-validation-m.json").write_text(json.dumps({**table, "at2_weights_sha256": "0" * 16}))
+    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: good)
+    assert at2.one_pass_default("m") == "logit"
+    # a table asked in another form (a base model's cue) is not the page's: no own table, smollm2's best
+    (tables / "onepass-validation-m.json").write_text(json.dumps({**table, "prompt": {"stop": "sentence"}}))
+    assert at2.one_pass_default("m") == "key_mask_ig" == at2.one_pass_default("other")
     monkeypatch.undo()
     (tmp_path / "folder.npz").write_bytes(b"")
     assert at2.shipped_weights_path(str(tmp_path / "folder")) is None
@@ -531,8 +564,9 @@ def test_a_base_models_answer_is_cut_at_its_first_sentence_or_line():
 
 
 def test_the_configs_prompt_keys_reach_the_prompt_and_the_response(tokenizer, monkeypatch):
-    """template, query_suffix (a base model's answer cue), stop and at2_weights: the prompt generate_response
-    builds, the generated text cut, and the same query, template and weights passed to attribute_context."""
+    """template, query_suffix (a base model's answer cue), stop, at2_weights and at2_features: the prompt
+    generate_response builds, the generated text cut, and the same query, template, weights and kind passed to
+    attribute_context."""
     from ctxmix.methods.context import prompt as cp
 
     llama = tiny_model("llama", tokenizer)
@@ -558,6 +592,13 @@ def test_the_configs_prompt_keys_reach_the_prompt_and_the_response(tokenizer, mo
     rec = cb._one_example(llama, cfg, ["logit"], ex, None, {}, False, fake_attribute)
     assert rec["dropped"] and got["response"] == f" {ex.answer}." and got["template"] == "plain"
     assert got["query"] == ex.query + "\nAnswer:" and got["at2_weights"] == "untrained"
+    assert got["at2_features"] is None  # not named: the weights' default kind
+    cb._one_example(llama, {**cfg, "at2_features": "norm"}, ["logit"], ex, None, {}, False, fake_attribute)
+    assert got["at2_features"] == "norm"
+    with pytest.raises(BadInput, match="at2_features must be one of"):
+        cb.validate_context_config({**cfg, "at2_features": "grad"})
+    stamp = cb.config_stamp(cfg, False, cfg["tasks"][0], None)  # a named kind is part of the results' identity
+    assert cb.config_stamp({**cfg, "at2_features": "norm"}, False, cfg["tasks"][0], None) != stamp
     with pytest.raises(BadInput, match="stop must be"):
         cb.validate_context_config({**cfg, "stop": "\n"})
     with pytest.raises(BadInput, match="template must be"):
@@ -704,6 +745,11 @@ def test_onepass_eval_scores_at2_estimators_against_the_same_heldout_ablations(t
     assert summ["at2_exact/logit"]["time_vs_contextcite"] == pytest.approx(want, rel=1e-12)
     row = next(line for line in oe.table([rec], list(got)).splitlines() if line.startswith("| `at2_exact/logit`"))
     assert row.split(" | ")[5:7] == ["-", "-"] and row.endswith(f"| {want:.3f} |")
+    # a task's own LDS column appears where some example was shaped like it (--documents, --long): its mean there
+    docs_rec = {**rec, "id": "validation-document-0", "task": "documents"}
+    head, _, first = oe.table([rec, docs_rec], list(got)).splitlines()[:3]
+    assert "| LDS documents |" in head and "LDS long" not in head
+    assert first.split(" | ")[4] == f"{got['logit']['lds']:.3f}"  # logit's LDS on its one documents example
     # a base model's prompt form: the benchmark's query cue, template and cut response (bench.generate_response)
     config = {"template": "plain", "query_suffix": "\nAnswer:", "stop": "sentence", "max_new_tokens": 8}
     asked = replace(ex, response=None)

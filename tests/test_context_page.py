@@ -395,6 +395,9 @@ def test_page_adds_at2_exact_once_and_keeps_the_evaluation(_env, tiny_lm_dir, mo
     assert not any("scale-free" in c.value for c in at.caption)  # logit's scores carry their units
     at.selectbox(key="view").set_value("at2_exact").run()
     assert any("Scores are scale-free" in c.value for c in at.caption)  # at2_exact's size means nothing alone
+    # the method's caveat (its cost, where its weights come from) beside its scores
+    (about,) = [e for e in at.expander if e.label == "What to know about at2_exact"]
+    assert any("ctxmix at2-train" in md.value for md in about.markdown)
     at.button(key="evaluate").click().run()
     _ok(at)
     assert _evaluation_methods(at) == ["logit", "at2_exact"]
@@ -609,9 +612,32 @@ def test_page_on_gemma3_with_a_needle(_env):
     assert _top(at)["text"][0] == make_sources(e.context, "sentence").texts[e.gold[0]]
 
 
+def test_a_part_of_the_response_leaves_out_whole_response_methods(_env, tiny_lm_dir):
+    """key_mask_ig (gemma3's page default) scores the whole response only: with a part of the response picked,
+    the page shows the other methods for it and says why key_mask_ig is not among them; with no other method, it
+    explains the whole response and says so. Never an error."""
+    at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["key_mask_ig", "logit"])
+    at.run()
+    _ok(at)
+    assert at.selectbox(key="view").options[0].startswith("key_mask_ig")
+    at.button_group(key="span_unit").set_value("word").run()
+    at.button_group(key="span_pick").set_value([0, 1]).run()
+    _ok(at)
+    assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit"]
+    assert any("key_mask_ig score the whole response only" in c.value for c in at.caption)
+    alone = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["key_mask_ig"])
+    alone.run()
+    alone.button_group(key="span_unit").set_value("word").run()
+    alone.button_group(key="span_pick").set_value([0, 1]).run()
+    _ok(alone)
+    assert any("the whole response is explained" in i.value for i in alone.info)
+    assert len(_top(alone)) > 0
+
+
 def test_page_default_one_pass_method_follows_the_shipped_weights(_env, tiny_lm_dir, monkeypatch, tmp_path):
     """With no methods in the link, the page runs the validation table's best method without ablations: logit
-    for a model without shipped AT2 weights, at2_exact (with those weights) for one that has them."""
+    for a model without shipped AT2 weights or a table of its own, at2_exact (with those weights) for one whose
+    page-form table ranks them first."""
     import json
 
     import numpy as np
@@ -626,6 +652,14 @@ def test_page_default_one_pass_method_follows_the_shipped_weights(_env, tiny_lm_
     L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     w = at2.save_weights(tmp_path / "w.npz", {at2.DEFAULT_KIND: np.arange(1.0, L * H + 1)}, L, H, {})
     monkeypatch.setattr(at2, "shipped_weights_path", lambda name: w)
+    # the model's own page-form validation table, scoring these weights (by hash) above logit
+    (ca,) = at.session_state["_ctx_cache"].values()
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    table = {"model": ca.model_name, "prompt": {}, "at2_weights_sha256": at2.weights_sha256(ca.model_name, w)}
+    table["methods"] = {"logit": {"lds": 0.5}, f"at2_exact/{at2.DEFAULT_KIND}": {"lds": 0.6}}
+    (tables / "onepass-validation-tiny.json").write_text(json.dumps(table))
+    monkeypatch.setattr(at2, "SHIPPED_TABLES", tables)
     at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP)
     at.run()
     _ok(at)

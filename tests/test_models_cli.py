@@ -150,6 +150,23 @@ def test_cli_help_lists_verbs():
         assert verb in r.stdout
 
 
+def test_cli_methods_lists_the_context_methods_in_their_own_section(capsys):
+    """`ctxmix methods` lists every token method, then the context-attribution methods (some share a name with a
+    token method and mean another thing) with their units and caveats."""
+    from ctxmix import METHODS
+    from ctxmix.cli import main
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    main(["methods"])
+    out = capsys.readouterr().out
+    head, sep, context = out.partition("\ncontext attribution")
+    assert sep and all(line.split()[0] in METHODS for line in head.splitlines())
+    listed = [line.split()[0] for line in context.splitlines()[1:]]
+    assert listed == list(CONTEXT_METHODS)
+    (at2_line,) = [line for line in context.splitlines() if line.startswith("at2_exact ")]
+    assert "Scores are scale-free" in at2_line and "Caveat: Cost: one forward pass" in at2_line
+
+
 def test_cli_bad_input_is_a_message():
     r = _cli("explain", "  ", "--model", "minilm")
     assert r.returncode == 2 and "error: the text is empty" in r.stderr and "Traceback" not in r.stderr

@@ -24,7 +24,7 @@ class MethodInfo:
     rows_sum_to_one: bool = False
     doc: str = ""
     per_head: str = ""  # how the per-head maps relate to the layer map ("" = no per-head form)
-    caveat: str = ""  # what a reader must know before trusting the maps (shown by the page and `methods`)
+    caveat: str = ""  # what a reader must know before trusting results (`ctxmix methods`, the Context page)
     units: str = ""  # what a score's size means where it is not self-evident (the page shows it beside the scores)
 
 
@@ -386,21 +386,22 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "AT2 on exact per-head features",
             "Cohen-Wang, Chuang, Madry 2025 (AT2); ctxmix exact features",
             doc="AT2's learned linear estimator, w . f(unit, source) over the L x H heads, with ctxmix's exact "
-            "per-head contributions as features: 'logit' (default: each head's logit contribution towards the "
+            "per-head contributions as features: 'logit' (each head's logit contribution towards the "
             "response token's log-probability), 'attn' (AT2's raw attention), 'norm' (attention x value-vector norm) "
             "'alti' (the routes' per-head ALTI proximity), 'combined' (all four kinds, 4 L H trained weights: a "
             "learned combination of exact features) or 'attn+norm+logit' (the three kinds of one forward pass, "
             "3 L H trained weights); summed over a source's tokens, averaged over the span's "
             "tokens. Weights trained on removal ablations of Wikipedia texts (`ctxmix at2-train`), shipped for "
-            "smollm2 and gemma3 (gemma3's in its benchmark's prompt: the plain template and an 'Answer:' cue).",
-            caveat="Cost: one forward pass plus the per-head features of the response rows ('alti': one ALTI layer "
-            "pass over those rows). Scores are scale-free (L1-normalised weights); weights are per model: others need "
-            "`ctxmix at2-train` (or at2_weights='untrained'). smollm2's weights come from 500 Wikipedia examples: on "
-            "the held-out table of the validation split (texts the benchmark never uses; docs/context.md), training "
-            "lifts every kind above uniform weights (F-logit 0.83 -> 0.87, F-attn 0.70 -> 0.87, F-alti 0.86 -> 0.88), "
-            "so the default is trained F-logit (level with F-attn and F-norm, at logit's cost). On gemma3 training "
-            "lifts every kind too, but F-logit is its weakest trained kind: at2_features='attn+norm+logit' leads it "
-            "on both validation tables (0.78 against 0.72 on the one-pass table).",
+            "smollm2 and gemma3 (gemma3's in its benchmark's prompt: the plain template and an 'Answer:' cue). "
+            "Default kind: per weights file, the one-pass kind that scores best on its validation table (smollm2: "
+            "'logit'; gemma3: 'attn+norm+logit').",
+            caveat="Cost: one forward pass plus the per-head features of the response rows ('alti' and 'combined': "
+            "a full trace, about alti_logit's cost). Scores are scale-free (L1-normalised weights); weights are per "
+            "model and per prompt form: others need `ctxmix at2-train` (or at2_weights='untrained'). Trained on 500 "
+            "Wikipedia examples, every kind beats its uniform weights on the held-out validation table (smollm2: "
+            "F-logit 0.83 -> 0.87, F-attn 0.70 -> 0.87; gemma3: F-logit 0.68 -> 0.73, F-attn 0.61 -> 0.76). On "
+            "the benchmark's test examples the gain is smaller than on validation, and on gemma3 trained F-logit "
+            "fell below the `logit` method (docs/context.md).",
             units="scale-free (the learned head weights are L1-normalised, so a score's size carries no unit): "
             "compare sources by rank",
         ),

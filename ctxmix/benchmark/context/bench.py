@@ -52,6 +52,7 @@ CONFIG_KEYS = {
     "query_suffix",
     "stop",
     "at2_weights",
+    "at2_features",
 }
 TASK_KEYS = {"id", "n", "min_tokens", "max_tokens", "seed", "n_documents", "methods", "split", "query"}
 CHECK_KEYS = {"tasks", "evaluate", "max_new_tokens"}
@@ -98,6 +99,12 @@ def validate_context_config(raw) -> dict:
         raise BadInput(f"stop must be line or sentence (where a generated response is cut); got {raw['stop']!r}")
     if "at2_weights" in raw and (not isinstance(raw["at2_weights"], str) or not raw["at2_weights"]):
         raise BadInput(f"at2_weights is a file path or untrained; got {raw['at2_weights']!r}")
+    if "at2_features" in raw:
+        from ctxmix.methods.context.at2 import ESTIMATORS
+
+        if raw["at2_features"] not in ESTIMATORS:
+            what = raw["at2_features"]
+            raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)} (default: the weights'); got {what!r}")
     if not isinstance(raw.get("examples") or {}, dict):
         raise BadInput("examples is a mapping (a record of what the tasks build: counts and lengths)")
     responses = raw.get("responses") or {}
@@ -335,6 +342,7 @@ def _one_example(
         methods=methods,
         template=config.get("template"),
         at2_weights=config.get("at2_weights"),  # None: the model's shipped weights
+        at2_features=config.get("at2_features"),  # None: the weights' default kind (chosen on their validation table)
         max_new_tokens=int(config.get("max_new_tokens", 64)),
         n_ablations=int(config.get("n_ablations", 32)),
         seed=int(config.get("seed", 0)),

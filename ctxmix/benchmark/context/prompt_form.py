@@ -52,7 +52,7 @@ def check_at2_prompt(config: dict) -> None:
     """Raises BadInput where the config's at2_exact reads a weights file trained on another prompt form than the
     config asks with (`prompt_form`: a base model's answer cue and cut): the estimator would read
     features of a prompt it never saw. A file from before the form was recorded counts as the default form."""
-    from ctxmix.methods.context.at2 import load_weights, shipped_weights_path
+    from ctxmix.methods.context.at2 import shipped_weights_path
 
     weights = config.get("at2_weights")
     if not runs_at2(config) or weights == "untrained":
@@ -60,9 +60,17 @@ def check_at2_prompt(config: dict) -> None:
     path = shipped_weights_path(str(config.get("model"))) if weights is None else Path(weights)
     if path is None or not path.is_file():  # at2_exact names the missing file itself
         return
+    check_weights_form(path, prompt_form(config), "this config asks with")
+
+
+def check_weights_form(path, form: dict, asked: str = "the prompt asked with is") -> None:
+    """Raises BadInput where the AT2 weights file at `path` was trained on another prompt form than `form` (a
+    `prompt_form`; a file from before the form was recorded counts as the default form {})."""
+    from ctxmix.methods.context.at2 import load_weights
+
     trained_on = load_weights(path)[2].get("prompt", {})
-    if trained_on != prompt_form(config):
+    if trained_on != form:
         raise BadInput(
-            f"the AT2 weights {str(path)!r} were trained with the prompt form {trained_on}, and this config asks "
-            f"with {prompt_form(config)}: train them with `ctxmix at2-train --prompt-from <this config>`"
+            f"the AT2 weights {str(path)!r} were trained with the prompt form {trained_on}, and {asked} {form}: "
+            "train them with `ctxmix at2-train --prompt-from <the config>` (bench scripts: give --prompt-from)"
         )

@@ -110,7 +110,12 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         default=4,
         help="key_mask_ig's gate levels K (midpoints of K steps of (0, 1); default 4)",
     )
-    s.add_argument("--at2-features", choices=ESTIMATORS, default="logit", help="at2_exact's features (default logit)")
+    s.add_argument(
+        "--at2-features",
+        choices=ESTIMATORS,
+        default=None,
+        help="at2_exact's features (default: the weights' own, chosen on their validation table; uniform: logit)",
+    )
     s.add_argument(
         "--at2-weights",
         default=None,
@@ -469,7 +474,8 @@ def reproduce_command(
     cmd += ["--key-mask-levels", str(levels)] if isinstance(levels, int) and levels != 4 else []
     if "at2" in o:
         at2 = o["at2"]
-        cmd += ["--at2-features", str(at2["kind"])] if at2.get("kind", "logit") != "logit" else []
+        # always named: the default kind is the weights' (chosen on their validation table), and may change with them
+        cmd += ["--at2-features", str(at2["kind"])] if at2.get("kind") else []
         weights = str(at2.get("weights", ""))
         if weights == "untrained" or not (weights.startswith("shipped:") or weights.startswith("untrained")):
             cmd += ["--at2-weights", q(weights)]  # a file, or uniform weights asked for (not the shipped default)

@@ -50,10 +50,14 @@ COMBINED = "combined"
 ONE_PASS_COMBINED = "attn+norm+logit"  # the kinds of one rows pass (no full trace), combined the same way
 COMBINATIONS = {COMBINED: KINDS, ONE_PASS_COMBINED: ("attn", "norm", "logit")}
 ESTIMATORS = (*KINDS, *COMBINATIONS)  # what at2_features takes
-DEFAULT_KIND = "logit"
+# the estimators of one forward pass over the response rows (`logit`'s cost): the candidates for a default kind;
+# "alti" and "combined" need a full trace, which costs as much as alti_logit
+ONE_PASS_KINDS = ("attn", "norm", "logit", ONE_PASS_COMBINED)
+DEFAULT_KIND = "logit"  # where a weights file has no validation table (and for uniform weights)
 SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (attribution.py reads it)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
 WEIGHTS_PACKAGE = "ctxmix.methods.context.at2_weights"
+SHIPPED_TABLES = Path(__file__).resolve().parents[2] / "benchmark" / "shipped"  # ctxmix.benchmark.shipped's folder
 
 
 # ---------------------------------------------------------------- per-head features
@@ -204,19 +208,92 @@ def shipped_weights_path(model_name: str) -> Path | None:
 
 
 def one_pass_default(model_name: str) -> str:
-    """The Context attribution page's default method without ablations for a model, as the validation table
-    (`bench/onepass_eval.py`, ctxmix/benchmark/shipped/onepass-validation.json) ranks them: at2_exact where the
-    package ships the model's trained weights (smollm2: trained F-logit, LDS 0.866 against logit's 0.818 and
-    ContextCite-32's 0.904, at logit's cost), their default kind's trained weights are in use (not below uniform on
-    the file's held-out table: else at2_exact would rank as `logit` does, with a warning) and they were trained on
-    the prompt the page asks with (the default form: a base model's answer cue is not the page's); else `logit`,
-    the best method that needs no trained weights."""
-    path = shipped_weights_path(model_name)
-    if path is None:
+    """The Context attribution page's default method without ablations for a model: the best mean LDS, among the
+    methods that run no ablations, on the model's validation table asked in the page's prompt form (a shipped
+    bench/onepass_eval.py table of the model with the default form, `shipped_tables`). at2_exact enters with its
+    default kind's row where that table scored the model's shipped weights (by hash), their trained weights are in
+    use (not below uniform on the file's held-out table) and they were trained on the page's form. A model with no
+    such table: the best method of smollm2's table that needs no trained weights (`logit`). smollm2: trained
+    F-logit's at2_exact; gemma3 (whose weights carry its benchmark's answer cue): the best of its page-form table."""
+    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
+
+    tables = [t for t in shipped_tables() if not t.get("prompt")]  # asked as the page asks
+    own = [t for t in tables if t.get("model") == model_name]
+    table = own[0] if own else next((t for t in tables if t.get("model") == "smollm2"), None)
+    if table is None:
         return "logit"
-    meta = load_weights(path)[2]
-    usable = _below_uniform(meta, DEFAULT_KIND) is None and not meta.get("prompt")
-    return "at2_exact" if usable else "logit"
+    rows = table.get("methods") or {}
+    lds = {m: rows[m]["lds"] for m in ONE_PASS_METHODS if isinstance((rows.get(m) or {}).get("lds"), (int, float))}
+    path = shipped_weights_path(model_name)
+    if own and path is not None and table.get("at2_weights_sha256") == weights_sha256(model_name):
+        ws, _, meta = load_weights(path)
+        kind = default_kind(meta, ws, table)
+        row = rows.get(f"at2_exact/{kind}") or {}
+        if _below_uniform(meta, kind) is None and not meta.get("prompt") and row.get("lds") is not None:
+            lds["at2_exact"] = row["lds"]
+    return max(lds, key=lambda m: lds[m]) if lds else "logit"
+
+
+def shipped_tables() -> list[dict]:
+    """The one-pass validation tables that ship (bench/onepass_eval.py --ship: ctxmix/benchmark/shipped/
+    onepass-validation*.json), by name."""
+    return [json.loads(f.read_text()) for f in sorted(SHIPPED_TABLES.glob("onepass-validation*.json"))]
+
+
+def default_kind(meta: dict, held=ESTIMATORS, table: dict | None = None) -> str:
+    """A weights file's default estimator, chosen on validation: of the kinds one forward pass gives
+    (`ONE_PASS_KINDS`, `logit`'s cost) that the file holds (`held`), the one whose trained weights score best
+    (`kind_scores`: on `table`, the file's one-pass validation table, else on the file's own held-out table; the
+    first in ONE_PASS_KINDS on a tie); DEFAULT_KIND (or the first one-pass kind held) where neither scores any."""
+    lds = kind_scores(meta, table)
+    cands = [k for k in ONE_PASS_KINDS if k in held]
+    scored = [(lds[k], -i, k) for i, k in enumerate(cands) if k in lds]
+    if scored:
+        return max(scored)[2]
+    return DEFAULT_KIND if DEFAULT_KIND in held or not cands else cands[0]
+
+
+VALIDATION_TASKS = ("needles", "summaries", "documents", "long")  # bench/onepass_eval.py's, the benchmark's shapes
+
+
+def kind_scores(meta: dict, table: dict | None = None) -> dict[str, float]:
+    """{kind: the validation LDS of its trained weights}. With `table` (a one-pass validation table of the same
+    file, `validation_table`): the mean over the table's tasks (VALIDATION_TASKS, those it measured) of each
+    task's mean LDS, as the benchmark's headline weighs its tasks. Else the mean LDS on the file's held-out table
+    (bench/at2_eval.py: needles and summaries)."""
+    if table is not None:
+        out = {}
+        for k in ESTIMATORS:
+            row = (table.get("methods") or {}).get(f"at2_exact/{k}") or {}
+            per_task = [row.get(f"lds_{t}") for t in VALIDATION_TASKS]
+            per_task = [float(v) for v in per_task if isinstance(v, (int, float)) and v == v]
+            if per_task:
+                out[k] = float(np.mean(per_task))
+        return out
+    rows = (meta.get("heldout") or {}).get("rows", [])
+    return {
+        r["features"]: float(r["lds"])
+        for r in rows
+        if r.get("weights") == "trained" and isinstance(r.get("lds"), (int, float))
+    }
+
+
+def validation_table(path) -> dict | None:
+    """The shipped one-pass validation table (bench/onepass_eval.py --ship, ctxmix/benchmark/shipped/
+    onepass-validation*.json) whose at2_exact rows were scored with the weights file at `path`, matched by the
+    file's hash; None for any other file (weights a user trained: their own held-out table decides)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    sha = _sha16(p)
+    return next((t for t in shipped_tables() if t.get("at2_weights_sha256") == sha), None)
+
+
+def _sha16(path: Path) -> str:
+    """The first 16 hex digits of a file's sha256 (how results and tables name the weights they used)."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def weights_sha256(model_name: str, weights=None) -> str | None:
@@ -224,8 +301,6 @@ def weights_sha256(model_name: str, weights=None) -> str | None:
     `weights` (None: the shipped file; a path is read as at2_exact reads it, from the working directory), None
     ("untrained", or no shipped file for the model), or "missing:<path>": what a stored result computed with the
     weights depends on beyond its config."""
-    import hashlib
-
     if isinstance(weights, str) and weights == "untrained":
         return None
     path = shipped_weights_path(model_name) if weights is None else Path(weights)
@@ -233,7 +308,7 @@ def weights_sha256(model_name: str, weights=None) -> str | None:
         return None
     if not path.is_file():  # not "untrained": a stored result made with the file is not current
         return f"missing:{path}"
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return _sha16(path)
 
 
 def save_weights(path, weights: dict[str, np.ndarray], n_layers: int, n_heads: int, meta: dict) -> Path:
@@ -256,16 +331,18 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
         return {k: z[k].astype(np.float64) for k in z.files if k in ESTIMATORS}, (L, H), meta
 
 
-def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tuple[np.ndarray, dict]:
-    """The estimator's w (L H,) for `kind` and what it is: weights None (the model's shipped file; uniform
-    1/(L H) instead where that file's held-out table, built on the validation split (`heldout_texts`), shows its
-    trained weights of `kind` below uniform ones, said in the info's "note"), a path, or "untrained" (uniform
-    1/(L H)). Raises BadInput, naming the training command, when the model has no shipped weights and none are
-    given, and when the file's shape or kinds do not fit the model."""
-    if kind not in ESTIMATORS:
+def resolve_weights(model: Model, kind: str | None = None, weights=None) -> tuple[np.ndarray, dict]:
+    """The estimator's w (L H,) for `kind` (None: the file's `default_kind`, chosen on its validation table;
+    DEFAULT_KIND for uniform weights) and what it is: weights None (the model's shipped file; uniform 1/(L H)
+    instead where that file's held-out table, built on the validation split (`heldout_texts`), shows its trained
+    weights of `kind` below uniform ones, said in the info's "note"), a path, or "untrained" (uniform 1/(L H)).
+    Raises BadInput, naming the training command, when the model has no shipped weights and none are given, and
+    when the file's shape or kinds do not fit the model."""
+    if kind is not None and kind not in ESTIMATORS:
         raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)}, got {kind!r}")
     L, H = model.n_layers, model.n_heads
     if isinstance(weights, str) and weights == "untrained":
+        kind = kind or DEFAULT_KIND
         if kind in COMBINATIONS:
             raise BadInput(
                 f"at2_features={kind!r} has no untrained form (its weights mix kinds of different scales): "
@@ -286,6 +363,9 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
     else:
         raise BadInput(f"at2_weights must be None (shipped), a file path or 'untrained', got {weights!r}")
     ws, shape, meta = load_weights(path)
+    chosen = kind is None
+    table = validation_table(path) if chosen else None
+    kind = default_kind(meta, ws, table) if kind is None else kind
     if shape != (L, H):
         raise BadInput(
             f"the AT2 weights in {str(path)!r} are for {shape[0]} layers x {shape[1]} heads; {model.name} has {L} x {H}"
@@ -307,7 +387,16 @@ def resolve_weights(model: Model, kind: str = DEFAULT_KIND, weights=None) -> tup
                 f"at2_weights='{path}' forces the trained ones"
             )
             return uniform_weights(L, H), {"weights": "untrained (auto)", "kind": kind, "note": note}
-    return ws[kind], {"weights": how, "kind": kind, "trained_on": meta.get("model")}
+    info = {"weights": how, "kind": kind, "trained_on": meta.get("model")}
+    if chosen:  # what chose the kind, for a reader of the result
+        if table is not None:
+            tasks = ", ".join(t for t in VALIDATION_TASKS if (table.get("tasks") or {}).get(t))
+            info["kind_chosen_on"] = f"{table.get('name')}.json: the {table.get('split')} split's {tasks or 'examples'}"
+        elif meta.get("heldout"):
+            info["kind_chosen_on"] = heldout_texts(meta)
+        else:
+            info["kind_chosen_on"] = "no validation table: the default"
+    return ws[kind], info
 
 
 def heldout_texts(meta: dict) -> str:

@@ -336,7 +336,7 @@ def attribute_context(
     compat: bool = False,
     batch_size: int = 8,
     progress: bool = True,
-    at2_features: str = "logit",
+    at2_features: str | None = None,
     at2_weights=None,
     seeds: str | None = None,
     key_mask_levels=4,
@@ -382,8 +382,10 @@ def attribute_context(
     keep_prob, LASSO alpha), and
     "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
-    "logit" (default), "attn", "norm", "alti", "combined" (all four, trained weights only) or "attn+norm+logit"
-    (the three of one forward pass, trained weights only); at2_weights None
+    "logit", "attn", "norm", "alti", "combined" (all four, trained weights only) or "attn+norm+logit" (the three
+    of one forward pass, trained weights only), None (default): the weights' own default kind, the one-pass kind
+    that scores best on their validation table (`at2.default_kind`; smollm2: logit, gemma3: attn+norm+logit;
+    uniform weights: logit); at2_weights None
     (the weights shipped for the model, or uniform ones where their held-out table scores the trained ones
     lower, with a warning), a file from `ctxmix at2-train`, or "untrained" (uniform)).
 
@@ -453,6 +455,7 @@ def attribute_context(
         from ctxmix.methods.context.at2 import resolve_weights
 
         at2_w, at2_info = resolve_weights(model, at2_features, at2_weights)
+        at2_features = at2_info["kind"]  # None resolved: the weights' default kind
     from ctxmix.methods.prediction import check_logit_model
 
     for m in ("logit", "alti_logit"):
@@ -481,7 +484,7 @@ def attribute_context(
     from ctxmix.methods.context.at2 import estimator_kinds
 
     # F-alti reads a full trace: counted as alti_logit's (a bound)
-    full_at2 = "alti" in estimator_kinds(at2_features)
+    full_at2 = "at2_exact" in methods and "alti" in estimator_kinds(str(at2_features))
     check_memory(
         model,
         len(prompt.ids) + n_response,

@@ -104,8 +104,9 @@ def extend_attribution(
     if "at2_exact" in todo:  # the weights checked before any pass
         from ctxmix.methods.context.at2 import resolve_weights
 
-        kind = at2_features or (ca.options.get("at2") or {}).get("kind", "logit")
+        kind = at2_features or (ca.options.get("at2") or {}).get("kind")  # None: the weights' default kind
         at2_w, at2_info = resolve_weights(model, kind, at2_weights)
+        kind = at2_info["kind"]
     src, builder = _rebuild(ca, model)
     compat = bool(ca.options.get("compat"))
     batch = int(ca.options.get("batch_size", 8))
