@@ -266,15 +266,16 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "proximity (as routes). w trained as AT2: −Pearson over 32 removal ablations per example, Adam, cosine, "
         "L1-normalised.",
         "options": "`at2_features` (None: the weights' default kind, the one-pass kind best on their validation "
-        "table, smollm2 'logit', gemma3 'attn+norm+logit', uniform weights 'logit'; 'logit', 'attn', 'norm', "
+        "table of the four test tasks' shapes, 'logit' for both shipped files and for uniform weights; "
+        "'logit', 'attn', 'norm', "
         "'alti'; 'combined' and 'attn+norm+logit': trained weights only); "
         "`at2_weights` (None: the weights shipped for the model, uniform where their held-out table scores the "
         "trained ones lower, with a warning; a file "
         "from `ctxmix at2-train --model M --out DIR`; 'untrained': uniform 1/(L·H)).",
         "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 and gemma3 (gemma3's in "
         "its benchmark's prompt form), each trained on 500 examples: on its validation split's held-out table each "
-        "trained kind beats its uniform weights; the default kind is the best one-pass kind there (docs: Context "
-        "attribution).",
+        "trained kind beats its uniform weights; the default kind is the best one-pass kind on the one-pass "
+        "validation table of the four test tasks' shapes (docs: Context attribution).",
         "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["at2_exact"])\n'
         'ca.options["at2"], ca.warnings  # which weights, and why',
     },

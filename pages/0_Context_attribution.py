@@ -127,7 +127,7 @@ with st.expander(
             label_visibility="collapsed",
         )
         turns.append({"role": role, "content": text})
-# the best LDS without ablations on the validation table (onepass-validation.json): at2_exact where weights ship
+# the best LDS without ablations on the model's validation table asked as this page asks (at2.one_pass_default)
 default_methods = [one_pass_default(model.name), "contextcite"]
 methods = st.multiselect(  # its own full-width row, chips named by the method alone: no label cut with "…"
     "Methods",
@@ -320,23 +320,22 @@ if span_unit != "response":
     )
     common.set_qp(pick=list(picked))
     span = cv.span_of(pieces, picked)
-    if span is None:
+    # key-mask methods score the whole response only: a part is explained by the others, or (none) not at all
+    shown, whole_only = cv.span_methods(ca, shown, span)
+    if whole_only and not shown:
+        st.info(
+            f"{', '.join(whole_only)} score the whole response only, so the whole response is explained. For a "
+            "part of it, add a method with per-token rows (logit, alti_logit, at2_exact) or contextcite."
+        )
+        shown, span = whole_only, None
+    elif span is None:
         st.caption("Nothing picked: the whole response is explained.")
     else:
-        st.caption(f"Explaining characters {span[0]}-{span[1]}: “{ca.response[span[0] : span[1]]}”")
+        left_out = f" ({', '.join(whole_only)}: whole response only, not shown)" if whole_only else ""
+        st.caption(f"Explaining characters {span[0]}-{span[1]}: “{ca.response[span[0] : span[1]]}”{left_out}")
 common.set_qp(span_unit=span_unit)
 if span_unit == "response":
     st.query_params.pop("pick", None)
-# key-mask methods score the whole response only: a span is explained by the others, or (none) not at all
-shown, whole_only = cv.span_methods(ca, shown, span)
-if whole_only and shown:
-    st.caption(f"{', '.join(whole_only)} score the whole response only: not shown for a part of it.")
-elif whole_only:
-    st.info(
-        f"{', '.join(whole_only)} score the whole response only, so the whole response is explained. For a part "
-        "of it, add a method with per-token rows (logit, alti_logit, at2_exact) or contextcite."
-    )
-    shown, span = whole_only, None
 
 common.set_provenance(
     model=name,

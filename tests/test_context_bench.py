@@ -686,6 +686,17 @@ def test_a_retrained_at2_weights_file_makes_stored_results_stale(tmp_path, monke
     with other.open("ab") as f:
         f.write(b"\0")
     assert cb.config_stamp(with_file, False, task, "x") != stamp and stamp != before
+    # the kind the validation table chose: F-logit keeps the stamp; another kind (a table rerun that turns the
+    # default) changes it, and so does naming a kind in the config
+    assert cb.at2_default_kind(cfg) == "logit" and cb.at2_default_kind({**cfg, "at2_features": "attn"}) is None
+    monkeypatch.setattr(cb, "at2_default_kind", lambda config: "attn+norm+logit")
+    assert cb.config_stamp(cfg, False, task, "x") != before
+    monkeypatch.undo()
+    assert (
+        cb.config_stamp(cfg, False, task, "x")
+        == before
+        != cb.config_stamp({**cfg, "at2_features": "attn"}, False, task, "x")
+    )
     # a shipped result records the hash; stale_reasons names a changed file
     folder = tmp_path / "shipped"
     folder.mkdir()

@@ -624,13 +624,14 @@ def test_a_part_of_the_response_leaves_out_whole_response_methods(_env, tiny_lm_
     at.button_group(key="span_pick").set_value([0, 1]).run()
     _ok(at)
     assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit"]
-    assert any("key_mask_ig score the whole response only" in c.value for c in at.caption)
+    assert any("(key_mask_ig: whole response only, not shown)" in c.value for c in at.caption)
     alone = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["key_mask_ig"])
     alone.run()
     alone.button_group(key="span_unit").set_value("word").run()
     alone.button_group(key="span_pick").set_value([0, 1]).run()
     _ok(alone)
     assert any("the whole response is explained" in i.value for i in alone.info)
+    assert not any("Explaining characters" in c.value for c in alone.caption)
     assert len(_top(alone)) > 0
 
 

@@ -393,8 +393,8 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "3 L H trained weights); summed over a source's tokens, averaged over the span's "
             "tokens. Weights trained on removal ablations of Wikipedia texts (`ctxmix at2-train`), shipped for "
             "smollm2 and gemma3 (gemma3's in its benchmark's prompt: the plain template and an 'Answer:' cue). "
-            "Default kind: per weights file, the one-pass kind that scores best on its validation table (smollm2: "
-            "'logit'; gemma3: 'attn+norm+logit').",
+            "Default kind: per weights file, the one-pass kind that scores best on its validation table of the four "
+            "test tasks' shapes ('logit' for both shipped files).",
             caveat="Cost: one forward pass plus the per-head features of the response rows ('alti' and 'combined': "
             "a full trace, about alti_logit's cost). Scores are scale-free (L1-normalised weights); weights are per "
             "model and per prompt form: others need `ctxmix at2-train` (or at2_weights='untrained'). Trained on 500 "

@@ -29,7 +29,13 @@ from ctxmix.benchmark.context.data import (
     ContextExample,
     contains_answer,
 )
-from ctxmix.benchmark.context.prompt_form import check_at2_prompt, cut_at_stop, example_query, runs_at2
+from ctxmix.benchmark.context.prompt_form import (
+    at2_default_kind,
+    check_at2_prompt,
+    cut_at_stop,
+    example_query,
+    runs_at2,
+)
 from ctxmix.errors import BadInput
 
 CONFIG_KEYS = {
@@ -227,7 +233,8 @@ def at2_weights_sha256(config: dict) -> str | None:
 def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:
     """A hash of everything that changes one example's numbers: the config but its other examples' responses,
     the check switch, the task (with its check overrides), the example's stored response and the AT2 weights
-    file's hash (`at2_weights_sha256`)."""
+    file's hash (`at2_weights_sha256`) and, where it is not F-logit, the kind its validation table chose
+    (`at2_default_kind`)."""
     import hashlib
     import json
 
@@ -236,6 +243,11 @@ def config_stamp(config: dict, check: bool, task: dict, response: str | None) ->
     weights = at2_weights_sha256(config)
     if weights is not None:  # appended only where at2_exact reads a file: other configs keep their stamps
         parts.append(weights)
+        from ctxmix.methods.context.at2 import DEFAULT_KIND
+
+        kind = at2_default_kind(config)
+        if kind not in (None, DEFAULT_KIND):  # a default chosen anew on validation changes the results too
+            parts.append(kind)
     raw = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 

@@ -74,3 +74,18 @@ def check_weights_form(path, form: dict, asked: str = "the prompt asked with is"
             f"the AT2 weights {str(path)!r} were trained with the prompt form {trained_on}, and {asked} {form}: "
             "train them with `ctxmix at2-train --prompt-from <the config>` (bench scripts: give --prompt-from)"
         )
+
+
+def at2_default_kind(config: dict) -> str | None:
+    """The kind at2_exact runs where the config names no `at2_features`: the weights file's default
+    (`at2.default_kind`, chosen on its validation table); None where the config names one or reads no file."""
+    from ctxmix.methods.context.at2 import default_kind, load_weights, shipped_weights_path, validation_table
+
+    weights = config.get("at2_weights")
+    if config.get("at2_features") or not runs_at2(config) or weights == "untrained":
+        return None
+    path = shipped_weights_path(str(config.get("model"))) if weights is None else Path(weights)
+    if path is None or not path.is_file():
+        return None
+    ws, _, meta = load_weights(path)
+    return default_kind(meta, ws, validation_table(path))

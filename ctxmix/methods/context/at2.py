@@ -214,7 +214,9 @@ def one_pass_default(model_name: str) -> str:
     default kind's row where that table scored the model's shipped weights (by hash), their trained weights are in
     use (not below uniform on the file's held-out table) and they were trained on the page's form. A model with no
     such table: the best method of smollm2's table that needs no trained weights (`logit`). smollm2: trained
-    F-logit's at2_exact; gemma3 (whose weights carry its benchmark's answer cue): the best of its page-form table."""
+    F-logit's at2_exact; gemma3 (whose weights carry its benchmark's answer cue): the best of its page-form table.
+    "The page's form" is the prompt form (template, cue, cut); the tables' max_new_tokens is recorded, not compared
+    (smollm2's table allowed 48 new tokens, the page's default is 24)."""
     from ctxmix.methods.context.onepass import ONE_PASS_METHODS
 
     tables = [t for t in shipped_tables() if not t.get("prompt")]  # asked as the page asks

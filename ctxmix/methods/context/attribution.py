@@ -384,7 +384,7 @@ def attribute_context(
     estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
     "logit", "attn", "norm", "alti", "combined" (all four, trained weights only) or "attn+norm+logit" (the three
     of one forward pass, trained weights only), None (default): the weights' own default kind, the one-pass kind
-    that scores best on their validation table (`at2.default_kind`; smollm2: logit, gemma3: attn+norm+logit;
+    that scores best on their validation table (`at2.default_kind`; logit for both shipped files;
     uniform weights: logit); at2_weights None
     (the weights shipped for the model, or uniform ones where their held-out table scores the trained ones
     lower, with a warning), a file from `ctxmix at2-train`, or "untrained" (uniform)).
