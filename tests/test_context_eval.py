@@ -113,6 +113,25 @@ def test_a_span_is_evaluated_on_its_own_tokens(llama, ca):
         assert t.loc[m, "topk_drop@1"] == pytest.approx(want, abs=TOL), m
 
 
+def test_a_span_leaves_whole_response_methods_as_nan_rows(llama, ca):
+    """key_mask_ig stores the whole response's derivatives only: evaluating a part of the response gives it a row
+    of NaN and a note (the page's Evaluate button with gemma3's default methods), the others their values; the
+    whole response evaluates it as usual."""
+    from ctxmix.methods.context.check import extend_attribution
+
+    c = extend_attribution(copy.deepcopy(ca), llama, ["key_mask_ig"], progress=False)
+    t = c.evaluate(llama, k=(1,), n_ablations=2, span=(4, 8), progress=False).set_index("method")
+    assert t.loc["key_mask_ig"].isna().all() and not t.loc["logit"].isna().any()
+    assert list(t.columns) == ["topk_drop@1", "lds"]
+    assert "key_mask_ig scores the whole response only: no values for a part of it" in c.evaluation["notes"]
+    whole = c.evaluate(llama, k=(1,), n_ablations=2, progress=False).set_index("method")
+    assert not whole.loc["key_mask_ig"].isna().any()
+    alone = copy.deepcopy(c)
+    alone.methods = ["key_mask_ig"]
+    t = alone.evaluate(llama, k=(1,), n_ablations=2, span=(4, 8), progress=False)
+    assert list(t.columns) == ["method", "topk_drop@1", "lds"] and t[["topk_drop@1", "lds"]].isna().all().all()
+
+
 def test_passes_are_counted_and_stored_ablations_reused(ca):
     """Every distinct mask runs once; those already in `.ablations` (leave-one-out's full context and single
     removals, ContextCite's masks) are read, not rerun: forward = distinct masks minus stored ones."""

@@ -625,6 +625,12 @@ def test_a_part_of_the_response_leaves_out_whole_response_methods(_env, tiny_lm_
     _ok(at)
     assert [o.split(" ")[0] for o in at.selectbox(key="view").options] == ["logit"]
     assert any("(key_mask_ig: whole response only, not shown)" in c.value for c in at.caption)
+    at.number_input(key="eval_n").set_value(4)
+    at.button(key="evaluate").click().run()  # every method of the attribution, on the picked part
+    _ok(at)
+    ev = at.session_state["_ctx_cache"][next(iter(at.session_state["_ctx_cache"]))].evaluation
+    table = ev["table"].set_index("method")
+    assert table.loc["key_mask_ig"].isna().all() and not table.loc["logit", ["topk_drop@1", "lds"]].isna().any()
     alone = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["key_mask_ig"])
     alone.run()
     alone.button_group(key="span_unit").set_value("word").run()

@@ -244,10 +244,15 @@ def evaluate_context(
     first = _heldout_seed(ca, seed, n_ablations)
     keep_prob = float(ca.options.get("keep_prob", 0.5))
     heldout = contextcite_masks(n_ablations, d, first, keep_prob)
-    scores = {m: (ca.scores[m] if span is None else ca.scores_for(m, span)) for m in ca.methods}
+    from ctxmix.methods.context.keymask import KEY_MASK_METHODS
+
+    # key-mask methods store the whole response's derivatives only: for a part of it they get NaN rows, not an error
+    whole_only = [m for m in ca.methods if m in KEY_MASK_METHODS and (a, b) != (0, len(ca.response_ids))]
+    scored = [m for m in ca.methods if m not in whole_only]
+    scores = {m: (ca.scores[m] if span is None else ca.scores_for(m, span)) for m in scored}
 
     # every distinct mask once: the full context, each method's top-k removals, the held-out masks
-    masks = [np.ones(d, bool)] + [without_top(scores[m], kk) for m in ca.methods for kk in ks if kk < d]
+    masks = [np.ones(d, bool)] + [without_top(scores[m], kk) for m in scored for kk in ks if kk < d]
     masks += list(heldout)
     index: dict[bytes, int] = {}
     for m in masks:
@@ -280,7 +285,12 @@ def evaluate_context(
     rows, notes = [], []
     if np.ptp(measured) == 0:
         notes.append("lds: the measured target is the same under every held-out ablation; every LDS is NaN")
+    for m in whole_only:
+        notes.append(f"{m} scores the whole response only: no values for a part of it")
     for m in ca.methods:
+        if m in whole_only:
+            rows.append({"method": m})  # every metric NaN (the frame fills the columns)
+            continue
         s = scores[m]
         row: dict = {"method": m}
         for kk in ks:
@@ -296,7 +306,9 @@ def evaluate_context(
     skipped = [kk for kk in ks if kk >= d]
     if skipped:
         notes.append(f"topk_drop@{skipped} are NaN: k is not below the {d} sources")
-    table = pd.DataFrame(rows)
+    columns = ["method", *(f"topk_drop@{kk}" for kk in ks), "lds"]
+    columns += [f"recall@{kk}" for kk in RECALL_K] if gold is not None else []
+    table = pd.DataFrame(rows, columns=columns)  # the columns even where every row is a whole-response method's
     directions = {c: context_metric(c).direction for c in table.columns if c != "method"}
     options = {
         "k": list(ks),
