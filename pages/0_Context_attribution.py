@@ -324,7 +324,8 @@ if span_unit != "response":
     shown, whole_only = cv.span_methods(ca, shown, span)
     if whole_only and not shown:
         st.info(
-            f"{', '.join(whole_only)} score the whole response only, so the whole response is explained. For a "
+            f"{', '.join(whole_only)} {'scores' if len(whole_only) == 1 else 'score'} the whole response only, so "
+            "the whole response is explained. For a "
             "part of it, add a method with per-token rows (logit, alti_logit, at2_exact) or contextcite."
         )
         shown, span = whole_only, None
