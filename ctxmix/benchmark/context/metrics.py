@@ -244,10 +244,10 @@ def evaluate_context(
     first = _heldout_seed(ca, seed, n_ablations)
     keep_prob = float(ca.options.get("keep_prob", 0.5))
     heldout = contextcite_masks(n_ablations, d, first, keep_prob)
-    from ctxmix.methods.context.keymask import KEY_MASK_METHODS
+    from ctxmix.methods.context.keymask import whole_response_only
 
     # key-mask methods store the whole response's derivatives only: for a part of it they get NaN rows, not an error
-    whole_only = [m for m in ca.methods if m in KEY_MASK_METHODS and (a, b) != (0, len(ca.response_ids))]
+    whole_only = whole_response_only(ca.methods, a, b, len(ca.response_ids))
     scored = [m for m in ca.methods if m not in whole_only]
     scores = {m: (ca.scores[m] if span is None else ca.scores_for(m, span)) for m in scored}
 

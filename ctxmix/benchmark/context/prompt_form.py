@@ -52,15 +52,21 @@ def check_at2_prompt(config: dict) -> None:
     """Raises BadInput where the config's at2_exact reads a weights file trained on another prompt form than the
     config asks with (`prompt_form`: a base model's answer cue and cut): the estimator would read
     features of a prompt it never saw. A file from before the form was recorded counts as the default form."""
+    path = config_weights_file(config)
+    if path is not None:  # (a missing file: at2_exact names it itself)
+        check_weights_form(path, prompt_form(config), "this config asks with")
+
+
+def config_weights_file(config: dict) -> Path | None:
+    """The AT2 weights file a config's at2_exact reads (its `at2_weights`, else the model's shipped file), or None
+    where no task runs at2_exact, its weights are uniform ("untrained") or the file is not there."""
     from ctxmix.methods.context.at2 import shipped_weights_path
 
     weights = config.get("at2_weights")
     if not runs_at2(config) or weights == "untrained":
-        return
+        return None
     path = shipped_weights_path(str(config.get("model"))) if weights is None else Path(weights)
-    if path is None or not path.is_file():  # at2_exact names the missing file itself
-        return
-    check_weights_form(path, prompt_form(config), "this config asks with")
+    return path if path is not None and path.is_file() else None
 
 
 def check_weights_form(path, form: dict, asked: str = "the prompt asked with is") -> None:
@@ -79,13 +85,10 @@ def check_weights_form(path, form: dict, asked: str = "the prompt asked with is"
 def at2_default_kind(config: dict) -> str | None:
     """The kind at2_exact runs where the config names no `at2_features`: the weights file's default
     (`at2.default_kind`, chosen on its validation table); None where the config names one or reads no file."""
-    from ctxmix.methods.context.at2 import default_kind, load_weights, shipped_weights_path, validation_table
+    from ctxmix.methods.context.at2 import default_kind, load_weights, validation_table
 
-    weights = config.get("at2_weights")
-    if config.get("at2_features") or not runs_at2(config) or weights == "untrained":
-        return None
-    path = shipped_weights_path(str(config.get("model"))) if weights is None else Path(weights)
-    if path is None or not path.is_file():
+    path = None if config.get("at2_features") else config_weights_file(config)
+    if path is None:
         return None
     ws, _, meta = load_weights(path)
     return default_kind(meta, ws, validation_table(path))

@@ -116,11 +116,9 @@ def context_box_height(view_html: str, width_px: int, max_px: int = BOX_MAX_PX, 
 def span_methods(ca, methods: list[str], span) -> tuple[list[str], list[str]]:
     """(the methods that can score `span`, those that score the whole response only): key_mask_grad and key_mask_ig
     store the whole response's derivatives (`keymask.check_whole_response`), so a sub-span leaves them out."""
-    from ctxmix.methods.context.keymask import KEY_MASK_METHODS
+    from ctxmix.methods.context.keymask import whole_response_only
 
-    a, b = ca.token_range(span)
-    whole = span is None or (a, b) == (0, len(ca.response_ids))
-    only = [] if whole else [m for m in methods if m in KEY_MASK_METHODS]
+    only = whole_response_only(methods, *ca.token_range(span), len(ca.response_ids))
     return [m for m in methods if m not in only], only
 
 

@@ -286,9 +286,15 @@ def key_mask_rows(
     }
 
 
+def whole_response_only(methods, a: int, b: int, T: int) -> list[str]:
+    """Those of `methods` that cannot score the response's tokens a..b-1 of T: the key-mask methods, which store
+    the whole response's derivatives only, for any part of it."""
+    return [m for m in methods if m in KEY_MASK_METHODS and (a, b) != (0, T)]
+
+
 def check_whole_response(method: str, a: int, b: int, T: int) -> None:
     """Refuse a sub-span of the response for a method that stored the whole response's derivatives only."""
-    if method in KEY_MASK_METHODS and (a, b) != (0, T):
+    if whole_response_only([method], a, b, T):
         raise BadInput(
             f"{method} scores the whole response only (one backward pass of its summed log-probability; per-token "
             f"rows would take T backward passes): rerun attribute_context with response= the span's text to score "
