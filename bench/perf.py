@@ -12,6 +12,7 @@ the comparisons with other tools in perf_compare.py.)
     python bench/perf.py --only long              # long inputs on smollm2 (CUDA: a random 1.1B Llama to 8,192)
     python bench/perf.py --only context --sizes 512 1024   # context attribution on smollm2 (bench/perf_context.py)
     python bench/perf.py --only scale             # Llama-3-8B widths: bf16 one layer at a time (bench/perf_scale.py)
+    python bench/perf.py --only onepass           # one-pass context methods at 16k tokens vs one forward (CPU too)
 
 Columns: target, measured, baseline, ratio, goal, pass. "ratio" is a speed-up (baseline time /
 ctxmix time) for the comparisons, a fraction of the measured matmul rate for the FLOP rates,
@@ -89,12 +90,13 @@ from perf_compare import (  # noqa: E402
 )
 from perf_context import add_arguments as add_context_arguments  # noqa: E402
 from perf_context import bench_context, context_child, context_eval_child  # noqa: E402
+from perf_onepass import bench_onepass  # noqa: E402
 from perf_scale import bench_scale  # noqa: E402
 
 CPU_LAYERS_512 = 2  # layers of the n=512 memory model on CPU by default (12 layers there take ~2.5 min more)
 SECTIONS = (
-    "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict long context scale".split()
-)
+    "vz flops batch explain corpus memory budget ig inseq precision embedded flow predict long context scale onepass"
+).split()
 # by default on a CPU: the simulated card needs CUDA; embedded, long and context take minutes
 CPU_SKIPS = {"budget", "embedded", "long", "context", "scale"}
 CORPUS_TODAY_CPU = 0.218  # seq/s, sequence-at-a-time engine with scipy ranks (docs/performance.md, before batching)
@@ -1008,6 +1010,7 @@ def main() -> None:
         ("long", lambda: bench_long(a, dev)),
         ("context", lambda: bench_context(a, dev)),
         ("scale", lambda: bench_scale(a, dev)),
+        ("onepass", lambda: bench_onepass(a, dev)),
     ]
     for name, fn in steps:
         if name == "flops" and not ({"flops", "explain"} & set(sections)):

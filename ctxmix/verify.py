@@ -19,12 +19,18 @@ tolerance for the model's dtype:
 
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 import pandas as pd
 import torch
 
+from ctxmix.engine.attention import output_only
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
+
+# the value-zeroing reference's temporary hooks act only in the context of the call that installed them
+_OWNER: contextvars.ContextVar[object | None] = contextvars.ContextVar("ctxmix_verify_owner", default=None)
 
 COLUMNS = ["check", "error", "tolerance", "passed", "detail"]
 
@@ -70,17 +76,21 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
     layers = _get(model.hf.base_model, model.spec.layers)
     L = len(layers)
     captured: dict[int, torch.Tensor] = {}
+    mine = object()  # the hooks act on this call's passes only (another thread's pass of the model is untouched)
+    token = _OWNER.set(mine)
 
     def capture(l):
         def hook(mod, inp, out):
-            captured[l] = (out[0] if isinstance(out, tuple) else out).detach()
+            if _OWNER.get() is mine:
+                captured[l] = (out[0] if isinstance(out, tuple) else out).detach()
 
         return hook
 
     handles = [layer.register_forward_hook(capture(l)) for l, layer in enumerate(layers)]
     net = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf  # an encoder-decoder: its encoder
     try:
-        net(input_ids=ids, attention_mask=torch.ones_like(ids), **model.type_ids_kwargs([None]))
+        with output_only(model):
+            net(input_ids=ids, attention_mask=torch.ones_like(ids), **model.type_ids_kwargs([None]))
         ref = {l: captured[l][0].double() for l in range(L)}
         C = torch.zeros(L, n, n, dtype=torch.float64, device=model.device)
         batch = ids.expand(n, -1)
@@ -89,6 +99,8 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
             value = _get(layer, model.spec.value)
 
             def zero_v(mod, inp, out):
+                if _OWNER.get() is not mine:
+                    return None
                 out = out.clone()
                 cols = _value_columns(model, out.shape[-1])
                 out[rows[:, None], rows[:, None], cols[None, :]] = 0.0  # copy t: token t's value vector
@@ -96,7 +108,8 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
 
             h = value.register_forward_hook(zero_v)
             try:
-                net(input_ids=batch, attention_mask=torch.ones_like(batch))
+                with output_only(model):
+                    net(input_ids=batch, attention_mask=torch.ones_like(batch))
             finally:
                 h.remove()
             y = captured[l].double()  # (n copies, n tokens, d)
@@ -105,6 +118,7 @@ def value_zeroing_loop(model: Model, input_ids: list[int]) -> np.ndarray:
     finally:
         for h in handles:
             h.remove()
+        _OWNER.reset(token)
     C = C.cpu().numpy()
     s = C.sum(-1, keepdims=True)
     return C / np.where(s > 0, s, 1.0)

@@ -290,6 +290,35 @@ def tokenizer():
     return T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
 
 
+def exact_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kw):
+    """Eager attention in the inputs' dtype, no float32 softmax: softmax(q k^T * scaling [soft-capped] + mask) v;
+    (B, n, H, dh), probabilities. A float64 reference independent of ctxmix's own probabilities."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    probs = torch.softmax(scores, -1)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def exact_eager_twin(hf):
+    """A copy of a transformers model that runs `exact_eager_attention` (its own config: the original is left
+    as it is), for references that read every probability."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register("exact_eager", exact_eager_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("exact_eager", eager_mask)
+    twin = copy.deepcopy(hf)
+    twin.set_attn_implementation("exact_eager")
+    return twin
+
+
 def randomise_norms(hf):
     """Random LayerNorm/RMSNorm gammas and betas, so the tests see non-trivial norms."""
     g = torch.Generator().manual_seed(1)
@@ -309,7 +338,7 @@ def randomise_norms(hf):
 def tiny_model(family: str, tokenizer, dtype=torch.float64):
     torch.manual_seed(0)
     cls, cfg = _tiny_configs()[family]
-    hf = cls._from_config(cfg, attn_implementation="eager").to(dtype).eval()
+    hf = cls._from_config(cfg).to(dtype).eval()  # the user's default attention (SDPA where the class has it)
     randomise_norms(hf)
     return ctxmix.model_from_hf(hf, tokenizer, name=f"tiny-{family}")
 
@@ -324,7 +353,7 @@ def tiny_variant(family: str, tokenizer, cls=None, name: str | None = None, **co
     cfg = copy.deepcopy(cfg)
     for k, v in config_changes.items():
         setattr(cfg, k, v)
-    hf = (cls or base_cls)._from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    hf = (cls or base_cls)._from_config(cfg).to(torch.float64).eval()
     randomise_norms(hf)
     return ctxmix.model_from_hf(hf, tokenizer, name=name or f"tiny-{family}-variant")
 

@@ -16,7 +16,7 @@ from ctxmix.engine.models import weights_sha256
 from ctxmix.errors import BadInput, ModelLoadError, UnsupportedArchitecture
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from conftest import tiny_model  # noqa: E402
+from conftest import _tiny_configs, randomise_norms, tiny_model  # noqa: E402
 
 TEXT = "The cat sat on the mat because it was tired."
 CONTEXT = "The code for the staff entrance is 4817. The weather was mild. Birds sang in the trees all morning."
@@ -140,8 +140,27 @@ def test_load_model_refuses_bad_placement_before_loading():
 # ---------------------------------------------------------------- quantized
 
 
+def _llama64(tokenizer):
+    """The tiny float32 Llama with d 64 and d' 128 (k, v: 32 rows): on CPUs with AVX-512 BF16, bitsandbytes'
+    4-bit kernel repacks each weight in blocks of 32 output rows on its first forward
+    (`_convert_weight_packed_for_cpu`, which refuses other widths), so the quantized tests use widths it takes on
+    every CPU."""
+    import copy
+
+    torch.manual_seed(0)
+    cls, cfg = _tiny_configs()["llama"]
+    cfg = copy.deepcopy(cfg)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = D64, DFF128, D64 // cfg.num_attention_heads
+    hf = cls._from_config(cfg).to(torch.float32).eval()
+    randomise_norms(hf)
+    return ctxmix.model_from_hf(hf, tokenizer, name="tiny-llama-32")
+
+
+D64, DFF128 = 64, 128  # k and v: 2 KV heads of 16 = 32 rows
+
+
 def _saved_llama(tokenizer, tmp_path):
-    ref = tiny_model("llama", tokenizer, dtype=torch.float32)
+    ref = _llama64(tokenizer)
     folder = tmp_path / "tiny-llama"
     ref.hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -154,7 +173,7 @@ def _twin_with_dequantized_weights(qm, tokenizer):
     bitsandbytes' dequantize_4bit, 8-bit as CB * SCB / 127, torchao through the tensor's dequantize()."""
     import bitsandbytes.functional as bf
 
-    twin = tiny_model("llama", tokenizer, dtype=torch.float32)
+    twin = _llama64(tokenizer)
     sd = {}
     for name, mod in qm.hf.named_modules():
         w = getattr(mod, "weight", None)
@@ -178,6 +197,11 @@ def test_weight_only_quantized_model_equals_its_dequantized_twin(tokenizer, tmp_
     size measured). On the old code the packed 4-bit weight gave head_dim 0 and explain raised."""
     qm = ctxmix.load_model(_saved_llama(tokenizer, tmp_path), quantization=quantization)
     assert qm.quantization_schemes and not qm.layers.resident
+    for mod in qm.hf.modules():  # the generic 4-bit kernel on every CPU (the AVX-512 BF16 one computes in bf16:
+        if hasattr(
+            mod, "support_avx512bf16_for_cpu"
+        ):  # test_bnb_cpu_packed_4bit_weight_is_read_as_the_kernel_reads_it)
+            mod.support_avx512bf16_for_cpu = False
     twin = _twin_with_dequantized_weights(qm, tokenizer)
     methods = ["attention", "alti", "norm_res_ln", "value_zeroing", "logit", "alti_logit"]
     a, b = ctxmix.explain(qm, TEXT, methods), ctxmix.explain(twin, TEXT, methods)
@@ -189,10 +213,39 @@ def test_weight_only_quantized_model_equals_its_dequantized_twin(tokenizer, tmp_
         _close(a.logit_contributions[m], b.logit_contributions[m], m, tol=1e-4)
     tr = ctxmix.trace(qm, TEXT)
     scale = max(float(h.abs().max()) for h in tr.hidden)
-    d, dff = 24, 40
+    d, dff = D64, DFF128
     bound = 2 * (d + dff) * 2.0**-24 * scale * 8  # 8: the roundings of the norm, softmax and products per sum
     assert tr.reconstruction_error <= bound, (tr.reconstruction_error, bound)
     assert not any("exact only up to" in w for w in a.warnings)
+
+
+def test_bnb_cpu_packed_4bit_weight_is_read_as_the_kernel_reads_it():
+    """On CPUs with AVX-512 BF16, a bitsandbytes 4-bit linear repacks its weight in place on its first forward
+    (nibbles regrouped in blocks of 32 rows, absmax transposed and rounded to bfloat16); `dequantize_4bit` on the
+    packed data reads garbage (1.28 off here). ctxmix reads the matrix the kernel multiplies by: the unpacked
+    one, equal to the weight before packing up to the bf16 rounding of the absmax (2^-8 of each block's scale),
+    and the model's own weight state untouched by the read."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bf
+
+    from ctxmix.engine.weights import linear_matrix
+
+    torch.manual_seed(0)
+    lin = bnb.nn.Linear4bit(64, 96, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+    lin.weight = bnb.nn.Params4bit(torch.randn(96, 64) * 0.1, requires_grad=False, quant_type="nf4").to("cpu")
+    lin = lin.eval()
+    before = bf.dequantize_4bit(lin.weight.data, lin.weight.quant_state).float().clone()
+    if not getattr(lin, "support_avx512bf16_for_cpu", False):
+        pytest.skip("this CPU has no AVX-512 BF16: bitsandbytes does not repack 4-bit weights here")
+    with torch.no_grad():
+        lin(torch.randn(2, 64))
+    state = lin.weight.quant_state
+    assert state.packing_format_for_cpu  # the kernel repacked the weight
+    absmax = state.absmax.clone()
+    got = linear_matrix(lin).float()
+    scale = before.abs().reshape(96, -1, state.blocksize).amax(-1, keepdim=True).expand(-1, -1, state.blocksize)
+    assert float(((got - before).abs() - 2.0**-8 * scale.reshape(96, 64)).max()) <= 0
+    assert state.packing_format_for_cpu and torch.equal(state.absmax, absmax)  # the model's state is untouched
 
 
 def test_8bit_model_warns_with_its_measured_reconstruction_error(tokenizer, tmp_path):

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import exact_eager_twin, tiny_model
 
 import ctxmix
 from ctxmix.engine.attention import output_only
@@ -434,7 +434,7 @@ def test_attention_is_the_head_mean_of_the_predicting_rows(llama):
     ids = ca.prompt_ids + ca.response_ids
     P, T = len(ca.prompt_ids), len(ca.response_ids)
     with torch.no_grad():
-        att = llama.hf(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+        att = exact_eager_twin(llama.hf)(input_ids=torch.tensor([ids]), output_attentions=True).attentions
     A = torch.stack([a[0] for a in att]).double().mean((0, 1))[P - 1 : P + T - 1].numpy()  # (T, n)
     want = np.array([[A[t, toks].sum() for toks in ca.source_tokens] for t in range(T)]).mean(0)
     assert np.allclose(ca.scores["attention"], want, rtol=1e-12)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import exact_eager_twin, tiny_model
 
 import ctxmix
 from ctxmix.benchmark.context import at2_train
@@ -90,7 +90,7 @@ def test_logit_features_sum_to_the_logit_method(tokenizer, family):
 def _hf_layer_inputs(m, ids):
     """HF's own hidden states (input of each layer) and attention probabilities (eager)."""
     with torch.no_grad():
-        out = m.hf(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+        out = exact_eager_twin(m.hf)(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
     return out.hidden_states, out.attentions
 
 

@@ -188,7 +188,7 @@ def test_auto_switches_to_sdpa_beyond_the_budget(tokenizer, monkeypatch):
     assert km.gate_attention(m, 40) == km.KEYMASK_SDPA
     ca = _ca(m, ["key_mask_grad"])
     assert ca.cost["key_mask_grad"]["attention"] == "sdpa"
-    assert current_attention(m) == "eager"
+    assert current_attention(m) == "ctxmix"  # set once at loading; the kernel is the call's
 
 
 def test_whole_response_only_and_options(gpt2):

@@ -6,10 +6,11 @@ Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import exact_eager_twin, tiny_model
 from test_prediction import DECODERS  # every family explain's alti_logit supports
 
 import ctxmix
+from ctxmix.engine.attention import output_only
 from ctxmix.errors import BadInput
 from ctxmix.methods.prediction import unattributed
 
@@ -67,7 +68,7 @@ def test_alti_logit_scores_are_explains_contributions(tokenizer, family):
     assert abs(parts - bk["target"]) <= (1e-6 if family in FLOAT32_INSIDE else 1e-9) * size
     ids = ca.prompt_ids + ca.response_ids
     P, T = len(ca.prompt_ids), len(ca.response_ids)
-    with torch.no_grad():
+    with torch.no_grad(), output_only(m):  # the model's forward as ctxmix's calls run it (gemma2: ctxmix's blocks)
         lp = torch.log_softmax(m.hf(input_ids=torch.tensor([ids])).logits[0].double(), -1)
     lp = lp[torch.arange(P - 1, P + T - 1), torch.tensor(ca.response_ids)]
     assert bk["target"] == pytest.approx(float(lp.sum()), rel=1e-12)
@@ -117,12 +118,15 @@ def test_streamed_alti_logit_equals_the_stored_trace(tokenizer):
 # ---------------------------------------------------------------- grad x input
 
 
-def _direct_grad_x_input(m, ids, P, source_tokens, span):
+def _direct_grad_x_input(m, ids, P, source_tokens, span, kernel="fast"):
     """(d,) the sum over the span's response tokens (a, b) of grad x input of log p, per source, by autograd on
-    the eager model: one backward pass of the span's summed log-probability."""
+    the model run with attention `kernel` (ctxmix's "eager" or "fast"): one backward pass of the span's summed
+    log-probability."""
+    from ctxmix.engine.attention import ctxmix_pass
+
     a, b = span
     E = m.hf.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
-    with torch.enable_grad():
+    with torch.enable_grad(), ctxmix_pass(kernel=kernel):
         lp = torch.log_softmax(m.hf(inputs_embeds=E).logits[0].double(), -1)
         r = torch.tensor(ids[P:])
         lp = lp[torch.arange(P - 1, len(ids) - 1), r]
@@ -135,8 +139,8 @@ def _direct_grad_x_input(m, ids, P, source_tokens, span):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family, attn, monkeypatch):
     """grad_x_input of a span equals grad x input of the span's summed log-probability, recomputed here with one
-    eager backward pass; the stored per-token rows add up to it with no new pass (scores_for). Both attention
-    implementations of the gradient pass (a long context gets SDPA)."""
+    backward pass through the same kernel; the stored per-token rows add up to it with no new pass (scores_for).
+    Both kernels of the gradient pass (a long context gets SDPA)."""
     from ctxmix.methods.context import grad as context_grad
 
     monkeypatch.setattr(context_grad, "gradient_attention", lambda model, n: attn)
@@ -145,15 +149,25 @@ def test_grad_x_input_span_is_the_sum_of_its_gradients(tokenizer, family, attn, 
     assert ca.cost["grad_x_input"]["attention"] == attn
     ids, P, T = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids), len(ca.response_ids)
     assert ca.cost["grad_x_input"]["forward"] == 1 and ca.cost["grad_x_input"]["backward"] == T
-    full, lp = _direct_grad_x_input(m, ids, P, ca.source_tokens, (0, T))
+    kernel = "eager" if attn == "eager" else "fast"
+    full, lp = _direct_grad_x_input(m, ids, P, ca.source_tokens, (0, T), kernel)
     a, b = ca.token_range((4, 16))
-    span, _ = _direct_grad_x_input(m, ids, P, ca.source_tokens, (a, b))
-    # GPT-2 runs float64 throughout (SDPA and eager differ by rounding); Llama's eager softmax is float32 (2^-24
-    # relative per probability), which the gradients carry: 1e-6 of the largest score, as for logit's telescoping
-    tol = (1e-9 if family == "gpt2" else 1e-6) * np.abs(full).max()
-    np.testing.assert_allclose(ca.scores["grad_x_input"], full, rtol=0, atol=tol)
-    np.testing.assert_allclose(ca.scores_for("grad_x_input", (4, 16)), span, rtol=0, atol=tol)
-    np.testing.assert_allclose(ca.targets["grad_x_input"], lp, rtol=1e-6 if family != "gpt2" else 1e-12)
+    span, _ = _direct_grad_x_input(m, ids, P, ca.source_tokens, (a, b), kernel)
+    # the same passes through the same kernel: what differs is the order of the sums (T per-token backward passes
+    # added up against one backward of their sum). Each score is a sum over T rows and d dimensions of products of
+    # the per-token rows' magnitudes, each gradient a sum of d-term products, so reassociation moves a score by at
+    # most (T + 2 d) u of those magnitudes, u the unit roundoff of the arithmetic the backward runs in: float64
+    # (GPT-2), float32 where the family computes in float32 inside a float64 model (Llama's RMSNorm and softmax)
+    u = 2.0**-24 if family in FLOAT32_INSIDE else 2.0**-53
+    per = np.abs(ca.per_token["grad_x_input"])
+    mags = np.array([per[:, toks].sum() for toks in ca.source_tokens])
+    tol = (T + 2 * m.hf.config.hidden_size) * u * mags
+    np.testing.assert_array_less(np.abs(ca.scores["grad_x_input"] - full), tol)
+    a_, b_ = ca.token_range((4, 16))
+    span_mags = np.array([per[a_:b_, toks].sum() for toks in ca.source_tokens])
+    got_span = ca.scores_for("grad_x_input", (4, 16))
+    np.testing.assert_array_less(np.abs(got_span - span), (T + 2 * m.hf.config.hidden_size) * u * span_mags)
+    np.testing.assert_allclose(ca.targets["grad_x_input"], lp, rtol=1e-12)
     assert np.ptp(full) > 1e-3  # something to compare
     bk = ca.buckets("grad_x_input")  # the gap makes the buckets add up; it is nobody's contribution
     assert sum(v for k, v in bk.items() if k != "target") == pytest.approx(bk["target"], rel=1e-12, abs=1e-12)
@@ -187,10 +201,11 @@ def test_grad_x_input_sums_are_directional_derivatives(tokenizer):
     assert abs(total - ca.targets["grad_x_input"].sum()) > 1e-3  # and that is not log P: no completeness
 
 
-def test_grad_x_input_runs_with_sdpa_beyond_the_budget_and_restores_eager(tokenizer, monkeypatch):
-    """Where eager's attention probabilities would take over half the memory budget, the gradient pass runs with
-    SDPA attention (no n x n probabilities held for the backward); the model is eager again after it (ctxmix's
-    traces need the probabilities). Within the budget, eager."""
+def test_grad_x_input_runs_with_sdpa_beyond_the_budget(tokenizer, monkeypatch):
+    """Where eager's attention probabilities would take over half the memory budget, the gradient pass runs the
+    fast kernel (SDPA: no n x n probabilities held for the backward); within the budget, the family's eager
+    function. The kernel is this call's (`Pass.kernel`): the model's config never changes."""
+    from ctxmix.engine.attention import current_pass
     from ctxmix.methods.context import grad as context_grad
 
     m = tiny_model("llama", tokenizer)
@@ -198,18 +213,19 @@ def test_grad_x_input_runs_with_sdpa_beyond_the_budget_and_restores_eager(tokeni
     real = m.hf.forward
 
     def spy(*a, **k):
-        seen.append(m.hf.config._attn_implementation)
+        seen.append((current_pass().kernel, m.hf.config._attn_implementation))
         return real(*a, **k)
 
     monkeypatch.setattr(m.hf, "forward", spy)
     ca = _ca(m, ["grad_x_input"])
-    assert seen == ["eager"]
+    assert ("eager", "ctxmix") in seen and ca.cost["grad_x_input"]["attention"] == "eager"
     n = len(ca.prompt_ids) + len(ca.response_ids)
     # 2 layers x 4 heads x n^2 float64 values, twice: just over half of this budget
     monkeypatch.setattr(context_grad, "memory_budget", lambda device: 2 * 2 * 2 * 4 * n * n * 8 - 2)
     seen.clear()
-    _ca(m, ["grad_x_input"])
-    assert seen == ["sdpa"] and m.hf.config._attn_implementation == "eager"
+    ca = _ca(m, ["grad_x_input"])
+    assert ("fast", "ctxmix") in seen and ("eager", "ctxmix") not in seen
+    assert ca.cost["grad_x_input"]["attention"] == "sdpa" and m.hf.config._attn_implementation == "ctxmix"
 
 
 # ---------------------------------------------------------------- explain's target_kind
@@ -401,8 +417,8 @@ def _reference_layer_rows(m, ids: list[int], P: int) -> tuple[np.ndarray, np.nda
     cfg = hf.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     dh = cfg.hidden_size // H
-    with torch.no_grad():
-        out = hf(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():  # exact float64 eager attention (HF's own Llama code otherwise), every probability
+        out = exact_eager_twin(hf)(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
     xs = [h[0].double() for h in out.hidden_states[: cfg.num_hidden_layers]]  # layer inputs x^0 .. x^{L-1}
     n, T = len(ids), len(ids) - P
 
@@ -491,55 +507,73 @@ def _rows_and_full(m, ids, P):
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_rows_trace_forms_no_n_by_n_map(tokenizer, family, monkeypatch):
-    """With blocks of 3 query rows (a budget of 3 rows' scores), every softmax of the rows trace's forward is over
-    at most 3 query rows while n is several times that: no (H, n, n) map, in any family (sliding windows: mistral,
-    gemma2, gemma3 with a window of 4 < n; soft-capped logits: gemma2). The blocks' kept rows and outputs are the
-    eager ones: the same numbers as the full trace (float64: association order only, as above). The previous
-    rows trace ran eager attention over all n rows (shape (1, H, n, n)) and fails here."""
+    """With blocks of 3 query rows (a budget of 3 rows' scores), the rows trace's probabilities are computed for
+    at most 3 query rows at a time, and only for the asked rows, while n is several times that; every output
+    comes from SDPA (no probabilities), or, for gemma2's soft-capped logits that SDPA refuses, from ctxmix's own
+    probabilities times the values by blocks of at most 3 rows: no (H, n, n) map in any family (sliding windows:
+    mistral, gemma2, gemma3 with a window of 4 < n). The numbers are the full trace's (float64 throughout: SDPA's
+    and ctxmix's float64 softmax, association order only)."""
+    from transformers.integrations import sdpa_attention
+
+    from ctxmix.engine import attention as att
     from ctxmix.engine import rows as rows_mod
 
     m = tiny_model(family, tokenizer)
     ca = _ca(m, ["attention"])
     ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)
     n = len(ids)
-    # bytes per query row inside an eager function: copies x element size x heads x keys
-    monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 3 * rows_mod._SCORE_COPIES * 8 * m.n_heads * n)
-    assert rows_mod.query_block_rows(m.n_heads, n, 8) == 3 and n > 6
-    shapes = []
-    real_softmax = torch.nn.functional.softmax
+    # bytes per query row of a block: copies x element size x heads x keys
+    monkeypatch.setattr(att, "ATTENTION_CHUNK_BYTES", 3 * att._SCORE_COPIES * 8 * m.n_heads * n)
+    assert att.query_block_rows(m.n_heads, n, 8) == 3 and n > 6
+    kept, eager_rows, sdpa = [], [], []
+    real_probs, real_softmax, real_sdpa = (
+        att.block_probs,
+        torch.nn.functional.softmax,
+        sdpa_attention.sdpa_attention_forward,
+    )
+
+    def probs(*a, **k):
+        p = real_probs(*a, **k)
+        kept.append(tuple(p.shape))
+        return p
+
+    monkeypatch.setattr(att, "block_probs", probs)
 
     def spy(x, *a, **k):
         if x.dim() == 4:
-            shapes.append(tuple(x.shape))
+            eager_rows.append(tuple(x.shape))
         return real_softmax(x, *a, **k)
 
     monkeypatch.setattr(torch.nn.functional, "softmax", spy)
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: sdpa.append(1) or real_sdpa(*a, **k))
     rt = rows_mod.trace_rows(m, ids, list(range(P - 1, n - 1)))
     monkeypatch.setattr(torch.nn.functional, "softmax", real_softmax)
-    assert len(shapes) >= m.n_layers * (n // 3)  # every layer's attention ran by blocks
-    assert max(s[-2] for s in shapes) <= 3, shapes[:3]
-    assert rt.states[0].alpha.shape == (m.n_heads, n - P, n)
+    T = n - P
+    assert max(s[-2] for s in kept) <= 3, kept[:3]
+    assert not eager_rows  # no family eager function ran over any rows
+    if family == "gemma2":  # the outputs too come from ctxmix's probabilities, by blocks of rows
+        assert sum(s[-2] for s in kept) == m.n_layers * (T + n) and not sdpa
+    else:
+        assert sum(s[-2] for s in kept) == m.n_layers * T  # the asked rows, and only those
+        assert len(sdpa) == m.n_layers
+    assert rt.states[0].alpha.shape == (m.n_heads, T, n)
+    assert float(rt.states[0].alpha.triu(diagonal=P).abs().max()) == 0.0  # row q_t = P - 1 + t: no later key
     fast, full = _rows_and_full(m, ids, P)
-    # GPT-2's eager softmax runs in the model's float64: association order only (as above). Every other family's
-    # runs in float32 (`softmax(..., dtype=torch.float32)`) over a block's keys, not all n: each probability's
-    # normaliser is another float32 sum of <= n terms, 2 n u32 apart at most, and the L H probability-weighted
-    # terms of a contribution (and of the next layers' inputs) carry it
-    rel = 1e-9 if family == "gpt2" else 2 * n * F32_UNIT_ROUNDOFF * m.n_layers * m.n_heads
     for meth in ("logit", "attention"):
         a, b = fast[meth]["per_token"], full[meth]["per_token"]
-        assert np.allclose(a, b, rtol=0, atol=rel * np.abs(b).max()), meth
-    np.testing.assert_allclose(fast["logit"]["target"], full["logit"]["target"], rtol=max(rel, 1e-12))
+        assert np.allclose(a, b, rtol=0, atol=1e-9 * np.abs(b).max()), meth
+    np.testing.assert_allclose(fast["logit"]["target"], full["logit"]["target"], rtol=1e-12)
 
 
 def test_rows_attention_keeps_sinks_and_sliding_window_rows(monkeypatch):
-    """gpt-oss's attention (learned sinks per head, a sliding window, GQA): no ctxmix family has sinks, so the
-    registered attention function is checked on the module itself against its family's eager function over all
-    rows: the same output and the same probabilities of the asked rows, by blocks of 2 rows (float64 rounding of
-    sums in another blocking: 1e-12 relative)."""
+    """gpt-oss's attention (learned sinks per head, a sliding window, GQA): no ctxmix family has sinks, so ctxmix's
+    attention function is checked on the module itself against its family's eager function over all rows: the
+    same output (SDPA ignores sinks: the family's eager function runs by blocks of 2 rows) and the same
+    probabilities of the asked rows (float64 rounding of sums in another blocking: 1e-12 relative)."""
     import transformers as T
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
 
-    from ctxmix.engine import rows as rows_mod
+    from ctxmix.engine import attention as att
 
     torch.manual_seed(0)
     cfg = T.GptOssConfig(
@@ -559,24 +593,23 @@ def test_rows_attention_keeps_sinks_and_sliding_window_rows(monkeypatch):
     n, H, dh = 11, 4, 8
     q, k, v = torch.randn(1, H, n, dh, dtype=torch.float64), *torch.randn(2, 1, 2, n, dh, dtype=torch.float64)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    allowed = (j <= i) & (i - j < 4)  # causal with a window of 4
     zero, low = torch.zeros((), dtype=torch.float64), torch.tensor(torch.finfo(torch.float64).min, dtype=torch.float64)
     rows = [3, 4, 9, 10]
-    # eager's additive masks: causal with a window of 4 (the blocks drop the later keys), and one that opens later
-    # keys too (they must not)
+    monkeypatch.setattr(att, "ATTENTION_CHUNK_BYTES", 2 * att._SCORE_COPIES * 8 * H * n)
+    # eager's additive masks and SDPA's boolean ones: causal with a window of 4 (the blocks drop the later keys),
+    # and one that opens later keys too (they must not)
     for allowed in ((j <= i) & (i - j < 4), (i - j).abs() < 4):
-        mask = torch.where(allowed, zero, low)[None, None]
-        want_out, want_p = eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)
-        slots = [None]
-        token = rows_mod.ROWS.set(rows_mod._Request(torch.tensor(rows), rows, slots, {module: 0}))
-        monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 2 * rows_mod._SCORE_COPIES * 8 * H * n)
-        try:
-            out, none = rows_mod.rows_attention(module, q, k, v, mask, scaling=module.scaling)
-        finally:
-            rows_mod.ROWS.reset(token)
-        assert none is None and out.shape == want_out.shape == (1, n, H, dh)
-        torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(slots[0], want_p[0][:, rows], rtol=1e-12, atol=1e-14)
+        additive = torch.where(allowed, zero, low)[None, None]
+        want_out, want_p = eager_attention_forward(
+            module, q, k, v, additive, scaling=module.scaling, s_aux=module.sinks
+        )
+        for mask in (additive, allowed[None, None]):
+            req = att.Rows(rows, [None], {module: 0})
+            with att.ctxmix_pass(rows=req):
+                out, none = att.ctxmix_attention(module, q, k, v, mask, scaling=module.scaling, s_aux=module.sinks)
+            assert none is None and out.shape == want_out.shape == (1, n, H, dh)
+            torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(req.slots[0][0], want_p[0][:, rows], rtol=1e-12, atol=1e-14)
         assert float(want_p[0].sum(-1).min()) < 0.99  # the sinks took mass: something to check
         assert float(want_p[0, :, 10, :7].abs().max()) == 0.0  # and the window cut the early keys
     assert float(want_p[0, :, 3, 4:7].min()) > 0  # the second mask opened later keys
@@ -601,7 +634,9 @@ def test_bf16_rows_trace_is_within_bf16_rounding_of_the_full_trace(tokenizer, mo
     ca16, ca32 = _ca(m16, ["logit"], target="logit"), _ca(m32, ["logit"], target="logit")
     ids, P = ca16.prompt_ids + ca16.response_ids, len(ca16.prompt_ids)
     n = len(ids)
-    monkeypatch.setattr(rows_mod, "ATTENTION_CHUNK_BYTES", 2 * rows_mod._SCORE_COPIES * 4 * m16.n_heads * n)
+    from ctxmix.engine import attention as att
+
+    monkeypatch.setattr(att, "ATTENTION_CHUNK_BYTES", 2 * att._SCORE_COPIES * 4 * m16.n_heads * n)
     assert ca16.response_ids == ca32.response_ids and used
     rows16 = run_one_pass(m16, ["logit"], ids, P, "logit")["logit"]
     full16 = run_one_pass(m16, ["logit"], ids, P, "logit", streamed=False)["logit"]

@@ -673,3 +673,61 @@ def test_page_default_one_pass_method_follows_the_shipped_weights(_env, tiny_lm_
     assert at.multiselect(key="cmethods").value == ["at2_exact", "contextcite"]
     (ca,) = at.session_state["_ctx_cache"].values()
     assert ca.methods[0] == "at2_exact" and ca.options["at2"]["weights"] == "shipped:w.npz"
+
+
+def test_two_browser_sessions_share_the_model_and_get_what_they_get_alone(_env, tiny_lm_dir, tmp_path, monkeypatch):
+    """Two sessions of one server (two AppTests in one process share `get_model`'s one Model): one runs ContextCite
+    on the Context attribution page while the other explains on the Explain page, at once. Each shows exactly the
+    tables and figures it shows alone (the results caches emptied between the runs, so both computed)."""
+    import threading
+
+    from ctxmix.service import cache as results_cache
+
+    def context_session():
+        at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP, cmethod=["logit", "contextcite"], nabl="8")
+        at.query_params["abl"] = "1"  # ContextCite runs with the page
+        at.run()
+        _ok(at)
+        assert at.selectbox(key="view").options[1].startswith("contextcite (")
+        return [d.value for d in at.dataframe]
+
+    def explain_session():
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+        params = dict(model=tiny_lm_dir, text="the cat sat on the mat near the door .", method=["alti", "attention"])
+        for k, v in params.items():
+            at.query_params[k] = v
+        at.run()
+        _ok(at)
+        return [d.value for d in at.dataframe] + [c.proto.spec for c in at.get("plotly_chart")]
+
+    def fresh(tag):
+        results_cache._MEM.clear()
+        monkeypatch.setenv("CTXMIX_RESULTS", str(tmp_path / tag))
+
+    fresh("alone")
+    want = {"ctx": context_session(), "explain": explain_session()}
+    fresh("together")
+    got: dict = {}
+    errors: list = []
+
+    def run(key, fn):
+        try:
+            got[key] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=a) for a in (("ctx", context_session), ("explain", explain_session))]
+    with _ForwardCalls() as calls:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    assert not errors, errors
+    assert calls  # both computed: nothing came from a cache
+    for key in want:
+        assert len(got[key]) == len(want[key]) > 0, key
+        for a, b in zip(got[key], want[key]):
+            if hasattr(b, "equals"):
+                assert a.equals(b), (key, a, b)
+            else:
+                assert a == b, key

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from conftest import FAMILIES, tiny_model, tiny_variant
+from conftest import FAMILIES, exact_eager_twin, tiny_model, tiny_variant
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -115,7 +115,7 @@ def test_post_ln_path_equals_the_official_algorithm(tokenizer):
     m = tiny_model("bert", tokenizer)
     ids = torch.tensor([m.encode_input(TEXT).ids])
     with torch.no_grad():
-        ref = _reference_bert(m.hf, ids)
+        ref = _reference_bert(exact_eager_twin(m.hf), ids)
     ex = ctxmix.explain(m, None, ["decompx"], input_ids=ids[0].tolist())
     np.testing.assert_allclose(ex.logit_contributions["decompx"], ref.T, atol=1e-10)
     target = int(np.argmax(ref.sum(0)))
@@ -431,7 +431,7 @@ def test_where_the_biases_go_beyond_bert(tokenizer, family, changes):
     ids = torch.tensor([m.encode_input(TEXT).ids])
     tr = trace(m, TEXT)
     with torch.no_grad():
-        out = m.hf(input_ids=ids, output_attentions=True, output_hidden_states=True)
+        out = exact_eager_twin(m.hf)(input_ids=ids, output_attentions=True, output_hidden_states=True)
         o = DecompXOptions()
         V1 = decompx_layer(m.layers[0], tr.states[0], None, o)
         got = decompx_layer(m.layers[1], tr.states[1], V1, o)

@@ -256,6 +256,38 @@ def test_long_modules_say_why():
             )
 
 
+def test_no_attention_switch_after_loading():
+    """A model is shared by every session of a server: ctxmix sets its attention once, when it is loaded
+    (`ctxmix.engine.attention.use_ctxmix_attention`), and configures each pass per call, never the model. No other
+    module of ctxmix, the dashboard or the pages switches a model's attention implementation or writes its
+    config's `_attn_implementation`. (DeBERTa-v2 has no attention interface and keeps its own eager attention:
+    nothing is switched for it either.)"""
+    allowed = {PKG / "engine" / "attention.py"}
+    pattern = re.compile(r"set_attn_implementation\s*\(|_attn_implementation\w*\s*=[^=]")
+    seen = []
+    for root in (PKG, ROOT / "ctxmix_dashboard", ROOT / "pages", ROOT / "app.py"):
+        for p in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            if p in allowed:
+                continue
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    seen.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not seen, seen
+    # the one call: at loading, once
+    text = (PKG / "engine" / "attention.py").read_text()
+    assert len(re.findall(r"\.set_attn_implementation\(", text)) == 1
+    assert "def use_ctxmix_attention" in text
+
+
+def test_the_attention_switch_check_sees_what_it_must():
+    """The pattern above catches a switch and a config write, and lets a comparison through."""
+    pattern = re.compile(r"set_attn_implementation\s*\(|_attn_implementation\w*\s*=[^=]")
+    assert pattern.search('hf.set_attn_implementation("eager")')
+    assert pattern.search('cfg._attn_implementation = "sdpa"')
+    assert pattern.search('cfg._attn_implementation_internal = "sdpa"')
+    assert not pattern.search('if cfg._attn_implementation == "eager":')
+
+
 def test_no_streamlit_in_ctxmix():
     for m, p in _modules():
         assert "streamlit" not in {n.split(".")[0] for n in _imports(p)} and "import streamlit" not in p.read_text(), m

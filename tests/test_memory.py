@@ -43,8 +43,10 @@ def test_llama3_8b_bf16_on_one_80gb_card():
     kw = dict(dtype="bfloat16", device="cuda", device_memory=80 * GB)
     ctx = ctxmix.estimate_memory(cfg, 32768, call="attribute_context", methods=["logit"], **kw)
     assert ctx.fits() and ctx.peak_bytes < 80 * GB
-    # no n x n map per head: the largest parts grow as n (hidden states) or n^2 once (the mask), not H n^2
-    assert ctx.parts["cuda:0"]["attention mask (n x n)"] == 32768**2 * 2
+    # no n x n map at all: SDPA's causal masking needs none (Llama has no sliding window), and the response rows'
+    # probabilities are computed a block of rows at a time; the largest parts grow as n (hidden states), not H n^2
+    assert "sliding-window mask (n x n, boolean)" not in ctx.parts["cuda:0"]
+    assert not any("mask" in k for k in ctx.parts["cuda:0"])
     assert max(ctx.parts["cuda:0"].values()) == ctx.parts["cuda:0"]["weights (as stored)"]
     alti = ctxmix.estimate_memory(cfg, 8192, call="explain", methods=["alti"], **kw)
     assert alti.fits(), str(alti)
@@ -52,6 +54,24 @@ def test_llama3_8b_bf16_on_one_80gb_card():
     assert not big.fits()
     name, dev, size = big.largest
     assert size == max(big.parts[dev].values()) and name in big.message() and "to shrink it" in big.message()
+
+
+def test_a_sliding_window_counts_sdpas_boolean_mask():
+    """A sliding-window family's SDPA pass gets a boolean (1, 1, n, n) mask once n reaches the window (transformers'
+    `sdpa_mask` cannot skip it then): one byte a cell in the rows pass's estimate; none below the window."""
+    cfg = T.MistralConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        sliding_window=4096,
+        vocab_size=32000,
+    )
+    kw = dict(call="attribute_context", methods=["logit"], dtype="bfloat16", device="cuda")
+    part = "sliding-window mask (n x n, boolean)"
+    assert ctxmix.estimate_memory(cfg, 8192, **kw).parts["cuda:0"][part] == 8192**2
+    assert part not in ctxmix.estimate_memory(cfg, 2048, **kw).parts["cuda:0"]
 
 
 def test_70b_spread_over_gpus_splits_its_layers():
@@ -63,7 +83,8 @@ def test_70b_spread_over_gpus_splits_its_layers():
     W = acct.widths_of(cfg, "bfloat16")
     assert w0 + w1 == W.weights and w0 - w1 == W.ends  # the embeddings and the head stay on the first device
     # the forward pass's own transient is on every device that runs layers; the engine's work on the first
-    assert "attention mask (n x n)" in two.parts["cuda:1"] and "response logits" not in two.parts["cuda:1"]
+    layer_part = "one layer's forward transient (a block of attention rows or MLP)"
+    assert layer_part in two.parts["cuda:1"] and "response logits" not in two.parts["cuda:1"]
     with pytest.raises(ctxmix.BadInput, match="device_map"):
         ctxmix.estimate_memory(cfg, 16, device_map="auto")
 
@@ -288,3 +309,47 @@ def test_the_page_shows_the_estimate_for_a_long_input_only():
     assert not at.exception
     captions = [c.value for c in at.caption]
     assert len(captions) == 1 and "Memory estimate for 2,048 tokens" in captions[0] and "fits" in captions[0]
+
+
+def test_gemma2_ablation_estimate_covers_the_attention_it_runs(tokenizer, monkeypatch):
+    """Gemma 2's soft-capped logits cannot run through SDPA: its ablation passes compute ctxmix's probabilities
+    by blocks of rows (`ctxmix.engine.attention._blockwise_output`), shared by the batch. The account counts that
+    block (`eager_blocks_bytes`, half of the block's `_SCORE_COPIES` copies alive): every block the passes
+    really formed (two copies of its probabilities alive at once: the scores and the softmax) fits in it, at
+    the batch the budget picks. The old account counted SDPA's O(n) for every family (24 MiB at 4k where
+    Gemma 2 ran 512 MiB of eager attention); a family SDPA can run gets no such term."""
+    from conftest import tiny_model
+
+    from ctxmix.engine import attention as att
+    from ctxmix.methods.context import ablation
+
+    m = tiny_model("gemma2", tokenizer)
+    W = acct.widths_of(m)
+    assert W.eager_blocks and not acct.widths_of(tiny_model("llama", tokenizer)).eager_blocks
+    prompts = [list(range(1000, 1030 + 3 * i)) for i in range(4)]
+    R, n = 4, 30 + 9 + 4  # response tokens, the longest sequence
+    # a budget of 3 rows per block at this width, so the passes really run by blocks
+    monkeypatch.setattr(att, "ATTENTION_CHUNK_BYTES", 3 * att._SCORE_COPIES * 8 * m.n_heads * n * 4)
+    seen = []
+    real = att.block_probs
+
+    def spy(*a, **k):
+        p = real(*a, **k)
+        seen.append(p.numel() * p.element_size())
+        return p
+
+    monkeypatch.setattr(att, "block_probs", spy)
+    ablation.response_logit_probs(m, prompts, list(range(5, 5 + R)), batch_size=4)
+    assert len(seen) > m.n_layers  # by blocks
+    blocks = acct.ablation_batch_bytes(W, n, R, 4) - 4 * acct.ablation_sequence_bytes(W, n, R)
+    assert blocks == acct.eager_blocks_bytes(W, n, 4) > 0
+    assert 2 * max(seen) <= blocks, (max(seen), blocks)
+    monkeypatch.undo()
+    # at Gemma 2 2B's widths and 4,096 tokens: the block (32 MiB alive) is counted, not SDPA's O(n) only
+    cfg = T.Gemma2Config(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4
+    )
+    big = acct.widths_of(cfg, dtype=torch.bfloat16)
+    assert big.eager_blocks and acct.eager_blocks_bytes(big, 4096) == att.ATTENTION_CHUNK_BYTES // 2
+    est = ctxmix.estimate_memory(cfg, 4096, call="attribute_context", methods=["contextcite"], dtype="bfloat16")
+    assert est.parts  # the ablation phase with its blocks

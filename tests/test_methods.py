@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import exact_eager_twin, tiny_model
 
 import ctxmix
 from ctxmix.engine.layer import gated_ig_weights, ig_ratio
@@ -68,9 +68,10 @@ def test_value_zeroing_matches_official_loop(tokenizer, family):
 
 def _reference_alti(model, ids):
     """ALTI from a reference after the official code (mt-upc/transformer-contributions): hooks on value and
-    LN1, BERT only."""
-    enc = model.hf.base_model.encoder
-    cfg = model.hf.config
+    LN1, BERT only; the attention from exact float64 eager on a copy of the model (HF's own code path)."""
+    hf = exact_eager_twin(model.hf)
+    enc = hf.base_model.encoder
+    cfg = hf.config
     Hh, d = cfg.num_attention_heads, cfg.hidden_size
     dh = d // Hh
     cache, hooks = {}, []
@@ -84,7 +85,7 @@ def _reference_alti(model, ids):
             )
         )
     with torch.no_grad():
-        out = model.hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+        out = hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
     for h in hooks:
         h.remove()
     Cs = []
@@ -124,8 +125,8 @@ def test_globenc_matches_reference_formula(tokenizer):
     """N_Enc from the GlobEnc code's recipe (its `modeling_bert.py`), written independently with einsum."""
     m = tiny_model("bert", tokenizer)
     ex = ctxmix.explain(m, None, ["norm", "norm_res", "globenc"], input_ids=IDS)
-    with torch.no_grad():
-        out = m.hf(torch.tensor([IDS]), output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():  # exact float64 eager attention on a copy of the model (HF's own code path)
+        out = exact_eager_twin(m.hf)(torch.tensor([IDS]), output_hidden_states=True, output_attentions=True)
         for l, layer in enumerate(_hf_layers(m)):
             x = out.hidden_states[l][0]
             A = out.attentions[l][0]

@@ -6,8 +6,6 @@ transformers' attention interface): transformers' own eager forward rounds the s
 float64 model (`softmax(..., dtype=float32)`), which moves the tiny models' logits by up to ~1e-5, so it is no
 reference at float64 precision. SDPA and exact eager compute the same sums in another order."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -87,22 +85,31 @@ class _AttentionProbe:
             h.remove()
 
 
+def _exact_twin(model, tokenizer, family, impl="exact_eager"):
+    """The same weights in a model whose user implementation is `exact_eager`: its output-only passes run the
+    user's own kernel (`ctxmix.engine.attention`), the exact float64 reference."""
+    cls, cfg = _tiny_configs()[family]
+    hf = cls._from_config(cfg, attn_implementation=impl).to(torch.float64).eval()
+    hf.load_state_dict(model.hf.state_dict())
+    return ctxmix.model_from_hf(hf, tokenizer, name=model.name)
+
+
 @pytest.mark.parametrize("family", DECODERS)
 def test_ablation_passes_equal_exact_eager_without_probabilities(decoders, tokenizer, family):
     model = _model(decoders, tokenizer, family)
     prompts, response = _prompts()
     with _AttentionProbe(model) as probe:
         fast = ablation.response_logit_probs(model, prompts, response, batch_size=2)
-    # gemma2 stays eager (below): its reference is the model's own eager pass, equal bit for bit
-    ref = "eager" if family == "gemma2" else "exact_eager"
-    exact = ablation.response_logit_probs(dataclasses.replace(model, output_attention=ref), prompts, response)
+    # gemma2's soft-capped logits run the family's eager function by blocks of rows (SDPA refuses soft-caps): its
+    # reference is the model's own eager pass (a float32 softmax), equal but for the blocks' float64 rounding
+    ref = _exact_twin(model, tokenizer, family, "eager" if family == "gemma2" else "exact_eager")
+    exact = ablation.response_logit_probs(ref, prompts, response)
     assert np.abs(fast - exact).max() <= REL * np.abs(exact).max()
-    assert current_attention(model) == "eager"  # restored
+    assert current_attention(model) == "ctxmix"  # set once at loading, never switched
     assert probe.calls == 3 * model.n_layers  # 5 sequences in batches of 2
-    if family == "gemma2":  # soft-capping: transformers refuses SDPA, the pass stays eager (and exact)
-        assert probe.with_probs == probe.calls
-    else:  # no H x n x n probabilities were formed by any layer
-        assert probe.with_probs == 0
+    # no H x n x n probabilities were formed by any layer: SDPA, or (gemma2's soft-capped logits, which SDPA
+    # refuses) the family's eager function by blocks of rows that hand back no probabilities
+    assert probe.with_probs == 0
     # only each sequence's T response rows reach the head: (B, T, V), not the padded window of the batch
     assert [(b, k) for b, k, _ in probe.logits] == [(2, 4), (2, 4), (1, 4)]
 
@@ -116,9 +123,9 @@ def test_generation_runs_sdpa_and_keeps_one_row_of_logits(decoders, tokenizer, f
     assert probe.with_probs == 0 and probe.calls == 4 * model.n_layers
     assert [k for _, k, _ in probe.logits] == [1, 1, 1, 1]  # the prefill's last row only, then one per step
     # the steps equal a full exact-eager pass's rows
-    exact = dataclasses.replace(model, output_attention="exact_eager")
+    exact = _exact_twin(model, tokenizer, family)
     with torch.no_grad(), output_only(exact):
-        probs = torch.softmax(model.hf(input_ids=torch.tensor([g.input_ids])).logits[0].double(), -1)
+        probs = torch.softmax(exact.hf(input_ids=torch.tensor([g.input_ids])).logits[0].double(), -1)
     for s in g.steps:
         t = s["position"]
         assert s["id"] == int(probs[t - 1].argmax())
@@ -145,48 +152,60 @@ def test_the_ablation_batch_shrinks_to_the_memory_budget(decoders, tokenizer, mo
     assert ablation.ablation_batch_size(model, longest, kept, 8) == 1  # at least one
 
 
-def test_output_only_restores_and_remembers_the_users_implementation(tokenizer):
-    """model_from_hf switches the user's implementation to eager and remembers it for output-only passes; the block
-    restores eager after it, after an error too."""
+def test_ctxmix_attention_is_set_once_and_remembers_the_users_implementation(tokenizer):
+    """model_from_hf sets ctxmix's attention once and remembers the user's: a plain `hf(...)` (no ctxmix call) runs
+    the user's implementation, an output-only pass the user's fast kernel where it is not eager or SDPA; the config
+    never changes after loading, after an error inside a pass too."""
     cls, cfg = _tiny_configs()["llama"]
     hf = cls._from_config(cfg, attn_implementation="exact_eager").to(torch.float64).eval()
+    calls = []
+    AttentionInterface.register("counted_eager", lambda *a, **k: calls.append(1) or _exact_eager(*a, **k))
+    ALL_MASK_ATTENTION_FUNCTIONS.register("counted_eager", eager_mask)
+    hf.set_attn_implementation("counted_eager")
     model = ctxmix.model_from_hf(hf, tokenizer, name="tiny-configured")
-    assert current_attention(model) == "eager" and model.output_attention == "exact_eager"
+    assert current_attention(model) == "ctxmix" and model.output_attention == "counted_eager"
+    ids = torch.tensor([list(range(1000, 1012))])
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_attentions=True)  # the user's own call: their implementation, probabilities
+    assert len(calls) == model.n_layers and out.attentions[0].shape == (1, 4, 12, 12)
     with pytest.raises(KeyError), output_only(model) as used:
-        assert used == "exact_eager" == current_attention(model)
+        assert used == "counted_eager"
         raise KeyError("inside")
-    assert current_attention(model) == "eager"
-    plain = tiny_model("llama", tokenizer)  # built eager: the output-only passes run SDPA
+    assert current_attention(model) == "ctxmix"
+    plain = tiny_model("llama", tokenizer)  # the class's default (SDPA): output-only passes run SDPA
     assert plain.output_attention == "sdpa"
 
 
-def test_the_switch_holds_its_own_model_only(decoders, tokenizer):
-    """While one thread's output-only block runs on a model, another thread's block on the same model waits (it
-    would otherwise restore eager under the first's pass), and a block on another model does not."""
+def test_a_pass_is_seen_by_its_own_thread_only(decoders, tokenizer):
+    """While one thread holds a pass open (its probabilities asked for), another thread's forward of the same
+    model runs as the user's model does: no wait (nothing serialises them), no probabilities, no change."""
     import threading
 
-    a, b = _model(decoders, tokenizer, "llama"), _model(decoders, tokenizer, "qwen2")
+    from ctxmix.engine.attention import ctxmix_pass, every_row
+
+    a = _model(decoders, tokenizer, "llama")
     inside, release = threading.Event(), threading.Event()
+    ids = torch.tensor([list(range(1000, 1010))])
 
     def hold():
-        with output_only(a):
+        with ctxmix_pass(rows=every_row()):
             inside.set()
             release.wait(10)
 
     holder = threading.Thread(target=hold)
     holder.start()
-    inside.wait(10)
+    assert inside.wait(10)
     seen = {}
 
-    def enter(model, key):
-        with output_only(model) as used:
-            seen[key] = used
+    def plain():
+        with torch.no_grad(), _AttentionProbe(a) as probe:
+            a.hf(input_ids=ids)
+        seen["probs"] = probe.with_probs
 
-    other, same = threading.Thread(target=enter, args=(b, "other")), threading.Thread(target=enter, args=(a, "same"))
-    other.start(), same.start()
-    other.join(10)
-    assert seen == {"other": "sdpa"}  # the other model went through; the same model's block waits
+    t = threading.Thread(target=plain)
+    t.start()
+    t.join(10)
+    assert seen == {"probs": 0}  # it went through while the other pass was open, and kept nothing
     release.set()
-    holder.join(10), same.join(10)
-    assert seen == {"other": "sdpa", "same": "sdpa"}
-    assert current_attention(a) == current_attention(b) == "eager"
+    holder.join(10)
+    assert current_attention(a) == "ctxmix"

@@ -135,7 +135,9 @@ def _encode_example(model, ex: dict, options: dict) -> dict:
 def _logits(model, ids: list[int], types: list[int] | None = None):
     import torch
 
-    with torch.no_grad():
+    from ctxmix.engine.attention import output_only
+
+    with torch.no_grad(), output_only(model):
         x = torch.tensor([ids], device=model.device)
         return (
             model.hf(input_ids=x, attention_mask=torch.ones_like(x), **model.type_ids_kwargs([types]))

@@ -579,7 +579,10 @@ class TargetProbability:
             mask[b, : len(s)] = 1
         self.calls += 1
         tt = m.type_ids_kwargs(types, width) if types and any(t is not None for t in types) else {}
-        logits = m.hf(input_ids=ids.to(m.device), attention_mask=mask.to(m.device), **tt).logits.double()
+        from ctxmix.engine.attention import output_only
+
+        with output_only(m):  # no probabilities read: the fast kernel, this call's pass only
+            logits = m.hf(input_ids=ids.to(m.device), attention_mask=mask.to(m.device), **tt).logits.double()
         if m.kind != "classifier":
             rows = [
                 len(s) - 1 if p is None or m.kind == "causal_lm" and p >= len(s) else p for s, p in zip(seqs, positions)

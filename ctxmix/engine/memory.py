@@ -43,6 +43,10 @@ class Widths:
     weights: int
     layer_copy: int
     ends: int = 0  # bytes of the input embeddings and the output head (they stay on the engine's device)
+    # the fast kernels cannot compute the family's attention (soft-capped logits): its outputs come from the
+    # family's eager function run by blocks of rows (`ctxmix.engine.attention`)
+    eager_blocks: bool = False
+    window: int = 0  # a sliding window's length (0: none): SDPA's boolean n x n mask once n reaches it
 
 
 def _dtype(value, default: torch.dtype) -> torch.dtype:
@@ -97,7 +101,18 @@ def widths_of(model_or_config: Any, dtype=None) -> Widths:
     copy = 0 if e == w else _copy_bytes(d, d_ff, H, Hkv, dh, spec.gated, w)
     total, ends = parameter_count(cfg)
     V = int(text.vocab_size)
-    return Widths(L, d, d_ff, H, Hkv, dh, V, spec.gated, spec.causal, e, w, total * e, copy, ends * e)
+    return Widths(
+        L, d, d_ff, H, Hkv, dh, V, spec.gated, spec.causal, e, w, total * e, copy, ends * e, *_attention_kind(text)
+    )
+
+
+def _attention_kind(cfg) -> tuple[bool, int]:
+    """(eager_blocks, window) of a config: soft-capped attention logits; the sliding window's length, where any
+    layer has one."""
+    softcap = getattr(cfg, "attn_logit_softcapping", None) is not None
+    window = getattr(cfg, "sliding_window", None)
+    window = window if isinstance(window, int) and getattr(cfg, "use_sliding_window", True) is not False else 0
+    return softcap, int(window or 0)
 
 
 def _model_widths(m) -> Widths:
@@ -111,7 +126,23 @@ def _model_widths(m) -> Widths:
     weights = sum(p.numel() * p.element_size() for p in m.hf.parameters() if p.device.type != "meta")
     d, d_ff, H, Hkv, dh = wd["d"], wd["d_ff"], wd["heads"], wd["kv_heads"], wd["head_dim"]
     copy = 0 if m.layers.resident else _copy_bytes(d, d_ff, H, Hkv, dh, m.spec.gated, w)
-    return Widths(m.n_layers, d, d_ff, H, Hkv, dh, V, m.spec.gated, m.spec.causal, e, w, weights, copy)
+    return Widths(
+        m.n_layers,
+        d,
+        d_ff,
+        H,
+        Hkv,
+        dh,
+        V,
+        m.spec.gated,
+        m.spec.causal,
+        e,
+        w,
+        weights,
+        copy,
+        0,
+        *_attention_kind(m.hf.config.get_text_config()),
+    )
 
 
 def parameter_count(config) -> tuple[int, int]:
@@ -145,6 +176,28 @@ def eager_attention_bytes(W: Widths, n: int, batch: int = 1) -> int:
     2), 2 x e + 4 otherwise."""
     per = 8 if W.e in (2, 4) else 2 * W.e + 4
     return batch * W.H * n * n * per
+
+
+def attention_block_bytes(W: Widths, n: int, rows: int | None = None, batch: int = 1) -> int:
+    """One block of query rows' scores while ctxmix's attention computes probabilities (or runs a family's eager
+    function by blocks): a block holds at most `ATTENTION_CHUNK_BYTES` over its `_SCORE_COPIES` copies, about half
+    of them alive at once (the scores and the softmax). rows: the rows asked for (every row: n)."""
+    from ctxmix.engine.attention import _SCORE_COPIES, ATTENTION_CHUNK_BYTES
+
+    rows = n if rows is None else min(rows, n)
+    return min(ATTENTION_CHUNK_BYTES, _SCORE_COPIES * max(W.w, 4) * W.H * rows * n * batch) // 2
+
+
+def eager_blocks_bytes(W: Widths, n: int, batch: int = 1) -> int:
+    """The blocks of a family whose outputs come from its eager function by blocks of rows (soft-capped logits:
+    SDPA refuses them), 0 for the others (SDPA holds O(n) per head)."""
+    return attention_block_bytes(W, n, batch=batch) if W.eager_blocks else 0
+
+
+def window_mask_bytes(W: Widths, n: int, batch: int = 1) -> int:
+    """SDPA's boolean (B, 1, n, n) mask of a sliding-window family once n reaches the window (one byte a cell,
+    shared by every layer and head); none below it, nor for a plain causal model (SDPA's `is_causal`)."""
+    return batch * n * n if W.window and n >= W.window else 0
 
 
 def layer_activation_bytes(W: Widths, n: int, batch: int = 1, attention: int = 0) -> int:
@@ -206,5 +259,13 @@ def backward_saved_bytes(W: Widths, n: int, eager: bool) -> int:
 def ablation_sequence_bytes(W: Widths, n: int, K: int) -> int:
     """One sequence of an output-only (SDPA) ablation pass that keeps K rows of logits: one layer's activations
     (`layer_activation_bytes`; the fused attention kernel holds O(n) per head) and the kept logits (K, V) in the
-    model's dtype with two float32 copies for the log-softmax (the gathered rows, the scatter's copy)."""
-    return layer_activation_bytes(W, n, attention=n * 2 * W.H * W.e) + K * W.V * (W.e + 2 * 4)
+    model's dtype with two float32 copies for the log-softmax (the gathered rows, the scatter's copy), and a
+    sliding window's boolean mask. A soft-capped family's eager blocks are shared by the batch
+    (`ablation_batch_bytes`)."""
+    return layer_activation_bytes(W, n, attention=n * 2 * W.H * W.e) + K * W.V * (W.e + 2 * 4) + window_mask_bytes(W, n)
+
+
+def ablation_batch_bytes(W: Widths, n: int, K: int, batch: int) -> int:
+    """A batch of `batch` ablated sequences: each one's `ablation_sequence_bytes`, and the blocks of the family's
+    eager attention where SDPA cannot run it (one block of rows for the whole batch, `eager_blocks_bytes`)."""
+    return batch * ablation_sequence_bytes(W, n, K) + eager_blocks_bytes(W, n, batch)

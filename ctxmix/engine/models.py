@@ -105,9 +105,9 @@ class Model:
     `kind` is "classifier", "masked_lm", "causal_lm", "encoder" (no head) or "seq2seq" (an
     encoder-decoder; `ctxmix.engine.seq2seq` explains its decoder, the other methods its encoder).
     `info` carries provenance, e.g. the held-out accuracy of minilm-sentiment.
-    One Model may serve several threads at once: its hooks are inert outside the thread's own pass (context
-    variables, as transformers collects attention weights), and the one switch of module state, the attention
-    implementation of output-only passes, is taken under a lock (`ctxmix.engine.attention`).
+    One Model may serve several threads at once: ctxmix set its attention once when it was loaded, and what a
+    forward pass computes is set per call in a context variable that only the calling thread or task sees
+    (`ctxmix.engine.attention`); its hooks read the same context and are inert for every other call.
     """
 
     hf: Any  # a transformers PreTrainedModel
@@ -119,8 +119,8 @@ class Model:
     dtype: torch.dtype = torch.float32
     info: dict = field(default_factory=dict)
     precision: str = "float32"  # the engine's default precision for this model (ctxmix.engine.precision)
-    # the attention implementation of passes that read no probabilities (`ctxmix.engine.attention.output_only`):
-    # the one the user's model had before ctxmix switched it to eager, "sdpa" where that was eager or unset
+    # the kernel of passes that read no probabilities (`ctxmix.engine.attention.output_only`): the user's fast
+    # implementation (flash, flex), "sdpa" where the user's model ran eager or SDPA
     output_attention: str = "sdpa"
     _weights_sha256: str | None = field(default=None, repr=False, compare=False)  # weights_sha256, once
     _decoder_weights: list | None = field(default=None, repr=False, compare=False)  # an encoder-decoder's, once
@@ -588,7 +588,6 @@ def _from_folder_or_hub(
     try:
         hf, loading = cls.from_pretrained(
             src,
-            attn_implementation="eager",
             use_safetensors=True,
             trust_remote_code=False,
             dtype=dtype,
@@ -612,7 +611,20 @@ def _from_folder_or_hub(
         hf.to(device)
     else:
         device = engine_device(hf)
-    model = Model(hf=hf, tokenizer=tok, name=name, device=device, spec=spec, kind=kind, dtype=dtype, info=info or {})
+    from ctxmix.engine.attention import fast_name, use_ctxmix_attention
+
+    use_ctxmix_attention(hf)  # once: ctxmix's attention, configured per call from now on (never switched again)
+    model = Model(
+        hf=hf,
+        tokenizer=tok,
+        name=name,
+        device=device,
+        spec=spec,
+        kind=kind,
+        dtype=dtype,
+        info=info or {},
+        output_attention=fast_name(hf),
+    )
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     weights_sha256(model)  # now, while the files are the ones just read
     return model
@@ -986,9 +998,9 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
         if ("CausalLM" in cls or "LMHead" in cls)
         else "encoder"
     )
-    configured = getattr(hf.config, "_attn_implementation", None) or "eager"
-    if configured != "eager":
-        hf.set_attn_implementation("eager")
+    from ctxmix.engine.attention import fast_name, use_ctxmix_attention
+
+    use_ctxmix_attention(hf)  # once: ctxmix's attention, configured per call from now on (never switched again)
     hf.eval().requires_grad_(False)
     from ctxmix.engine.precision import check_precision
 
@@ -1001,7 +1013,7 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
         kind=kind,
         dtype=model_dtype(hf),
         precision=check_precision(precision),
-        output_attention=configured if configured != "eager" else "sdpa",
+        output_attention=fast_name(hf),
     )
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     return model

@@ -5,20 +5,18 @@ those rows from the model's hidden states (context attribution's `logit`, `atten
 Those methods read, at layer l, the attention rows alpha^l[:, q_t, :] of the T explained rows, the values
 of every position, and the attention and FF outputs at q_t only. A full trace rebuilds every layer at all n
 rows (or replays each attention module when streamed): L n x n maps per head and the FF at n rows. Here the
-forward pass runs `rows_attention`, an attention implementation registered with transformers
-(`ROWS_ATTENTION`): each attention module's own family eager function (its scaling, soft-cap, sinks, GQA
-repeat, the eager mask with its sliding window) called over blocks of query rows, the keys cut at the
-block's last row (a causal model's later keys have probability exactly 0). The outputs are the eager
-outputs (the same per-row operations), the probabilities of the T rows are kept (H, T, n) and the rest of
-each block is dropped with it. An attention module that does not run through the interface hands back its
-full probabilities and a forward hook keeps their rows (the previous path, for such families).
+forward pass runs ctxmix's attention (`ctxmix.engine.attention`) with a `Rows` request in this call's pass:
+every output from the fast kernel (SDPA; causal masking by its `is_causal`, no n x n mask), and the
+probabilities of the T rows recomputed from the same post-RoPE queries and keys with the module's scaling,
+soft-cap, sinks and mask, (H, T, n), in float64 for a float64 model and float32 otherwise.
 
 The layers are rebuilt on demand (`RowStates`, as a streamed trace's): layer l from its input, the model's
 own hidden state in the model's dtype, converted to the work dtype when the layer is built, and only the
 last built layer is held. Memory: O(chunk + L n d in the model's dtype + L H T n) beside the model, with
-chunk = `ATTENTION_CHUNK_BYTES` (the block's scores) plus eager's (1, 1, n, n) additive mask, one for each
-mask kind (full, sliding) shared by every layer and head. Cost: one forward pass plus, per layer read, the
-head values of all positions and the FF at T rows.
+chunk = `ATTENTION_CHUNK_BYTES` (a block of the rows' scores), plus, for a sliding-window family once n
+reaches its window, SDPA's boolean (1, 1, n, n) mask (one byte a cell, shared by every layer and head). Cost:
+one forward pass plus the T rows' scores per layer and, per layer read, the head values of all positions and
+the FF at T rows.
 
 `RowsTrace.states[l]` is a `LayerState` whose `x` and `x1` hold all n positions (the values are computed
 from them) while `alpha` is (H, T, n) and every other field (T, ...): the rows in order. Consumers index a
@@ -29,167 +27,26 @@ full trace's is.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
-import inspect
-import sys
-from bisect import bisect_left
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
-from ctxmix.engine.attention import attention_implementation
+from ctxmix.engine.attention import (  # noqa: F401 - re-exported: the rows trace's block size and eager lookup
+    ATTENTION_CHUNK_BYTES,
+    Rows,
+    ctxmix_pass,
+    family_eager,
+    query_block_rows,
+)
 from ctxmix.engine.layer import LayerState, head_values, state_from_attention
 from ctxmix.engine.models import Model
-from ctxmix.engine.streaming import ReplayedStates, attention_modules, hook_attention_once
+from ctxmix.engine.streaming import ReplayedStates, attention_modules
 from ctxmix.engine.trace import _activations, _forward, _kept_logits
-
-ROWS_ATTENTION = "ctxmix_rows"  # the name `rows_attention` is registered under (attention and mask interfaces)
-# Bytes of one block of query rows' scores: H x rows x keys elements, ~4 copies alive at once inside an eager
-# function (the scores, scores + mask, the float32 softmax, its cast back). 64 MiB keeps the block far below
-# one H x n x n map (2 GiB at 4,096 tokens and 32 heads) while a block is still a matrix product of tens of
-# rows on an 8B model at 4k tokens (42 rows at 32 heads).
-ATTENTION_CHUNK_BYTES = 64 << 20
-_SCORE_COPIES = 4
-
-
-@dataclass
-class _Request:
-    """What this thread's `trace_rows` asks of the attention: the rows (T,) (a tensor and the same positions
-    as a sorted list), one slot per layer for their probabilities (H, T, n), each attention module's layer,
-    and which masks are causal (by id; the same mask tensors serve every layer)."""
-
-    rows: torch.Tensor
-    positions: list[int]
-    slots: list
-    layer_of: dict = field(default_factory=dict)
-    causal: dict = field(default_factory=dict)
-
-
-# this thread's request while its `trace_rows` runs; None otherwise
-ROWS: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("ctxmix_rows", default=None)
 
 
 class NoAttentionRows(RuntimeError):
-    """An attention module that returned no probabilities (a full trace is needed then)."""
-
-
-class _NoFamilyEager(RuntimeError):
-    """An attention module whose family has no eager function `rows_attention` can call blockwise."""
-
-
-_EAGER_PARAMS = ("module", "query", "key", "value", "attention_mask")
-_EAGER_CACHE: dict[type, object] = {}
-
-
-def family_eager(module: torch.nn.Module):
-    """The eager attention function of the module's own family (`eager_attention_forward` in its modeling
-    file, with transformers' signature (module, query, key, value, attention_mask, **kwargs) -> (output,
-    probabilities)), or None when it has none or that is not the eager path (GPT-2's reordered upcast)."""
-    cls = type(module)
-    if cls not in _EAGER_CACHE:
-        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-        try:
-            names = tuple(inspect.signature(fn).parameters)[: len(_EAGER_PARAMS)] if callable(fn) else ()
-        except (TypeError, ValueError):
-            names = ()
-        _EAGER_CACHE[cls] = fn if names == _EAGER_PARAMS else None
-    if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's eager runs another function then
-        return None
-    return _EAGER_CACHE[cls]
-
-
-def query_block_rows(n_heads: int, n_keys: int, element_size: int) -> int:
-    """Query rows per block so that the block's scores take about `ATTENTION_CHUNK_BYTES` (at least 1)."""
-    per_row = _SCORE_COPIES * max(element_size, 4) * n_heads * n_keys
-    return max(1, ATTENTION_CHUNK_BYTES // per_row)
-
-
-def _masks_later_keys(req: _Request, mask: torch.Tensor, step: int) -> bool:
-    """Whether the mask (B, 1, q, k), additive or boolean, shuts every key after a row's own position (a causal
-    mask, sliding or not): then a block of rows can drop the keys after its last row. Checked by the blocks
-    `rows_attention` uses (no n x n temporary), once per mask tensor and pass."""
-    got = req.causal.get(id(mask))
-    if got is None or got[0] is not mask:
-        q, k = mask.shape[-2], mask.shape[-1]
-        attends = (lambda m: m) if mask.dtype == torch.bool else (lambda m: m == 0)  # boolean or additive
-        open_later = [attends(mask[..., a : a + step, k - q + a + step :]).any() for a in range(0, q, step)]
-        got = req.causal[id(mask)] = (mask, not bool(torch.stack(open_later).any()))
-    return got[1]
-
-
-def rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention interface: query (B, H, q, dh), key and value (B, Hkv, k, dh), the eager 4-D
-    additive mask (B, 1, q, k) or None. Returns (output (B, q, H, dh), None), the output being the family's
-    eager output; inside this thread's `trace_rows` the probabilities of the requested rows are kept in the
-    module's slot (H, T, k), and no block holds more than `ATTENTION_CHUNK_BYTES` of scores. Outside it (a
-    trace of the same model in another thread while the implementation is switched), exactly eager."""
-    eager = family_eager(module)
-    if eager is None:
-        raise _NoFamilyEager(f"{type(module).__name__} has no eager function to run by blocks")
-    req = ROWS.get()
-    if req is None:
-        return eager(module, query, key, value, attention_mask, **kwargs)
-    B, H, q, _ = query.shape
-    k = key.shape[-2]
-    l = req.layer_of.get(module)
-    keep = l is not None and B == 1 and q == k  # a single sequence's self-attention: its rows are asked for
-    rows = req.rows.to(query.device)
-    step = query_block_rows(H, k, query.element_size())
-    # a causal model's keys after a block's last row have probability exactly 0: cutting them saves half the
-    # work and keeps right a family that reads the queries as the last rows of the keys
-    cut_later = attention_mask is not None and _masks_later_keys(req, attention_mask, step)
-    kept, outs = None, []
-    # the last block first: with cut keys each block is smaller than the one before, so the allocator reuses the
-    # first (largest) block's memory instead of growing with every larger one (measured: 2.3x the budget otherwise)
-    for a in reversed(range(0, q, step)):
-        b = min(q, a + step)
-        cut = k - q + b if cut_later else k
-        mask = None if attention_mask is None else attention_mask[:, :, a:b, :cut]
-        out, probs = eager(module, query[:, :, a:b], key[:, :, :cut], value[:, :, :cut], mask, **kwargs)
-        outs.append(out)
-        i0, i1 = bisect_left(req.positions, a), bisect_left(req.positions, b)  # the asked rows in [a, b)
-        if keep and isinstance(probs, torch.Tensor) and i1 > i0:
-            if kept is None:
-                kept = torch.zeros(H, len(req.positions), k, dtype=probs.dtype, device=probs.device)
-            kept[:, i0:i1, :cut] = probs[0][:, rows[i0:i1] - a]
-        del probs
-    if keep and kept is not None:
-        req.slots[l] = kept
-    return torch.cat(outs[::-1], dim=1), None
-
-
-def _register() -> None:
-    """`rows_attention` under `ROWS_ATTENTION`, with the eager mask builder (an unknown name gets no mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(ROWS_ATTENTION, rows_attention)
-    AttentionMaskInterface.register(ROWS_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-
-
-_register()
-
-
-def _keep_rows(l: int, module, args, kwargs, out) -> None:
-    req = ROWS.get()
-    if req is None:
-        return
-    alpha = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-    if isinstance(alpha, torch.Tensor) and alpha.dim() == 4:  # a module that ran its own eager code
-        req.slots[l] = alpha[0][:, req.rows, :]  # (H, T, n): a copy, so the n x n map is freed with the layer
-
-
-def install_row_hooks(model: Model) -> None:
-    """Once per model: a forward hook on each attention module that keeps the rows of the full probabilities
-    an attention module returns (one that does not run `rows_attention`) while this thread's `trace_rows`
-    runs (a ContextVar); inert otherwise."""
-
-    def register(l: int, mod: torch.nn.Module) -> None:
-        mod.register_forward_hook(partial(_keep_rows, l), with_kwargs=True)
-
-    hook_attention_once(model, "_ctxmix_row_hooks", register)
+    """An attention module that did not run through ctxmix's attention (a full trace is needed then)."""
 
 
 class RowStates(ReplayedStates):
@@ -260,17 +117,12 @@ def layer_rows_forward(lw, x: torch.Tensor, alpha_rows: torch.Tensor, Q: torch.T
     return dataclasses.replace(st, x=x, x1=x1)
 
 
-def _rows_pass(model: Model, ids: torch.Tensor, keep: int, Q: torch.Tensor, impl: str):
-    """One forward pass with attention `impl` keeping the rows Q's probabilities: (output, slots)."""
-    slots: list = [None] * model.n_layers
-    layer_of = {mod: l for l, mod in enumerate(attention_modules(model))}
-    with attention_implementation(model, impl):
-        token = ROWS.set(_Request(Q, Q.tolist(), slots, layer_of))
-        try:
-            out = _forward(model, ids, torch.ones_like(ids), {}, attentions=False, keep=keep)
-        finally:
-            ROWS.reset(token)
-    return out, slots
+def _rows_pass(model: Model, ids: torch.Tensor, keep: int, rows: list[int]):
+    """One forward pass (the fast kernel for every output) keeping the probabilities of `rows`: (output, slots)."""
+    req = Rows(list(rows), [None] * model.n_layers, {mod: l for l, mod in enumerate(attention_modules(model))})
+    with ctxmix_pass(rows=req, kernel="fast"):
+        out = _forward(model, ids, torch.ones_like(ids), {}, attentions=False, keep=keep)
+    return out, [None if s is None else s[0] for s in req.slots]
 
 
 @torch.no_grad()
@@ -281,15 +133,11 @@ def trace_rows(model: Model, input_ids: list[int], rows: list[int]) -> RowsTrace
     n = len(input_ids)
     if not rows or list(rows) != sorted(set(rows)) or not 0 <= rows[0] <= rows[-1] < n:
         raise ValueError(f"rows must be sorted distinct positions in 0..{n - 1}, got {rows[:5]}...")
-    install_row_hooks(model)
     ids = torch.tensor([input_ids], device=model.device)
     Q = torch.tensor(rows, device=model.device)
-    try:
-        out, slots = _rows_pass(model, ids, n - rows[0], Q, ROWS_ATTENTION)
-    except _NoFamilyEager:  # the full eager probabilities, their rows kept by the hooks (the previous path)
-        out, slots = _rows_pass(model, ids, n - rows[0], Q, "eager")
+    out, slots = _rows_pass(model, ids, n - rows[0], list(rows))
     if any(a is None for a in slots):
-        raise NoAttentionRows("an attention module returned no probabilities (load with attn_implementation='eager')")
+        raise NoAttentionRows("an attention module did not run through ctxmix's attention (a full trace is needed)")
     logits, start = _kept_logits(out, n, rows[0])
     # the model's own hidden states, in its dtype: L layer inputs and the last output (after the final norm:
     # the rows' rebuilt pre-norm states are states[-1].y)

@@ -133,22 +133,25 @@ def trace_seq2seq(
     model: Model, source_ids: list[int], decoder_ids: list[int], notes: list[str] | None = None
 ) -> Seq2SeqTrace:
     """Run the model once (teacher forcing) and rebuild the encoder's and the decoder's layers."""
+    from ctxmix.engine.attention import ctxmix_pass, every_row
     from ctxmix.engine.trace import Trace, _activations, _rebuild
 
     src = torch.tensor([source_ids], device=model.device)
     dec = torch.tensor([decoder_ids], device=model.device)
-    out = model.hf(
-        input_ids=src,
-        attention_mask=torch.ones_like(src),
-        decoder_input_ids=dec,
-        output_hidden_states=True,
-        output_attentions=True,
-    )
+    with ctxmix_pass(rows=every_row()):  # every row's probabilities: self-, cross- and decoder attention
+        out = model.hf(
+            input_ids=src,
+            attention_mask=torch.ones_like(src),
+            decoder_input_ids=dec,
+            output_hidden_states=True,
+            output_attentions=True,
+        )
     if any(a is None for a in (out.encoder_attentions or [None])) or any(
         a is None for a in (out.cross_attentions or [None])
     ):
         raise RuntimeError(
-            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+            "the model returned no attention weights: wrap it with ctxmix.model_from_hf "
+            "or load it with ctxmix.load_model"
         )
     ehs = [_activations(model, h[0]) for h in out.encoder_hidden_states]
     states, enc_err = _rebuild(model, ehs, [_activations(model, a[0]) for a in out.encoder_attentions], None)

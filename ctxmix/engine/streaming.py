@@ -95,7 +95,9 @@ def replayed_alpha(model: Model, call) -> torch.Tensor | None:
         bound = sig.bind(*args, **kwargs)
         bound.arguments["output_attentions"] = True
         args, kwargs = bound.args, bound.kwargs
-    with torch.no_grad():
+    from ctxmix.engine.attention import ctxmix_pass, every_row
+
+    with torch.no_grad(), ctxmix_pass(rows=every_row()):
         out = module(*args, **kwargs)
     alpha = out[1] if isinstance(out, tuple) and len(out) > 1 else None
     if not isinstance(alpha, torch.Tensor) or alpha.dim() != 4:

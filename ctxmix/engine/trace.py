@@ -1,8 +1,8 @@
 """One forward pass that captures what every decomposition needs.
 
-The model's own eager forward gives the layer inputs and the attention probabilities
-(transformers 5 collects them per call through a context variable, so two threads can trace
-one shared model at once). Every other intermediate is recomputed from the weights
+The model's own forward gives the layer inputs, and ctxmix's attention (`ctxmix.engine.attention`) the
+attention probabilities beside the fast kernel's outputs, for this call only (a context variable, so two
+threads can trace one shared model at once). Every other intermediate is recomputed from the weights
 (`ctxmix.engine.layer.layer_forward`), and `Trace.reconstruction_error` says how far that
 recomputation is from the model's own states.
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ctxmix.engine.attention import Rows, ctxmix_pass, every_row, within_pass
 from ctxmix.engine.layer import LayerState, layer_forward
 from ctxmix.engine.models import Model
 from ctxmix.engine.streaming import (
@@ -177,7 +178,8 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
     model's own states, counted on real tokens only (mask (..., n), or all tokens)."""
     if atts is None or len(atts) != model.n_layers or atts[0] is None:
         raise RuntimeError(
-            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+            "the model returned no attention weights: wrap it with ctxmix.model_from_hf "
+            "or load it with ctxmix.load_model"
         )
     states = []
     err = torch.zeros(hs[0].shape[:-2], dtype=torch.float64, device=hs[0].device)
@@ -213,10 +215,16 @@ def _forward(
         # the LM head on the last `keep` rows only: at n = 4,096 on smollm2 the full (n, 49,152) logits are
         # 0.8 GB and ~1/5 of the forward's multiply-adds
         types = {**types, "logits_to_keep": keep}
-    out = net(input_ids=ids, attention_mask=mask, output_hidden_states=hidden, output_attentions=attentions, **types)
+    # every row's probabilities where they are read (a full trace), else the fast kernel alone (or the rows an
+    # enclosing rows trace asks for)
+    with ctxmix_pass(rows=every_row()) if attentions else within_pass():
+        out = net(
+            input_ids=ids, attention_mask=mask, output_hidden_states=hidden, output_attentions=attentions, **types
+        )
     if attentions and (out.attentions is None or any(a is None for a in out.attentions)):
         raise RuntimeError(
-            "the model returned no attention weights; it must be loaded with attn_implementation='eager'"
+            "the model returned no attention weights: wrap it with ctxmix.model_from_hf "
+            "or load it with ctxmix.load_model"
         )
     return out
 
@@ -330,7 +338,10 @@ def _streamed_trace(model: Model, ids: torch.Tensor, types: dict, logits_from: i
     token = CALLS.set(calls)
     try:
         keep = None if logits_from is None else ids.shape[1] - logits_from
-        out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, keep=keep)
+        # no rows kept now, but the masks built for the probabilities the replays compute (SDPA's, not a flash
+        # kernel's): the recorded calls are replayed with every row's
+        with ctxmix_pass(rows=Rows([])):
+            out = _forward(model, ids, torch.ones_like(ids), types, attentions=False, keep=keep)
     finally:
         CALLS.reset(token)
     if any(c is None for c in calls):

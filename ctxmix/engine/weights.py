@@ -106,9 +106,7 @@ def linear_matrix(module: nn.Module) -> torch.Tensor:
     if scheme is None:
         return w.detach()
     if scheme == "bnb-4bit":
-        import bitsandbytes.functional as bf
-
-        return bf.dequantize_4bit(w.data, w.quant_state).detach()
+        return _bnb_4bit_matrix(w)
     if scheme == "bnb-8bit":
         scb = getattr(w, "SCB", None)
         state = getattr(module, "state", None)
@@ -149,3 +147,24 @@ def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             for name, _ in own:
                 t = getattr(mod, name)
                 yield (f"{prefix}.{name}" if prefix else name), t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def _bnb_4bit_matrix(w) -> torch.Tensor:
+    """The (out, in) matrix a bitsandbytes 4-bit weight's kernel multiplies by. On CPUs with AVX-512 BF16 the
+    first forward repacks the weight in place for its CPU kernel (`packing_format_for_cpu`: nibbles regrouped in
+    blocks of 32 rows, absmax transposed and rounded to bfloat16), after which `dequantize_4bit` on the packed data
+    reads garbage: the nibbles are put back in order and the kernel's own bf16 absmax used, on a copy of the quant
+    state (the model's is left as the kernel needs it)."""
+    import copy
+
+    import bitsandbytes.functional as bf
+
+    qs = w.quant_state
+    if not getattr(qs, "packing_format_for_cpu", False):
+        return bf.dequantize_4bit(w.data, qs).detach()
+    st = copy.copy(qs)  # the inverse reassigns the state's fields: on this copy only
+    st.original_nested = False  # keep the kernel's absmax instead of quantizing it again
+    data, st = bf._convert_weight_packed_for_cpu_inverse(w.data, st)
+    st.absmax = qs.absmax.T.reshape(-1).float()  # (in / blocksize, out) -> the unpacked (out, in / blocksize) order
+    st.dtype = torch.float32
+    return bf.dequantize_4bit(data, st).detach()

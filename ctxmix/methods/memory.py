@@ -3,8 +3,9 @@
 Over 500 lines because every call's phases are followed in one place, where they are read together.
 
 The estimate adds the parts of the memory account (`ctxmix.engine.memory`) that a call holds at its peak, per
-device, following the call's code path: the weights as placed, the forward pass (eager attention where a method
-reads the probabilities, a fused kernel where none does, row chunks for the response rows), the traced states
+device, following the call's code path: the weights as placed, the forward pass (the fused kernel's outputs,
+and the probabilities a method reads computed a block of rows at a time: every row, or the response rows;
+a soft-capped family's eager attention by blocks; a sliding window's boolean mask), the traced states
 (stored, or one layer at a time when `ctxmix.engine.streaming.streams` would stream them), the maps in the
 engine's dtype and their float64 copies, one layer's head vectors, projected head values and FF maps, the chunk
 temporaries at the sizes `ctxmix.engine.budget.chunk_rows` gives, the logits, and the ablation batch that
@@ -171,7 +172,8 @@ ADVICE = {
     "ablation batch": "batch_size=1",
     "logits": "fewer tokens (the logits are n x vocabulary)",
     "projected head values G (one layer)": "fewer tokens (n x heads x d' per FF projection)",
-    "one layer's eager attention (while it runs)": "fewer tokens",
+    "one layer's forward transient (attention block or MLP)": "fewer tokens",
+    "sliding-window mask (n x n, boolean)": "fewer tokens",
     "chunk temporaries": "fewer tokens",
 }
 
@@ -334,12 +336,16 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
     from ctxmix.engine.streaming import STREAM_SHARE
 
     sizing = min(budget[engine], _sizing_budget(engine))
-    fwd_layer = {  # a layer's eager attention (scores, probabilities) with q, k, v, or its MLP: the larger
-        "one layer's forward transient (eager attention or MLP)": (
+    fwd_layer = {  # a layer's attention (the fast kernel's, a block of probability rows) with q, k, v, or its MLP
+        "one layer's forward transient (attention block or MLP)": (
             "layers",
-            acct.layer_activation_bytes(W, n, attention=acct.eager_attention_bytes(W, n)),
+            acct.layer_activation_bytes(
+                W, n, attention=acct.attention_block_bytes(W, n) + acct.eager_blocks_bytes(W, n)
+            ),
         ),
     }
+    if W.window and n >= W.window:
+        fwd_layer["sliding-window mask (n x n, boolean)"] = ("layers", acct.window_mask_bytes(W, n))
     if call == "attribute_context":
         return _context_phases(W, n, methods, context, sizing, card, engine)
     stored_states = acct.trace_states_bytes(W, n) - W.L * W.H * n * n * W.w
@@ -355,12 +361,11 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
     if streamed:
         forward["attention inputs of every layer (streamed trace)"] = ("engine", W.L * n * W.d * W.e)
     else:
-        forward["attention probabilities of every layer (stored trace)"] = ("engine", acct.kept_attention_bytes(W, n))
+        # ctxmix's attention keeps them in the engine's dtype (float32 for a half-precision model)
+        forward["attention probabilities of every layer (stored trace)"] = ("engine", W.L * W.H * n * n * W.w)
     held = {k: v for k, v in forward.items() if k not in fwd_layer}
     if not streamed:
         held["layer states (stored trace)"] = ("engine", stored_states)
-        if W.e != W.w:
-            held["attention probabilities (engine dtype)"] = ("engine", W.L * W.H * n * n * W.w)
     else:
         held["one layer's states (streamed trace)"] = ("engine", acct.layer_state_bytes(W, n))
     work: dict[str, tuple[str, int]] = {}
@@ -423,7 +428,7 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
             results["maps (engine dtype, on the device)"] = on_device
             results["maps (float64, returned)"] = returned
     if torch.device(engine).type == "cpu":  # glibc keeps the forward pass's freed transient (see ALLOCATOR_KEPT)
-        held[ALLOCATOR_KEPT] = fwd_layer["one layer's forward transient (eager attention or MLP)"]
+        held[ALLOCATOR_KEPT] = fwd_layer["one layer's forward transient (attention block or MLP)"]
     phases = [forward, {**held, **work}]
     if results:
         phases.append({**held, **results})
@@ -443,17 +448,14 @@ def _sizing_budget(engine: str) -> int:
 def _context_phases(W, n, methods, context, sizing, card, engine):
     """`attribute_context`: the rows trace for the one-pass methods (row chunks of the attention, the response
     rows kept), a full trace for alti_logit, the ablation batch for contextcite and leave_one_out."""
-    from ctxmix.engine.rows import ATTENTION_CHUNK_BYTES, query_block_rows
-
     n_response, n_ablations, batch_size, n_sources = context
     T = n_response or RESPONSE_TOKENS
     phases: list[dict] = []
     one_pass = [m for m in methods if m in ONE_PASS_ROWS]
     if one_pass:
-        rows = min(n, query_block_rows(W.H, n, W.e))
-        # `query_block_rows` sizes a block for 4 copies of its scores; about half of that is alive at once (the
-        # scores and the float32 softmax; in bf16 also the masked copy and the cast back, each half as wide)
-        block = min(ATTENTION_CHUNK_BYTES, 4 * max(W.e, 4) * W.H * rows * n) // 2
+        # the fast kernel's outputs (O(n) per head), the T rows' probabilities by blocks of rows, and a
+        # soft-capped family's eager blocks
+        block = acct.attention_block_bytes(W, n, rows=T) + acct.eager_blocks_bytes(W, n)
         held = {
             "hidden states": ("engine", acct.hidden_states_bytes(W, n)),
             "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
@@ -462,7 +464,7 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
         phases.append(
             {
                 **held,
-                "attention mask (n x n)": ("layers", n * n * W.e),
+                "sliding-window mask (n x n, boolean)": ("layers", acct.window_mask_bytes(W, n)),
                 "one layer's forward transient (a block of attention rows or MLP)": (
                     "layers",
                     acct.layer_activation_bytes(W, n, attention=block),
@@ -499,8 +501,9 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
         width = n if "leave_one_out" in methods else min(n, T + int(n * (0.5 + S**-0.5)))
         per = acct.ablation_sequence_bytes(W, width, T)  # the head reads the T response rows only
         most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
-        B = int(max(1, min(most, sizing // max(1, per))))  # the batch `ablation_batch_size` picks for them
-        phases.append({"ablation batch": ("layers", B * per)})
+        room = sizing - acct.attention_block_bytes(W, width) * W.eager_blocks
+        B = int(max(1, min(most, room // max(1, per))))  # the batch `ablation_batch_size` picks for them
+        phases.append({"ablation batch": ("layers", acct.ablation_batch_bytes(W, width, T, B))})
     return phases or [{}]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ctxmix.engine.attention import ctxmix_pass, every_row
 from ctxmix.engine.models import Model, non_word_ids, structural_ids
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
@@ -85,10 +86,20 @@ def _embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
     return model.hf.get_input_embeddings()(ids)
 
 
+def _pass(model: Model, n: int, **fields):
+    """This call's pass for a saliency forward over n tokens: the fast kernel (the model's own forward, SDPA where
+    the family has it), or an enclosing pass's kernel."""
+    from ctxmix.engine.attention import current_pass
+
+    outer = current_pass()
+    return ctxmix_pass(kernel=outer.kernel if outer is not None else "fast", **fields)
+
+
 def _forward_embeds(model: Model, tr: Trace, E: torch.Tensor, mask: torch.Tensor | None = None, **kw):
     """The model on word embeddings E (b, n, d) of `tr`'s sequence, with its token_type_ids."""
     mask = torch.ones(E.shape[:2], dtype=torch.long, device=E.device) if mask is None else mask
-    return model.hf(inputs_embeds=E, attention_mask=mask, **tr.type_ids_kwargs(batch=E.shape[0]), **kw)
+    with _pass(model, E.shape[1]):
+        return model.hf(inputs_embeds=E, attention_mask=mask, **tr.type_ids_kwargs(batch=E.shape[0]), **kw)
 
 
 IG_BASELINES = ("pad", "mask", "unk", "zero")
@@ -107,35 +118,36 @@ def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
 GRAD_AT = ("word", "embedding_output")
 
 
-class _Layer0Input:
-    """Within the block, layer 0 reads `X` (b, n, d) instead of the embedding module's output: a
-    forward pre-hook swaps its hidden-state argument. Gradients and IG at the embedding output
-    (after BERT's embedding LayerNorm and the position embeddings; the word embeddings for
-    Llama-like models) run the model from there."""
+def _layer0_input(mod, args, kwargs):
+    """A forward pre-hook on layer 0, inert outside a pass that sets `layer0_input`: layer 0 reads that (b, n, d)
+    instead of the embedding module's output. Gradients and IG at the embedding output (after BERT's embedding
+    LayerNorm and the position embeddings; the word embeddings for Llama-like models) run the model from there.
+    Another thread's pass of the same model is untouched."""
+    from ctxmix.engine.attention import current_pass
 
-    def __init__(self, model: Model, X: torch.Tensor):
-        from ctxmix.engine.arch import _get
+    p = current_pass()
+    if p is None or p.layer0_input is None:
+        return None
+    X = p.layer0_input
+    if args:
+        return (X.to(args[0].dtype), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": X.to(kwargs["hidden_states"].dtype)}
 
-        self.layer0 = _get(model.hf.base_model, model.spec.layers)[0]
-        self.X = X
 
-    def _hook(self, mod, args, kwargs):
-        if args:
-            return (self.X.to(args[0].dtype), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self.X.to(kwargs["hidden_states"].dtype)}
+def _install_layer0_hook(model: Model) -> None:
+    from ctxmix.engine.arch import _get
+    from ctxmix.engine.attention import install_once
 
-    def __enter__(self):
-        self.handle = self.layer0.register_forward_pre_hook(self._hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
+    layer0 = _get(model.hf.base_model, model.spec.layers)[0]
+    install_once(
+        model.hf, "_ctxmix_layer0_hook", lambda: layer0.register_forward_pre_hook(_layer0_input, with_kwargs=True)
+    )
 
 
 def _embedding_output(model: Model, tr: Trace, ids: list[int]) -> torch.Tensor:
     """Layer 0's input for `ids` (with the trace's token types): (1, n, d)."""
     x = torch.tensor([ids], device=model.device)
-    with torch.no_grad():
+    with torch.no_grad(), _pass(model, len(ids)):
         out = model.hf(
             input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True, **tr.type_ids_kwargs()
         )
@@ -147,7 +159,8 @@ def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
     if grad_at == "word":
         return _forward_embeds(model, tr, X)
     ids = torch.tensor([tr.input_ids], device=model.device).expand(X.shape[0], -1)
-    with _Layer0Input(model, X):
+    _install_layer0_hook(model)
+    with _pass(model, X.shape[1], layer0_input=X):
         return model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **tr.type_ids_kwargs(batch=X.shape[0]))
 
 
@@ -232,17 +245,19 @@ def blank_out(
     ids = torch.tensor(tr.input_ids, device=model.device)
     n = len(ids)
     mask = torch.ones(1, n, dtype=torch.long, device=model.device)
-    p0 = _score(
-        model, model.hf(input_ids=ids[None], attention_mask=mask, **tr.type_ids_kwargs()).logits, target, position
-    )[0]
+    with _pass(model, n):
+        p0 = _score(
+            model, model.hf(input_ids=ids[None], attention_mask=mask, **tr.type_ids_kwargs()).logits, target, position
+        )[0]
     out = []
     for s in range(0, n, batch):
         js = torch.arange(s, min(n, s + batch), device=model.device)
         X = ids.repeat(len(js), 1)
         X[torch.arange(len(js)), js] = rep
-        logits = model.hf(
-            input_ids=X, attention_mask=mask.expand(len(js), -1), **tr.type_ids_kwargs(batch=len(js))
-        ).logits
+        with _pass(model, n):
+            logits = model.hf(
+                input_ids=X, attention_mask=mask.expand(len(js), -1), **tr.type_ids_kwargs(batch=len(js))
+            ).logits
         out.append(p0 - _score(model, logits, target, position))
     return torch.cat(out).double().cpu().numpy()
 
@@ -264,7 +279,8 @@ def cat_scores(
             mask = keep.long()
     with torch.enable_grad():
         E = _embed(model, ids).detach().requires_grad_(True)
-        out = _forward_embeds(model, tr, E, mask, output_hidden_states=True, output_attentions=True)
+        with _pass(model, len(tr.input_ids), rows=every_row()):  # the attention each token receives is read
+            out = _forward_embeds(model, tr, E, mask, output_hidden_states=True, output_attentions=True)
         hs = list(out.hidden_states[: model.n_layers])
         y = _score(model, out.logits, target, position, prob=False).sum()
         grads = torch.autograd.grad(y, hs, allow_unused=True)

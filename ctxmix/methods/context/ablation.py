@@ -35,12 +35,11 @@ makes the span more likely (ContextCite's top-k drop with k = 1 on that source).
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import numpy as np
 import torch
 
-from ctxmix.engine.attention import accepts, output_only
+from ctxmix.engine.attention import accepts, ctxmix_pass, current_pass, install_once, output_only
 from ctxmix.engine.budget import memory_budget
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
@@ -144,8 +143,13 @@ def ablation_sequence_bytes(model: Model, n: int, K: int) -> int:
 
 def ablation_batch_size(model: Model, n: int, K: int, most: int) -> int:
     """Sequences per ablation pass: as many as the memory budget holds (`ablation_sequence_bytes`; nothing else
-    is held during these passes), at least 1, at most `most` (the caller's batch_size)."""
-    fit = memory_budget(model.device) // max(1, ablation_sequence_bytes(model, n, K))
+    is held during these passes, but a soft-capped family's block of eager attention rows, shared by the batch),
+    at least 1, at most `most` (the caller's batch_size)."""
+    from ctxmix.engine import memory
+
+    W = memory.widths_of(model)
+    room = memory_budget(model.device) - memory.attention_block_bytes(W, n) * W.eager_blocks
+    fit = room // max(1, ablation_sequence_bytes(model, n, K))
     return int(max(1, min(most, fit)))
 
 
@@ -207,22 +211,15 @@ def _batch_logit_probs(model: Model, seqs: list[list[int]], response_ids: list[i
     wanted = torch.stack([torch.arange(n - T - 1, n - 1) for n in lens]).to(model.device)  # (B, T) response rows
     K = width - min(lens) + T + 1  # the kept rows cover every sequence's response rows
     gathered: list[bool] = []
-    hook = (
-        head_input.register_forward_hook(partial(_response_rows_only, wanted, gathered))
-        if (head_input := _head_input(hf)) is not None
-        else None
-    )
-    try:
+    cut = _install_head_rows_hook(model)
+    with ctxmix_pass(head_rows=(wanted, gathered) if cut else None):  # this call's pass only
         logits = hf(
             input_ids=ids.to(model.device),
             attention_mask=mask.to(model.device),
             position_ids=pos.to(model.device),
-            **({"logits_to_keep": 0 if hook is not None else K} if can_keep else {}),
+            **({"logits_to_keep": 0 if cut else K} if can_keep else {}),
             **cache,
         ).logits
-    finally:
-        if hook is not None:
-            hook.remove()
     if gathered and logits.shape[1] == T:  # the head ran on the response rows only: (B, T, V)
         z = logits
     else:
@@ -246,10 +243,24 @@ def _head_input(hf) -> torch.nn.Module | None:
     return dec if isinstance(dec, torch.nn.Module) and dec is not hf else None
 
 
-def _response_rows_only(rows: torch.Tensor, done: list, module, args, out):
-    """A forward hook on the base model: its last hidden states (B, n, d) cut to each sequence's response rows
-    `rows` (B, T) before the LM head reads them, so the head forms B x T x V logits, not B x K x V over the
-    padded window K (which the ablations' different lengths widen to hundreds of rows)."""
+def _install_head_rows_hook(model: Model) -> bool:
+    """Once per model: `_response_rows_only` on the module the LM head reads. Whether there is one."""
+    head_input = _head_input(model.hf)
+    if head_input is None:
+        return False
+    install_once(model.hf, "_ctxmix_head_rows_hook", lambda: head_input.register_forward_hook(_response_rows_only))
+    return True
+
+
+def _response_rows_only(module, args, out):
+    """A forward hook on the base model, inert outside a pass that sets `head_rows`: its last hidden states
+    (B, n, d) cut to each sequence's response rows (B, T) before the LM head reads them, so the head forms
+    B x T x V logits, not B x K x V over the padded window K (which the ablations' different lengths widen to
+    hundreds of rows). Another thread's forward of the same model is untouched."""
+    p = current_pass()
+    if p is None or p.head_rows is None:
+        return None
+    rows, done = p.head_rows
     h = getattr(out, "last_hidden_state", None)
     if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[0] != rows.shape[0]:
         return None

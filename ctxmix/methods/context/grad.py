@@ -28,8 +28,9 @@ with SDPA). Where those probabilities would take more than half the memory budge
 from about 1,000 tokens on smollm2 with the CPU's 4 GB budget) the pass runs with PyTorch's
 scaled-dot-product attention (`sdpa`, or the memory-efficient implementation the user's model was
 configured with), whose fused kernels keep O(n) per head; below, eager, which is faster on a CPU (SDPA's
-backward took ~1.8x eager's at 1,027 tokens here). The switch and its thread safety:
-`ctxmix.engine.attention`. Only the response rows' logits are formed (HF's `logits_to_keep`).
+backward took ~1.8x eager's at 1,027 tokens here). The kernel is chosen per call (`ctxmix.engine.attention`'s
+`Pass.kernel`): another thread's pass of the same model is untouched. Only the response rows' logits are formed
+(HF's `logits_to_keep`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from ctxmix.engine.attention import accepts, attention_implementation
+from ctxmix.engine.attention import accepts, ctxmix_pass, fast_name
 from ctxmix.engine.budget import memory_budget
 from ctxmix.engine.models import Model
 
@@ -77,8 +78,9 @@ def grad_x_input_rows(model: Model, ids: list[int], P: int, attn: str = "auto") 
         attn = gradient_attention(model, len(ids))
     t0 = time.perf_counter()
     x = torch.tensor([ids], device=model.device)
-    impl = model.output_attention if attn == "sdpa" else attn  # the memory-efficient one the user configured
-    with torch.enable_grad(), attention_implementation(model, impl) as used:
+    kernel = "eager" if attn == "eager" else "fast"  # fast: SDPA, or the memory-efficient one the user configured
+    used = "eager" if kernel == "eager" else fast_name(model)
+    with torch.enable_grad(), ctxmix_pass(kernel=kernel):
         E = model.hf.get_input_embeddings()(x).detach().requires_grad_(True)  # (1, n, d)
         lp = response_log_probs(model, E, P, list(ids[P:]))
         per_token = np.zeros((T, len(ids)), dtype=np.float64)

@@ -36,22 +36,21 @@ smollm2 with T = 32 (bench/keymask_cost.py, one CPU thread): 57 s and 741 s at 4
 against ContextCite-32's 24 s and 193 s and one backward's 3.5 s and 27 s (docs/context.md, "Key-mask
 gradient"). So only the whole response is scored, and `scores_for` on a sub-span refuses (`check_whole_response`).
 
-Attention: the gate runs inside the model's own attention function, registered with transformers'
-AttentionInterface as `KEYMASK_EAGER` (the family's eager function, `ctxmix.engine.rows.family_eager`, with
-the bias added to its additive mask: scaling, soft-cap, GQA, sinks and window stay the model's) or
-`KEYMASK_SDPA` (PyTorch's scaled-dot-product attention through transformers' `sdpa_attention_forward`, the
-bias carried by one extra query/key column: q' = [q, 1], k' = [k, b / scale], v' = [v, 0], padded with zero
-columns to a multiple of 8, so q' k'^T scale = q k^T scale + b exactly in real arithmetic and the bias's
-gradient comes out of k's through any SDPA kernel; the output's extra columns are dropped). Eager keeps every
-layer's n x n probabilities for the backward: where they would take more than half the memory budget
-(`grad.gradient_attention`) the SDPA path runs (O(n) per head), except on families whose attention SDPA cannot
-compute (soft-capped logits: Gemma 2; transformers' `_supports_sdpa` False), which stay eager.
+Attention: the gate runs inside ctxmix's attention (`ctxmix.engine.attention`), set per call by this call's
+pass (`Pass.key_bias`): with the eager kernel (`KEYMASK_EAGER`) the family's eager function with the bias added
+to its additive mask (scaling, soft-cap, GQA, sinks and window stay the model's); with the fast kernel
+(`KEYMASK_SDPA`) PyTorch's scaled-dot-product attention, the bias carried by one extra query/key column:
+q' = [q, 1], k' = [k, b / scale], v' = [v, 0], padded with zero columns to a multiple of 8, so
+q' k'^T scale = q k^T scale + b exactly in real arithmetic and the bias's gradient comes out of k's through
+any SDPA kernel; the output's extra columns are dropped. Eager keeps every layer's n x n probabilities for the
+backward: where they would take more than half the memory budget (`grad.gradient_attention`) the SDPA path
+runs (O(n) per head), except on families whose attention SDPA cannot compute (soft-capped logits: Gemma 2;
+transformers' `_supports_sdpa` False), which stay eager. Another thread's pass of the same model never sees the
+bias.
 """
 
 from __future__ import annotations
 
-import contextvars
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -59,91 +58,19 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ctxmix.engine.attention import attention_implementation
+from ctxmix.engine.attention import ctxmix_pass
 from ctxmix.engine.models import Model
-from ctxmix.engine.rows import family_eager
 from ctxmix.errors import BadInput
 
-KEYMASK_EAGER = "ctxmix_keymask_eager"  # the family's eager attention with the per-key bias
-KEYMASK_SDPA = "ctxmix_keymask_sdpa"  # PyTorch's SDPA with the per-key bias in an extra q/k column
+KEYMASK_EAGER = "eager"  # the gated pass's kernel (`Pass.kernel`): the family's eager attention with the bias
+KEYMASK_SDPA = "fast"  # PyTorch's SDPA with the per-key bias in an extra q/k column
 KEY_MASK_METHODS = ("key_mask_grad", "key_mask_ig")
 DEFAULT_LEVELS = 4
-_COLUMN_ALIGN = 8
 # the bias of a masked key (a = 0): exp(score - 65504) is exactly 0 in float32 and float64 (it underflows below
 # e^-745) for any score a model produces, yet finite in every dtype, float16 included: a row whose visible keys are
 # all masked (inside a source, under a sliding window) gets a finite uniform row instead of eager's NaN from all
 # -inf, and it does not matter which: a masked position reaches the response only through its own keys, masked too
-MASKED_BIAS = float(torch.finfo(torch.float16).min)  # SDPA's fused kernels want head dims in multiples of 8
-
-# the per-key additive bias (n,) of this thread's gated pass (None: attention as the family computes it)
-KEY_BIAS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("ctxmix_key_bias", default=None)
-
-
-def _bias_for(key: torch.Tensor) -> torch.Tensor | None:
-    """The gated pass's bias for these keys (k,), or None outside one. Keys of another length than the gated
-    sequence (a cache) are refused: the bias indexes positions 0..n-1."""
-    b = KEY_BIAS.get()
-    if b is not None and b.shape[0] != key.shape[-2]:
-        raise RuntimeError(f"key-mask gate over {b.shape[0]} positions met {key.shape[-2]} keys")
-    return b
-
-
-def keymask_eager(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention interface: the module's family eager function with the per-key bias b (k,)
-    added to its additive mask (B, 1, q, k) (or used alone where there is none). Outside a gated pass, eager."""
-    eager = family_eager(module)
-    if eager is None:
-        raise BadInput(f"{type(module).__name__} has no eager attention function that a key gate can wrap")
-    b = _bias_for(key)
-    if b is not None:
-        dtype = attention_mask.dtype if attention_mask is not None else query.dtype
-        bias = b.to(dtype=dtype, device=query.device).view(1, 1, 1, -1)
-        attention_mask = bias if attention_mask is None else attention_mask + bias
-    return eager(module, query, key, value, attention_mask, **kwargs)
-
-
-def keymask_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention interface: `sdpa_attention_forward` on q' = [q, 1, 0..], k' = [k, b / scale, 0..],
-    v' = [v, 0..] (head dims padded to a multiple of 8), the explicit scale the module's own; returns the
-    output's first dh columns (B, q, H, dh). q' k'^T scale = q k^T scale + b: the per-key bias through any SDPA
-    kernel, its gradient out of k's."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b = _bias_for(key)
-    if b is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    dh = query.shape[-1]
-    scale = kwargs.pop("scaling", None)
-    if scale is None:
-        scale = getattr(module, "scaling", None) or 1.0 / math.sqrt(dh)
-    width = -(-(dh + 1) // _COLUMN_ALIGN) * _COLUMN_ALIGN
-    pad = width - dh - 1
-
-    def widen(x: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-        zeros = x.new_zeros(*x.shape[:-1], pad)
-        return torch.cat([x, column, zeros], -1)
-
-    ones = query.new_ones(*query.shape[:-1], 1)
-    kcol = (b.to(key.dtype).to(key.device) / scale).view(1, 1, -1, 1).expand(*key.shape[:-1], 1)
-    vcol = value.new_zeros(*value.shape[:-1], 1)
-    out, _ = sdpa_attention_forward(
-        module, widen(query, ones), widen(key, kcol), widen(value, vcol), attention_mask, scaling=scale, **kwargs
-    )
-    return out[..., :dh], None
-
-
-def _register() -> None:
-    """Both functions, each with its own mask builder (eager's additive mask; SDPA's, None where causal)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(KEYMASK_EAGER, keymask_eager)
-    AttentionMaskInterface.register(KEYMASK_EAGER, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    AttentionInterface.register(KEYMASK_SDPA, keymask_sdpa)
-    AttentionMaskInterface.register(KEYMASK_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-_register()
+MASKED_BIAS = float(torch.finfo(torch.float16).min)
 
 
 def gate_attention(model: Model, n: int, attn: str = "auto") -> str:
@@ -161,17 +88,12 @@ def gate_attention(model: Model, n: int, attn: str = "auto") -> str:
 
 @contextmanager
 def key_gate(model: Model, bias: torch.Tensor, impl: str) -> Iterator[str]:
-    """Forward passes of `model` inside the block run attention `impl` with the per-key additive bias (n,)
-    (log of the gates: 0 = unchanged, a large negative number = masked); the model's implementation and the
-    bias are restored after it. Yields the implementation used."""
-    with attention_implementation(model, impl) as used:
-        if used not in (KEYMASK_EAGER, KEYMASK_SDPA):
-            raise RuntimeError(f"{model.name}'s attention could not be switched to {impl} (it runs {used})")
-        token = KEY_BIAS.set(bias)
-        try:
-            yield used
-        finally:
-            KEY_BIAS.reset(token)
+    """Forward passes of `model` inside the block (this thread's only) run attention kernel `impl` with the per-key
+    additive bias (n,) (log of the gates: 0 = unchanged, a large negative number = masked). Yields the kernel."""
+    if impl not in (KEYMASK_EAGER, KEYMASK_SDPA):
+        raise ValueError(f"impl must be {KEYMASK_EAGER!r} or {KEYMASK_SDPA!r}, got {impl!r}")
+    with ctxmix_pass(kernel=impl, key_bias=bias):
+        yield impl
 
 
 def log_bias(gates: torch.Tensor) -> torch.Tensor:
