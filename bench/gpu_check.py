@@ -104,7 +104,9 @@ def main() -> None:
                 m, text(n // scale - 48), QUERY, response=RESPONSE, methods=methods, progress=False, **kw
             )
 
-        est = dict(call="attribute_context", methods=methods, **({"n_ablations": kw["n_ablations"]} if kw else {}))
+        est = dict(call="attribute_context", methods=methods)
+        if "n_ablations" in kw:
+            est["n_ablations"] = kw["n_ablations"]
         return run, est
 
     def forward(n):
@@ -123,7 +125,8 @@ def main() -> None:
     rows = {
         "forward_4k": (forward, 4_096),
         "logit_4k": (lambda n: ctx(["logit"], n), 4_096),
-        "at2_exact_4k": (lambda n: ctx(["at2_exact"], n), 4_096),
+        # a random model has no trained AT2 weights: untrained ones cost the same pass
+        "at2_exact_4k": (lambda n: ctx(["at2_exact"], n, at2_weights="untrained"), 4_096),
         "contextcite32_4k": (lambda n: ctx(["contextcite"], n, n_ablations=32), 4_096),
         "forward_32k": (forward, 32_768),
         "logit_attention_32k": (lambda n: ctx(["logit", "attention"], n), 32_768),

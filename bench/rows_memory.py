@@ -1,10 +1,10 @@
 """Peak memory of the rows trace (`ctxmix.engine.rows.trace_rows`: the forward pass and every layer rebuilt at the
 response rows) on a float32 random Llama (d 1,024, 8 heads, 2 layers, vocabulary 32,000) at 4,096 tokens, each
-in a fresh process: the attention by blocks of query rows (`rows`, what trace_rows runs) against eager attention
-over all rows with the rows sliced out of each layer's (H, n, n) map (`eager`, the previous path, still the
-fallback). Peak resident memory (VmHWM) over the process's resident memory before the trace, the model's size
-beside it. Usage: python bench/rows_memory.py [--n 4096] [--heads 8] [--d 1024] [--old-root PATH]
-(--old-root: also run trace_rows from another checkout, e.g. the commit before the blocks)."""
+in a fresh process: the fast kernel's outputs and the response rows' probabilities (`rows`, what trace_rows runs),
+against another checkout's trace_rows (`--old-root`, e.g. the commit whose rows trace ran each family's eager
+function over blocks of every row, or the earlier one that ran eager attention over all rows). Peak resident
+memory (VmHWM) over the process's resident memory before the trace, the model's size beside it.
+Usage: python bench/rows_memory.py [--n 4096] [--heads 8] [--d 1024] [--old-root PATH]"""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ def child(mode: str, root: str, n: int, heads: int, d: int) -> dict:
     import ctxmix
     from ctxmix.engine import rows
 
-    if mode == "eager":  # the rows trace's forward pass with eager attention: the hooks slice each full map
-        rows.ROWS_ATTENTION = "eager"
     torch.manual_seed(0)
     cfg = T.LlamaConfig(
         vocab_size=32000,
@@ -77,7 +75,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, a.root, a.n, a.heads, a.d)))
         return
-    runs = [("eager", str(ROOT)), ("rows", str(ROOT))] + ([("old", a.old_root)] if a.old_root else [])
+    runs = [("rows", str(ROOT))] + ([("old", a.old_root)] if a.old_root else [])
     print(f"{'path':<8} {'n':>6} {'peak over before (MiB)':>23} {'model (MiB)':>12} {'one H x n x n (MiB)':>20}")
     for mode, root in runs:
         cmd = [sys.executable, __file__, "--child", mode, "--root", root, "--n", str(a.n)]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import _tiny_configs, tiny_model
+from conftest import exact_eager_attention as _exact_eager  # softmax in the inputs' dtype
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
@@ -25,19 +26,6 @@ DECODERS = [f for f, (cls, _) in _tiny_configs().items() if cls.__name__.endswit
 # d-term sums, a log-sum-exp over V < 2^15 terms, each rounding relative 2^-53), in either order: the two
 # passes differ by at most 2^-53 * 2^16 of the largest value, with room.
 REL = 2.0**-53 * 2**16
-
-
-def _exact_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """Eager attention in the inputs' dtype: softmax(q k^T * scaling [soft-capped] + mask) v; (B, n, H, dh), probs."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[-2]]
-    probs = torch.softmax(scores, -1)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 AttentionInterface.register("exact_eager", _exact_eager)
@@ -209,3 +197,55 @@ def test_a_pass_is_seen_by_its_own_thread_only(decoders, tokenizer):
     release.set()
     holder.join(10)
     assert current_attention(a) == "ctxmix"
+
+
+def test_the_traps_of_one_attention_for_every_family(tokenizer):
+    """The families' own quirks under ctxmix's attention, each with its check:
+    - GPT-2's `reorder_and_upcast_attn` runs only under the name "eager" in transformers: under ctxmix's name the
+      model's own call still takes it (the user's implementation), ctxmix's passes compute its probabilities in
+      float32 (`_needs_eager`) and rebuild its states exactly;
+    - DeBERTa-v2 has no attention interface: it keeps its own eager attention (its config is not switched), and
+      its probabilities come back through `output_attentions`;
+    - a config with `output_attentions=True` (transformers refuses it for any implementation but eager) loads."""
+    import copy
+
+    from ctxmix.engine.attention import user_attention
+
+    cls, cfg = _tiny_configs()["gpt2"]
+    cfg = copy.deepcopy(cfg)
+    cfg.reorder_and_upcast_attn = True
+    torch.manual_seed(0)
+    # float32: GPT-2's own upcast path refuses a float64 model (its float64 mask makes the weights float64)
+    g = ctxmix.model_from_hf(cls._from_config(cfg, attn_implementation="eager").float().eval(), tokenizer)
+    assert current_attention(g) == "ctxmix" and user_attention(g.hf.config) == "eager"
+    ids = torch.tensor([list(range(1000, 1012))])
+    calls = []
+    real = type(g.hf.transformer.h[0].attn)._upcast_and_reordered_attn
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    type(g.hf.transformer.h[0].attn)._upcast_and_reordered_attn = counted
+    try:
+        with torch.no_grad():
+            g.hf(input_ids=ids)  # the user's call: GPT-2's own upcast path
+        assert len(calls) == g.n_layers
+        ex = ctxmix.explain(g, None, ["attention", "alti"], input_ids=ids[0].tolist())
+    finally:
+        type(g.hf.transformer.h[0].attn)._upcast_and_reordered_attn = real
+    # float32 throughout: the rebuild's sums over d = 24 and n = 12 terms of states of size ~10, 2^-24 each
+    assert ex.reconstruction_error < 64 * 36 * 2.0**-24 * 10
+    assert float(np.abs(np.triu(ex.layer_maps["attention"], k=1)).max()) == 0.0
+
+    d = tiny_model("deberta", tokenizer)
+    assert current_attention(d) == "eager"  # no interface: nothing switched, its own eager attention
+    ex = ctxmix.explain(d, "a small test .", ["attention", "alti"])
+    assert ex.reconstruction_error < 1e-8
+
+    cls, cfg = _tiny_configs()["llama"]
+    hf = cls._from_config(cfg, attn_implementation="eager").to(torch.float64).eval()
+    hf.config.output_attentions = True
+    m = ctxmix.model_from_hf(hf, tokenizer, name="tiny-output-attentions")
+    assert current_attention(m) == "ctxmix"
+    assert ctxmix.explain(m, None, ["attention"], input_ids=ids[0].tolist()).reconstruction_error < 1e-6

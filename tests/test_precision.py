@@ -17,7 +17,6 @@ from ctxmix.engine.layer import layer_forward
 from ctxmix.engine.precision import (
     UNIT_ROUNDOFF,
     bf16_product_bound,
-    engine_precision,
     float32_decomposition_bound,
     half_model_map_bound,
 )
@@ -116,12 +115,25 @@ def test_precision_is_checked_and_kept_as_the_models_default(minilm):
     assert 0 < np.abs(a - b).max() < bf16_product_bound() * np.abs(b).max()
 
 
-def test_tf32_switch_is_set_per_call_and_restored():
-    """On CUDA the TF32 switch is process-wide: the engine sets it for its own call only."""
-    flag = torch.backends.cuda.matmul.allow_tf32
-    with engine_precision("tf32", "cuda"):
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-        with engine_precision("float32", "cuda"):  # a nested float32 call sees no TF32
-            assert torch.backends.cuda.matmul.allow_tf32 is False
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-    assert torch.backends.cuda.matmul.allow_tf32 == flag
+def test_tf32_products_on_the_tensor_cores_are_within_their_bound():
+    """precision="tf32" on CUDA runs each big product as three bfloat16 products of the operands' split parts
+    (`split_bf16_matmul`, no process-wide switch): against float64, each entry within `split_product_bound` of the
+    sum of |a_i W_ij| (3 x 2^-16 for the split, K 2^-24 for the accumulation), finer than TF32 (one rounding of
+    each operand to 10 bits, 2^-11). The CPU path computes the same bfloat16 parts' products, exactly, in
+    float32; CUDA accumulates them in float32 on the tensor cores in another order (the K 2^-24 term)."""
+    from ctxmix.engine.layer import big_matmul, split_bf16_matmul
+    from ctxmix.engine.precision import split_product_bound
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 384, generator=g) * torch.logspace(-3, 3, 384)  # magnitudes over six decades
+    W = torch.randn(384, 96, generator=g)
+    exact = a.double() @ W.double()
+    scale = a.double().abs() @ W.double().abs()
+    got = split_bf16_matmul(a, W)
+    assert got.dtype == torch.float32 and got.shape == (64, 96)
+    err = (got.double() - exact).abs()
+    assert float((err - split_product_bound(384) * scale).max()) <= 0
+    tf32 = (a.double().abs() @ W.double().abs()) * 2 * 2.0**-11  # TF32's operand rounding, for comparison
+    assert float((err / tf32).max()) < 0.1
+    # on a CPU the "tf32" precision is plain float32 (the split costs three products there for nothing)
+    assert torch.equal(big_matmul(a, W, "tf32"), a @ W)

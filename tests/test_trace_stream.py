@@ -124,17 +124,13 @@ def test_the_recording_hooks_are_inert_outside_a_streamed_trace(minilm):
     assert trace_ids(minilm, ids, streamed=False).reconstruction_error < 1e-4
 
 
-def test_tf32_switches_set_and_restore_what_a_rebuild_runs_under():
-    """A streamed trace rebuilds its layers under the TF32 switches its forward pass ran with (CUDA);
-    the switches are torch's process-wide flags, so they are checked here without a GPU."""
-    from ctxmix.engine.precision import tf32_now, tf32_switches
+def test_a_rebuild_writes_no_tf32_setting(minilm):
+    """A streamed trace rebuilds its layers under the process's own TF32 setting, never switching it (one session's
+    rebuild must not change another's float32 call): torch's setting is read before and after every layer."""
+    from ctxmix.engine.precision import tf32_now
 
-    before = tf32_now()
-    with tf32_switches(True, "cuda"):
-        assert tf32_now() is True
-        with tf32_switches(False, "cuda"):  # nested inside engine_precision: the lock is re-entrant
-            assert tf32_now() is False
-        assert tf32_now() is True
-    assert tf32_now() == before
-    with tf32_switches(not before, "cpu"):  # nothing to set on a CPU
-        assert tf32_now() == before
+    ids = minilm.encode("the cat sat on the mat")[0]
+    tr = trace_ids(minilm, ids, streamed=True)
+    before = (tf32_now(), torch.backends.cuda.matmul.allow_tf32)
+    for st in tr.states:
+        assert st.y is not None and (tf32_now(), torch.backends.cuda.matmul.allow_tf32) == before

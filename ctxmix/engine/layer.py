@@ -131,13 +131,17 @@ PRECISIONS = ("float32", "tf32", "bf16")
 
 
 def big_matmul(a: torch.Tensor, W: torch.Tensor, precision: str = "float32") -> torch.Tensor:
-    """a @ W for the large products (pieces x W_1, FF activations x W_2), in the engine's precision.
+    """a @ W for the large products (pieces x W_1, FF activations x W_2), in the engine's precision, set per call:
+    nothing process-wide is switched (another session's float32 call is untouched).
 
-    "float32" (and float64 models) and "tf32": a plain product in the operands' dtype (TF32 is
-    switched on around the whole call by `ctxmix.engine.precision.engine_precision`, CUDA only).
-    "bf16": both operands rounded to bfloat16, products accumulated in float32 (tensor cores on
-    CUDA, oneDNN on CPU); the result comes back in the operands' dtype. Everything else (norms,
-    LayerNorm statistics, activation shares, cosines) never goes through here."""
+    "float32" (and float64 models): a plain product in the operands' dtype. "tf32": on CUDA, three bfloat16
+    products of the operands' split parts on the tensor cores, accumulated in float32 (`split_bf16_matmul`: about
+    2^-16 relative per term, finer than TF32's 2^-11); on a CPU a plain float32 product. "bf16": both operands
+    rounded to bfloat16, products accumulated in float32 (tensor cores on CUDA, oneDNN on CPU); the result comes
+    back in the operands' dtype. Everything else (norms, LayerNorm statistics, activation shares, cosines) never
+    goes through here."""
+    if precision == "tf32" and a.is_cuda and a.dtype == torch.float32 and W.dtype == torch.float32:
+        return split_bf16_matmul(a, W)
     if precision != "bf16" or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return torch.matmul(a, W)
     Wb = W.to(torch.bfloat16)
@@ -149,6 +153,35 @@ def big_matmul(a: torch.Tensor, W: torch.Tensor, precision: str = "float32") -> 
         except (RuntimeError, TypeError):
             pass
     return torch.matmul(ab, Wb).to(a.dtype)
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = high + low + r, high and low bfloat16, |r| <= 2^-16 |x|."""
+    high = x.to(torch.bfloat16)
+    return high, (x - high.float()).to(torch.bfloat16)
+
+
+def split_bf16_matmul(a: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """a @ W (float32) as a_h W_h + a_h W_l + a_l W_h, each part bfloat16 (`_split`), accumulated in float32: on
+    CUDA on the tensor cores (torch.mm's float32 output); elsewhere as float32 products of the same bfloat16 values,
+    which are exact (8 + 8 significant bits), so only the accumulation order differs. Each term's error is at most
+    3 x 2^-16 of |a_i W_ij| (the split's remainders and the dropped a_l W_l) plus float32 accumulation:
+    `ctxmix.engine.precision.split_product_bound`."""
+    ah, al = _split(a.reshape(-1, a.shape[-1]))
+    Wh, Wl = _split(W)
+    if a.is_cuda:
+        try:
+            out = torch.mm(ah, Wh, out_dtype=torch.float32)
+            out += torch.mm(ah, Wl, out_dtype=torch.float32)
+            out += torch.mm(al, Wh, out_dtype=torch.float32)
+            return out.view(*a.shape[:-1], W.shape[-1])
+        except (RuntimeError, TypeError):
+            pass
+    ahf, Whf = ah.float(), Wh.float()
+    out = ahf @ Whf
+    out += ahf @ Wl.float()
+    out += al.float() @ Whf
+    return out.view(*a.shape[:-1], W.shape[-1])
 
 
 # ---------------------------------------------------------------- FF closed forms

@@ -379,7 +379,12 @@ class LayerList(Sequence):
     a layer is asked for: its tensors loaded from the offload, dequantized, copied to the engine's device in the
     engine's dtype; only the layer read last is kept (one per thread: a model shared by the dashboard's sessions
     serves each thread its own), so a pass over the layers holds one layer's copies, never the model's (a bf16
-    8B model in float32 copies would cost 25 GB more). `len` reads no weights."""
+    8B model in float32 copies would cost 25 GB more). `len` reads no weights.
+
+    Why one copy per thread rather than one shared read-only copy: concurrent calls read different layers at
+    different times (one session's layer 3 while another's is at layer 20), so a shared copy would either make
+    them wait for each other or be rebuilt at every switch. N calls at once hold N layer copies (0.73 GiB each at
+    Llama-3-8B's widths in float32); `estimate_memory` counts one per call and says so in its notes."""
 
     def __init__(self, model: Model):
         import threading

@@ -1,18 +1,20 @@
-"""The engine's arithmetic precision: "float32" (exact, the default), "tf32" or "bf16".
+"""The engine's arithmetic precision: "float32" (exact, the default), "tf32" or "bf16", chosen per call.
 
-Only the large products of the decompositions change (pieces x W_1, value zeroing's FF
-evaluations x W_2; see `ctxmix.engine.layer.big_matmul`); norms, LayerNorm statistics, activation
-shares, cosines and normalisations stay in float32 (float64 where they always were). On a CPU
-"tf32" is float32 and "bf16" rounds the operands of those products to bfloat16 and accumulates
-in float32. TF32 is a process-wide switch in torch, so on CUDA every engine call holds one lock
-and sets the switch for its own duration: one user's tf32 never leaks into another's float32 run.
+Only the large products of the decompositions change (pieces x W_1, value zeroing's FF evaluations x W_2; see
+`ctxmix.engine.layer.big_matmul`); norms, LayerNorm statistics, activation shares, cosines and normalisations stay
+in float32 (float64 where they always were). On a CPU "tf32" is float32 and "bf16" rounds the operands of those
+products to bfloat16 and accumulates in float32. On CUDA "tf32" runs each product as three bfloat16 products of
+the operands' split parts on the tensor cores (finer than TF32), so nothing process-wide is switched: torch's TF32
+setting is the user's, one session's precision never reaches another's call, and no lock serialises them. Where
+the user has TF32 on process-wide, a float32 call's own products follow it; the engine says so once
+(`warn_if_tf32_is_on`) and the reconstruction error shows it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -20,8 +22,6 @@ import torch
 
 from ctxmix.engine.layer import PRECISIONS
 from ctxmix.errors import BadInput
-
-_CUDA_LOCK = threading.RLock()
 
 
 def check_precision(precision) -> str:
@@ -37,124 +37,54 @@ def resolve_precision(model, precision: str | None) -> str:
 
 
 @contextmanager
-def engine_precision(precision: str, device):
-    """Run the enclosed engine work in `precision`. On CUDA: under a process-wide lock, with
-    torch's TF32 matmul switch on only for "tf32" and restored afterwards. On CPU: nothing to set."""
+def engine_precision(precision: str, device) -> Iterator[None]:
+    """The enclosed engine work runs in `precision` (carried by the calls themselves to `big_matmul`): nothing is
+    switched. Warns once where bf16 is slower than float32 on this CPU, and once where a float32 call on CUDA runs
+    under the user's process-wide TF32."""
     check_precision(precision)
-    if torch.device(device).type != "cuda" and precision == "bf16":
+    dev = torch.device(device)
+    if dev.type != "cuda" and precision == "bf16":
         warn_if_bf16_is_slow()
-    with tf32_switches(precision == "tf32", device):
-        yield
+    if dev.type == "cuda" and precision == "float32":
+        warn_if_tf32_is_on()
+    yield
 
 
-# ---------------------------------------------------------------- TF32 under torch's two APIs
+# ---------------------------------------------------------------- reading torch's TF32 setting (never writing it)
 #
 # torch >= 2.9 says whether float32 matmuls on CUDA may use TF32 in two ways: the legacy flags
 # (`torch.backends.cuda.matmul.allow_tf32`, `torch.set_float32_matmul_precision`) and the fp32_precision
-# settings, a tree whose "none" inherits from the parent: generic (`torch.backends.fp32_precision`,
-# which transformers' `enable_tf32` sets) -> CUDA (`torch.backends.cudnn.fp32_precision`) -> matmul
-# (and generic -> oneDNN -> matmul on CPU). The legacy setters also write the matmul leaves, so the
-# CUDA matmul leaf always says what the kernels do; but once a new setting says something the legacy
-# flags do not, torch refuses to read the legacy flags ("mix of the legacy and new APIs"). So the
-# engine reads the leaf, sets through the API in use, and puts back on each leaf it wrote what was set
-# on that leaf itself ("none" included, so a later change of a parent reaches it again). The settings
-# are addressed as torch's (backend, op) pairs: `torch.backends.mkldnn.fp32_precision`'s setter writes
-# the generic one (torch 2.13). cuDNN's switches are left alone: no model ctxmix traces runs a
-# convolution or an RNN, and torch cannot put back cuDNN's default once a setting is written.
+# settings, a tree whose "none" inherits from the parent (generic -> CUDA -> matmul). The CUDA matmul leaf always
+# says what the kernels do, and torch's getter for it never refuses (the legacy reading does once the two APIs
+# disagree), so that leaf is what ctxmix reads.
 
 _NEW_API = hasattr(torch._C, "_get_fp32_precision_getter")
-_GENERIC, _CUDA, _CUDA_MATMUL = ("generic", "all"), ("cuda", "all"), ("cuda", "matmul")
-_MKLDNN_MATMUL = ("mkldnn", "matmul")
-_PARENT = {_CUDA_MATMUL: _CUDA, _CUDA: _GENERIC, _MKLDNN_MATMUL: ("mkldnn", "all"), ("mkldnn", "all"): _GENERIC}
-
-
-def _get(node: tuple[str, str]) -> str:
-    return torch._C._get_fp32_precision_getter(*node)
-
-
-def _set(node: tuple[str, str], value: str) -> None:
-    torch._C._set_fp32_precision_setter(*node, value)
-
-
-def _own_setting(node: tuple[str, str]) -> str:
-    """What is set on `node` itself ("none" where it inherits). torch's getter answers the inherited
-    value, so the parent is set to another value for a moment to see whether `node` follows it (and
-    put back to its own setting, found the same way); the generic setting has no parent."""
-    parent = _PARENT.get(node)
-    if parent is None:
-        return _get(node)
-    parent_own = _own_setting(parent)
-    seen = _get(node)
-    other = "ieee" if seen != "ieee" else "tf32"
-    _set(parent, other)
-    try:
-        return "none" if _get(node) == other else seen
-    finally:
-        _set(parent, parent_own)
-
-
-def _legacy_matmul_precision() -> str | None:
-    """torch's legacy float32 matmul precision ("highest", "high", "medium") where the legacy API is
-    the one in use; None where the new one is. The legacy flags are only read where no new-only
-    setting (generic or CUDA-wide) is set; torch's refusal to read them means a per-backend
-    fp32_precision contradicts them."""
-    if _NEW_API and (_get(_GENERIC) != "none" or _get(_CUDA) != "none"):
-        return None
-    try:
-        torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - read for torch's consistency check only
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        return None
-
-
-def tf32_api() -> str:
-    """The TF32 API in use: "new" (fp32_precision settings) or "legacy" (allow_tf32 flags)."""
-    return "legacy" if _legacy_matmul_precision() is not None else "new"
 
 
 def tf32_now() -> bool:
-    """Whether float32 matmuls on CUDA may use TF32 now: the fp32_precision leaf where torch has it
-    (its getter never refuses), else the legacy flag."""
+    """Whether float32 matmuls on CUDA may use TF32 now (the user's process-wide setting)."""
     if not _NEW_API:
         return torch.backends.cuda.matmul.allow_tf32
-    return _get(_CUDA_MATMUL) == "tf32"
+    return torch._C._get_fp32_precision_getter("cuda", "matmul") == "tf32"
 
 
-@contextmanager
-def tf32_switches(tf32: bool, device):
-    """Run the enclosed work with TF32 for float32 matmuls on CUDA on (`tf32`) or off, under the
-    process-wide lock, set through the API in use (only where it differs) and restored afterwards (a
-    streamed trace rebuilds its layers as its forward pass ran); nothing on CPU."""
-    if torch.device(device).type != "cuda":
-        yield
+_TF32_WARNED = False
+
+
+def warn_if_tf32_is_on() -> None:
+    """Once per process: a RuntimeWarning that the user's TF32 setting makes a float32 call's products TF32."""
+    global _TF32_WARNED
+    if _TF32_WARNED or not tf32_now():
         return
-    with _CUDA_LOCK:
-        if tf32_now() == tf32:
-            yield
-            return
-        legacy = _legacy_matmul_precision()
-        # "medium" (TF32 on CUDA, bf16 on oneDNN) has no allow_tf32 value: torch refuses its legacy
-        # reading once the CUDA flag alone is off, so it goes to "highest" and back whole, which
-        # writes the oneDNN leaf too
-        leaves = [_CUDA_MATMUL] + ([_MKLDNN_MATMUL] if legacy == "medium" else [])
-        own = {leaf: _own_setting(leaf) for leaf in leaves} if _NEW_API else {}
-        if legacy == "medium":
-            torch.set_float32_matmul_precision("highest")
-        elif legacy is not None:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-        else:
-            _set(_CUDA_MATMUL, "tf32" if tf32 else "ieee")
-        try:
-            yield
-        finally:
-            if legacy == "medium":
-                torch.set_float32_matmul_precision(legacy)
-            elif legacy is not None:
-                torch.backends.cuda.matmul.allow_tf32 = legacy == "high"
-            # the legacy setters write the leaves too ("ieee" over an inherited "none"): each gets its
-            # own setting back, which agrees with the legacy flags as it did before
-            for leaf, setting in own.items():
-                _set(leaf, setting)
+    _TF32_WARNED = True
+    warnings.warn(
+        "TF32 is on for float32 matmuls in this process (a torch setting, e.g. transformers' enable_tf32): "
+        "ctxmix never switches it, so a precision='float32' call's products run in TF32 (about 2^-11 relative; the "
+        "reconstruction error shows it). Set torch.backends.cuda.matmul.fp32_precision = 'ieee' for exact maps, "
+        "or use precision='tf32', whose products are finer than TF32's.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 # ---------------------------------------------------------------- is bf16 worth it on this CPU?
@@ -227,6 +157,13 @@ def half_model_map_bound(dtype: torch.dtype, n_layers: int) -> float:
     The weights' own rounding (u) is one more term. MiniLM in bfloat16: 43 u = 0.17; the largest seen
     on an AMD EPYC under ATen's default, AVX2 and native kernels: 0.035 (value zeroing)."""
     return UNIT_ROUNDOFF[dtype] * (ROUNDINGS_PER_LAYER * n_layers + 1)
+
+
+def split_product_bound(reduction: int) -> float:
+    """precision="tf32" on CUDA (`ctxmix.engine.layer.split_bf16_matmul`) against float32, relative to the sum of
+    |a_i W_ij| of a product of length K = `reduction`: each operand's split leaves 2^-16 of it, the dropped
+    a_l W_l term is 2^-16 more, and the float32 accumulation of three products K 2^-24."""
+    return 3 * 2.0**-16 + 3 * reduction * UNIT_ROUNDOFF[torch.float32]
 
 
 def bf16_product_bound(products: int = 2) -> float:

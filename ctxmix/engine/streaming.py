@@ -24,7 +24,6 @@ from ctxmix.engine.arch import _get
 from ctxmix.engine.budget import memory_budget, sequence_bytes
 from ctxmix.engine.layer import LayerState, layer_forward
 from ctxmix.engine.models import Model
-from ctxmix.engine.precision import tf32_now, tf32_switches
 
 CALLS: ContextVar[list | None] = ContextVar("ctxmix_attention_calls", default=None)
 _HOOK_LOCK = threading.Lock()
@@ -126,7 +125,6 @@ class ReplayedStates(Sequence):
         self._base: ReplayedStates | None = base
         self._view: Callable[[LayerState], LayerState] | None = view
         self._last: tuple[int, LayerState] | None = None
-        self._tf32 = tf32_now()  # the TF32 switch the forward pass ran under, for the rebuilds (CUDA)
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -142,7 +140,7 @@ class ReplayedStates(Sequence):
         if last is not None and last[0] == l:
             return last[1]
         self._last = None  # free the previous layer first
-        with torch.no_grad(), tf32_switches(self._tf32, self.model.device):  # as the forward pass ran
+        with torch.no_grad():  # under the process's own TF32 setting, never switched (`ctxmix.engine.precision`)
             st = self._build(l)
         if self._errors[l] is None and self._targets is not None:
             mine = st.y

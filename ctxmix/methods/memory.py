@@ -301,8 +301,13 @@ def estimate_memory(
             base[d]["weights (as stored)"] = int(layers_bytes * s) + (W.ends if d == engine else 0)
     spread = len(shares) > 1 or next(iter(shares)) != engine
     if W.layer_copy or spread:
-        base[engine]["one layer's engine copy (V, O, FF)"] = W.layer_copy or acct._copy_bytes(
-            W.d, W.d_ff, W.H, W.Hkv, W.dh, W.gated, W.w
+        copy = W.layer_copy or acct._copy_bytes(W.d, W.d_ff, W.H, W.Hkv, W.dh, W.gated, W.w)
+        base[engine]["one layer's engine copy (V, O, FF)"] = copy
+        # each call reads the layers at its own pace, so each call running at once (a server's sessions) holds its
+        # own copy: counted per call here, and said so
+        notes.append(
+            f"each call running at once on this model holds its own copy of one layer ({copy / 2**30:.2f} GiB): "
+            "sessions sharing a server add one each"
         )
     phases = _phases(
         W, n_tokens, call, methods, (n_response, n_ablations, batch_size, n_sources), engine, card, budget, notes
@@ -461,16 +466,16 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
             "response rows' attention (every layer)": ("engine", W.L * W.H * T * n * W.w),
             "response logits": ("engine", acct.logits_bytes(W, T)),
         }
+        forward = acct.layer_activation_bytes(W, n, attention=block)
         phases.append(
             {
                 **held,
                 "sliding-window mask (n x n, boolean)": ("layers", acct.window_mask_bytes(W, n)),
-                "one layer's forward transient (a block of attention rows or MLP)": (
-                    "layers",
-                    acct.layer_activation_bytes(W, n, attention=block),
-                ),
+                "one layer's forward transient (a block of attention rows or MLP)": ("layers", forward),
             }
         )
+        if torch.device(engine).type == "cpu":  # glibc keeps the forward pass's freed transient, as in `_phases`
+            held = {**held, ALLOCATOR_KEPT: ("layers", forward)}
         phases.append(
             {
                 **held,

@@ -78,20 +78,26 @@ def label_tokens(text: str, offsets, regions) -> np.ndarray:
     out = np.full(len(offsets), TEMPLATE, dtype=np.int64)
     rank = {SEPARATOR: 1, QUERY: 2}  # a source first, then the attributed text, then the query
     ordered = sorted(regions, key=lambda r: rank.get(r[2], 0))
+    # each character's label, the first region of `ordered` holding it winning (filled last), and where the
+    # attributed text lies: one pass over the characters instead of one over the regions per token
+    size = max([len(text)] + [int(e) for _, e, _ in regions]) + 1
+    char_label = np.full(size, TEMPLATE, dtype=np.int64)
+    for s_, e_, lab in reversed(ordered):
+        char_label[s_:e_] = lab
+    in_separator = np.zeros(size, dtype=bool)
+    for s_, e_, lab in regions:
+        if lab == SEPARATOR:
+            in_separator[s_:e_] = True
     for k, off in enumerate(offsets):
         if off is None or off[1] <= off[0]:
             continue
         a, b = int(off[0]), int(off[1])
         piece = text[a:b]
         if not piece.strip():
-            if any(s <= a < e for s, e, lab in ordered if lab == SEPARATOR):
+            if in_separator[a]:
                 out[k] = SEPARATOR
             continue
-        c = a + len(piece) - len(piece.lstrip())
-        for s, e, lab in ordered:
-            if s <= c < e:
-                out[k] = lab
-                break
+        out[k] = char_label[a + len(piece) - len(piece.lstrip())]
     return out
 
 
