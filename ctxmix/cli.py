@@ -13,6 +13,17 @@ from pathlib import Path
 import numpy as np
 
 
+def _count(text: str) -> int:
+    """argparse's type for a count (0 or more): a bad value stops the command before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _write_table(df, out: str | None) -> None:
     if out is None:
         print(df.to_string(index=False))
@@ -350,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(
             "--corpus", default="wiki", help="wiki, pang_lee, lee, a .txt/.jsonl file, or hf:NAME:SPLIT:FIELD"
         )
-        s.add_argument("--limit", type=int, default=100, help="number of sequences")
+        s.add_argument("--limit", type=_count, default=100, help="number of sequences")
         s.add_argument("--out", help="output .csv or .json (default: print)")
 
     s = sub.add_parser("explain", help="every requested method on one text")
@@ -528,8 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ctxmix.errors import CtxmixError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad flags stop here, before any model is loaded
     warnings.simplefilter("default")
+    if args.verb != "serve":  # a command's output holds its own words: no weight-loading progress bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.verb not in ("serve", "methods", "models"):
         from ctxmix.engine.models import keep_cpu_buffers
 

@@ -417,3 +417,47 @@ def test_dashboard_loads_in_bfloat16_from_the_sidebar(monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="model_dtype").value == "bfloat16"
     assert any("bfloat16" in c.value for c in at.sidebar.caption), [c.value for c in at.sidebar.caption]
+
+
+def test_two_torchao_configs_are_two_models_for_the_cache(tokenizer, tmp_path):
+    """Two TorchAoConfigs of one class on one folder (int8 per channel, int8 per group of 8) quantize differently,
+    so the results cache must key them apart: the model's info holds the whole config, not its class name (the
+    same key served one's maps for the other, whose ALTI maps differ by 2.4e-3)."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup
+    from transformers import TorchAoConfig
+
+    from ctxmix.service.cache import model_fingerprint
+
+    folder = _saved_llama(tokenizer, tmp_path)
+    row = ctxmix.load_model(folder, quantization=TorchAoConfig(Int8WeightOnlyConfig()))
+    group = ctxmix.load_model(folder, quantization=TorchAoConfig(Int8WeightOnlyConfig(granularity=PerGroup(8))))
+    assert row.info["quantization"]["class"] == "TorchAoConfig"
+    assert model_fingerprint(row) != model_fingerprint(group)
+    again = ctxmix.load_model(folder, quantization=TorchAoConfig(Int8WeightOnlyConfig()))
+    assert model_fingerprint(again) == model_fingerprint(row)  # the same config: the same key, across loads
+    a, b = (ctxmix.explain(m, TEXT, ["alti"]).layer_maps["alti"] for m in (row, group))
+    assert np.abs(a - b).max() > 1e-5  # they are two models
+    assert ctxmix.load_model(folder, quantization="int8").info["quantization"] == "int8"
+
+
+def test_an_offload_hook_inside_a_sequential_hook_is_found_and_read():
+    """accelerate chains hooks in a `SequentialHook` when another is added after its own (`append=True`, as other
+    libraries do): the layer is still offloaded (its weights on `meta` between calls), and ctxmix reads its real
+    weights (it took such a layer for resident before, and read `meta` tensors)."""
+    from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module
+
+    from ctxmix.engine.weights import linear_matrix, materialized, offloaded
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    want = lin.weight.detach().clone()
+    weights = {"weight": lin.weight.detach().clone(), "bias": lin.bias.detach().clone()}
+    add_hook_to_module(lin, AlignDevicesHook(execution_device="cpu", offload=True, weights_map=weights))
+    add_hook_to_module(lin, ModelHook(), append=True)
+    assert isinstance(lin._hf_hook, SequentialHook) and lin.weight.device.type == "meta"
+    assert offloaded(lin)
+    with materialized(lin):
+        got = linear_matrix(lin).clone()
+    assert torch.equal(got, want)  # (out, in), as the Linear holds it
+    assert lin.weight.device.type == "meta"  # sent back after the read

@@ -353,3 +353,28 @@ def test_gemma2_ablation_estimate_covers_the_attention_it_runs(tokenizer, monkey
     assert big.eager_blocks and acct.eager_blocks_bytes(big, 4096) == att.ATTENTION_CHUNK_BYTES // 2
     est = ctxmix.estimate_memory(cfg, 4096, call="attribute_context", methods=["contextcite"], dtype="bfloat16")
     assert est.parts  # the ablation phase with its blocks
+
+
+def test_a_configs_device_map_takes_cpu_and_disk_as_accelerate_places_them():
+    """accelerate keeps a layer mapped to "cpu" in host memory and one mapped to "disk" in the offload folder, and
+    runs both on the main device (their hook brings the weights there). The estimate for a config does the same:
+    "disk" is accepted (it raised torch's raw device error), its weights are in no device's memory but the one
+    running layer's on the GPU, and the activations a gradient pass keeps for its backward are the GPU's, every
+    layer of them (the CPU got 8/32 of them before, where nothing runs)."""
+    cfg = T.LlamaConfig(**LLAMA3_8B)
+    kw = dict(call="attribute_context", methods=["grad_x_input"], dtype="bfloat16", device="cuda")
+    one = ctxmix.estimate_memory(cfg, 4096, **kw)
+    disk = ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "disk": 8}, **kw)
+    assert set(disk.parts) == {"cuda:0"}
+    W = acct.widths_of(cfg, "bfloat16")
+    layer = (W.weights - W.ends) // W.L
+    assert disk.parts["cuda:0"]["weights (as stored)"] == pytest.approx(W.ends + 24 * layer, rel=1e-6)
+    assert disk.parts["cuda:0"]["one offloaded layer's weights (while it runs)"] == pytest.approx(layer, rel=1e-6)
+    saved = "activations kept for the backward (every layer)"
+    assert disk.parts["cuda:0"][saved] == one.parts["cuda:0"][saved]
+    cpu = ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "cpu": 8}, **kw)
+    assert cpu.parts["cuda:0"][saved] == one.parts["cuda:0"][saved]
+    assert saved not in cpu.parts["cpu"]
+    assert cpu.parts["cpu"]["weights (as stored)"] == pytest.approx(8 * layer, rel=1e-6)
+    with pytest.raises(ctxmix.BadInput, match="not one of"):
+        ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "tape": 8}, **kw)

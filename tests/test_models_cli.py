@@ -253,3 +253,28 @@ def test_cli_precision_and_dtype(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["scopes", text, "--precision", "fp8", "--out", str(out32)])
     assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_a_commands_output_holds_its_own_words_only():
+    """Where torchao is installed (requirements-dev.txt installs it), loading any model imported transformers'
+    torchao quantizer, and every command printed torchao's "Failed to load ..." lines, torch's deprecation
+    warnings and a weight-loading progress bar before its own output, even for a bad flag whose answer is one line.
+    Now a bad count stops at the parser with its own message, and a command's output is its own (its progress
+    bar and table)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "default"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "ctxmix", "change", "--limit", "-3"], capture_output=True, text=True, env=env
+    )
+    assert bad.returncode == 2 and "argument --limit: must be 0 or more, got -3" in bad.stderr
+    assert "Failed to load" not in bad.stderr and "Loading weights" not in bad.stderr
+    ok = subprocess.run(
+        [sys.executable, "-m", "ctxmix", "change", "--model", "minilm", "--corpus", "wiki", "--limit", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    noise = ("Failed to load", "Enum subclass", "Loading weights", "torchao")
+    assert not [line for line in ok.stderr.splitlines() if any(w in line for w in noise)], ok.stderr[-2000:]
+    assert "comparison" in ok.stdout

@@ -118,3 +118,34 @@ def test_a_context_config_pinning_the_official_seeds_keeps_its_identity(tmp_path
         (tmp_path / f"{name}.yaml").write_text(text)
     sha = {name: config_sha256(tmp_path / f"{name}.yaml") for name in identity}
     assert sha["d"] == sha["e"] and len({sha["d"], sha["f"], sha["g"]}) == 3
+
+
+def test_numbers_quoted_in_the_code_are_the_shipped_ones():
+    """A number the code quotes to users (a method's caveat, a module's account of what ships) comes from a shipped
+    file, and stays pinned to it here: the key-mask caveats' held-out LDS are smollm2's validation table's (they
+    quoted an older table's 0.38 / 0.79 / 0.82), the AT2 module names every weights file that ships, and the rows
+    trace's block holds the rows its docstring says at 32 heads and 4,096 keys."""
+    import json
+    import re
+    from pathlib import Path
+
+    import ctxmix
+    import ctxmix.methods.context.at2 as at2
+    from ctxmix.engine import attention
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    root = Path(ctxmix.__file__).parent
+    lds = json.loads((root / "benchmark" / "shipped" / "onepass-validation.json").read_text())["methods"]
+    quoted = {
+        "key_mask_grad": {"key_mask_grad": 0, "contextcite": 1},
+        "key_mask_ig": {"key_mask_ig": 0, "contextcite": 1, "logit": 2},
+    }
+    for method, where in quoted.items():
+        caveat = CONTEXT_METHODS[method].caveat
+        numbers = [float(x) for x in re.findall(r"(?<![\d.=])0\.\d\d(?!\d)", caveat)]
+        for name, i in where.items():
+            assert numbers[i] == round(lds[name]["lds"], 2), (method, name, numbers, lds[name]["lds"])
+    shipped = sorted(p.stem for p in (root / "methods" / "context" / "at2_weights").glob("*.npz"))
+    assert shipped == ["gemma3", "smollm2"] and all(name in at2.__doc__ for name in shipped)
+    said = re.findall(r"(\d+) rows at 32 heads and 4,096", Path(attention.__file__).read_text())
+    assert said == [str(attention.query_block_rows(32, 4096, 4))]  # float32 scores, 4 copies, 64 MiB

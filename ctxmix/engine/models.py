@@ -902,11 +902,18 @@ def load_model(
     model = _load_model(name_or_path, device, dtype, placement)
     model.precision = precision
     if quantization is not None:
-        model.info = {
-            **model.info,
-            "quantization": quantization if isinstance(quantization, str) else type(quantization).__name__,
-        }
+        model.info = {**model.info, "quantization": quantization_identity(quantization)}
     return model
+
+
+def quantization_identity(quantization: Any):
+    """What a model's quantization is, whole: a short name as given, or a transformers config's class and every
+    field (`to_dict`): two configs of one class (int8 per channel, int8 per group of 8) are two models, and the
+    results cache keys them apart (`ctxmix.service.cache.model_fingerprint` reads `Model.info`)."""
+    if isinstance(quantization, str):
+        return quantization
+    fields = quantization.to_dict() if hasattr(quantization, "to_dict") else repr(quantization)
+    return {"class": type(quantization).__name__, "config": json.loads(json.dumps(fields, default=str))}
 
 
 def loading_options(args) -> dict:

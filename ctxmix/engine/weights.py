@@ -20,24 +20,38 @@ from torch import nn
 from ctxmix.errors import UnsupportedArchitecture
 
 
+def _offload_hook(module: nn.Module):
+    """The accelerate hook that keeps this module's own parameters off the device between calls: its
+    `AlignDevicesHook` with offload on, alone or inside a `SequentialHook` (another library's hook added after
+    accelerate's), else None."""
+    hook = getattr(module, "_hf_hook", None)
+    chain = getattr(hook, "hooks", None)
+    for h in [hook] if chain is None else list(chain):
+        if h is not None and bool(getattr(h, "offload", False)) and hasattr(h, "pre_forward"):
+            return h
+    return None
+
+
 def offloaded(module: nn.Module) -> bool:
     """Whether accelerate keeps this module's own parameters off the device (on `meta`) between calls."""
-    hook = getattr(module, "_hf_hook", None)
-    return hook is not None and bool(getattr(hook, "offload", False))
+    return _offload_hook(module) is not None
 
 
 @contextlib.contextmanager
 def materialized(module: nn.Module) -> Iterator[nn.Module]:
-    """The module with its own parameters loaded where its hook executes, for the duration of the block
-    (accelerate's `align_module_device`); unchanged when nothing of it is offloaded. Tensors read inside
-    must be copied to outlive the block: the hook sends the weights back to `meta` on exit."""
-    if not offloaded(module):
+    """The module with its own parameters loaded where its hook executes, for the duration of the block (what
+    accelerate's `align_module_device` does, for an offload hook inside a `SequentialHook` too); unchanged when
+    nothing of it is offloaded. Tensors read inside must be copied to outlive the block: the hook sends the
+    weights back to `meta` on exit."""
+    hook = _offload_hook(module)
+    if hook is None:
         yield module
         return
-    from accelerate.utils import align_module_device
-
-    with align_module_device(module):
+    hook.pre_forward(module)
+    try:
         yield module
+    finally:
+        hook.post_forward(module, None)
 
 
 def _self_dequantizing(t: Any) -> bool:

@@ -204,10 +204,28 @@ def _layer_shares(model_or_config, device_map, engine: str, L: int) -> dict[str,
             "device_map for a config must be {device: layers or fraction}, e.g. {'cuda:0': 40, 'cuda:1': 40}"
         )
     vals = {(f"cuda:{k}" if isinstance(k, int) else str(k)): float(v) for k, v in device_map.items()}
+    for d in vals:
+        if d != "disk":
+            try:
+                torch.device(d)
+            except RuntimeError:
+                raise BadInput(
+                    f"device_map's device {d!r} is not one of 'cuda:N', 'cpu' or 'disk' (as accelerate places layers)"
+                ) from None
     share_sum = float(sum(vals.values()))
     if share_sum <= 0 or min(vals.values()) < 0:
         raise BadInput("device_map's shares must be positive")
     return {d: v / share_sum for d, v in vals.items()}
+
+
+def _running_shares(shares: dict[str, float], engine: str) -> dict[str, float]:
+    """Where each share of the layers runs: accelerate runs layers placed on "cpu" or "disk" on the main device
+    (their weights are brought there by their hook when they run), so their activations are the engine's."""
+    out: dict[str, float] = {}
+    for d, s in shares.items():
+        key = engine if d in ("cpu", "disk") and d != engine else d
+        out[key] = out.get(key, 0.0) + s
+    return out
 
 
 def _capacity(dev: str, loaded: bool, device_memory: int | None, notes: list[str]) -> int:
@@ -288,18 +306,26 @@ def estimate_memory(
     if engine == "cuda":
         engine = "cuda:0"
     notes: list[str] = []
-    shares = _layer_shares(model_or_config, device_map, engine, W.L)
-    if not loaded and engine not in shares:
-        engine = next(iter(shares))
-    budget = {d: _capacity(d, loaded, device_memory, notes) for d in {engine, *shares}}
+    stored = _layer_shares(model_or_config, device_map, engine, W.L)  # where the layers' weights are kept
+    if not loaded and engine not in stored:
+        engine = next((d for d in stored if d not in ("cpu", "disk")), next(iter(stored)))
+        if engine == "disk":
+            raise BadInput("device_map needs a device that runs layers ('cuda:N' or 'cpu'), not only 'disk'")
+    shares = _running_shares(stored, engine)  # where they run
+    budget = {d: _capacity(d, loaded, device_memory, notes) for d in {engine, *shares, *(set(stored) - {"disk"})}}
     card = None if torch.device(engine).type != "cuda" else budget[engine] // 4
     # the weights and what each device holding layers computes of the forward pass itself
     base: dict[str, dict[str, int]] = {d: {} for d in budget}
     if not loaded:
         layers_bytes = W.weights - W.ends
-        for d, s in shares.items():
-            base[d]["weights (as stored)"] = int(layers_bytes * s) + (W.ends if d == engine else 0)
-    spread = len(shares) > 1 or next(iter(shares)) != engine
+        base[engine]["weights (as stored)"] = W.ends
+        for d, s in stored.items():
+            if d == "disk":  # read from the offload folder one layer at a time, onto the device that runs it
+                notes.append(f"{layers_bytes * s / 2**30:.1f} GiB of layer weights stay on disk")
+                base[engine]["one offloaded layer's weights (while it runs)"] = int(layers_bytes / W.L)
+                continue
+            base[d]["weights (as stored)"] = base[d].get("weights (as stored)", 0) + int(layers_bytes * s)
+    spread = len(stored) > 1 or next(iter(stored)) != engine
     if W.layer_copy or spread:
         copy = W.layer_copy or acct._copy_bytes(W.d, W.d_ff, W.H, W.Hkv, W.dh, W.gated, W.w)
         base[engine]["one layer's engine copy (V, O, FF)"] = copy

@@ -334,8 +334,8 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             caveat="Cost: one forward and one backward pass (SDPA with the bias in an extra key column where eager's "
             "n x n probabilities would not fit the memory budget). Whole response only: a sub-span needs a new call "
             "with that span as the response. Masks attention to the source, where ContextCite and the metrics "
-            "remove its text; first-order only (held-out LDS on smollm2 0.38 against ContextCite-32's 0.90: "
-            "docs/context.md).",
+            "remove its text; first-order only (held-out LDS on smollm2 0.47 against ContextCite-32's 0.90: "
+            "docs/context.md, onepass-validation.json).",
         ),
         MethodInfo(
             "key_mask_ig",
@@ -347,7 +347,8 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "masked to none, whose sum over sources approaches log P(all kept) - log P(all sources masked).",
             caveat="Cost: K forward and K backward passes, plus one forward pass with every source masked. Whole "
             "response only. Masks attention to the sources, where ContextCite and the metrics remove their text. "
-            "Held-out LDS on smollm2 0.79 (K = 4) against ContextCite-32's 0.90 and logit's 0.82 (docs/context.md).",
+            "Held-out LDS on smollm2 0.76 (K = 4) against ContextCite-32's 0.90 and logit's 0.81 (docs/context.md, "
+            "onepass-validation.json).",
         ),
         MethodInfo(
             "attention",

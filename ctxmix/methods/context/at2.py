@@ -25,8 +25,9 @@ sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens 
 form, and it costs F-alti's full trace). "attn+norm+logit": the three kinds one forward pass over the response rows
 gives (`trace_rows`), w in R^{3 L H}: a trained combination at the cost of `logit`.
 
-Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for smollm2
-ship with the package (ctxmix/methods/context/at2_weights/). Scores are scale-free (the weights are L1-normalised).
+Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for
+smollm2 and gemma3 ship with the package (ctxmix/methods/context/at2_weights/). Scores are scale-free (the weights
+are L1-normalised).
 """
 
 from __future__ import annotations
