@@ -57,7 +57,7 @@ def test_gemma3_is_gemma3_with_its_real_weights(gemma3):
     assert (gemma3.spec.family, gemma3.spec.position, gemma3.kind) == ("Gemma 2/3", "sandwich", "causal_lm")
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (18, 640, 2048, 262144)
     assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3 and cfg.sliding_window == 512
-    assert gemma3.hf.config._attn_implementation == "eager"
+    assert gemma3.hf.config._attn_implementation == "ctxmix"  # ctxmix's attention, set once at loading
     emb = gemma3.hf.get_input_embeddings()
     assert gemma3.hf.get_output_embeddings().weight.data_ptr() == emb.weight.data_ptr()
     assert float(emb.embed_scale) == pytest.approx(640**0.5)

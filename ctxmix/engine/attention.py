@@ -33,6 +33,11 @@ probabilities come back through `output_attentions`).
 
 Hooks (the ablations' cut of the last hidden state, saliency's layer-0 input) are installed once per model and
 read the same context, so they act on their own call's pass only (`Pass.head_rows`, `Pass.layer0_input`).
+
+A user's flash kernel (flash_attention_2/3, a hub kernel) runs the output-only passes, called from this function
+with its own mask builder; the passes that keep probabilities run SDPA. The config now names `ctxmix`, so code
+transformers runs only when the name says flash (`is_flash_attention_requested`: packed sequences found from
+position ids with no mask) is not taken; ctxmix always passes a mask or plain sequences.
 """
 
 from __future__ import annotations

@@ -110,6 +110,9 @@ class MemoryEstimate:
     weights_counted: bool
     notes: list[str] = field(default_factory=list)
     advice: dict[str, str] = field(default_factory=dict)
+    # the largest device's peak over the phases counting live tensors only (without what the CPU's allocator keeps
+    # of a freed transient): what a count of live tensors measures
+    live_peak_bytes: int = 0
 
     @property
     def by_device(self) -> dict[str, int]:
@@ -339,6 +342,7 @@ def estimate_memory(
         W, n_tokens, call, methods, (n_response, n_ablations, batch_size, n_sources), engine, card, budget, notes
     )
     best: dict[str, dict[str, int]] = {}  # each device at its own peak phase
+    live_peak = 0
     for ph in phases:
         total = {d: dict(p) for d, p in base.items()}
         for name, (where, size) in ph.items():
@@ -351,12 +355,15 @@ def estimate_memory(
         for d, p in total.items():
             if d not in best or sum(p.values()) > sum(best[d].values()):
                 best[d] = p
+            live_peak = max(live_peak, sum(v for k, v in p.items() if k != ALLOCATOR_KEPT))
     parts = {d: {k: v for k, v in p.items() if v > 0} for d, p in best.items()}
     parts = {d: p for d, p in parts.items() if p}
     for d in parts:
         if d not in budget:
             budget[d] = _capacity(d, loaded, None, notes)
-    return MemoryEstimate(call, n_tokens, methods, engine, parts, budget, not loaded, notes, dict(ADVICE))
+    return MemoryEstimate(
+        call, n_tokens, methods, engine, parts, budget, not loaded, notes, dict(ADVICE), live_peak_bytes=live_peak
+    )
 
 
 def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[dict]:
