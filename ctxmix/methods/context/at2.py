@@ -199,6 +199,31 @@ def uniform_weights(n_layers: int, n_heads: int) -> np.ndarray:
     return np.full(n_layers * n_heads, 1.0 / (n_layers * n_heads))
 
 
+# each shipped weights file: the SHA-256 of the file the model it was trained on is built from (`source_sha256`):
+# a model of the same name that is not that model (a random model with SmolLM2's config, a fine-tune) gets none
+SHIPPED_FOR = {
+    "smollm2.npz": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # SmolLM2-135M-Instruct Q4_1
+    "gemma3.npz": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # Gemma 3 270M Q4_K_M
+}
+
+
+def check_shipped_for(model, path: Path) -> None:
+    """Refuse a shipped weights file for a model that is not the one it was trained on: the model's source file
+    (`ctxmix.engine.models.source_sha256`) must be the one `SHIPPED_FOR` records. A model of the same name that is
+    something else (a random model with the config, a fine-tune, a folder) is told so and offered the options."""
+    from ctxmix.engine.models import source_sha256
+
+    want = SHIPPED_FOR.get(path.name)
+    if want is not None and source_sha256(model) == want:
+        return
+    raise BadInput(
+        f"at2_exact's shipped weights {path.name} were trained on {path.stem} as ctxmix builds it from its packaged "
+        f"file; {model.name} is not that model (its weights come from elsewhere), so they are not used: pass "
+        f"at2_weights='untrained' (uniform weights), or train weights for it with "
+        f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2_weights='DIR/at2_weights.npz'"
+    )
+
+
 def shipped_weights_path(model_name: str) -> Path | None:
     """The package's weights file for a model (ctxmix/methods/context/at2_weights/<name>.npz), or None (also for
     a name that is a path, a model loaded from a folder: never a file outside the package)."""
@@ -360,6 +385,7 @@ def resolve_weights(model: Model, kind: str | None = None, weights=None) -> tupl
                 f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2_weights='DIR/at2_weights.npz', "
                 "or at2_weights='untrained' for uniform weights (head-averaged features)"
             )
+        check_shipped_for(model, path)
         how = f"shipped:{path.name}"
     elif isinstance(weights, (str, Path)):
         path, how = Path(weights), str(weights)
