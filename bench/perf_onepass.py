@@ -95,15 +95,17 @@ def bench_onepass(a, dev) -> list[dict]:
     est = ctxmix.estimate_memory(m, n, call="attribute_context", methods=methods, n_response=len(ca.response_ids))
     over = peak_mb * 2**20
     ratio = sec / fwd
+    if over < 0.05 * est.peak_bytes:  # inside perf.py the allocator still holds earlier sections' memory
+        mem = row(
+            f"the same: peak memory over the loaded model / estimate_memory ({n:,} tokens)",
+            "not measurable in this process (memory freed by earlier sections is reused)",
+            f"{est.peak_bytes / 2**30:.2f} GiB estimated",
+            None,
+            "run bench/perf_onepass.py alone",
+        )
+        return [_time_row(n, sec, fwd, ratio), mem]
     return [
-        row(
-            f"attribute_context(logit, attention), random Llama d 256, {n:,} tokens: time / one SDPA forward",
-            f"{sec:.2f} s",
-            f"{fwd:.2f} s (one forward, same ids)",
-            ratio,
-            f"<= {GOAL:.0f}",
-            ratio <= GOAL,
-        ),
+        _time_row(n, sec, fwd, ratio),
         row(
             f"the same: peak memory over the loaded model / estimate_memory ({n:,} tokens)",
             f"{over / 2**30:.2f} GiB",
@@ -113,6 +115,17 @@ def bench_onepass(a, dev) -> list[dict]:
             0.75 <= est.peak_bytes / max(over, 1) <= 1.33,
         ),
     ]
+
+
+def _time_row(n: int, sec: float, fwd: float, ratio: float) -> dict:
+    return row(
+        f"attribute_context(logit, attention), random Llama d 256, {n:,} tokens: time / one SDPA forward",
+        f"{sec:.2f} s",
+        f"{fwd:.2f} s (one forward, same ids)",
+        ratio,
+        f"<= {GOAL:.0f}",
+        ratio <= GOAL,
+    )
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ class Pass:
     key_bias: torch.Tensor | None = None
     head_rows: tuple | None = None
     layer0_input: torch.Tensor | None = None
+    # what was found of each mask tensor (the same mask serves every layer of a forward): read once per pass
+    seen: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # this thread's (or task's) pass while a ctxmix call runs the model; None otherwise
@@ -300,13 +302,22 @@ def _is_causal(module, kwargs: dict, q: int) -> bool:
     return bool(c) and q > 1
 
 
-def _later_keys_closed(mask: torch.Tensor | None, causal: bool, q: int, k: int, step: int) -> bool:
+def _later_keys_closed(
+    mask: torch.Tensor | None, causal: bool, q: int, k: int, step: int, seen: dict | None = None
+) -> bool:
     """Whether every key after a row's own position (k - q + row) is shut: a causal model's. Then a block of rows
-    needs the keys up to its last row only. Checked by blocks (no n x n temporary)."""
+    needs the keys up to its last row only. Checked by blocks (no n x n temporary), once per mask tensor and pass
+    (`seen`: every layer gets the same mask, and each check waits for the device)."""
     if mask is None:
         return causal
+    got = None if seen is None else seen.get((id(mask), step))
+    if got is not None and got[0] is mask:
+        return got[1]
     attends = (lambda m: m) if mask.dtype == torch.bool else (lambda m: m == 0)
-    return not any(bool(attends(mask[..., a : a + step, k - q + a + step :]).any()) for a in range(0, q, step))
+    closed = not any(bool(attends(mask[..., a : a + step, k - q + a + step :]).any()) for a in range(0, q, step))
+    if seen is not None:
+        seen[(id(mask), step)] = (mask, closed)
+    return closed
 
 
 def _block_mask(mask: torch.Tensor | None, causal: bool, a: int, b: int, cut: int, q: int, k: int, device):
@@ -367,7 +378,7 @@ def block_probs(
     return torch.softmax(s, -1)
 
 
-def _blockwise_output(module, query, key, value, mask, kwargs: dict, causal: bool, bias=None):
+def _blockwise_output(module, query, key, value, mask, kwargs: dict, causal: bool, bias=None, seen=None):
     """softmax(...) v by blocks of query rows (`ATTENTION_CHUNK_BYTES` of scores each), the probabilities those of
     `block_probs` (the module's scaling, soft-cap, sinks and mask; a per-key bias (k,) added), the keys cut at a
     causal block's last row: (output (B, q, H, dh) in the value's dtype, None); never an n x n map. For attention
@@ -375,7 +386,7 @@ def _blockwise_output(module, query, key, value, mask, kwargs: dict, causal: boo
     B, H, q, _ = query.shape
     Hkv, k = key.shape[1], key.shape[-2]
     step = query_block_rows(H, k, torch.finfo(probs_dtype(query)).bits // 8, B)
-    later = _later_keys_closed(mask, causal, q, k, step)
+    later = _later_keys_closed(mask, causal, q, k, step, seen)
     v = value if H == Hkv else value.repeat_interleave(H // Hkv, dim=1)
     outs = []
     # the last block first: with cut keys each block is smaller than the one before, so the allocator reuses the
@@ -458,20 +469,20 @@ def _outputs(module, query, key, value, mask, kwargs: dict, p: Pass, user: str):
         return eager(module, query, key, value, mask, **kwargs)[0], None
     if _needs_eager(module, kwargs):
         causal = _is_causal(module, kwargs, query.shape[2])
-        return _blockwise_output(module, query, key, value, mask, kwargs, causal, bias)
+        return _blockwise_output(module, query, key, value, mask, kwargs, causal, bias, p.seen)
     if bias is not None:
         return _sdpa_with_key_bias(module, query, key, value, mask, bias, kwargs)
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
-def _keep_rows(module, query, key, mask, kwargs: dict, rows: Rows):
+def _keep_rows(module, query, key, mask, kwargs: dict, rows: Rows, seen: dict | None = None):
     """The probabilities this pass keeps, of the asked rows (or every row, by blocks): (B, H, T, k)."""
     B, H, q, _ = query.shape
     k = key.shape[-2]
     causal = _is_causal(module, kwargs, q)
     dt = probs_dtype(query)
     step = query_block_rows(H, k, torch.finfo(dt).bits // 8, B)
-    later = _later_keys_closed(mask, causal, q, k, step)
+    later = _later_keys_closed(mask, causal, q, k, step, seen)
     if rows.every_row:
         out = torch.zeros(B, H, q, k, dtype=dt, device=query.device)
         for a in range(0, q, step):
@@ -532,7 +543,7 @@ def ctxmix_attention(module, query, key, value, attention_mask, **kwargs):
     if p.rows is None:
         return out, None
     mask = attention_mask if p.kernel != "eager" else None if attention_mask is None else attention_mask == 0
-    kept = _keep_rows(module, query, key, mask, kw, p.rows)
+    kept = _keep_rows(module, query, key, mask, kw, p.rows, p.seen)
     layer = p.rows.layer_of.get(module)
     if kept is not None and layer is not None and layer < len(p.rows.slots):
         p.rows.slots[layer] = kept
