@@ -16,12 +16,13 @@ higher is better), recall@1; and each method's `cost["seconds"]` (each method's 
 finished example in OUT/examples.jsonl (a killed run resumes).
 Prints the table (mean over examples, LDS ± its standard error) and writes OUT/onepass_eval.md.
 
-These are the tables defaults are chosen on (validation, never the benchmark's test split; the choosers are in
-`ctxmix.methods.context.at2`): a table asked in the page's form (no --prompt-from) chooses the Context
-attribution page's default method without ablations for its model (`one_pass_default`), and a table with
---at2-weights chooses those weights' default kind (`default_kind`, on the four tasks' shapes). --ship writes it
-to ctxmix/benchmark/shipped/ (onepass-validation[-MODEL].json, or --name), which tests/test_context_bench.py
-reads.
+These are the tables defaults are chosen on (validation, never the benchmark's test split): a table asked in the
+form a model is asked in by default (a chat model: no --prompt-from; a base model: --prompt-from its benchmark
+config, the cue and the first-sentence cut) chooses the Context attribution page's default methods for its model,
+and a table with --at2-weights chooses those weights' default kind (`at2.default_kind`, on the four tasks' shapes).
+--ship writes it to ctxmix/benchmark/shipped/ (onepass-validation[-MODEL].json, or --name) and rewrites the shipped
+defaults from every shipped table (`ctxmix.benchmark.context.defaults`: ctxmix/methods/context/defaults.json, the
+one file the methods layer reads).
 
     python bench/onepass_eval.py --out out/onepass_eval --report --ship   # ship the examples stored so far
 """
@@ -65,11 +66,11 @@ def score_example(
     and cut as the benchmark's `generate_response` does)."""
     import ctxmix
     from ctxmix.benchmark.context.metrics import lds, recall_at
-    from ctxmix.benchmark.context.prompt_form import example_query
+    from ctxmix.benchmark.context.prompt_form import call_form, example_query
     from ctxmix.methods.context.ablation import aggregate
 
     form = dict(prompt or {})
-    query, template = example_query(form, ex), form.get("template")
+    query = example_query(form, ex)
     response = ex.response
     if response is None and form.get("stop"):
         from ctxmix.benchmark.context.bench import generate_response
@@ -80,11 +81,11 @@ def score_example(
         ex.context,
         query,
         sources=ex.sources,
-        template=template,
+        prompt=call_form(form),
         methods=methods,
         response=response,
         max_new_tokens=max_new_tokens,
-        n_ablations=masks,
+        ablations={"n": masks},
         progress=False,
         share_trace=share_trace,
     )
@@ -111,11 +112,10 @@ def score_example(
                 ex.context,
                 query,
                 sources=ex.sources,
-                template=template,
+                prompt=call_form(form),
                 methods=["at2_exact"],
                 response=ca.response,
-                at2_features=kind,
-                at2_weights=at2_weights,
+                at2={"features": kind, "weights": at2_weights},
                 progress=False,
             )
             if c.response_ids != ca.response_ids:  # the text re-tokenised otherwise: other rows than measured
@@ -242,9 +242,9 @@ def main(argv=None) -> None:
     if a.at2_weights:  # the file's hash: other weights, other rows
         from ctxmix.benchmark.context.prompt_form import check_weights_form
         from ctxmix.errors import BadInput
-        from ctxmix.methods.context.at2 import weights_sha256
+        from ctxmix.methods.context.at2 import weights_file_sha16
 
-        key["at2_weights_sha256"] = weights_sha256(model.name, a.at2_weights)
+        key["at2_weights_sha256"] = weights_file_sha16(model, a.at2_weights)
         try:
             check_weights_form(a.at2_weights, prompt)
         except BadInput as e:
@@ -276,6 +276,9 @@ def main(argv=None) -> None:
     if a.ship:
         path = ship(records, key, shown, a.name)
         print(f"wrote {path}")
+        from ctxmix.benchmark.context.defaults import write_defaults
+
+        print(f"wrote {write_defaults()} (the defaults the methods layer reads, chosen anew on the shipped tables)")
 
 
 def summary(records: list[dict], methods: list[str]) -> dict:
@@ -351,7 +354,7 @@ def ship(records: list[dict], key: dict, methods: list[str], name: str | None = 
         "masks": key["masks"],
         "max_new_tokens": key["max_new_tokens"],
         "share_trace": key["share_trace"],
-        # the at2_exact/<kind> rows' weights (at2.weights_sha256): the page's at2_exact is the row of the shipped file
+        # the at2_exact/<kind> rows' weights (at2.weights_file_sha16): the shipped defaults match the file's rows by it
         "at2_weights_sha256": key.get("at2_weights_sha256"),
         "prompt": key.get("prompt", {}),
         "command": "python bench/onepass_eval.py " + " ".join(sys.argv[1:]),

@@ -301,7 +301,9 @@ def cmd_estimate(args) -> None:
         target = T.AutoConfig.from_pretrained(args.model)  # the config only: no weights downloaded or read
     device_map = _json.loads(args.device_map) if args.device_map else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    default = {"attribute_context": ["logit", "attention"], "explain": ["alti"]}.get(args.call, [])
+    from ctxmix.methods.context.defaults import fallback_methods
+
+    default = {"attribute_context": list(fallback_methods()), "explain": ["alti"]}.get(args.call, [])
     for n in lengths:
         est = estimate_memory(
             target,
@@ -507,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="a config.json to estimate from instead (no weights)")
     s.add_argument("--tokens", default="1024", help="input lengths, comma-separated (e.g. 4096,16384,32768)")
     s.add_argument("--call", default="explain", help="explain, scope_maps, routes or attribute_context")
-    s.add_argument("--methods", help="comma-separated (default: alti for explain, logit,attention for context)")
+    s.add_argument("--methods", help="comma-separated (default: alti for explain, attribute_context's own for context)")
     s.add_argument("--dtype", default="auto", help="how the weights would be held: auto (the config's), bfloat16, ...")
     s.add_argument("--device", default="auto", help="the engine's device: auto (cuda if present), cpu, cuda")
     s.add_argument("--device-map", help='layers per device for a config, JSON: {"cuda:0": 40, "cuda:1": 40}')

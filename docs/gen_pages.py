@@ -163,7 +163,7 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "averaged away. A sub-span of the response refits the LASSO on the stored per-token values "
         "(`scores_for(..., span=)`), no new pass. `ca.ablations['contextcite']` holds the masks and the "
         "per-token logit-probabilities, so anyone can refit with the official solver.",
-        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["contextcite"], n_ablations=32)\n'
+        "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["contextcite"], ablations={"n": 32})\n'
         'ca.top("contextcite", 3)\nca.scores_for("contextcite", span=(0, 20))  # refit on the span, no pass',
     },
     "leave_one_out": {
@@ -261,21 +261,21 @@ CONTEXT_DOCS: dict[str, dict[str, str]] = {
         "paper": "Benjamin Cohen-Wang, Yung-Sung Chuang, Aleksander Mądry, *Learning to Attribute with "
         "Attention* (AT2), arXiv 2504.13752, 2025: its learned linear estimator; exact per-head features: ctxmix.",
         "formula": "score(U, s) = w · f(U, s), f(U, s)_{l,h} = mean_{t ∈ U} Σ_{j ∈ s} F^{l,h}(t, j), w ∈ R^{L·H}, no "
-        "bias. F: `attn` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` "
+        "bias. F: `attention` A^{l,h}_{q_t j} (AT2's own), `norm` A ‖W_O^h(W_V^h n(x_j) + b_V^h)‖, `logit` "
         "A ⟨W_O^h(W_V^h n(x_j) + b_V^h), ρ_t⟩ (head h's share of the `logit` method), `alti` the per-head ALTI "
         "proximity (as routes). w trained as AT2: −Pearson over 32 removal ablations per example, Adam, cosine, "
         "L1-normalised.",
-        "options": "`at2_features` (None: the weights' default kind, the one-pass kind best on their validation "
-        "table of the four test tasks' shapes, 'logit' for both shipped files and for uniform weights; "
-        "'logit', 'attn', 'norm', "
-        "'alti'; 'combined' and 'attn+norm+logit': trained weights only); "
-        "`at2_weights` (None: the weights shipped for the model, uniform where their held-out table scores the "
-        "trained ones lower, with a warning; a file "
+        "options": "`at2={'features': ...}` (None: the weights' default kind, the one-pass kind best on their "
+        "validation table of the four test tasks' shapes, 'logit' for both shipped files and for uniform weights; "
+        "'logit', 'attention', 'norm', "
+        "'alti'; 'combined' and 'attention+norm+logit': trained weights only; files written before 2026-11-28 "
+        "say 'attn'); `at2={'weights': ...}` (None: the weights shipped for the model, found by its weights' "
+        "fingerprint, uniform where their held-out table scores the trained ones lower, with a warning; a file "
         "from `ctxmix at2-train --model M --out DIR`; 'untrained': uniform 1/(L·H)).",
         "caveats": "Scale-free scores (rank with them). Shipped weights exist for smollm2 and gemma3 (gemma3's in "
-        "its benchmark's prompt form), each trained on 500 examples: on its validation split's held-out table each "
-        "trained kind beats its uniform weights; the default kind is the best one-pass kind on the one-pass "
-        "validation table of the four test tasks' shapes (docs: Context attribution).",
+        "the base-model form it is asked in by default), each trained on 500 examples: on its validation split's "
+        "held-out table each trained kind beats its uniform weights; the default kind is the best one-pass kind on "
+        "the one-pass validation table of the four test tasks' shapes (docs: Context attribution).",
         "snippet": 'ca = ctxmix.attribute_context(m, context, query, methods=["at2_exact"])\n'
         'ca.options["at2"], ca.warnings  # which weights, and why',
     },

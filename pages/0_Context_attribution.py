@@ -11,14 +11,15 @@ from ctxmix.export.context import view as cv
 from ctxmix.export.context.cite import messages_json, reproduce_command
 from ctxmix.export.context.json_file import context_attribution_json
 from ctxmix.export.context.npz_file import context_attribution_bytes
-from ctxmix.methods.context.at2 import one_pass_default
-from ctxmix.methods.context.check import extend_attribution, prompt_token_count
+from ctxmix.methods.context.check import extend_attribution, pending_methods, prompt_token_count
+from ctxmix.methods.context.defaults import page_methods
 from ctxmix.methods.context.prompt import context_message
-from ctxmix.methods.registry import CONTEXT_METHODS
+from ctxmix.methods.registry import CONTEXT_METHODS, context_methods
 from ctxmix.service.limits import check_context_request
 from ctxmix_dashboard.ui import common
 
-ABLATION = ("contextcite", "leave_one_out")  # slow: behind a button
+ABLATION = context_methods("ablation")  # slow: behind a button
+STOPS = ["auto", "sentence", "line", "none"]
 DEFAULT_CONTEXT = (
     "The museum opened in 1902 in a former railway station. Its collection grew slowly at first. "
     "The code for the staff entrance is 4817. Visitors enter through the main hall on the north side. "
@@ -127,17 +128,14 @@ with st.expander(
             label_visibility="collapsed",
         )
         turns.append({"role": role, "content": text})
-# the best LDS without ablations on the model's validation table asked as this page asks (at2.one_pass_default)
-default_methods = [one_pass_default(model.name), "contextcite"]
+# the shipped defaults for this model, matched by its weights' fingerprint (ctxmix.methods.context.defaults)
+default_methods, chosen_on = page_methods(model)
 methods = st.multiselect(  # its own full-width row, chips named by the method alone: no label cut with "…"
     "Methods",
     list(CONTEXT_METHODS),
     default=[m for m in common.qp_list("cmethod", default_methods) if m in CONTEXT_METHODS] or default_methods,
     key="cmethods",
-    help="One-pass methods (logit, alti_logit, attention, grad_x_input, key_mask_grad, key_mask_ig, at2_exact) run "
-    "at once (key_mask_grad and key_mask_ig score the whole response only); contextcite and "
-    "leave_one_out make one forward pass per ablation and run when you click their button. "
-    + "; ".join(f"{m}: {info.title}" for m, info in CONTEXT_METHODS.items()),
+    help=cv.methods_help() + f" Default for this model: {', '.join(default_methods)} (chosen on {chosen_on}).",
 )
 c1, c3, c4 = st.columns(3)
 unit = c1.selectbox("Source unit", UNITS, index=common.qp_index("unit", UNITS), key="unit")
@@ -162,6 +160,22 @@ with st.expander("Response (optional)", expanded=bool(common.qp("resp"))):
         key="resp",
         help="Empty: the model's greedy answer. A stored answer keeps the view the same on another machine.",
     )
+    f1, f2 = st.columns(2)
+    cue = f1.text_input(
+        "Answer cue after the query",
+        value=common.qp_text("cue", "auto", 200),
+        key="cue",
+        help="auto: '\\nAnswer:' for a model without a chat template (a base model reads the prompt as a document "
+        "to continue), none with one. Empty: no cue.",
+    )
+    stop = f2.selectbox(
+        "Cut a generated response at",
+        STOPS,
+        index=STOPS.index(common.qp("stop", "auto")) if common.qp("stop", "auto") in STOPS else 0,
+        key="stop",
+        help="auto: its first sentence for a model without a chat template (it rambles past its answer), none "
+        "with one.",
+    )
 common.set_qp(
     ctx_from=source_kind,
     ctx=documents[0] if source_kind == "text" else None,
@@ -172,6 +186,8 @@ common.set_qp(
     new=int(n_new),
     nabl=int(n_abl),
     resp=given,
+    cue=None if cue == "auto" else cue,
+    stop=None if stop == "auto" else stop,
     sys=system or None,
     turns=int(n_turns) or None,
     turn=[t["content"] for t in turns] or None,
@@ -197,13 +213,15 @@ if system.strip() or any(t["content"].strip() for t in turns):
     if messages_arg is None:
         st.stop()
 
+form_arg = {"query_suffix": cue, "stop": None if stop == "none" else stop}  # "auto": the model's default
+
 # ---------------------------------------------------------------- caps, before any model call
 capped = True
 with common.errors_as_messages():
     if messages_arg is None:
-        n_prompt = prompt_token_count(model, context, query_arg, unit)
+        n_prompt = prompt_token_count(model, context, query_arg, unit, prompt=form_arg)
     else:
-        n_prompt = prompt_token_count(model, None, None, unit, messages=messages_arg)
+        n_prompt = prompt_token_count(model, None, None, unit, messages=messages_arg, prompt=form_arg)
     wants_abl = any(m in ABLATION for m in methods)
     check_context_request(n_prompt, len(documents), int(n_abl) if wants_abl else None, int(n_new), lim)
     capped = False
@@ -212,7 +230,7 @@ if capped:  # the message naming the limit is shown; nothing ran
 
 # ---------------------------------------------------------------- the attribution (cached in this session)
 cache = st.session_state.setdefault("_ctx_cache", {})
-key = (name, tuple(documents), query_arg, unit, response_arg, int(n_new), repr(messages_arg))
+key = (name, tuple(documents), query_arg, unit, response_arg, int(n_new), repr(messages_arg), repr(form_arg))
 ca = cache.get(key)
 
 
@@ -220,7 +238,7 @@ def _bar(what: str):
     bar = st.progress(0.0, text=what)
 
     def report(stage, done, total):
-        label = {"generate": "Generating the response", "contextcite": "ContextCite ablations"}.get(stage, stage)
+        label = "Generating the response" if stage == "generate" else cv.stage_label(stage)
         bar.progress(min(1.0, done / max(total, 1)), text=f"{label}… {done}/{total}")
 
     return bar, report
@@ -238,7 +256,8 @@ def _attribute(ca, todo: list[str], what: str):
             sources=unit,
             methods=todo,
             max_new_tokens=int(n_new),
-            n_ablations=int(n_abl),
+            prompt=form_arg,
+            ablations={"n": int(n_abl)},
             progress=report,
         )
     else:
@@ -264,17 +283,11 @@ with common.errors_as_messages():
     todo = [m for m in one_pass if ca is None or m not in ca.methods]
     if todo:
         ca = _attribute(ca, todo, "Tracing…")
-    pending = [
-        m
-        for m in ablation
-        if ca is None or m not in ca.methods or (m == "contextcite" and int(ca.options["n_ablations"]) != int(n_abl))
-    ]
+    pending = pending_methods(ca, ablation, n_ablations=int(n_abl))
     if pending:
         label = " and ".join(pending)
-        passes = " + ".join((f"{int(n_abl)}" if m == "contextcite" else "one per source + 1") for m in pending)
-        run = common.qp("abl") == "1" or st.button(
-            f"Run {label} ({passes} forward passes)", key="run_ablations", type="primary"
-        )
+        passes = cv.passes_label(pending, int(n_abl))
+        run = common.qp("abl") == "1" or st.button(f"Run {label} ({passes})", key="run_ablations", type="primary")
         if run:
             ca = _attribute(ca, pending, "Ablations…")
             common.set_qp(abl=1)
@@ -326,7 +339,7 @@ if span_unit != "response":
         st.info(
             f"{', '.join(whole_only)} {'scores' if len(whole_only) == 1 else 'score'} the whole response only, so "
             "the whole response is explained. For a "
-            "part of it, add a method with per-token rows (logit, alti_logit, at2_exact) or contextcite."
+            f"part of it, add a method that scores spans ({', '.join(cv.span_scoring_methods())})."
         )
         shown, span = whole_only, None
     elif span is None:

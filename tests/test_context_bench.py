@@ -126,7 +126,8 @@ def test_runner_on_a_tiny_model(tokenizer):
         e.query,
         response=responses["needle-0"],
         methods=["logit", "contextcite"],
-        n_ablations=4,
+        ablations={"n": 4},
+        prompt={"query_suffix": "", "stop": None},  # the benchmark's explicit form (prompt_form.call_form)
         progress=False,
     )
     # each example its own ContextCite seeds (the default), recorded in the check rows
@@ -402,31 +403,45 @@ def test_every_context_method_has_a_docs_page():
     assert all(f"methods/context/{m}.md" in nav for m in CONTEXT_METHODS)
 
 
-def test_the_page_default_is_the_best_one_pass_method_on_validation():
-    """The Context attribution page's default one-pass method is the one with the best mean LDS among the methods
-    that run no ablations, on the validation split's table (bench/onepass_eval.py --ship): a default is chosen on
-    validation, never on the benchmark's test examples. at2_exact is the table's row of the shipped weights' default
-    estimator (the same file, by its hash); a model without shipped weights gets the best of the others."""
+def test_the_shipped_defaults_are_what_the_validation_tables_choose():
+    """The methods layer reads one shipped mapping (ctxmix/methods/context/defaults.json) and no benchmark output;
+    it is what `ctxmix.benchmark.context.defaults` writes from the shipped validation tables (validation, never the
+    benchmark's test examples): rebuilt here, it is the shipped file, date aside. smollm2 (a chat model) gets the
+    best method without ablations on its table, at2_exact with its shipped weights' default kind; gemma3 (a base
+    model) gets it on its table asked in the base-model form, the form it is asked in by default; any other model
+    the best of smollm2's table that needs no trained weights."""
     import json
 
+    from ctxmix.benchmark.context.defaults import DEFAULTS_FILE, build_defaults, shipped_tables
     from ctxmix.methods.context import at2
-    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
+    from ctxmix.methods.context.defaults import page_methods, shipped
 
-    rec = json.loads((shipped.SHIPPED / "onepass-validation.json").read_text())
+    built, ships = build_defaults(), json.loads(DEFAULTS_FILE.read_text())
+    assert {k: v for k, v in built.items() if k != "written"} == {k: v for k, v in ships.items() if k != "written"}
+    assert shipped() == ships
+    tables = {t["name"]: t for t in shipped_tables()}
+    rec = tables["onepass-validation"]
     assert rec["split"] == "validation" and rec["model"] == "smollm2" and rec["examples"] >= 30
     assert all(rec["tasks"][t] >= 4 for t in at2.VALIDATION_TASKS)  # the four test tasks' shapes
-    lds = {m: v["lds"] for m, v in rec["methods"].items() if m in ONE_PASS_METHODS}
-    assert {"logit", "alti_logit", "attention"} <= set(lds) and "contextcite" in rec["methods"]
-    assert at2.one_pass_default("no-such-model") == max(lds, key=lambda m: lds[m])
-    # the rows of the shipped file's estimators, scored on the same held-out ablations
-    assert rec["at2_weights_sha256"] == at2.weights_sha256("smollm2")
-    real = SimpleNamespace(name="smollm2", n_layers=30, n_heads=9, info={"gguf_sha256": at2.SHIPPED_FOR["smollm2.npz"]})
-    _, info = at2.resolve_weights(real, None, None)
-    trained = info["weights"].startswith("shipped:")  # else uniform weights: at2_exact ranks as `attention`/`logit`
-    lds["at2_exact"] = rec["methods"][f"at2_exact/{info['kind']}"]["lds"] if trained else lds["logit"]
-    assert at2.one_pass_default("smollm2") == max(lds, key=lambda m: lds[m])
+    free = {m: v["lds"] for m, v in rec["methods"].items() if m in ("logit", "alti_logit", "attention", "key_mask_ig")}
+    assert ships["fallback"]["page_methods"] == [max(free, key=lambda m: free[m]), "contextcite"]
+    entries = {e["name"]: e for e in ships["models"]}
+    smol = entries["smollm2"]
+    kind = ships["at2_weights"][smol["at2_weights"]]["kind"]
+    assert rec["at2_weights_sha256"] == smol["at2_weights"] == at2.weights_file_sha16("smollm2")
+    assert rec["methods"][f"at2_exact/{kind}"]["lds"] > max(free.values())
+    assert smol["page_methods"] == ["at2_exact", "contextcite"] and smol["prompt"] == {}
+    g = entries["gemma3"]
+    table = tables["onepass-validation-gemma3"]
+    from ctxmix.methods.context.defaults import prompt_form_for
+
+    assert g["prompt"] == table["prompt"] == prompt_form_for(False)  # gemma3 has no chat template
+    assert g["page_methods_chosen_on"].startswith("onepass-validation-gemma3.json")
+    # a model that matches no entry: the fallback (no trained weights), whatever its name
+    other = SimpleNamespace(name="smollm2", n_layers=3, n_heads=2, info={})
+    assert page_methods(other)[0] == ships["fallback"]["page_methods"]
     page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
-    assert "default_methods = [one_pass_default(model.name)," in page
+    assert "default_methods, chosen_on = page_methods(model)" in page
     # the docs quote the shipped table as it renders now
     docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
     assert _onepass_eval().markdown(rec["methods"]) in docs
@@ -434,34 +449,42 @@ def test_the_page_default_is_the_best_one_pass_method_on_validation():
 
 def test_gemma3_validation_tables_its_benchmark_form_and_the_pages():
     """gemma3 has two validation tables. onepass-validation-gemma3.json is asked in its benchmark config's prompt
-    form, with the rows of the shipped gemma3 weights (by hash), on the four test tasks' shapes: it chooses their
-    default kind. onepass-validation-gemma3-page.json is asked as the page asks (the default form: no answer cue,
-    no cut, the page's 24 new tokens), without at2_exact (its weights were trained with the cue): the page's default
-    for gemma3 is its best method without ablations. The docs quote both as they render now."""
+    form (the answer cue, the first-sentence cut), which is also the form a model without a chat template is asked
+    in by default since 2026-11-28, with the rows of the shipped gemma3 weights (by hash): it chooses their default
+    kind and the page's default methods for gemma3. onepass-validation-gemma3-page.json was asked in the page's
+    former form (no cue, no cut, 24 new tokens): a record that chose the same method (key_mask_ig). The docs quote
+    both as they render now."""
     import json
 
     from ctxmix.benchmark.context.prompt_form import prompt_form
     from ctxmix.methods.context import at2
-    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
+    from ctxmix.methods.context.defaults import prompt_form_for, shipped
 
-    rec = json.loads((shipped.SHIPPED / "onepass-validation-gemma3.json").read_text())
+    rec = json.loads((shipped_dir() / "onepass-validation-gemma3.json").read_text())
     assert rec["split"] == "validation" and rec["model"] == "gemma3" and rec["examples"] >= 30
     assert all(rec["tasks"][t] >= 4 for t in at2.VALIDATION_TASKS)
     config = cb.load_context_config(Path(cb.__file__).parents[1] / "configs" / "context-gemma3.yaml")
-    assert rec["prompt"] == prompt_form(config) and rec["max_new_tokens"] == config["max_new_tokens"]
-    assert rec["at2_weights_sha256"] == at2.weights_sha256("gemma3")
-    assert {f"at2_exact/{k}" for k in at2.ESTIMATORS} | {"logit", "contextcite"} <= set(rec["methods"])
-    page_rec = json.loads((shipped.SHIPPED / "onepass-validation-gemma3-page.json").read_text())
-    assert page_rec["model"] == "gemma3" and page_rec["split"] == "validation" and page_rec["prompt"] == {}
-    assert page_rec["max_new_tokens"] == 24 and page_rec["at2_weights_sha256"] is None  # the page's New tokens
-    page = (Path(__file__).resolve().parents[1] / "pages" / "0_Context_attribution.py").read_text()
-    assert 'common.qp_int("new", min(24, lim.max_context_new_tokens)' in page
-    lds = {m: v["lds"] for m, v in page_rec["methods"].items() if m in ONE_PASS_METHODS}
-    assert {"logit", "key_mask_ig"} <= set(lds) and "contextcite" in page_rec["methods"]
-    assert at2.one_pass_default("gemma3") == max(lds, key=lambda m: lds[m])
+    assert rec["prompt"] == prompt_form(config) == prompt_form_for(False) and rec["max_new_tokens"] == 48
+    assert rec["at2_weights_sha256"] == at2.weights_file_sha16("gemma3")
+    names = {at2.KIND_ALIASES.get(n.split("/")[1], n.split("/")[1]) for n in rec["methods"] if n.startswith("at2_")}
+    assert names == set(at2.ESTIMATORS) and {"logit", "contextcite"} <= set(rec["methods"])
+    free = {m: v["lds"] for m, v in rec["methods"].items() if m in ("logit", "alti_logit", "attention", "key_mask_ig")}
+    entry = next(e for e in shipped()["models"] if e["name"] == "gemma3")
+    best = max(free, key=lambda m: free[m])
+    if free[best] < rec["methods"]["at2_exact/logit"]["lds"]:
+        best = "at2_exact"
+    assert entry["page_methods"] == [best, "contextcite"] == ["key_mask_ig", "contextcite"]
+    page_rec = json.loads((shipped_dir() / "onepass-validation-gemma3-page.json").read_text())
+    assert page_rec["prompt"] == {} and page_rec["max_new_tokens"] == 24
+    old = {m: v["lds"] for m, v in page_rec["methods"].items() if m in free}
+    assert max(old, key=lambda m: old[m]) == "key_mask_ig"  # the former form chose the same
     docs = (Path(__file__).resolve().parents[1] / "docs" / "context.md").read_text()
     assert _onepass_eval().markdown(rec["methods"]) in docs
     assert _onepass_eval().markdown(page_rec["methods"]) in docs
+
+
+def shipped_dir() -> Path:
+    return shipped.SHIPPED
 
 
 def _onepass_eval():
@@ -474,44 +497,34 @@ def _onepass_eval():
     return oe
 
 
-def test_one_pass_default_needs_usable_weights_in_the_page_form(tmp_path, monkeypatch):
-    """The page's default is the best method without ablations on the model's own page-form validation table;
-    at2_exact competes only where that table scored the shipped file (by hash), whose default kind's trained
-    weights are in use and were trained on the default prompt form; a model without a table gets the best of
-    smollm2's table that needs no weights; a name that is a path never reads a file outside the package."""
-    import json
-
+def test_the_page_default_needs_usable_weights_in_the_models_form(tmp_path):
+    """The benchmark's choice of a model's page methods (`model_entry`): the best method without ablations on the
+    model's own validation table in the form it is asked in; at2_exact competes only where that table scored the
+    model's shipped file (by hash), whose default kind's trained weights are in use and were trained in that form;
+    a table of another form, or none, chooses nothing (the fallback then)."""
+    from ctxmix.benchmark.context.defaults import file_sha16, model_entry, weights_entry
     from ctxmix.methods.context import at2
 
     w = {at2.DEFAULT_KIND: at2.uniform_weights(2, 2)}
     rows = [{"features": at2.DEFAULT_KIND, "weights": w_, "lds": v} for w_, v in (("trained", 0.9), ("untrained", 0.8))]
-    good = at2.save_weights(tmp_path / "good.npz", w, 2, 2, {"heldout": {"rows": rows}})
+    meta = {"model": "m", "heldout": {"rows": rows}}
+    good = at2.save_weights(tmp_path / "good.npz", w, 2, 2, meta)
     low = [dict(r, lds=0.7) if r["weights"] == "trained" else r for r in rows]
-    below = at2.save_weights(tmp_path / "below.npz", w, 2, 2, {"heldout": {"rows": low}})
-    cue = at2.save_weights(tmp_path / "cue.npz", w, 2, 2, {"heldout": {"rows": rows}, "prompt": {"stop": "sentence"}})
-    tables = tmp_path / "tables"
-    tables.mkdir()
+    below = at2.save_weights(tmp_path / "below.npz", w, 2, 2, {**meta, "heldout": {"rows": low}})
+    cue = at2.save_weights(tmp_path / "cue.npz", w, 2, 2, {**meta, "prompt": {"stop": "sentence"}})
     methods = {"logit": {"lds": 0.8}, "key_mask_ig": {"lds": 0.7}, "contextcite": {"lds": 0.95}}
     methods["at2_exact/logit"] = {"lds": 0.85, "lds_needles": 0.85}
-    ref = {"model": "smollm2", "prompt": {}, "methods": {"key_mask_ig": {"lds": 0.9}, "logit": {"lds": 0.8}}}
-    (tables / "onepass-validation.json").write_text(json.dumps(ref))
-    monkeypatch.setattr(at2, "SHIPPED_TABLES", tables)
+    model = SimpleNamespace(name="m", n_layers=2, n_heads=2, info={}, _weights_sha256="f" * 64)
     for path, want in ((good, "at2_exact"), (below, "logit"), (cue, "logit")):
-        table = {"model": "m", "prompt": {}, "methods": methods, "at2_weights_sha256": at2.weights_sha256("m", path)}
-        (tables / "onepass-validation-m.json").write_text(json.dumps(table))
-        monkeypatch.setattr(at2, "shipped_weights_path", lambda name, path=path: path)
-        assert at2.one_pass_default("m") == want, path
-    # the table of another file (a retrained one): at2_exact does not compete
-    (tables / "onepass-validation-m.json").write_text(json.dumps({**table, "at2_weights_sha256": "0" * 16}))
-    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: good)
-    assert at2.one_pass_default("m") == "logit"
-    # a table asked in another form (a base model's cue) is not the page's: no own table, smollm2's best
-    (tables / "onepass-validation-m.json").write_text(json.dumps({**table, "prompt": {"stop": "sentence"}}))
-    assert at2.one_pass_default("m") == "key_mask_ig" == at2.one_pass_default("other")
-    monkeypatch.undo()
-    (tmp_path / "folder.npz").write_bytes(b"")
-    assert at2.shipped_weights_path(str(tmp_path / "folder")) is None
-    assert at2.one_pass_default(str(tmp_path / "folder")) == "logit"
+        table = {"name": "t", "model": "m", "prompt": {}, "methods": methods, "at2_weights_sha256": file_sha16(path)}
+        weights = {file_sha16(path): weights_entry(path, [table])}
+        entry = model_entry(model, {}, weights, [table])
+        assert entry["page_methods"] == [want, "contextcite"] and entry["weights_sha256"] == "f" * 64, path
+        # the table of another file (a retrained one): at2_exact does not compete
+        other = {**table, "at2_weights_sha256": "0" * 16}
+        assert model_entry(model, {}, weights, [other])["page_methods"][0] == "logit"
+        # a table asked in another form than the model's is not its table: no page methods of its own
+        assert "page_methods" not in model_entry(model, {"stop": "sentence"}, weights, [table])
 
 
 def test_a_config_refuses_at2_weights_of_another_prompt_form(tmp_path):
@@ -591,11 +604,13 @@ def test_the_configs_prompt_keys_reach_the_prompt_and_the_response(tokenizer, mo
         return type("CA", (), {"response": "nothing"})()  # lacks the answer: dropped before evaluate
 
     rec = cb._one_example(llama, cfg, ["logit"], ex, None, {}, False, fake_attribute)
-    assert rec["dropped"] and got["response"] == f" {ex.answer}." and got["template"] == "plain"
-    assert got["query"] == ex.query + "\nAnswer:" and got["at2_weights"] == "untrained"
-    assert got["at2_features"] is None  # not named: the weights' default kind
+    assert rec["dropped"] and got["response"] == f" {ex.answer}." and got["prompt"]["template"] == "plain"
+    # the cue is in the query already and the response cut: the call adds neither (never the shipped defaults)
+    assert got["prompt"]["query_suffix"] == "" and got["prompt"]["stop"] is None
+    assert got["query"] == ex.query + "\nAnswer:" and got["at2"]["weights"] == "untrained"
+    assert got["at2"]["features"] is None  # not named: the weights' default kind
     cb._one_example(llama, {**cfg, "at2_features": "norm"}, ["logit"], ex, None, {}, False, fake_attribute)
-    assert got["at2_features"] == "norm"
+    assert got["at2"]["features"] == "norm"
     with pytest.raises(BadInput, match="at2_features must be one of"):
         cb.validate_context_config({**cfg, "at2_features": "grad"})
     stamp = cb.config_stamp(cfg, False, cfg["tasks"][0], None)  # a named kind is part of the results' identity
@@ -745,9 +760,9 @@ def test_onepass_eval_scores_at2_estimators_against_the_same_heldout_ablations(t
     p = at2.save_weights(tmp_path / "w.npz", w, L, H, {"model": "tiny"})
     rec = oe.score_example(llama, ex, ["logit", "attention", "contextcite"], 4, 8, at2_weights=str(p))
     got = rec["methods"]
-    assert set(got) == {"logit", "attention", "contextcite", "at2_exact/logit", "at2_exact/attn"}
+    assert set(got) == {"logit", "attention", "contextcite", "at2_exact/logit", "at2_exact/attention"}
     assert got["at2_exact/logit"]["lds"] == pytest.approx(got["logit"]["lds"], abs=1e-12)
-    assert got["at2_exact/attn"]["lds"] == pytest.approx(got["attention"]["lds"], abs=1e-12)
+    assert got["at2_exact/attention"]["lds"] == pytest.approx(got["attention"]["lds"], abs=1e-12)
     assert got["at2_exact/logit"]["recall@1"] == got["logit"]["recall@1"]
     assert math.isnan(got["at2_exact/logit"]["topk_drop@1"]) and got["at2_exact/logit"]["seconds"] > 0
     # the table's cost column: each method's seconds over ContextCite's on the same example; "-" where not measured

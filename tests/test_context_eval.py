@@ -55,6 +55,7 @@ def ca(llama):
         response=RESPONSE,
         methods=["logit", "attention", "contextcite", "leave_one_out"],
         n_ablations=N_CC,
+        prompt={"query_suffix": ""},  # the query as the direct recomputations below build it
         progress=False,
         seeds="official",  # ContextCite's seeds 0..N_CC-1 and held-out ones from LDS_SEED, checked below
     )
@@ -386,7 +387,7 @@ def test_each_example_gets_its_own_masks_and_compat_keeps_the_official_seeds(lla
     from ctxmix.methods.context import ablation as cab
 
     other = CONTEXT.replace("Tea is served cold.", "Milk is served warm.")
-    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False)
+    kw = dict(response=RESPONSE, methods=["contextcite"], n_ablations=N_CC, progress=False, prompt={"query_suffix": ""})
     a, again, b = (ctxmix.attribute_context(llama, c, QUERY, **kw) for c in (CONTEXT, CONTEXT, other))
     assert a.n_sources == b.n_sources == len(PARTS)
     masks = [x.ablations["contextcite"]["masks"] for x in (a, again, b)]

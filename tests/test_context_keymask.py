@@ -37,6 +37,7 @@ def gpt2(tokenizer):
 
 
 def _ca(m, methods, **kw):
+    kw.setdefault("prompt", {"query_suffix": ""})  # the query as is: the sources' effect these checks were sized on
     return ctxmix.attribute_context(m, CONTEXT, QUERY, response=RESPONSE, methods=methods, progress=False, **kw)
 
 

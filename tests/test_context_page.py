@@ -31,8 +31,8 @@ def llama(tokenizer):
 
 @pytest.fixture(scope="module")
 def ca(llama):
-    return ctxmix.attribute_context(
-        llama, CTX, QUERY, response=RESP, methods=["logit", "contextcite"], n_ablations=8, progress=False
+    return ctxmix.attribute_context(  # the query as is: the direct recomputations below build it so
+        llama, CTX, QUERY, response=RESP, methods=["logit", "contextcite"], n_ablations=8, prompt={"query_suffix": ""}
     )
 
 
@@ -48,7 +48,7 @@ def test_extend_equals_one_call_with_every_method(llama, ca):
     both = ctxmix.attribute_context(
         llama, CTX, QUERY, response=RESP, methods=["alti_logit", "contextcite"], n_ablations=8, progress=False
     )
-    assert first.methods == ["logit", "alti_logit", "contextcite"]
+    assert first.methods == ["logit", "contextcite", "alti_logit"]  # in the order asked
     for m in ("alti_logit", "contextcite"):
         # same passes, same arithmetic, same order: equal to the bit (contextcite's LASSO is deterministic)
         np.testing.assert_array_equal(first.scores[m], both.scores[m])
@@ -163,7 +163,9 @@ def test_context_caps_local_hosted_and_secrets():
 
 
 def test_prompt_token_count_is_the_attributions_prompt(llama, ca):
-    assert prompt_token_count(llama, CTX, QUERY) == len(ca.prompt_ids)
+    assert prompt_token_count(llama, CTX, QUERY, prompt={"query_suffix": ""}) == len(ca.prompt_ids)
+    cue = len(llama.tokenizer("\nAnswer:", add_special_tokens=False)["input_ids"])
+    assert prompt_token_count(llama, CTX, QUERY) == len(ca.prompt_ids) + cue  # a base model's default: the cue too
 
 
 # ---------------------------------------------------------------- views and figure
@@ -642,32 +644,35 @@ def test_a_part_of_the_response_leaves_out_whole_response_methods(_env, tiny_lm_
 
 
 def test_page_default_one_pass_method_follows_the_shipped_weights(_env, tiny_lm_dir, monkeypatch, tmp_path):
-    """With no methods in the link, the page runs the validation table's best method without ablations: logit
-    for a model without shipped AT2 weights or a table of its own, at2_exact (with those weights) for one whose
-    page-form table ranks them first."""
+    """With no methods in the link, the page runs the shipped defaults' methods for the model, matched by its
+    weights' fingerprint: the fallback (logit, contextcite) for a model with no entry, at2_exact (with the weights
+    the entry names) for one whose entry chose it."""
+    import copy
     import json
 
     import numpy as np
 
-    from ctxmix.methods.context import at2
+    from ctxmix.benchmark.context.defaults import file_sha16
+    from ctxmix.methods.context import at2, defaults
 
     at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP)
     at.run()
     _ok(at)
-    assert at.multiselect(key="cmethods").value == ["logit", "contextcite"]
+    assert at.multiselect(key="cmethods").value == list(defaults.fallback_methods())
     cfg = json.loads((Path(tiny_lm_dir) / "config.json").read_text())
     L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     w = at2.save_weights(tmp_path / "w.npz", {at2.DEFAULT_KIND: np.arange(1.0, L * H + 1)}, L, H, {})
-    monkeypatch.setattr(at2, "shipped_weights_path", lambda name: w)
-    monkeypatch.setattr(at2, "check_shipped_for", lambda model, path: None)  # a test file standing in for one
-    # the model's own page-form validation table, scoring these weights (by hash) above logit
     (ca,) = at.session_state["_ctx_cache"].values()
-    tables = tmp_path / "tables"
-    tables.mkdir()
-    table = {"model": ca.model_name, "prompt": {}, "at2_weights_sha256": at2.weights_sha256(ca.model_name, w)}
-    table["methods"] = {"logit": {"lds": 0.5}, f"at2_exact/{at2.DEFAULT_KIND}": {"lds": 0.6}}
-    (tables / "onepass-validation-tiny.json").write_text(json.dumps(table))
-    monkeypatch.setattr(at2, "SHIPPED_TABLES", tables)
+    # an entry for this model's fingerprint, as the benchmark would write it from a table ranking these weights first
+    mapping = copy.deepcopy(defaults.shipped())
+    sha = file_sha16(w)
+    mapping["at2_weights"][sha] = {"file": w.name, "kind": at2.DEFAULT_KIND, "weights": "trained", "below_uniform": {}}
+    mapping["at2_weights"][sha] |= {"kind_chosen_on": "a test table", "date": "2026-11-28", "prompt": {}}
+    entry = {"name": "tiny", "weights_sha256": ca.provenance["weights_sha256"], "source_sha256": None}
+    entry |= {"shape": [L, H], "prompt": {}, "at2_weights": sha, "page_methods": ["at2_exact", "contextcite"]}
+    mapping["models"].append(entry | {"page_methods_chosen_on": "a test table", "date": "2026-11-28"})
+    monkeypatch.setattr(defaults, "shipped", lambda: mapping)
+    monkeypatch.setattr(defaults, "at2_weights_file", lambda model: w if defaults.model_entry(model) else None)
     at = _page(model=tiny_lm_dir, ctx=CTX, query=QUERY, resp=RESP)
     at.run()
     _ok(at)

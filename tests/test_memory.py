@@ -172,7 +172,7 @@ def test_the_estimate_is_within_a_third_of_the_live_tensors(tokenizer, call, n):
     )
     text = _text(model.tokenizer, n)
     resp = " It rained and the fire went out."
-    ask = dict(query="What happened?", response=resp, progress=False)
+    ask = dict(query="What happened?", response=resp, progress=False, prompt={"query_suffix": ""})  # n_tok's prompt
     runs = {
         "explain": (lambda: ctxmix.explain(model, text, ["alti"]), dict(call="explain", methods=["alti"])),
         "scope_maps": (lambda: ctxmix.scope_maps(model, text), dict(call="scope_maps")),

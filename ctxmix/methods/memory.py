@@ -38,9 +38,9 @@ ROUTES_TARGETS = 1  # targets per chunk routes counts: its frontier is the few s
 # resident. Measured at Llama-3-8B's widths, the decompositions' peak ran 25-30 % above the live tensors without it.
 ALLOCATOR_KEPT = "freed by the forward pass, kept by the allocator (CPU)"
 TOKENS_PER_SOURCE = 30  # `n_sources` when not given: sentences of about 30 tokens
-ONE_PASS_ROWS = ("logit", "attention", "at2_exact")  # context methods that read the response rows only
-ABLATION_METHODS = ("contextcite", "leave_one_out")
-GRADIENT_METHODS = ("grad_x_input", "key_mask_grad", "key_mask_ig")  # a forward pass kept for the backward
+# the context methods' memory phases (their records' `memory`): the response rows of one traced pass, a full
+# trace, a forward pass kept for the backward, a batch of ablated prompts of about half the context or of all of it
+CONTEXT_PHASES = ("rows", "full_trace", "backward", "ablations", "ablations_whole")
 
 
 # The published configs of the models ctxmix's users study (their config.json files, trimmed to the widths), so
@@ -277,6 +277,7 @@ def estimate_memory(
     n_ablations: int = 32,
     batch_size: int = 8,
     n_sources: int | None = None,
+    phases=None,
 ) -> MemoryEstimate:
     """The peak memory of `call` on `n_tokens` tokens, per device, before anything runs (module docstring).
 
@@ -284,7 +285,8 @@ def estimate_memory(
     they are loaded) or a transformers config (nothing loaded: `dtype` how the weights would be held, default
     the config's; the weights counted). call: "explain" (with `methods`), "scope_maps", "routes",
     "attribute_context" (with context `methods`, `n_response` response tokens, default 32, and `n_ablations`,
-    `batch_size`, `n_sources` (default: one per 30 tokens) for contextcite / leave_one_out). device: the
+    `batch_size`, `n_sources` (default: one per 30 tokens) for the ablation methods; `phases`: the context methods'
+    memory phases when a call knows better than their records, `ctxmix.methods.context.job.memory_phases`). device: the
     engine's device for a config ("cuda", "cpu";
     default: cuda when present). device_map (config only): {device: layers or fraction} spreading the layers;
     the embeddings, the head and the engine's work stay on the first. device_memory: bytes per device instead
@@ -338,8 +340,14 @@ def estimate_memory(
             f"each call running at once on this model holds its own copy of one layer ({copy / 2**30:.2f} GiB): "
             "sessions sharing a server add one each"
         )
+    if call == "attribute_context":  # the methods' memory phases, from their records (or the call's)
+        from ctxmix.methods.context.job import check_names, memory_phases
+
+        kinds = tuple(phases or memory_phases(check_names(list(methods))))
+    else:
+        kinds = ()
     phases = _phases(
-        W, n_tokens, call, methods, (n_response, n_ablations, batch_size, n_sources), engine, card, budget, notes
+        W, n_tokens, call, methods, (n_response, n_ablations, batch_size, n_sources, kinds), engine, card, budget, notes
     )
     best: dict[str, dict[str, int]] = {}  # each device at its own peak phase
     live_peak = 0
@@ -385,7 +393,7 @@ def _phases(W, n, call, methods, context, engine, card, budget, notes) -> list[d
     if W.window and n >= W.window:
         fwd_layer["sliding-window mask (n x n, boolean)"] = ("layers", acct.window_mask_bytes(W, n))
     if call == "attribute_context":
-        return _context_phases(W, n, methods, context, sizing, card, engine)
+        return _context_phases(W, n, context, sizing, card, engine)
     stored_states = acct.trace_states_bytes(W, n) - W.L * W.H * n * n * W.w
     streamed = acct.trace_states_bytes(W, n) > sizing // STREAM_SHARE
     if streamed:
@@ -483,14 +491,17 @@ def _sizing_budget(engine: str) -> int:
     return memory_budget(dev)
 
 
-def _context_phases(W, n, methods, context, sizing, card, engine):
-    """`attribute_context`: the rows trace for the one-pass methods (row chunks of the attention, the response
-    rows kept), a full trace for alti_logit, the ablation batch for contextcite and leave_one_out."""
-    n_response, n_ablations, batch_size, n_sources = context
+def _context_phases(W, n, context, sizing, card, engine):
+    """`attribute_context`: the methods' memory phases (`CONTEXT_PHASES`, from their records): the rows trace (row
+    chunks of the attention, the response rows kept), a full trace, the backward's kept activations, the ablation
+    batch."""
+    n_response, n_ablations, batch_size, n_sources, kinds = context
+    bad = [k for k in kinds if k not in CONTEXT_PHASES]
+    if bad:
+        raise ValueError(f"unknown memory phase(s) {bad}; known: {CONTEXT_PHASES}")
     T = n_response or RESPONSE_TOKENS
     phases: list[dict] = []
-    one_pass = [m for m in methods if m in ONE_PASS_ROWS]
-    if one_pass:
+    if "rows" in kinds:
         # the fast kernel's outputs (O(n) per head), the T rows' probabilities by blocks of rows, and a
         # soft-capped family's eager blocks
         block = acct.attention_block_bytes(W, n, rows=T) + acct.eager_blocks_bytes(W, n)
@@ -516,10 +527,10 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
                 "response rows' states (every layer)": ("engine", W.L * T * (8 * W.d + 2 * W.d_ff) * W.w),
             }
         )
-    if "alti_logit" in methods:
-        full = _phases(W, n, "explain", ("alti", "logit"), (None, 0, 0, None), engine, card, {engine: sizing}, [])
+    if "full_trace" in kinds:  # every row's ALTI map, as explain's alti with the logit readout
+        full = _phases(W, n, "explain", ("alti", "logit"), (None, 0, 0, None, ()), engine, card, {engine: sizing}, [])
         phases += full
-    if any(m in methods for m in GRADIENT_METHODS):
+    if "backward" in kinds:
         # the attention the gradient passes choose (`methods.context.grad.gradient_attention`): eager while its
         # kept probabilities fit half the budget, else the fused kernel's O(n)
         eager = 2 * acct.kept_attention_bytes(W, n) <= sizing // 2
@@ -530,13 +541,13 @@ def _context_phases(W, n, methods, context, sizing, card, engine):
                 "one layer's backward transient": ("layers", 2 * n * W.d_ff * W.e),
             }
         )
-    if any(m in methods for m in ABLATION_METHODS):
+    if "ablations" in kinds or "ablations_whole" in kinds:
         from ctxmix.engine.budget import CPU_MAX_BATCH, CUDA_MAX_BATCH
 
         # ablated prompts: leave-one-out's are nearly whole; ContextCite's keep each of S sources with probability
         # 1/2, so the longest holds about 1/2 + 2 sd = 1/2 + 1/sqrt(S) of the prompt
         S = n_sources or max(1, n // TOKENS_PER_SOURCE)
-        width = n if "leave_one_out" in methods else min(n, T + int(n * (0.5 + S**-0.5)))
+        width = n if "ablations_whole" in kinds else min(n, T + int(n * (0.5 + S**-0.5)))
         per = acct.ablation_sequence_bytes(W, width, T)  # the head reads the T response rows only
         most = min(batch_size, n_ablations, CUDA_MAX_BATCH if card is not None else CPU_MAX_BATCH)
         room = sizing - acct.attention_block_bytes(W, width) * W.eager_blocks

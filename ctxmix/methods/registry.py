@@ -1,6 +1,7 @@
 """The one registry of methods: what each is, its paper, how it is aggregated, its caveats.
 
-Both the mixing maps and the saliency methods read it; neither imports the other.
+Both the mixing maps and the saliency methods read it; neither imports the other; the context methods' records
+(`ContextMethod`) say how a call runs each. Over 500 lines because every method's record is in this one file.
 """
 
 from __future__ import annotations
@@ -278,17 +279,101 @@ PREDICTION_METHODS: dict[str, MethodInfo] = {
 METHODS: dict[str, MethodInfo] = {**MIXING_METHODS, **SALIENCY_METHODS, **PREDICTION_METHODS}  # every method
 
 
+COSTS = ("one_pass", "gradient", "ablation")  # a context method's cost class
+SPAN_RULES = ("sum", "mean")  # how a per-token method's rows make a span's score (else a rescoring function)
+
+
+@dataclass(frozen=True)
+class ContextMethod:
+    """One context-attribution method (`ctxmix.attribute_context`): what it is and how a call runs it. Every list
+    of context methods (the page's, the command line's, the memory estimate's, the exporters') reads these records;
+    adding a method is one module (its run function), one record and its test (docs/extending.md).
+
+    cost: "one_pass" (forward passes only, no ablation), "gradient" (backward passes), "ablation" (one pass per
+    ablated text: the dashboard runs these behind a button). reads: what its scores are computed from, in words.
+    run: "module:function", called as run(job, names) -> {name: result} (`ctxmix.methods.context.job`) once per
+    call with every asked method naming the same function (logit, alti_logit and attention share one trace).
+    span: "sum" or "mean" of the stored per-token rows over a span's tokens, or "module:function" rescoring a
+    span (ca, a, b) -> (d,) from what the method stored (ContextCite refits its LASSO). whole_response: it stores
+    one row for the whole response, so a sub-span is refused. memory: its phases in `ctxmix.methods.memory`
+    ("rows", "full_trace", "backward", "ablations", "ablations_whole"). passes: its cost in passes, for people.
+    options: the call options (`ContextAttribution.options` keys) its scores depend on: the page recomputes it when
+    one changes. prepare: "module:function", prepare(model, name, options) -> dict, run before any pass (checks; AT2's
+    weights), options holding what the call gives before its prompt is built (at2_features, at2_weights and the
+    resolved "prompt_form"; the rest is in `job.options` at run time), its result handed to `run` in
+    `job.prepared[name]` ("memory" there overrides the record's). needs_weights: its scores come from trained weights
+    (shipped per model, or the user's): never a default for a model without them."""
+
+    name: str
+    title: str
+    paper: str
+    cost: str
+    reads: str
+    run: str
+    span: str = "sum"
+    whole_response: bool = False
+    memory: tuple[str, ...] = ("rows",)
+    passes: str = "1 forward"
+    options: tuple[str, ...] = ()
+    prepare: str = ""
+    needs_weights: bool = False
+    doc: str = ""
+    caveat: str = ""  # what a reader must know before trusting results (`ctxmix methods`, the Context page)
+    units: str = ""  # what a score's size means where it is not self-evident (the page shows it beside the scores)
+    group: str = "context"
+
+    def __post_init__(self) -> None:
+        if self.cost not in COSTS:
+            raise ValueError(f"{self.name}: cost must be one of {COSTS}, got {self.cost!r}")
+        if self.span not in SPAN_RULES and ":" not in self.span:
+            raise ValueError(f"{self.name}: span must be one of {SPAN_RULES} or 'module:function', got {self.span!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether it stores per-token rows (a span sums or averages them: no new pass)."""
+        return self.span in SPAN_RULES
+
+
+ONEPASS = "ctxmix.methods.context.onepass:run"  # logit, alti_logit and attention: one traced pass, shared
+KEYMASK = "ctxmix.methods.context.keymask:run"
+LOGIT_CHECK = "ctxmix.methods.context.onepass:prepare"  # a head to read the logit through
+
+
+def context_methods(cost: str | None = None, *, per_token: bool | None = None) -> list[str]:
+    """The context methods' names, in the registry's order, of one cost class and/or storing per-token rows."""
+    return [
+        m
+        for m, r in CONTEXT_METHODS.items()
+        if (cost is None or r.cost == cost) and (per_token is None or r.per_token == per_token)
+    ]
+
+
+def register_context_method(record: ContextMethod) -> None:
+    """Add a context method (a plugin, or a test's) to the registry: the page, the command line, the memory
+    estimate and `attribute_context` see it at once. Refuses a name already taken."""
+    if record.name in CONTEXT_METHODS:
+        raise ValueError(f"a context method named {record.name!r} is registered already")
+    CONTEXT_METHODS[record.name] = record
+
+
 # Context attribution (`ctxmix.attribute_context`, docs/context.md): which sources of a
 # context made a causal LM generate its response. Its own group, never merged into METHODS: `logit` and
 # `attention` here are the one-pass source scores built from explain's methods of the same names.
-CONTEXT_METHODS: dict[str, MethodInfo] = {
+CONTEXT_METHODS: dict[str, ContextMethod] = {
     m.name: m
     for m in [
-        MethodInfo(
+        ContextMethod(
             "logit",
-            "context",
             "Logit (per source)",
             "Ferrando et al. 2023; ctxmix",
+            cost="one_pass",
+            reads="the response rows of one traced pass",
+            run=ONEPASS,
+            span="sum",
+            memory=("rows",),
+            passes="1 forward",
+            options=("target",),
+            prepare=LOGIT_CHECK,
             doc="One traced pass; each response token explained at the row before it, towards its log-probability "
             "(T1: centred logit minus the entropy; target='logit' for the raw logit). A source's score is the sum of "
             "its tokens' contributions over the span's tokens; template, query, separators, response positions and "
@@ -296,11 +381,18 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             caveat="Cost: one forward pass (no backward). Context relayed through response positions stays on them "
             "(not traced back to the sources); MLPs are not attributed. Causal LMs, pre-LN/parallel/sandwich.",
         ),
-        MethodInfo(
+        ContextMethod(
             "alti_logit",
-            "context",
             "ALTI-Logit (per source)",
             "Ferrando, Gállego, Tsiamas, Costa-jussà, ACL 2023; ctxmix",
+            cost="one_pass",
+            reads="every row of one traced pass (a full trace: every layer's ALTI map)",
+            run=ONEPASS,
+            span="sum",
+            memory=("full_trace",),
+            passes="1 forward + (L - 1) ALTI layer maps",
+            options=("target",),
+            prepare=LOGIT_CHECK,
             doc="Logit's per-layer contributions traced back to the input tokens through the ALTI maps of the "
             "layers below (explain's alti_logit at each response row, towards the same target: T1 by default), "
             "evaluated top-down one layer at a time (streamed on long contexts); context relayed through "
@@ -310,11 +402,16 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "chunk of ALTI rows. MLPs are not attributed; mass reaching a position whose ALTI row is all clipped "
             "is 'untraced'. Causal LMs, pre-LN/parallel/sandwich.",
         ),
-        MethodInfo(
+        ContextMethod(
             "grad_x_input",
-            "context",
             "Gradient x input (per source)",
             "Shrikumar et al. 2017; Denil et al. 2014 (signed)",
+            cost="gradient",
+            reads="its own forward pass and T backward passes",
+            run="ctxmix.methods.context.grad:run",
+            span="sum",
+            memory=("backward",),
+            passes="1 forward + T backward",
             doc="<d log p(r_t) / d e_j, e_j> for each response token and word embedding e_j, signed, summed over "
             "a source's tokens and the span's tokens (stored per token: a span needs no new pass). A source's score "
             "is the first-order effect of scaling its embeddings towards zero; not a decomposition of log p.",
@@ -323,11 +420,17 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "implementation is switched for it). "
             "First-order only: saturated tokens get small gradients whatever their role.",
         ),
-        MethodInfo(
+        ContextMethod(
             "key_mask_grad",
-            "context",
             "Key-mask gradient (per source)",
             "attribution patching of AT2's attention masking (Cohen-Wang, Chuang, Madry 2025); ctxmix",
+            cost="gradient",
+            reads="its own gated forward pass and one backward pass",
+            run=KEYMASK,
+            span="sum",
+            whole_response=True,
+            memory=("backward",),
+            passes="1 forward + 1 backward",
             doc="d log P(response) / d a_s at a = 1, a_s a gate multiplying the attention weights of source s's "
             "keys in every layer and head (a_s = 0: no query attends s, AT2's masking ablation): -score is the "
             "first-order prediction of log P(response | s masked) - log P(response).",
@@ -337,11 +440,18 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "remove its text; first-order only (held-out LDS on smollm2 0.47 against ContextCite-32's 0.90: "
             "docs/context.md, onepass-validation.json).",
         ),
-        MethodInfo(
+        ContextMethod(
             "key_mask_ig",
-            "context",
             "Key-mask integrated gradient (per source)",
             "integrated gradients (Sundararajan et al. 2017) on AT2's attention masking; ctxmix",
+            cost="gradient",
+            reads="its own gated passes at K gate levels",
+            run=KEYMASK,
+            span="sum",
+            whole_response=True,
+            memory=("backward",),
+            passes="K + 1 forward + K backward",
+            options=("key_mask_levels",),
             doc="The key-mask gradient averaged over K gate levels (midpoints of K steps of (0, 1), every source's "
             "gate at the level; key_mask_levels=, default 4): a Riemann integrated gradient from every source "
             "masked to none, whose sum over sources approaches log P(all kept) - log P(all sources masked).",
@@ -350,20 +460,31 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "Held-out LDS on smollm2 0.76 (K = 4) against ContextCite-32's 0.90 and logit's 0.81 (docs/context.md, "
             "onepass-validation.json).",
         ),
-        MethodInfo(
+        ContextMethod(
             "attention",
-            "context",
             "Attention (AT2 baseline)",
             "Cohen-Wang, Chuang, Madry 2025 (AT2, untrained)",
+            cost="one_pass",
+            reads="the response rows of one traced pass",
+            run=ONEPASS,
+            span="mean",
+            memory=("rows",),
+            passes="1 forward",
             doc="Attention of the row predicting each response token, averaged over layers and heads, summed over a "
             "source's tokens and averaged over the span's tokens (AT2's features with uniform weights).",
             caveat="Cost: one forward pass. Shares, not signed amounts; attention sinks (BOS) take much of the mass.",
         ),
-        MethodInfo(
+        ContextMethod(
             "contextcite",
-            "context",
             "ContextCite",
             "Cohen-Wang, Shah, Georgiev, Madry, NeurIPS 2024",
+            cost="ablation",
+            reads="the response re-scored on texts with random halves of the sources removed",
+            run="ctxmix.methods.context.ablation:run_contextcite_job",
+            span="ctxmix.methods.context.ablation:contextcite_span",
+            memory=("ablations",),
+            passes="n_ablations forward",
+            options=("n_ablations", "mask_seed", "keep_prob", "alpha", "compat"),
             doc="n_ablations random halves of the sources removed from the text (official masks), the response's "
             "logit P re-scored each time, a LASSO (alpha 0.01, standardised masks, target / T) fitted; spans refit "
             "on the stored per-token logit-probabilities. compat=True reproduces the official package.",
@@ -371,35 +492,50 @@ CONTEXT_METHODS: dict[str, MethodInfo] = {
             "from the official package in the aggregation's overflow, the text kept around the sources, and the "
             "response ids (no end-of-sequence): ctxmix.methods.context.ablation.",
         ),
-        MethodInfo(
+        ContextMethod(
             "leave_one_out",
-            "context",
             "Leave-one-out",
             "e.g. AttriBoT (Liu, Kandpal, Raffel, ICLR 2025) as the reference",
+            cost="ablation",
+            reads="the response re-scored on the text without each source in turn",
+            run="ctxmix.methods.context.ablation:run_leave_one_out_job",
+            span="ctxmix.methods.context.ablation:leave_one_out_span",
+            memory=("ablations_whole",),
+            passes="d + 1 forward",
+            options=("compat",),
             doc="One pass with every source and one per removed source: score = log P(span | context) - "
             "log P(span | context without the source).",
             caveat="Cost: d + 1 near-full-length forward passes; refused above 256 sources. Misses sources that "
             "matter only together (redundant facts).",
         ),
-        MethodInfo(
+        ContextMethod(
             "at2_exact",
-            "context",
             "AT2 on exact per-head features",
             "Cohen-Wang, Chuang, Madry 2025 (AT2); ctxmix exact features",
+            cost="one_pass",
+            reads="the response rows of one traced pass (its alti kinds: every row)",
+            run="ctxmix.methods.context.at2:run",
+            span="mean",
+            memory=("rows",),
+            passes="1 forward",
+            options=("target", "at2"),
+            prepare="ctxmix.methods.context.at2:prepare",
+            needs_weights=True,
             doc="AT2's learned linear estimator, w . f(unit, source) over the L x H heads, with ctxmix's exact "
             "per-head contributions as features: 'logit' (each head's logit contribution towards the "
-            "response token's log-probability), 'attn' (AT2's raw attention), 'norm' (attention x value-vector norm) "
-            "'alti' (the routes' per-head ALTI proximity), 'combined' (all four kinds, 4 L H trained weights: a "
-            "learned combination of exact features) or 'attn+norm+logit' (the three kinds of one forward pass, "
+            "response token's log-probability), 'attention' (AT2's raw attention), 'norm' (attention x value-vector "
+            "norm), 'alti' (the routes' per-head ALTI proximity), 'combined' (all four kinds, 4 L H trained weights: a "
+            "learned combination of exact features) or 'attention+norm+logit' (the three kinds of one forward pass, "
             "3 L H trained weights); summed over a source's tokens, averaged over the span's "
             "tokens. Weights trained on removal ablations of Wikipedia texts (`ctxmix at2-train`), shipped for "
-            "smollm2 and gemma3 (gemma3's in its benchmark's prompt: the plain template and an 'Answer:' cue). "
+            "smollm2 and gemma3 (gemma3's in the base-model form it is asked in by default: the plain template, the "
+            "'Answer:' cue, the first-sentence cut), found by the model's fingerprint. "
             "Default kind: per weights file, the one-pass kind that scores best on its validation table of the four "
             "test tasks' shapes ('logit' for both shipped files).",
             caveat="Cost: one forward pass plus the per-head features of the response rows ('alti' and 'combined': "
             "a full trace, about alti_logit's cost). Scores are scale-free (L1-normalised weights); weights are per "
-            "model and per prompt form: others need `ctxmix at2-train` (or at2_weights='untrained'). Trained on 500 "
-            "Wikipedia examples, every kind beats its uniform weights on the held-out validation table (smollm2: "
+            "model and per prompt form: others need `ctxmix at2-train` (or at2={'weights': 'untrained'}). Trained on "
+            "500 Wikipedia examples, every kind beats its uniform weights on the held-out validation table (smollm2: "
             "F-logit 0.83 -> 0.87, F-attn 0.70 -> 0.87; gemma3: F-logit 0.68 -> 0.73, F-attn 0.61 -> 0.76). On "
             "the benchmark's test examples the gain is smaller than on validation, and on gemma3 trained F-logit "
             "fell below the `logit` method (docs/context.md).",

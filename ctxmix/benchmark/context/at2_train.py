@@ -481,6 +481,11 @@ def cmd_at2_train(args) -> None:
     model = load_model(
         args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
     )
+    if args.prompt_from is None and not getattr(model.tokenizer, "chat_template", None):
+        # a base model is trained in the form attribute_context asks it in by default (the shipped defaults)
+        from ctxmix.methods.context.defaults import prompt_form_for
+
+        prompt = prompt_form(prompt_form_for(False))
     meta = train(
         model,
         args.out,

@@ -1,5 +1,5 @@
 """Context attribution's offline benchmark: `configs/context.yaml` read by `load_context_config`, run by
-`run_context_benchmark`.
+`run_context_benchmark`. Over 500 lines because the config's checks, its stamps and the runner are read together.
 
     from ctxmix.benchmark.context.bench import load_context_config, run_context_benchmark
     table = run_context_benchmark(load_context_config("configs/context.yaml"), limit=2)
@@ -31,6 +31,7 @@ from ctxmix.benchmark.context.data import (
 )
 from ctxmix.benchmark.context.prompt_form import (
     at2_default_kind,
+    call_form,
     check_at2_prompt,
     cut_at_stop,
     example_query,
@@ -220,14 +221,14 @@ def append_done(path: Path, rec: dict) -> None:
 
 
 def at2_weights_sha256(config: dict) -> str | None:
-    """The hash of the AT2 weights file a context config's at2_exact reads (`at2.weights_sha256`; None where no
+    """The hash of the AT2 weights file a context config's at2_exact reads (`at2.weights_file_sha16`; None where no
     task runs at2_exact or its weights are untrained): a retrained shipped file changes the numbers, not the
     config."""
-    from ctxmix.methods.context.at2 import weights_sha256
+    from ctxmix.methods.context.at2 import weights_file_sha16
 
     if not runs_at2(config):
         return None
-    return weights_sha256(str(config.get("model")), config.get("at2_weights"))
+    return weights_file_sha16(str(config.get("model")), config.get("at2_weights"))
 
 
 def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:
@@ -352,14 +353,16 @@ def _one_example(
         response=response,
         sources=ex.sources,
         methods=methods,
-        template=config.get("template"),
-        at2_weights=config.get("at2_weights"),  # None: the model's shipped weights
-        at2_features=config.get("at2_features"),  # None: the weights' default kind (chosen on their validation table)
+        prompt=call_form(config),
+        # None: the model's shipped weights, and their default kind (chosen on their validation table)
+        at2={"weights": config.get("at2_weights"), "features": config.get("at2_features")},
         max_new_tokens=int(config.get("max_new_tokens", 64)),
-        n_ablations=int(config.get("n_ablations", 32)),
-        seed=int(config.get("seed", 0)),
-        seeds=config.get("mask_seeds") or "example",
-        batch_size=int(config.get("batch_size", 8)),
+        ablations={
+            "n": int(config.get("n_ablations", 32)),
+            "seed": int(config.get("seed", 0)),
+            "seeds": config.get("mask_seeds") or "example",
+            "batch_size": int(config.get("batch_size", 8)),
+        },
         progress=progress,
         share_trace=False,  # each method's seconds are its own (the time columns), not alti_logit's full trace
     )

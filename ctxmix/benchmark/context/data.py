@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ctxmix.errors import BadInput
+from ctxmix.methods.context.sources import first_sentence  # noqa: F401 - the benchmark reads answers with it
 
 SUMMARY_QUERY = "Summarize the article in one sentence."
 MAX_DRAWS = 20  # boundaries drawn for one needle before giving up (`_insert`)
@@ -199,15 +200,6 @@ class ContextExample:
 def contains_answer(response: str, answer: str) -> bool:
     """Whether `answer` appears in `response`, case folded, not inside a longer word or number."""
     return re.search(rf"(?<!\w){re.escape(answer.casefold())}(?!\w)", response.casefold()) is not None
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of an answer `text` as the sentence sources split it (the whole text when it is one).
-    Split after a word ("Answer: "), as the answer is read, so one that opens with a number ("4817. A rare
-    calm ...") is not taken for a numbered list's "1. " (pysbd keeps such an item with what follows)."""
-    head = "Answer: "
-    first = _sentences(head + text)[0][len(head) :]
-    return first if first.strip() and text.startswith(first) else text
 
 
 def _words(text: str) -> int:

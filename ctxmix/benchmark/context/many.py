@@ -75,16 +75,30 @@ def _frame_rows(ca, key: str) -> list[dict]:
 def _stampable(call: dict) -> dict:
     """The call's options as the resume stamp sees them: arrays (at2 weights given as numbers) by the SHA-256
     of their bytes, not by numpy's shortened text."""
+    import dataclasses
     import hashlib
 
     import numpy as np
 
     out = {}
     for k, v in call.items():
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):  # an option group: its fields
+            v = _stampable(dataclasses.asdict(v))
+        elif isinstance(v, dict):
+            v = _stampable(v)
         if isinstance(v, np.ndarray):
             v = f"array:{v.dtype}:{v.shape}:" + hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
         out[k] = v
     return out
+
+
+def _as_dict(group) -> dict:
+    """An option group (a dataclass, a dict or None) as a dict."""
+    import dataclasses
+
+    if group is None:
+        return {}
+    return dataclasses.asdict(group) if dataclasses.is_dataclass(group) else dict(group)
 
 
 def attribute_contexts(model: Model, examples, *, store=None, progress=True, **options) -> pd.DataFrame:
@@ -120,7 +134,9 @@ def attribute_contexts(model: Model, examples, *, store=None, progress=True, **o
     with progress_bar(total, "examples", enabled=bool(progress) and not callable(progress), unit="ex") as bar:
         for i, ex in enumerate(rows):
             key = ex["id"]
-            call = {**options, **{k: v for k, v in ex.items() if k != "id"}}
+            call = {**options, **{k: v for k, v in ex.items() if k not in ("id", "chat_template")}}
+            if ex.get("chat_template") is not None:  # an example's own template, in the prompt form's group
+                call["prompt"] = {**_as_dict(call.get("prompt")), "chat_template": ex["chat_template"]}
             stamp = config_stamp({"model": fingerprint, **_stampable(call)}, False, {}, None)
             rec = done.get((key, stamp))
             if rec is None:

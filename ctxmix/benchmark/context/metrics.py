@@ -238,7 +238,7 @@ def evaluate_context(
     d = ca.n_sources
     t0 = time.perf_counter()
     src, builder = rebuild_prompt(ca, model)
-    rule = "contextcite" if builder.compat else "ctxmix"  # the attribution's own prompts
+    rule = "official" if builder.compat else "ctxmix"  # the attribution's own prompts
     if builder.ids(src.rebuild(np.ones(d, bool), rule)) != list(ca.prompt_ids):
         raise BadInput(f"{model.name}'s tokenizer or template does not rebuild this attribution's prompt")
     first = _heldout_seed(ca, seed, n_ablations)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxmix.benchmark.context.data import ContextExample, first_sentence
+from ctxmix.benchmark.context.data import ContextExample
 from ctxmix.errors import BadInput
+from ctxmix.methods.context.sources import cut_at_stop  # noqa: F401 - the benchmark's name for it
 
 PROMPT_KEYS = ("template", "query_suffix", "stop")  # a context config's prompt form (configs/context-gemma3.yaml)
 
@@ -28,24 +29,17 @@ def runs_at2(config: dict) -> bool:
     return any("at2_exact" in m for m in lists)
 
 
+def call_form(config: dict | None) -> dict:
+    """The prompt form `attribute_context` is called with for a config: its template and no cue or cut of the call's
+    own (the benchmark appends the cue to the query itself, `example_query`, and cuts a generated response itself,
+    `cut_at_stop`), so its results never depend on the shipped defaults of a model's form."""
+    return {"template": (config or {}).get("template"), "query_suffix": "", "stop": None}
+
+
 def example_query(config: dict, ex: ContextExample) -> str:
     """The query an example is asked with: its own, then the config's `query_suffix` (a base model's answer
     cue, "\nAnswer:"; part of the query, never a source)."""
     return ex.query + config.get("query_suffix", "")
-
-
-def cut_at_stop(text: str, stop: str | None) -> str:
-    """A generated response cut where a base model's answer ends (it never emits end-of-sequence: it goes on
-    with more news text or another "Query:"): stop "line", the text up to its first line break; "sentence",
-    its first sentence (ctxmix's sentence splitter, which also breaks at a line break); None, the whole text.
-    Leading whitespace is kept (the response's own first token)."""
-    lead = len(text) - len(text.lstrip())
-    body = text[lead:]
-    if stop == "line":
-        body = body.split("\n", 1)[0]
-    elif stop == "sentence":
-        body = first_sentence(body)
-    return text[:lead] + body
 
 
 def check_at2_prompt(config: dict) -> None:
@@ -85,10 +79,12 @@ def check_weights_form(path, form: dict, asked: str = "the prompt asked with is"
 def at2_default_kind(config: dict) -> str | None:
     """The kind at2_exact runs where the config names no `at2_features`: the weights file's default
     (`at2.default_kind`, chosen on its validation table); None where the config names one or reads no file."""
-    from ctxmix.methods.context.at2 import default_kind, load_weights, validation_table
+    from ctxmix.benchmark.context.validation import shipped_tables
+    from ctxmix.methods.context.at2 import default_kind, file_sha16, load_weights
 
     path = None if config.get("at2_features") else config_weights_file(config)
     if path is None:
         return None
     ws, _, meta = load_weights(path)
-    return default_kind(meta, ws, validation_table(path))
+    sha = file_sha16(path)
+    return default_kind(meta, ws, next((t for t in shipped_tables() if t.get("at2_weights_sha256") == sha), None))

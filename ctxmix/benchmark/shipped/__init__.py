@@ -18,6 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 SHIPPED = Path(__file__).resolve().parent
+
+
 PACKAGE_DIR = SHIPPED.parent  # ctxmix/benchmark: a result's "config" path (configs/<name>.yaml) is relative to it
 CHECK_LIMIT = 2  # examples per dataset in the check run
 CHECK_KEYS = ["model", "dataset", "example_id", "method", "metric", "layer"]

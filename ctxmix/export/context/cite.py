@@ -1,5 +1,6 @@
 """`ctxmix cite`: which sources of some text files made a causal language model give its answer, on the
-command line (`ctxmix.attribute_context` and `ContextAttribution.evaluate`; docs/cli.md).
+command line (`ctxmix.attribute_context` and `ContextAttribution.evaluate`; docs/cli.md). Over 500 lines because
+its flags, their checks and the reproduce command that gives them back are read together.
 
     ctxmix cite --context a.txt b.txt --query "What is the code?" --method logit contextcite --out ca.json
 
@@ -35,6 +36,7 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     """The options after `model_args` (cli.py gives --model, --device, --dtype, --precision): one flag per
     option of `attribute_context` (and of `attribute_contexts` for --batch)."""
     from ctxmix.methods.context.at2 import ESTIMATORS
+    from ctxmix.methods.context.defaults import fallback_methods
     from ctxmix.methods.context.onepass import TARGETS
     from ctxmix.methods.registry import CONTEXT_METHODS
 
@@ -75,19 +77,22 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="METHOD",
-        help="context-attribution methods: " + ", ".join(CONTEXT_METHODS) + " (default: attribute_context's, "
-        "logit contextcite)",
+        help="context-attribution methods: "
+        + ", ".join(CONTEXT_METHODS)
+        + " (default: attribute_context's, "
+        + " ".join(fallback_methods())
+        + ")",
     )
-    s.add_argument("--n-ablations", type=int, default=32, help="contextcite's random ablations (default 32)")
-    s.add_argument("--seed", type=int, default=0, help="contextcite's first mask seed (default 0)")
+    s.add_argument("--n-ablations", type=int, default=32, help="ContextCite's random ablations (default 32)")
+    s.add_argument("--seed", type=int, default=0, help="ContextCite's first mask seed (default 0)")
     s.add_argument(
         "--seeds",
         choices=["example", "official"],
-        help="contextcite's mask seeds: example (each example its own, hashed from --seed and the texts; the "
+        help="ContextCite's mask seeds: example (each example its own, hashed from --seed and the texts; the "
         "default) or official (--seed + i for every example; the default with --compat)",
     )
-    s.add_argument("--keep-prob", type=float, default=0.5, help="contextcite's keep probability (default 0.5)")
-    s.add_argument("--alpha", type=float, default=0.01, help="contextcite's LASSO penalty (default 0.01)")
+    s.add_argument("--keep-prob", type=float, default=0.5, help="ContextCite's keep probability (default 0.5)")
+    s.add_argument("--alpha", type=float, default=0.01, help="ContextCite's LASSO penalty (default 0.01)")
     s.add_argument(
         "--batch-size", type=int, default=8, help="ablation passes per forward batch (default 8; numbers unchanged)"
     )
@@ -100,6 +105,20 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead")
     s.add_argument(
+        "--query-suffix",
+        default="auto",
+        metavar="TEXT",
+        help="text after the query, an answer cue (default auto: '\\nAnswer:' for a model without a chat template, "
+        "else none; '' for none)",
+    )
+    s.add_argument(
+        "--stop",
+        choices=["auto", "sentence", "line", "none"],
+        default="auto",
+        help="where a generated response is cut (default auto: its first sentence for a model without a chat "
+        "template, else where the model stops)",
+    )
+    s.add_argument(
         "--compat",
         action="store_true",
         help="reproduce the official ContextCite package (context and query only)",
@@ -108,19 +127,19 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         "--key-mask-levels",
         type=int,
         default=4,
-        help="key_mask_ig's gate levels K (midpoints of K steps of (0, 1); default 4)",
+        help="the key-mask integrated gradient's gate levels K (midpoints of K steps of (0, 1); default 4)",
     )
     s.add_argument(
         "--at2-features",
         choices=ESTIMATORS,
         default=None,
-        help="at2_exact's features (default: the weights' own, chosen on their validation table; uniform: logit)",
+        help="AT2's features (default: the weights' own, chosen on their validation table; uniform: logit)",
     )
     s.add_argument(
         "--at2-weights",
         default=None,
         metavar="FILE",
-        help="at2_exact's weights: a file from ctxmix at2-train, or 'untrained' (default: those shipped for the model)",
+        help="AT2's weights: a file from ctxmix at2-train, or 'untrained' (default: those shipped for the model)",
     )
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated when no --response is given")
     s.add_argument("--response", default=None, help="the response to attribute (default: generated greedily)")
@@ -272,25 +291,31 @@ def check_args(args) -> tuple[dict, list[str], Path | None]:
 
 
 def attribution_options(args, methods: list[str]) -> dict:
-    """attribute_context's options from the command line (what --context, --messages and --batch share)."""
+    """attribute_context's options from the command line (what --context, --messages and --batch share), in its
+    groups (prompt form, ablations, AT2)."""
     chat_template = read_document(args.chat_template, "--chat-template") if args.chat_template else None
     return {
         "sources": args.sources,
         "methods": methods,
-        "template": args.template,
-        "chat_template": chat_template,
-        "max_new_tokens": args.max_new_tokens,
-        "n_ablations": args.n_ablations,
-        "seed": args.seed,
-        "seeds": args.seeds,
-        "keep_prob": args.keep_prob,
-        "alpha": args.alpha,
         "target": args.target,
+        "max_new_tokens": args.max_new_tokens,
         "compat": args.compat,
-        "batch_size": args.batch_size,
-        "at2_features": args.at2_features,
-        "at2_weights": args.at2_weights,
         "key_mask_levels": args.key_mask_levels,
+        "prompt": {
+            "template": args.template,
+            "chat_template": chat_template,
+            "query_suffix": args.query_suffix,
+            "stop": None if args.stop == "none" else args.stop,
+        },
+        "ablations": {
+            "n": args.n_ablations,
+            "seed": args.seed,
+            "seeds": args.seeds,
+            "keep_prob": args.keep_prob,
+            "alpha": args.alpha,
+            "batch_size": args.batch_size,
+        },
+        "at2": {"features": args.at2_features, "weights": args.at2_weights},
     }
 
 
@@ -453,16 +478,23 @@ def reproduce_command(
     --max-new-tokens makes the same ids again, where the text would give others)."""
     import shlex
 
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
     o = ca.options
     q = shlex.quote
     cmd = ["python -m ctxmix cite"]
+    form = o.get("prompt_form")  # None: an attribution made before the form was recorded (none was used)
+    query = ca.query
+    suffix = (form or {}).get("query_suffix") or ""
+    if query and suffix and query.endswith(suffix):  # the query as given; the form's cue goes in its own option
+        query = query[: -len(suffix)]
     if o.get("prompt", {}).get("format") == "messages":
         cmd += ["--messages", "messages.json"]
     else:
         cmd += ["--context", *(q(f) for f in (files or ["context.txt"]))]
-        cmd += ["--query", q(ca.query)] if ca.query else []
+        cmd += ["--query", q(query)] if query else []
     cmd += ["--model", q(model), "--sources", str(o.get("sources")), "--method", *ca.methods]
-    if any(m in ("contextcite", "leave_one_out") for m in ca.methods):
+    if any(CONTEXT_METHODS[m].cost == "ablation" for m in ca.methods if m in CONTEXT_METHODS):
         cmd += ["--n-ablations", str(int(o["n_ablations"])), "--seed", str(int(o["seed"]))]
         default_seeds = "official" if o.get("compat") else "example"
         cmd += ["--seeds", str(o["seeds"])] if o.get("seeds", default_seeds) != default_seeds else []
@@ -479,12 +511,30 @@ def reproduce_command(
         weights = str(at2.get("weights", ""))
         if weights == "untrained" or not (weights.startswith("shipped:") or weights.startswith("untrained")):
             cmd += ["--at2-weights", q(weights)]  # a file, or uniform weights asked for (not the shipped default)
+    cmd += _form_flags(form, o, tokenizer)
     new = max_new_tokens if max_new_tokens is not None else o.get("max_new_tokens")
     cmd += ["--max-new-tokens", str(int(new))] if new else []
     if tokenizer is None or _round_trips(tokenizer, ca):
         cmd += ["--response", q(ca.response)]
     cmd += ["--out", q(out)]
     return " ".join(cmd)
+
+
+def _form_flags(form: dict | None, options: dict, tokenizer) -> list[str]:
+    """--query-suffix and --stop where the attribution's prompt form is not what "auto" gives the model (known from
+    its `tokenizer`; without it, always named)."""
+    import shlex
+
+    form = form or {"query_suffix": "", "stop": None}
+    if tokenizer is not None:
+        from ctxmix.methods.context.defaults import prompt_form_for
+
+        info = options.get("prompt") or {}
+        has_chat = bool(getattr(tokenizer, "chat_template", None) or info.get("chat_template"))
+        auto = {} if options.get("compat") else prompt_form_for(has_chat and info.get("template") != "plain")
+        if (auto.get("query_suffix", ""), auto.get("stop")) == (form.get("query_suffix") or "", form.get("stop")):
+            return []
+    return ["--query-suffix", shlex.quote(form.get("query_suffix") or ""), "--stop", str(form.get("stop") or "none")]
 
 
 def _round_trips(tokenizer, ca) -> bool:

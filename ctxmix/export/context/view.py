@@ -114,12 +114,50 @@ def context_box_height(view_html: str, width_px: int, max_px: int = BOX_MAX_PX, 
 
 
 def span_methods(ca, methods: list[str], span) -> tuple[list[str], list[str]]:
-    """(the methods that can score `span`, those that score the whole response only): key_mask_grad and key_mask_ig
-    store the whole response's derivatives (`keymask.check_whole_response`), so a sub-span leaves them out."""
+    """(the methods that can score `span`, those that score the whole response only): a method whose record says it
+    stores the whole response's derivatives only (`ContextMethod.whole_response`) is left out of a sub-span."""
     from ctxmix.methods.context.keymask import whole_response_only
 
     only = whole_response_only(methods, *ca.token_range(span), len(ca.response_ids))
     return [m for m in methods if m not in only], only
+
+
+def span_scoring_methods() -> list[str]:
+    """The context methods that score any span of the response (not the whole response only)."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    return [m for m, r in CONTEXT_METHODS.items() if not r.whole_response]
+
+
+def methods_help() -> str:
+    """The Methods box's help, from the records: which run at once, which behind the button, what each is."""
+    from ctxmix.methods.registry import CONTEXT_METHODS, context_methods
+
+    at_once = [m for m, r in CONTEXT_METHODS.items() if r.cost != "ablation"]
+    whole = [m for m, r in CONTEXT_METHODS.items() if r.whole_response]
+    ablation = context_methods("ablation")
+    return (
+        f"Methods without ablations ({', '.join(at_once)}) run at once"
+        + (f" ({' and '.join(whole)} score the whole response only)" if whole else "")
+        + f"; {' and '.join(ablation)} make one forward pass per ablation and run when you click their button. "
+        + "; ".join(f"{m}: {r.title} ({r.passes})" for m, r in CONTEXT_METHODS.items())
+    )
+
+
+def passes_label(methods: list[str], n_ablations: int) -> str:
+    """The forward passes the methods' records say they make, n_ablations filled in ("32 forward + d + 1 forward")."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    parts = [CONTEXT_METHODS[m].passes.replace("n_ablations", str(int(n_ablations))) for m in methods]
+    return " + ".join(p.replace("d + 1", "one per source + 1") for p in parts) + " passes"
+
+
+def stage_label(stage: str) -> str:
+    """A progress stage's words: a method's title (its ablations), else the stage's name."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    r = CONTEXT_METHODS.get(stage)
+    return f"{r.title} ablations" if r is not None and r.cost == "ablation" else stage
 
 
 def colour_key(scores) -> str:

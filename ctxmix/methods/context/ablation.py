@@ -297,7 +297,7 @@ def run_contextcite(
 def _ablated(model, builder, sources, masks, response_ids, batch_size, compat, progress, what: str) -> dict:
     """The response's per-token logit-probabilities under each mask (rows: masks, True = kept), the
     prompts rebuilt by the official rule (compat) or ctxmix's, with the passes' cost."""
-    rule = "contextcite" if compat else "ctxmix"
+    rule = "official" if compat else "ctxmix"
     prompts = [builder.ids(sources.rebuild(m, rule)) for m in masks]
     lp, secs = _passes(model, builder, prompts, response_ids, batch_size, progress, what)
     return {
@@ -333,11 +333,57 @@ def leave_one_out_scores(ablation: dict, a: int, b: int) -> np.ndarray:
     return lp[0] - lp[1:]
 
 
-def store_contextcite(ca, ab: dict, compat: bool, alpha: float) -> None:
-    """Fit ContextCite's LASSO on the ablations `ab` (`run_contextcite`'s) for the whole response and store the
-    ablations, scores, intercept and cost (the fit's seconds added) in `ca` (a `ContextAttribution`)."""
+def run_contextcite_job(job, names: list[str]) -> dict:
+    """The registry's run function of ContextCite (`ctxmix.methods.context.job`): the ablations with the call's
+    n_ablations, mask seed, keep_prob and compat, and the LASSO fitted on them for the whole response."""
+    o = job.options
+    compat = bool(o.get("compat"))
+    n, keep, batch = int(o["n_ablations"]), float(o["keep_prob"]), int(o.get("batch_size", 8))
+    ab = run_contextcite(
+        job.model, job.builder, job.sources, job.response_ids, n, mask_seed(o), keep, batch, compat, job.progress
+    )
     t0 = time.perf_counter()
-    ca.ablations["contextcite"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
-    w, b = contextcite_scores(ab, 0, len(ca.response_ids), compat, alpha)
-    ca.scores["contextcite"], ca.intercepts["contextcite"] = w, b
-    ca.cost["contextcite"] = {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0}
+    w, b = contextcite_scores(ab, 0, len(job.response_ids), compat, float(o["alpha"]))
+    res = {
+        "ablations": {"masks": ab["masks"], "logit_probs": ab["logit_probs"]},
+        "scores": w,
+        "intercept": b,
+        "cost": {**ab["cost"], "seconds": ab["cost"]["seconds"] + time.perf_counter() - t0},
+        "options": {"n_ablations": n},
+    }
+    if np.ptp(ab["logit_probs"].sum(1)) == 0:
+        res["warnings"] = ["contextcite: the target is the same under every ablation; the scores are all zero"]
+    return {names[0]: res}
+
+
+def run_leave_one_out_job(job, names: list[str]) -> dict:
+    """The registry's run function of leave-one-out (`ctxmix.methods.context.job`)."""
+    o = job.options
+    ab = run_leave_one_out(
+        job.model,
+        job.builder,
+        job.sources,
+        job.response_ids,
+        int(o.get("batch_size", 8)),
+        bool(o.get("compat")),
+        job.progress,
+    )
+    T = len(job.response_ids)
+    return {
+        names[0]: {
+            "ablations": {"masks": ab["masks"], "logit_probs": ab["logit_probs"]},
+            "scores": leave_one_out_scores(ab, 0, T),
+            "cost": ab["cost"],
+        }
+    }
+
+
+def contextcite_span(ca, a: int, b: int) -> np.ndarray:
+    """ContextCite's scores (d,) for the response tokens a..b-1: its LASSO refitted on the stored ablations."""
+    w, _ = contextcite_scores(ca.ablations["contextcite"], a, b, bool(ca.options.get("compat")), ca.options["alpha"])
+    return w
+
+
+def leave_one_out_span(ca, a: int, b: int) -> np.ndarray:
+    """Leave-one-out's scores (d,) for the response tokens a..b-1: the span's stored log-probability drops."""
+    return leave_one_out_scores(ca.ablations["leave_one_out"], a, b)

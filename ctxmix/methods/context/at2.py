@@ -4,7 +4,8 @@ source contributions as features in place of raw attention weights (docs/context
 Features. For head (l, h), the row q_t that predicts response token t and a position j, from one traced pass
 (shapes: T response rows, L layers, H query heads, n positions):
 
-- "attn": A^{l,h}_{q_t j}, AT2's own feature (parity; uniform weights give the `attention` method);
+- "attention": A^{l,h}_{q_t j}, AT2's own feature ("attn" in files written before 2026-11-28; parity: uniform
+  weights give the `attention` method);
 - "norm": A^{l,h}_{q_t j} ||W_O^h (W_V^h n(x_j) + b_V^h)||_2, the value-weighted norm per head (grouped-query
   attention: the value of h's KV group, `ctxmix.engine.layer.head_values`);
 - "logit" (default): A^{l,h}_{q_t j} <W_O^h (W_V^h n(x_j) + b_V^h), rho_t>, ctxmix's per-head `logit`
@@ -19,10 +20,10 @@ Aggregation (AT2's): f(u, s)_{l,h} = (1/|u|) sum_{t in u} sum_{j in s} F^{l,h}(t
 unit's tokens, the sum over the source's tokens. Estimator (AT2's, linear): score(u, s) = w . f(u, s),
 w in R^{L H}, no bias; untrained w = 1 / (L H). In a `ContextAttribution`, at2_exact's per_token (T, P + T) is
 sum_{l,h} w_{l,h} F^{l,h}(t, j), and a span's score is the mean over its tokens of the per-source sums
-(`SPAN_AGGREGATION`), so `scores_for(span)` needs no new pass.
+(its record's span rule), so `scores_for(span)` needs no new pass.
 
 "combined": all four kinds at once, w in R^{4 L H} (a trained combination of exact features; it has no untrained
-form, and it costs F-alti's full trace). "attn+norm+logit": the three kinds one forward pass over the response rows
+form, and it costs F-alti's full trace). "attention+norm+logit": the three kinds one forward pass over the response rows
 gives (`trace_rows`), w in R^{3 L H}: a trained combination at the cost of `logit`.
 
 Weights: trained by `ctxmix at2-train` (`ctxmix.benchmark.context.at2_train`) for each feature kind; those for
@@ -43,19 +44,21 @@ import torch
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
 
-KINDS = ("attn", "norm", "logit", "alti")
+KINDS = ("attention", "norm", "logit", "alti")  # named as the methods they weigh per head
 # every kind at once: w in R^{4 L H} over the four kinds' features (kind-major), trained on the same examples
 # with each kind's features divided by their RMS over the training set (the kinds' scales differ by orders of
 # magnitude; the scales are folded back into the stored weights, so scoring is sum_k w_k . F_k)
 COMBINED = "combined"
-ONE_PASS_COMBINED = "attn+norm+logit"  # the kinds of one rows pass (no full trace), combined the same way
-COMBINATIONS = {COMBINED: KINDS, ONE_PASS_COMBINED: ("attn", "norm", "logit")}
+ONE_PASS_COMBINED = "attention+norm+logit"  # the kinds of one rows pass (no full trace), combined the same way
+COMBINATIONS = {COMBINED: KINDS, ONE_PASS_COMBINED: ("attention", "norm", "logit")}
+# the names the shipped files, tables and results of before 2026-11-28 use: read as the new ones (the files'
+# bytes, and so the hashes that match them to their tables, stay as they are)
+KIND_ALIASES = {"attn": "attention", "attn+norm+logit": "attention+norm+logit"}
 ESTIMATORS = (*KINDS, *COMBINATIONS)  # what at2_features takes
 # the estimators of one forward pass over the response rows (`logit`'s cost): the candidates for a default kind;
 # "alti" and "combined" need a full trace, which costs as much as alti_logit
-ONE_PASS_KINDS = ("attn", "norm", "logit", ONE_PASS_COMBINED)
+ONE_PASS_KINDS = ("attention", "norm", "logit", ONE_PASS_COMBINED)
 DEFAULT_KIND = "logit"  # where a weights file has no validation table (and for uniform weights)
-SPAN_AGGREGATION = {"at2_exact": "mean"}  # AT2's mean over the span's tokens (attribution.py reads it)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
 WEIGHTS_PACKAGE = "ctxmix.methods.context.at2_weights"
 SHIPPED_TABLES = Path(__file__).resolve().parents[2] / "benchmark" / "shipped"  # ctxmix.benchmark.shipped's folder
@@ -115,7 +118,7 @@ def _layers(model: Model, tr, rows: list[int], targets: list[int], kinds, target
         st, lw = tr.states[l], model.layers[l]
         out = {}
         for k in kinds:
-            if k == "attn":
+            if k == "attention":
                 out[k] = _attn_rows(st, Ql)
             elif k == "norm":
                 out[k] = _norm_rows(lw, st, Ql)
@@ -156,6 +159,16 @@ def weighted_features(
             part = torch.einsum("thn,h->tn", F, W[i, l].to(F.device))
             acc = part if acc is None else acc + part
     return acc.cpu().numpy()
+
+
+def canonical_kind(kind: str | None) -> str | None:
+    """An estimator's name (`ESTIMATORS`), an old spelling ("attn") read as its new one; BadInput for others."""
+    if kind is None:
+        return None
+    kind = KIND_ALIASES.get(kind, kind)
+    if kind not in ESTIMATORS:
+        raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)}, got {kind!r}")
+    return kind
 
 
 def estimator_kinds(kind: str) -> tuple[str, ...]:
@@ -199,73 +212,31 @@ def uniform_weights(n_layers: int, n_heads: int) -> np.ndarray:
     return np.full(n_layers * n_heads, 1.0 / (n_layers * n_heads))
 
 
-# each shipped weights file: the SHA-256 of the file the model it was trained on is built from (`source_sha256`):
-# a model of the same name that is not that model (a random model with SmolLM2's config, a fine-tune) gets none
-SHIPPED_FOR = {
-    "smollm2.npz": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # SmolLM2-135M-Instruct Q4_1
-    "gemma3.npz": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # Gemma 3 270M Q4_K_M
-}
-
-
-def check_shipped_for(model, path: Path) -> None:
-    """Refuse a shipped weights file for a model that is not the one it was trained on: the model's source file
-    (`ctxmix.engine.models.source_sha256`) must be the one `SHIPPED_FOR` records. A model of the same name that is
-    something else (a random model with the config, a fine-tune, a folder) is told so and offered the options."""
-    from ctxmix.engine.models import source_sha256
-
-    want = SHIPPED_FOR.get(path.name)
-    if want is not None and source_sha256(model) == want:
-        return
-    raise BadInput(
-        f"at2_exact's shipped weights {path.name} were trained on {path.stem} as ctxmix builds it from its packaged "
-        f"file; {model.name} is not that model (its weights come from elsewhere), so they are not used: pass "
-        f"at2_weights='untrained' (uniform weights), or train weights for it with "
-        f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2_weights='DIR/at2_weights.npz'"
-    )
-
-
 def shipped_weights_path(model_name: str) -> Path | None:
-    """The package's weights file for a model (ctxmix/methods/context/at2_weights/<name>.npz), or None (also for
-    a name that is a path, a model loaded from a folder: never a file outside the package)."""
+    """The package's weights file named for an embedded model (at2_weights/<name>.npz), or None (also for a name
+    that is a path): what a benchmark config naming an embedded model reads. at2_exact itself finds a model's
+    shipped file by the model's fingerprint (`ctxmix.methods.context.defaults.at2_weights_file`), never its name."""
     if not model_name or Path(model_name).name != model_name or model_name in (".", ".."):
         return None
     p = resources.files(WEIGHTS_PACKAGE) / f"{model_name}.npz"
     return Path(str(p)) if p.is_file() else None
 
 
-def one_pass_default(model_name: str) -> str:
-    """The Context attribution page's default method without ablations for a model: the best mean LDS, among the
-    methods that run no ablations, on the model's validation table asked in the page's prompt form (a shipped
-    bench/onepass_eval.py table of the model with the default form, `shipped_tables`). at2_exact enters with its
-    default kind's row where that table scored the model's shipped weights (by hash), their trained weights are in
-    use (not below uniform on the file's held-out table) and they were trained on the page's form. A model with no
-    such table: the best method of smollm2's table that needs no trained weights (`logit`). smollm2: trained
-    F-logit's at2_exact; gemma3 (whose weights carry its benchmark's answer cue): the best of its page-form table.
-    "The page's form" is the prompt form (template, cue, cut); the tables' max_new_tokens is recorded, not compared
-    (smollm2's table allowed 48 new tokens, the page's default is 24)."""
-    from ctxmix.methods.context.onepass import ONE_PASS_METHODS
-
-    tables = [t for t in shipped_tables() if not t.get("prompt")]  # asked as the page asks
-    own = [t for t in tables if t.get("model") == model_name]
-    table = own[0] if own else next((t for t in tables if t.get("model") == "smollm2"), None)
-    if table is None:
-        return "logit"
-    rows = table.get("methods") or {}
-    lds = {m: rows[m]["lds"] for m in ONE_PASS_METHODS if isinstance((rows.get(m) or {}).get("lds"), (int, float))}
-    path = shipped_weights_path(model_name)
-    if own and path is not None and table.get("at2_weights_sha256") == weights_sha256(model_name):
-        ws, _, meta = load_weights(path)
-        kind = default_kind(meta, ws, table)
-        row = rows.get(f"at2_exact/{kind}") or {}
-        if _below_uniform(meta, kind) is None and not meta.get("prompt") and row.get("lds") is not None:
-            lds["at2_exact"] = row["lds"]
-    return max(lds, key=lambda m: lds[m]) if lds else "logit"
-
-
-def shipped_tables() -> list[dict]:
-    """The one-pass validation tables that ship (bench/onepass_eval.py --ship: ctxmix/benchmark/shipped/
-    onepass-validation*.json), by name."""
-    return [json.loads(f.read_text()) for f in sorted(SHIPPED_TABLES.glob("onepass-validation*.json"))]
+def _not_shipped_for(model) -> BadInput:
+    """The refusal of a model with no shipped weights, naming the options (and, where a shipped file bears its name,
+    that the file was trained on another model)."""
+    named = shipped_weights_path(model.name)
+    same_name = (
+        f"the shipped {named.name} was trained on {named.stem} as ctxmix builds it from its packaged file, and "
+        f"{model.name}'s weights are not those; "
+        if named is not None
+        else ""
+    )
+    return BadInput(
+        f"at2_exact has no trained weights for {model.name}: {same_name}train them with "
+        f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2={{'weights': 'DIR/at2_weights.npz'}}, "
+        "or at2={'weights': 'untrained'} for uniform weights (head-averaged features; ctxmix cite: --at2-weights)"
+    )
 
 
 def default_kind(meta: dict, held=ESTIMATORS, table: dict | None = None) -> str:
@@ -292,7 +263,9 @@ def kind_scores(meta: dict, table: dict | None = None) -> dict[str, float]:
     if table is not None:
         out = {}
         for k in ESTIMATORS:
-            row = (table.get("methods") or {}).get(f"at2_exact/{k}") or {}
+            rows = table.get("methods") or {}
+            old = next((a for a, new in KIND_ALIASES.items() if new == k), None)  # a table's rows of before
+            row = rows.get(f"at2_exact/{k}") or rows.get(f"at2_exact/{old}") or {}
             per_task = [row.get(f"lds_{t}") for t in VALIDATION_TASKS]
             per_task = [float(v) for v in per_task if isinstance(v, (int, float)) and v == v]
             if per_task:
@@ -306,37 +279,33 @@ def kind_scores(meta: dict, table: dict | None = None) -> dict[str, float]:
     }
 
 
-def validation_table(path) -> dict | None:
-    """The shipped one-pass validation table (bench/onepass_eval.py --ship, ctxmix/benchmark/shipped/
-    onepass-validation*.json) whose at2_exact rows were scored with the weights file at `path`, matched by the
-    file's hash; None for any other file (weights a user trained: their own held-out table decides)."""
-    p = Path(path)
-    if not p.is_file():
-        return None
-    sha = _sha16(p)
-    return next((t for t in shipped_tables() if t.get("at2_weights_sha256") == sha), None)
-
-
-def _sha16(path: Path) -> str:
+def file_sha16(path: Path) -> str:
     """The first 16 hex digits of a file's sha256 (how results and tables name the weights they used)."""
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def weights_sha256(model_name: str, weights=None) -> str | None:
-    """The first 16 hex digits of the sha256 of the file at2_exact reads for `model_name` with `at2_weights`
-    `weights` (None: the shipped file; a path is read as at2_exact reads it, from the working directory), None
-    ("untrained", or no shipped file for the model), or "missing:<path>": what a stored result computed with the
-    weights depends on beyond its config."""
+def weights_file_sha16(model, weights=None) -> str | None:
+    """The first 16 hex digits of the sha256 of the file at2_exact reads for `model` (a `Model`, or an embedded
+    model's name: a benchmark config's) with `at2_weights` `weights` (None: its shipped file; a path is read as
+    at2_exact reads it, from the working directory), None ("untrained", or no shipped file), or "missing:<path>":
+    what a stored result computed with the weights depends on beyond its config."""
     if isinstance(weights, str) and weights == "untrained":
         return None
-    path = shipped_weights_path(model_name) if weights is None else Path(weights)
+    if weights is not None:
+        path: Path | None = Path(weights)
+    elif isinstance(model, str):
+        path = shipped_weights_path(model)
+    else:
+        from ctxmix.methods.context.defaults import at2_weights_file
+
+        path = at2_weights_file(model)
     if path is None:
         return None
     if not path.is_file():  # not "untrained": a stored result made with the file is not current
         return f"missing:{path}"
-    return _sha16(path)
+    return file_sha16(path)
 
 
 def save_weights(path, weights: dict[str, np.ndarray], n_layers: int, n_heads: int, meta: dict) -> Path:
@@ -356,45 +325,46 @@ def load_weights(path) -> tuple[dict[str, np.ndarray], tuple[int, int], dict]:
     with np.load(p, allow_pickle=False) as z:
         L, H = (int(x) for x in z["shape"])
         meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-        return {k: z[k].astype(np.float64) for k in z.files if k in ESTIMATORS}, (L, H), meta
+        for r in (meta.get("heldout") or {}).get("rows", []):  # a file written before the kinds took the methods' names
+            r["features"] = KIND_ALIASES.get(r.get("features"), r.get("features"))
+        ws = {KIND_ALIASES.get(k, k): z[k].astype(np.float64) for k in z.files if KIND_ALIASES.get(k, k) in ESTIMATORS}
+        return ws, (L, H), meta
 
 
 def resolve_weights(model: Model, kind: str | None = None, weights=None) -> tuple[np.ndarray, dict]:
-    """The estimator's w (L H,) for `kind` (None: the file's `default_kind`, chosen on its validation table;
-    DEFAULT_KIND for uniform weights) and what it is: weights None (the model's shipped file; uniform 1/(L H)
-    instead where that file's held-out table, built on the validation split (`heldout_texts`), shows its trained
-    weights of `kind` below uniform ones, said in the info's "note"), a path, or "untrained" (uniform 1/(L H)).
-    Raises BadInput, naming the training command, when the model has no shipped weights and none are given, and
-    when the file's shape or kinds do not fit the model."""
-    if kind is not None and kind not in ESTIMATORS:
-        raise BadInput(f"at2_features must be one of {', '.join(ESTIMATORS)}, got {kind!r}")
+    """The estimator's w (L H,) for `kind` (None: the file's default kind: for a shipped file the one its entry in
+    the shipped defaults records, chosen on its validation table; for another file `default_kind` on its own
+    held-out table; DEFAULT_KIND for uniform weights) and what it is: weights None (the shipped file trained on this
+    model, found by the model's fingerprint; uniform 1/(L H) instead where the shipped defaults record that its
+    trained weights scored below uniform ones, said in the info's "note"), a path, or "untrained" (uniform 1/(L H)).
+    Raises BadInput, naming the training command, when no shipped file was trained on the model and none is given,
+    and when the file's shape or kinds do not fit the model."""
+    from ctxmix.methods.context.defaults import at2_file_defaults, at2_weights_file
+
+    kind = canonical_kind(kind)
     L, H = model.n_layers, model.n_heads
     if isinstance(weights, str) and weights == "untrained":
         kind = kind or DEFAULT_KIND
         if kind in COMBINATIONS:
             raise BadInput(
-                f"at2_features={kind!r} has no untrained form (its weights mix kinds of different scales): "
-                "use the shipped or your trained weights, or one kind with at2_weights='untrained'"
+                f"AT2 features {kind!r} have no untrained form (their weights mix kinds of different scales): "
+                "use the shipped or your trained weights, or one kind with untrained weights"
             )
         return uniform_weights(L, H), {"weights": "untrained", "kind": kind}
     if weights is None:
-        path = shipped_weights_path(model.name)
+        path = at2_weights_file(model)
         if path is None:
-            raise BadInput(
-                f"at2_exact has no trained weights for {model.name}: train them with "
-                f"`{TRAIN_COMMAND.format(model=model.name)}` and pass at2_weights='DIR/at2_weights.npz', "
-                "or at2_weights='untrained' for uniform weights (head-averaged features)"
-            )
-        check_shipped_for(model, path)
+            raise _not_shipped_for(model)
         how = f"shipped:{path.name}"
     elif isinstance(weights, (str, Path)):
         path, how = Path(weights), str(weights)
     else:
         raise BadInput(f"at2_weights must be None (shipped), a file path or 'untrained', got {weights!r}")
     ws, shape, meta = load_weights(path)
+    shipped = at2_file_defaults(file_sha16(path)) if path.is_file() else None
     chosen = kind is None
-    table = validation_table(path) if chosen else None
-    kind = default_kind(meta, ws, table) if kind is None else kind
+    if kind is None:
+        kind = canonical_kind(shipped["kind"]) if shipped else default_kind(meta, ws)
     if shape != (L, H):
         raise BadInput(
             f"the AT2 weights in {str(path)!r} are for {shape[0]} layers x {shape[1]} heads; {model.name} has {L} x {H}"
@@ -407,20 +377,18 @@ def resolve_weights(model: Model, kind: str | None = None, weights=None) -> tupl
     want = len(estimator_kinds(kind)) * L * H
     if len(ws[kind]) != want:
         raise BadInput(f"the {kind!r} weights in {str(path)!r} have {len(ws[kind])} values, not {want}")
-    if weights is None:
-        worse = _below_uniform(meta, kind)
-        if worse is not None:  # the default follows the shipped held-out evidence, and says so
-            note = (
-                f"at2_exact ({kind}): the shipped trained weights scored below uniform weights on "
-                f"{heldout_texts(meta)} (LDS {worse[0]:.3f} against {worse[1]:.3f}), so uniform weights are used; "
-                f"at2_weights='{path}' forces the trained ones"
-            )
-            return uniform_weights(L, H), {"weights": "untrained (auto)", "kind": kind, "note": note}
+    worse = (shipped or {}).get("below_uniform", {}).get(kind) if weights is None else None
+    if worse:  # the default follows the shipped held-out evidence, and says so
+        note = (
+            f"at2_exact ({kind}): the shipped trained weights scored below uniform weights on "
+            f"{shipped['heldout_texts']} (LDS {worse[0]:.3f} against {worse[1]:.3f}), so uniform weights are used; "
+            f"at2={{'weights': '{path}'}} forces the trained ones"
+        )
+        return uniform_weights(L, H), {"weights": "untrained (auto)", "kind": kind, "note": note}
     info = {"weights": how, "kind": kind, "trained_on": meta.get("model")}
     if chosen:  # what chose the kind, for a reader of the result
-        if table is not None:
-            tasks = ", ".join(t for t in VALIDATION_TASKS if (table.get("tasks") or {}).get(t))
-            info["kind_chosen_on"] = f"{table.get('name')}.json: the {table.get('split')} split's {tasks or 'examples'}"
+        if shipped:
+            info["kind_chosen_on"] = f"{shipped['kind_chosen_on']} (the shipped defaults, {shipped.get('date')})"
         elif meta.get("heldout"):
             info["kind_chosen_on"] = heldout_texts(meta)
         else:
@@ -470,12 +438,49 @@ def run_at2(model: Model, ids: list[int], P: int, kind: str, w: np.ndarray, targ
     return {"per_token": per_token, "terms": {}, "target": per_token.sum(1), "cost": cost}
 
 
-def store_at2(ca, res: dict, info: dict) -> None:
-    """Store `run_at2`'s result `res` and the weights' description `info` (`resolve_weights`') in `ca` (a
-    `ContextAttribution`): per-token contributions, target, cost, scores, options["at2"] and any note."""
-    ca.per_token["at2_exact"], ca.terms["at2_exact"], ca.targets["at2_exact"] = res["per_token"], {}, res["target"]
-    ca.cost["at2_exact"] = res["cost"]
-    ca.scores["at2_exact"] = ca.scores_for("at2_exact")
-    ca.options["at2"] = info
-    if info.get("note") and info["note"] not in ca.warnings:
-        ca.warnings.append(info["note"])
+def prepare(model: Model, name: str, options: dict) -> dict:
+    """Before any pass: the weights (`resolve_weights` with the call's at2_features and at2_weights) and, for the
+    kinds that read every row (alti, combined), a full trace's memory phase. Weights trained in another prompt form
+    than the call's ("prompt_form": its answer cue and cut) read features of prompts they never saw: said in the
+    info's note (a benchmark config refuses them, `prompt_form.check_at2_prompt`)."""
+    w, info = resolve_weights(model, options.get("at2_features"), options.get("at2_weights"))
+    form = options.get("prompt_form")
+    trained = _trained_form(model, info)
+    if form is not None and trained is not None and _cue_and_cut(trained) != _cue_and_cut(form):
+        info["note"] = (
+            f"at2_exact: its weights were trained with the prompt form {trained} and this call asks with {form}: "
+            "the estimator reads features of a prompt it was not trained on (train weights in this form, "
+            "`ctxmix at2-train --prompt-from`, or ask in theirs)"
+        )
+    full = "alti" in estimator_kinds(info["kind"])
+    return {"w": w, "info": info, **({"memory": ("full_trace",)} if full else {})}
+
+
+def _trained_form(model: Model, info: dict) -> dict | None:
+    """The prompt form the weights `info` describes were trained in (None: uniform weights, trained in none)."""
+    how = str(info.get("weights", ""))
+    if how.startswith("untrained"):
+        return None
+    if how.startswith("shipped:"):
+        from ctxmix.methods.context.defaults import at2_weights_file
+
+        path = at2_weights_file(model)
+    else:
+        path = Path(how)
+    return load_weights(path)[2].get("prompt", {}) if path is not None else None
+
+
+def _cue_and_cut(form: dict) -> tuple[str, str | None]:
+    return form.get("query_suffix") or "", form.get("stop")
+
+
+def run(job, names: list[str]) -> dict:
+    """The registry's run function of this module's method (`ctxmix.methods.context.job`)."""
+    out = {}
+    for m in names:
+        p = job.prepared[m]
+        res = run_at2(job.model, job.ids, job.P, p["info"]["kind"], p["w"], job.target)
+        res["options"] = {"at2": p["info"]}
+        res["warnings"] = [p["info"]["note"]] if p["info"].get("note") else []
+        out[m] = res
+    return out

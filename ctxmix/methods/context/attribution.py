@@ -1,7 +1,8 @@
 """`attribute_context`: which sources of a context (or of a conversation's messages) made a causal language
 model say this (docs/context.md), and its result, `ContextAttribution`.
 
-    ca = ctxmix.attribute_context(model, context, "What is the code?", methods=["logit", "contextcite"])
+    ca = ctxmix.attribute_context(model, context, "What is the code?", methods=["logit", "contextcite"],
+                                  ablations={"n": 64})
     ca = ctxmix.attribute_context(model, messages=[{"role": "user", "content": "..."}, ...])
     ca.top("contextcite", 3)          # [(source index, score, text), ...]
     ca.scores_for("logit", span=(0, 12))  # a span of the response: no new pass
@@ -9,10 +10,8 @@ model say this (docs/context.md), and its result, `ContextAttribution`.
 
 Over 500 lines because the result (spans, views, files) and the one call that fills it are read together.
 The prompt, the sources and the response are described in `ctxmix.methods.context.prompt` and
-`ctxmix.methods.context.sources`; the methods in `ctxmix.methods.context.ablation` (contextcite,
-leave_one_out) and `ctxmix.methods.context.onepass` (logit, alti_logit, attention), `ctxmix.methods.context.grad`
-(grad_x_input), `ctxmix.methods.context.keymask` (key_mask_grad, key_mask_ig), and in the registry's
-context-attribution group (`ctxmix.methods.registry.CONTEXT_METHODS`).
+`ctxmix.methods.context.sources`; each method in its record (`ctxmix.methods.registry.CONTEXT_METHODS`), which
+names its module and run function; the call runs them through `ctxmix.methods.context.job`.
 """
 
 from __future__ import annotations
@@ -25,14 +24,17 @@ import numpy as np
 
 from ctxmix.engine.models import Model
 from ctxmix.errors import BadInput
+from ctxmix.methods.context.defaults import fallback_methods
+from ctxmix.methods.context.options import AT2, Ablations, PromptForm
 from ctxmix.methods.context.sources import BUCKETS, QUERY, SEPARATOR, TEMPLATE
 from ctxmix.methods.memory import check_memory
 
 if TYPE_CHECKING:
     import pandas as pd
 
-ABLATION_METHODS = ("contextcite", "leave_one_out")
-DEFAULT_METHODS = ("logit", "contextcite")
+# the methods of a model with no shipped entry (`ctxmix.methods.context.defaults`): the best one-pass method that
+# needs no trained weights on the shipped validation table, and ContextCite
+DEFAULT_METHODS = fallback_methods()
 
 
 def check_span(span, length: int) -> tuple[int, int]:
@@ -126,27 +128,18 @@ class ContextAttribution:
             return np.stack([self.scores_for(method, sp) for sp in span]).reshape(len(span), self.n_sources)
         self._check_method(method)
         a, b = self.token_range(span)
-        if method in self.per_token:
-            from ctxmix.methods.context.keymask import check_whole_response
+        from ctxmix.methods.context.job import resolve
+        from ctxmix.methods.registry import CONTEXT_METHODS
 
-            check_whole_response(method, a, b, len(self.response_ids))
-            from ctxmix.methods.context.at2 import SPAN_AGGREGATION as AT2_AGGREGATION
-            from ctxmix.methods.context.onepass import SPAN_AGGREGATION
+        rule = CONTEXT_METHODS[method].span
+        if not CONTEXT_METHODS[method].per_token:  # an ablation method rescores the span from what it stored
+            return np.asarray(resolve(rule)(self, a, b), dtype=np.float64)
+        from ctxmix.methods.context.keymask import check_whole_response
 
-            M = self.per_token[method][a:b]
-            per_source = np.stack([M[:, toks].sum(1) for toks in self.source_tokens], 1)  # (b - a, d)
-            agg = {**SPAN_AGGREGATION, **AT2_AGGREGATION}[method]
-            return per_source.mean(0) if agg == "mean" else per_source.sum(0)
-        if method == "contextcite":
-            from ctxmix.methods.context.ablation import contextcite_scores
-
-            w, _ = contextcite_scores(
-                self.ablations[method], a, b, bool(self.options.get("compat")), self.options["alpha"]
-            )
-            return w
-        from ctxmix.methods.context.ablation import leave_one_out_scores
-
-        return leave_one_out_scores(self.ablations[method], a, b)
+        check_whole_response(method, a, b, len(self.response_ids))
+        M = self.per_token[method][a:b]
+        per_source = np.stack([M[:, toks].sum(1) for toks in self.source_tokens], 1)  # (b - a, d)
+        return per_source.mean(0) if rule == "mean" else per_source.sum(0)
 
     def buckets(self, method: str, span=None) -> dict[str, float]:
         """A one-pass method's span total split into sources and what belongs to no source: "sources"
@@ -155,7 +148,7 @@ class ContextAttribution:
         sum to "target", the span's summed target (logit: summed log-probability or logit)."""
         self._check_method(method)
         if method not in self.per_token:
-            raise BadInput(f"{method} is an ablation method: it has no per-position contributions to bucket")
+            raise BadInput(f"{method} scores sources by ablation: it has no per-position contributions to bucket")
         a, b = self.token_range(span)
         from ctxmix.methods.context.keymask import check_whole_response
 
@@ -282,38 +275,25 @@ class ContextAttribution:
 # ---------------------------------------------------------------- the call
 
 
-def _check_call(model: Model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query) -> list[str]:
+def _check_call(model: Model, methods, max_new_tokens, query) -> list[str]:
     from ctxmix.engine.generate import MAX_NEW_TOKENS
-    from ctxmix.methods.context.ablation import check_n_ablations
-    from ctxmix.methods.registry import CONTEXT_METHODS
+    from ctxmix.methods.context.job import check_names
 
     if model.kind != "causal_lm" or model.spec.encoder_decoder:
         raise BadInput(
             f"attribute_context explains what a causal language model generates from its context; {model.name} is "
             f"a {model.kind.replace('_', ' ')} (encoder-only and encoder-decoder models are not supported)"
         )
-    names = [methods] if isinstance(methods, str) else list(methods or [])
-    if not names:
-        raise BadInput("choose at least one method")
-    bad = [m for m in names if m not in CONTEXT_METHODS]
-    if bad:
-        raise BadInput(
-            f"unknown context-attribution method(s) {', '.join(map(repr, bad))}; valid: {', '.join(CONTEXT_METHODS)}"
-        )
+    names = check_names(methods)
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
         or not 1 <= max_new_tokens <= MAX_NEW_TOKENS
     ):
         raise BadInput(f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
-    check_n_ablations(n_ablations)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise BadInput(f"batch_size must be a positive whole number, got {batch_size!r}")
-    if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)) or not 0 < keep_prob < 1:
-        raise BadInput(f"keep_prob must be between 0 and 1 (exclusive), got {keep_prob!r}")
     if query is not None and (not isinstance(query, str) or not query.strip()):
         raise BadInput("query must be a non-empty string, or None (the context alone is the prompt)")
-    return list(dict.fromkeys(names))
+    return names
 
 
 def attribute_context(
@@ -322,187 +302,146 @@ def attribute_context(
     query: str | None = None,
     *,
     messages: list[dict] | None = None,
-    chat_template: str | None = None,
     response: str | None = None,
     sources="sentence",
     methods=DEFAULT_METHODS,
-    template: str | None = None,
-    max_new_tokens: int = 64,
-    n_ablations: int = 32,
-    seed: int = 0,
-    keep_prob: float = 0.5,
-    alpha: float = 0.01,
     target: str = "log_prob",
-    compat: bool = False,
-    batch_size: int = 8,
-    progress: bool = True,
-    at2_features: str | None = None,
-    at2_weights=None,
-    seeds: str | None = None,
+    prompt: PromptForm | dict | None = None,
+    max_new_tokens: int = 64,
+    ablations: Ablations | dict | None = None,
+    at2: AT2 | dict | None = None,
     key_mask_levels=4,
+    compat: bool = False,
+    progress=True,
     share_trace: bool = True,
+    **deprecated,
 ) -> ContextAttribution:
     """Score each source of `context` by how much it made `model` produce the response.
 
-    context: one string, or a list of documents (joined with a blank line). sources: "sentence"
-    (pysbd, offline; per line), "paragraph" (blank-line separated), "document" (each document of a
-    list), or explicit character spans [(start, end), ...] of the context string (in order, not
-    overlapping). The template's tokens, the query and the response are never sources.
-
-    query: the question, placed as "Context: {context}\\n\\nQuery: {query}" (ContextCite's format) in
-    one user message. query=None: the context alone is the message, so the caller places any instruction
-    ("Summarize the article.") or the text to continue in the context itself.
-
+    What is attributed:
+    context: one string, or a list of documents (joined with a blank line). query: the question, placed as
+    "Context: {context}\\n\\nQuery: {query}" (ContextCite's format) in one user message; None: the context alone is
+    the message, so the caller places any instruction ("Summarize the article.") in the context itself.
     messages: a conversation instead of context/query: [{"role": "system" | "user" | "assistant" | "tool",
-    "content": str, ...}, ...], the last one the turn being answered (other keys go to the template).
-    Every message's content is split into sources by `sources` ("document": each message one source)
-    except those marked "attribute": False; `.source_messages` says which message each source is in.
+    "content": str, ...}, ...], the last one the turn being answered (other keys go to the template). Every
+    message's content is split into sources except those marked "attribute": False; `.source_messages` says which
+    message each source is in.
+    sources: "sentence" (pysbd, offline; per line), "paragraph" (blank-line separated), "document" (each document
+    of a list; each message), or explicit character spans [(start, end), ...] of the context string (in order, not
+    overlapping). The template's tokens, the query and the response are never sources.
+    response: the text to attribute; None generates it greedily (ctxmix.generate, max_new_tokens), the final
+    end-of-sequence token dropped and the text cut where the prompt form says.
 
-    The prompt is the chat template (the tokenizer's, or chat_template=, a Jinja string; template=None or
-    "chat") rendered with the generation prompt and tokenised as one string: the ids of
-    `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`. template="plain" or a tokenizer
-    without a template: the tokenizer's BOS and the message (several: "Role: content" blocks, then
-    "Assistant:"). Text in a message or the response that spells a special token is kept as text (there
-    only the ids differ from the template's). Ablations remove sources from their messages and render the
-    template again (`ctxmix.methods.context.prompt`).
+    prompt (`PromptForm`, a dict of its fields, or None): the chat template (the tokenizer's, or chat_template=, a
+    Jinja string) rendered with the generation prompt and tokenised as one string, or template="plain" (also for a
+    tokenizer without a template): the tokenizer's BOS and the message (several: "Role: content" blocks, then
+    "Assistant:"). Text in a message or the response that spells a special token is kept as text. query_suffix and
+    stop ("auto"): a model without a chat template (a base model) gets the answer cue "\\nAnswer:" after the query and
+    its generated response cut at its first sentence, so its response is its answer; a model with one gets neither
+    (the shipped defaults, `ctxmix.methods.context.defaults`); `options["prompt_form"]` records what was used. Ablations
+    remove sources from their messages and render the template again (`ctxmix.methods.context.prompt`).
 
-    response: the text to attribute; None generates it greedily (ctxmix.generate, max_new_tokens), the
-    final end-of-sequence token dropped.
+    methods: names from the registry's CONTEXT_METHODS (`ctxmix methods` lists them; each record says what the
+    method reads, its cost class and passes, and how a span is scored): the one-pass methods share one traced pass,
+    the gradient methods make their own backward passes, the ablation methods one pass per ablated text. Default: the
+    shipped defaults' methods for a model with no entry (`ctxmix.methods.context.defaults`). key_mask_levels: the
+    key-mask integrated gradient's gate levels, a count K or a list in (0, 1]. target: what the logit methods explain
+    per response token, "log_prob" (T1, exactly), "logit_prob" (T2: log p - log(1 - p)) or "logit" (the raw logit).
 
-    methods (the registry's CONTEXT_METHODS): "logit" and "alti_logit" (one traced pass, ALTI-Logit
-    streamed one layer at a time; target="log_prob" (T1) explains each token's log-probability exactly,
-    "logit_prob" (T2) its log p - log(1 - p), "logit" its raw logit), "attention" (AT2's raw-attention
-    baseline), "grad_x_input" (gradient x input of each token's log-probability: one forward and T
-    backward passes, `ctxmix.methods.context.grad`), "key_mask_grad" (d log P(response) / d a_s, a_s a gate on
-    the attention weights of source s's keys in every layer and head: attribution patching of AT2's
-    attention-masking ablation, one forward and one backward pass, whole response only), "key_mask_ig" (the
-    same gradient averaged over `key_mask_levels` gate levels, a count K (midpoints of K steps of (0, 1), default
-    4) or a list of levels in (0, 1]: a Riemann integrated gradient from every source masked to none;
-    `ctxmix.methods.context.keymask`), "contextcite" (n_ablations random ablations, seed,
-    keep_prob, LASSO alpha), and
-    "leave_one_out" (one pass per source, at most MAX_LOO_SOURCES), "at2_exact" (AT2's learned per-head
-    estimator on ctxmix's exact per-head features, one traced pass, `ctxmix.methods.context.at2`: at2_features
-    "logit", "attn", "norm", "alti", "combined" (all four, trained weights only) or "attn+norm+logit" (the three
-    of one forward pass, trained weights only), None (default): the weights' own default kind, the one-pass kind
-    that scores best on their validation table (`at2.default_kind`; logit for both shipped files;
-    uniform weights: logit); at2_weights None
-    (the weights shipped for the model, or uniform ones where their held-out table scores the trained ones
-    lower, with a warning), a file from `ctxmix at2-train`, or "untrained" (uniform)).
+    ablations (`Ablations`, a dict of its fields, or None): ContextCite's n random ablations (keep_prob, LASSO
+    alpha), their seeds ("example": each example its own masks from a hash of seed and the texts; "official": seed +
+    i for every example; default "example", "official" under compat), and the passes' batch_size.
+    at2 (`AT2`, a dict, or None): AT2's features ("logit", "attention", "norm", "alti", "combined",
+    "attention+norm+logit"; None: the weights' default kind) and weights (None: the shipped file trained on this
+    model, matched by its weights' fingerprint; a file from `ctxmix at2-train`; "untrained": uniform).
 
-    compat=True reproduces the official ContextCite package (context/query form only): the prompt, the
-    generated response and every ablation are built from the official rebuild of the context, which keeps
-    only the sources and the text between them (text before the first source and after the last is never
-    shown to the model, even unablated); the response is re-tokenised with the prompt text, its
-    end-of-sequence token kept; the target is aggregated in float32 (it overflows on confident spans);
-    context or query text that spells a special token is refused. The sources themselves still come from
-    ctxmix's splitter (pysbd; the official package uses nltk's punkt, whose data cannot be installed
-    offline): pass explicit spans to match its sources. On a GPU the official package runs its forward
-    passes under CUDA autocast (float16) while ctxmix runs the model in its own dtype, so GPU numbers differ
-    by that rounding; on a CPU they agree to float32 rounding. The default differs where docs/context.md
-    says ("Choices where the papers leave room"; `ctxmix.methods.context.ablation`).
+    compat=True reproduces the official ContextCite package (context/query form only): the prompt, the generated
+    response and every ablation are built from the official rebuild of the context, which keeps only the sources
+    and the text between them; the response is re-tokenised with the prompt text, its end-of-sequence token kept;
+    the target is aggregated in float32; context or query text that spells a special token is refused. The sources
+    still come from ctxmix's splitter (pysbd; the official package uses nltk's punkt, whose data cannot be installed
+    offline): pass explicit character spans to match its sources. On a GPU the official
+    package runs under CUDA autocast (float16), so GPU numbers differ by that rounding (docs/context.md, "Choices
+    where the papers leave room").
 
-    seeds: how ContextCite's masks (and `evaluate`'s held-out masks) are seeded: "example" (the default;
-    compat=True: "official"): mask i from RandomState(s + i) with s = `example_seed(seed, context, query)`,
-    a stable hash of the texts, so every example gets its own masks; "official": s = seed for every example
-    (the official package's seed + i). The first seed is kept in `options["mask_seed"]`.
+    share_trace: True lets the one-pass methods share one traced pass; False gives each its own, so each method's
+    cost["seconds"] is what it costs alone (the benchmark's time columns). Scores are the same.
+    progress: True (terminal bars), False, or a callable progress(stage, done, total) (stage "generate", or an
+    ablation method's name): the dashboard's bars.
 
-    share_trace: True (the default) lets the one-pass methods share one traced pass (alti_logit's full trace when
-    it is asked for); False gives the methods that read only the response rows their own rows pass, so each
-    method's cost["seconds"] is what it costs alone (the benchmark's time columns). Scores are the same.
-
-    progress: True (terminal bars), False, or a callable progress(stage, done, total) called as the
-    response is generated (stage "generate", done = new tokens) and as ablation passes finish ("contextcite",
-    "leave_one_out"): the dashboard's bars.
+    The flat keywords of the earlier signature (template=, chat_template=, n_ablations=, seed=, seeds=, keep_prob=,
+    alpha=, batch_size=, at2_features=, at2_weights=) still work, with a FutureWarning, for one release.
 
     Raises BadInput, before any model pass, for an empty context, a single source, an empty or
-    end-of-sequence-only response, a prompt + response over the model's window, bad spans, an encoder or
-    encoder-decoder model, and n_ablations outside 2..MAX_ABLATIONS.
+    end-of-sequence-only response, a prompt + response over the model's window, bad spans or options, an encoder
+    or encoder-decoder model, and a call whose memory estimate exceeds what the devices give.
     """
-
-    from ctxmix.methods.context.ablation import (
-        LASSO_ALPHA,
-        SEED_SCHEMES,
-        example_seed,
-        leave_one_out_scores,
-        run_contextcite,
-        run_leave_one_out,
-        store_contextcite,
-    )
-    from ctxmix.methods.context.onepass import TARGETS, run_one_pass
-    from ctxmix.methods.context.prompt import build_prompt, make_response
+    from ctxmix.methods.context.ablation import LASSO_ALPHA, example_seed
+    from ctxmix.methods.context.job import ContextJob, memory_phases, prepare_methods, run_methods, store_result
+    from ctxmix.methods.context.keymask import check_levels
+    from ctxmix.methods.context.onepass import TARGETS
+    from ctxmix.methods.context.options import cued, groups_from, model_form
+    from ctxmix.methods.context.prompt import build_prompt, cut_response, make_response
     from ctxmix.methods.explanation import provenance
 
-    methods = _check_call(model, methods, max_new_tokens, n_ablations, batch_size, keep_prob, query)
-    if chat_template is not None and not isinstance(chat_template, str):
-        raise BadInput("chat_template must be a Jinja template string (or None: the tokenizer's)")
+    g = groups_from("attribute_context", {"prompt": prompt, "ablations": ablations, "at2": at2}, deprecated)
+    form, abl, at2_opts = g["prompt"], g["ablations"], g["at2"]
+    methods = _check_call(model, methods, max_new_tokens, query)
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if not isinstance(compat, bool):
         raise BadInput(f"compat must be True or False, got {compat!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BadInput(f"seed must be a non-negative whole number, got {seed!r}")
-    seeds = seeds or ("official" if compat else "example")
-    if seeds not in SEED_SCHEMES:
-        raise BadInput(f"seeds must be one of {', '.join(SEED_SCHEMES)} (or None), got {seeds!r}")
-    if seeds == "official" and seed + n_ablations > 2**32:  # ablation i draws with RandomState(seed + i): < 2^32
-        raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - n_ablations}, got {seed}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise BadInput(f"alpha must be a positive number, got {alpha!r}")
-    from ctxmix.methods.context.keymask import check_levels
-
+    seeds = abl.seeds or ("official" if compat else "example")
+    if seeds == "official" and abl.seed + abl.n > 2**32:  # ablation i draws with RandomState(seed + i): < 2^32
+        raise BadInput(f"seed must be at most 2^32 - n_ablations = {2**32 - abl.n}, got {abl.seed}")
     check_levels(key_mask_levels)
-    if "at2_exact" in methods:  # the weights checked before any pass
-        from ctxmix.methods.context.at2 import resolve_weights
-
-        at2_w, at2_info = resolve_weights(model, at2_features, at2_weights)
-        at2_features = at2_info["kind"]  # None resolved: the weights' default kind
-    from ctxmix.methods.prediction import check_logit_model
-
-    for m in ("logit", "alti_logit"):
-        if m in methods:
-            check_logit_model(model, m)
+    form = model_form(model, form, compat)
+    # checks and resolved inputs (AT2's weights, checked against the prompt form) before any pass
+    asked = {"query_suffix": form.query_suffix, "stop": form.stop}
+    at2_asked = {"at2_features": at2_opts.features, "at2_weights": at2_opts.weights}
+    prepared = prepare_methods(model, methods, {**at2_asked, "prompt_form": asked})
+    query_cued = cued(query, form)
     src, builder = build_prompt(
         model,
         context,
-        query,
+        query_cued,
         messages=messages,
         sources=sources,
-        template=template,
-        chat_template=chat_template,
+        template=form.template,
+        chat_template=form.chat_template,
         compat=compat,
     )
-    first_seed = example_seed(seed, src.text, query) if seeds == "example" else seed
-    prompt = builder.encode(src)
+    first_seed = example_seed(abl.seed, src.text, query_cued) if seeds == "example" else abl.seed
+    prompt_ids = builder.encode(src)
     window = model.max_length
-    if len(prompt.ids) >= window:
+    if len(prompt_ids.ids) >= window:
         raise BadInput(
-            f"the prompt has {len(prompt.ids)} tokens, over {model.name}'s window of {window} positions: "
+            f"the prompt has {len(prompt_ids.ids)} tokens, over {model.name}'s window of {window} positions: "
             "shorten the context"
         )
     # refused before any forward pass (the generation's included) when the estimate exceeds what the devices give
     n_response = max_new_tokens if response is None else len(model.tokenizer(response)["input_ids"])
-    from ctxmix.methods.context.at2 import estimator_kinds
-
-    # F-alti reads a full trace: counted as alti_logit's (a bound)
-    full_at2 = "at2_exact" in methods and "alti" in estimator_kinds(str(at2_features))
     check_memory(
         model,
-        len(prompt.ids) + n_response,
+        len(prompt_ids.ids) + n_response,
         call="attribute_context",
-        methods=[("alti_logit" if m == "at2_exact" and full_at2 else m) for m in methods],
+        methods=methods,
         n_response=n_response,
-        n_ablations=n_ablations,
-        batch_size=batch_size,
+        n_ablations=abl.n,
+        batch_size=abl.batch_size,
         n_sources=len(src.spans),
+        phases=memory_phases(methods, prepared),
     )
-    resp = make_response(model, builder, src, prompt, response, max_new_tokens, progress)
-    P, T = len(prompt.ids), len(resp.ids)
+    resp = make_response(model, builder, src, prompt_ids, response, max_new_tokens, progress)
+    if response is None and form.stop:  # a base model's answer, not its ramble after it
+        resp = cut_response(model, builder, src, prompt_ids, resp, form.stop)
+    P, T = len(prompt_ids.ids), len(resp.ids)
     if P + T > window:
         raise BadInput(
             f"prompt ({P} tokens) + response ({T} tokens) exceed {model.name}'s window of {window} positions: "
             "shorten the context or the response"
         )
-    rule = "contextcite" if compat else "ctxmix"
+    rule = "official" if compat else "ctxmix"
     if compat and src.rebuild(np.ones(len(src), bool), rule) != src.text:
         note = (
             "compat: the official rebuild drops the text before the first source and after the last, even with "
@@ -510,45 +449,46 @@ def attribute_context(
         )
     else:
         note = None
-    if builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != prompt.ids:
+    if builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != prompt_ids.ids:
         raise RuntimeError("rebuilding the context with every source kept does not give the prompt's ids")
     chat = messages is not None
-    source_tokens = [np.nonzero(prompt.labels == i)[0].tolist() for i in range(len(src))]
+    source_tokens = [np.nonzero(prompt_ids.labels == i)[0].tolist() for i in range(len(src))]
     empty = [i for i, t in enumerate(source_tokens) if not t]
     ca = ContextAttribution(
         model_name=model.name,
         context=src.text,
-        query=None if chat else query,
+        query=None if chat else query_cued,
         sources=src.texts,
         source_spans=list(src.spans),
         source_tokens=source_tokens,
-        prompt_ids=list(prompt.ids),
-        labels=prompt.labels,
+        prompt_ids=list(prompt_ids.ids),
+        labels=prompt_ids.labels,
         response=resp.text,
         response_ids=list(resp.ids),
         response_offsets=resp.offsets,
-        methods=methods,
+        methods=[],
         options={
             "sources": src.kind if isinstance(sources, str) else "spans",
             "splitter": src.splitter,
             "prompt": builder.info,
+            "prompt_form": asked,
             "response": resp.how,
             "eos_dropped": resp.eos_dropped,
-            "max_new_tokens": max_new_tokens if resp.how == "generated" else None,
+            "max_new_tokens": max_new_tokens if resp.how.startswith("generated") else None,
             "generation_seconds": resp.generation_seconds,
             "target": target,
-            "n_ablations": n_ablations,
-            "seed": seed,
+            "n_ablations": abl.n,
+            "seed": abl.seed,
             "seeds": seeds,
             "mask_seed": first_seed,
-            "keep_prob": keep_prob,
-            "alpha": float(alpha),
+            "keep_prob": abl.keep_prob,
+            "alpha": float(abl.alpha),
             "lasso_alpha_default": LASSO_ALPHA,
             "compat": compat,
             "ablation": "remove",
-            "rebuild": "contextcite" if compat else "ctxmix",
+            "rebuild": "official" if compat else "ctxmix",
             "model_dtype": str(model.dtype).replace("torch.", ""),
-            "batch_size": batch_size,
+            "batch_size": abl.batch_size,
             "key_mask_levels": key_mask_levels,  # key_mask_ig's, also when it is added later (extend_attribution)
         },
         provenance=provenance(model),
@@ -559,44 +499,22 @@ def attribute_context(
         ca.warnings.append(note)
     if empty:
         ca.warnings.append(f"source(s) {empty} have no token of their own (merged into a neighbour's token)")
-    one_pass = [m for m in methods if m not in ABLATION_METHODS and m != "at2_exact"]
-    if one_pass:
-        gated = [j for toks in source_tokens for j in toks]
-        res_all = run_one_pass(
-            model,
-            one_pass,
-            prompt.ids + resp.ids,
-            P,
-            target,
-            gated=gated,
-            levels=key_mask_levels,
-            share_trace=share_trace,
-        )
-        for m, res in res_all.items():
-            ca.per_token[m] = res["per_token"]
-            ca.terms[m] = res["terms"]
-            ca.targets[m] = res["target"]
-            ca.cost[m] = res["cost"]
-            ca.scores[m] = ca.scores_for(m)
-            if "reconstruction_error" in res:  # the rebuilt layers against the model's states (max abs)
-                ca.options.setdefault("reconstruction_error", {})[m] = res["reconstruction_error"]
-    if "at2_exact" in methods:
-        from ctxmix.methods.context.at2 import run_at2, store_at2
-
-        store_at2(ca, run_at2(model, prompt.ids + resp.ids, P, at2_features, at2_w, target), at2_info)
-    if "contextcite" in methods:
-        ab = run_contextcite(
-            model, builder, src, resp.ids, n_ablations, first_seed, keep_prob, batch_size, compat, progress
-        )
-        store_contextcite(ca, ab, compat, alpha)
-        y = ab["logit_probs"]
-        if np.ptp(y.sum(1)) == 0:
-            ca.warnings.append("contextcite: the target is the same under every ablation; the scores are all zero")
-    if "leave_one_out" in methods:
-        ab = run_leave_one_out(model, builder, src, resp.ids, batch_size, compat, progress)
-        ca.ablations["leave_one_out"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
-        ca.scores["leave_one_out"] = leave_one_out_scores(ab, 0, T)
-        ca.cost["leave_one_out"] = ab["cost"]
+    job = ContextJob(
+        model=model,
+        ids=prompt_ids.ids + resp.ids,
+        P=P,
+        target=target,
+        source_tokens=source_tokens,
+        builder=builder,
+        sources=src,
+        options=ca.options,
+        prepared=prepared,
+        progress=progress,
+        share_trace=share_trace,
+    )
+    results = run_methods(job, methods)
+    for m in methods:  # in the order asked
+        store_result(ca, m, results[m])
     return ca
 
 

@@ -20,15 +20,23 @@ from ctxmix.errors import BadInput
 
 
 def prompt_token_count(
-    model: Model, context, query: str | None, sources="sentence", template=None, *, messages=None, chat_template=None
+    model: Model, context, query: str | None, sources="sentence", *, messages=None, prompt=None
 ) -> int:
-    """The number of prompt tokens (template, context, query; or the messages) `attribute_context` would
-    build: tokenising only, no model call (the dashboard's caps are checked on it). Raises BadInput where
-    attribute_context would (an empty context, one source, special-token text under compat)."""
+    """The number of prompt tokens (template, context, query and its answer cue; or the messages) `attribute_context`
+    would build with the prompt form `prompt` (as its argument): tokenising only, no model call (the dashboard's caps
+    are checked on it). Raises BadInput where attribute_context would (an empty context, one source)."""
+    from ctxmix.methods.context.options import cued, model_form
     from ctxmix.methods.context.prompt import build_prompt
 
+    form = model_form(model, prompt)
     src, builder = build_prompt(
-        model, context, query, messages=messages, sources=sources, template=template, chat_template=chat_template
+        model,
+        context,
+        cued(query, form),
+        messages=messages,
+        sources=sources,
+        template=form.template,
+        chat_template=form.chat_template,
     )
     return len(builder.encode(src).ids)
 
@@ -48,10 +56,25 @@ def _rebuild(ca, model: Model):
     from ctxmix.methods.context.prompt import rebuild_prompt
 
     src, builder = rebuild_prompt(ca, model)
-    rule = "contextcite" if builder.compat else "ctxmix"
+    rule = "official" if builder.compat else "ctxmix"
     if builder.ids(src.rebuild(np.ones(len(src), bool), rule)) != list(ca.prompt_ids):
         raise BadInput(f"{model.name}'s tokenizer or template does not rebuild this attribution's prompt")
     return src, builder
+
+
+def pending_methods(ca, methods, **changed) -> list[str]:
+    """Those of `methods` that `extend_attribution(ca, ..., **changed)` would run: not in `ca` yet, or computed with
+    another value of an option their record depends on (`ContextMethod.options`; `changed`: e.g. n_ablations=64)."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    if ca is None:
+        return list(methods)
+    new = {**ca.options, **{k: v for k, v in changed.items() if v is not None}}
+    return [
+        m
+        for m in methods
+        if m not in ca.methods or any(new.get(o) != ca.options.get(o) for o in CONTEXT_METHODS[m].options)
+    ]
 
 
 def extend_attribution(
@@ -61,85 +84,52 @@ def extend_attribution(
     n_ablations: int | None = None,
     progress=False,
     *,
-    at2_features: str | None = None,
-    at2_weights=None,
+    at2=None,
+    **deprecated,
 ):
     """Add `methods` (any of the registry's CONTEXT_METHODS) to `ca` in place (and return it), on its own prompt
-    and response ids: the one-pass methods from one traced pass, `at2_exact` from one traced pass (at2_features:
-    the attribution's own when it has them, else "logit"; at2_weights as attribute_context's), `contextcite`
-    from `n_ablations` ablations (default: the attribution's `options["n_ablations"]`) with its masks' seed,
-    keep_prob, alpha and compat, `leave_one_out` from d + 1 passes. A method already computed is recomputed only
-    when asked again with another n_ablations (contextcite). The scores equal those of one `attribute_context`
-    call with every method (tests/test_context_page.py). An evaluation `ca` holds is measured again with its
-    own options when a method was added or recomputed (its held-out passes read, not rerun: only the new top-k
-    removals run), so it always covers `ca.methods`; nothing changed, nothing runs.
+    and response ids, with the attribution's own options (n_ablations: ContextCite's count, default the
+    attribution's; at2: `AT2` or a dict, features default the attribution's own kind when it has one, else the
+    weights' default; at2_features= and at2_weights= still taken with a FutureWarning). Each method runs as in
+    `attribute_context` (its record's run function: the one-pass methods share one traced pass). A method already
+    computed is recomputed only when an option its record depends on changed (`pending_methods`). The scores equal
+    those of one `attribute_context` call with every method (tests/test_context_page.py). An evaluation `ca` holds
+    is measured again with its own options when a method was added or recomputed (its held-out passes read, not
+    rerun: only the new top-k removals run), so it always covers `ca.methods`; nothing changed, nothing runs.
     progress: as attribute_context's (a callable gets progress(stage, done, total))."""
-    from ctxmix.methods.context.ablation import (
-        check_n_ablations,
-        leave_one_out_scores,
-        mask_seed,
-        run_contextcite,
-        run_leave_one_out,
-        store_contextcite,
-    )
-    from ctxmix.methods.context.onepass import ONE_PASS_METHODS, run_one_pass
-    from ctxmix.methods.registry import CONTEXT_METHODS
+    from ctxmix.methods.context.ablation import check_n_ablations
+    from ctxmix.methods.context.job import ContextJob, check_names, prepare_methods, run_methods, store_result
+    from ctxmix.methods.context.options import groups_from
 
-    names = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods or []))
-    bad = [m for m in names if m not in CONTEXT_METHODS]
-    if not names or bad:
-        raise BadInput(
-            f"unknown context-attribution method(s) {', '.join(map(repr, bad)) or '(none given)'}; "
-            f"valid: {', '.join(CONTEXT_METHODS)}"
-        )
+    at2_opts = groups_from("extend_attribution", {"at2": at2}, deprecated)["at2"]
+    names = check_names(methods)
     n = check_n_ablations(int(ca.options["n_ablations"]) if n_ablations is None else n_ablations)
     _check_model(ca, model)
-    redo_cc = "contextcite" in names and "contextcite" in ca.methods and n != int(ca.options["n_ablations"])
-    todo = [m for m in names if m not in ca.methods or (m == "contextcite" and redo_cc)]
+    todo = pending_methods(ca, names, n_ablations=n)
     if not todo:
         return ca
-    unhandled = [m for m in todo if m not in (*ONE_PASS_METHODS, "at2_exact", "contextcite", "leave_one_out")]
-    if unhandled:  # a method added to the registry must be added here too, never silently skipped
-        raise NotImplementedError(f"extend_attribution cannot add {', '.join(unhandled)} yet")
-    if "at2_exact" in todo:  # the weights checked before any pass
-        from ctxmix.methods.context.at2 import resolve_weights
-
-        kind = at2_features or (ca.options.get("at2") or {}).get("kind")  # None: the weights' default kind
-        at2_w, at2_info = resolve_weights(model, kind, at2_weights)
-        kind = at2_info["kind"]
+    kind = at2_opts.features or (ca.options.get("at2") or {}).get("kind")  # None: the weights' default kind
+    options = {**ca.options, "n_ablations": n}
+    form = ca.options.get("prompt_form") or {"query_suffix": "", "stop": None}  # saved before it was recorded: none
+    prepared = prepare_methods(
+        model, todo, {"at2_features": kind, "at2_weights": at2_opts.weights, "prompt_form": form}
+    )
     src, builder = _rebuild(ca, model)
-    compat = bool(ca.options.get("compat"))
-    batch = int(ca.options.get("batch_size", 8))
-    P, T = len(ca.prompt_ids), len(ca.response_ids)
-    ids = list(ca.prompt_ids) + list(ca.response_ids)
-    one_pass = [m for m in todo if m in ONE_PASS_METHODS]
-    if one_pass:
-        gated = [j for toks in ca.source_tokens for j in toks]
-        levels = ca.options.get("key_mask_levels", 4)  # the call's (an attribution saved before it had none: 4)
-        res = run_one_pass(model, one_pass, ids, P, ca.options["target"], gated=gated, levels=levels)
-        for m, r in res.items():
-            ca.per_token[m], ca.terms[m], ca.targets[m], ca.cost[m] = r["per_token"], r["terms"], r["target"], r["cost"]
-            if "reconstruction_error" in r:
-                ca.options.setdefault("reconstruction_error", {})[m] = r["reconstruction_error"]
-            _add(ca, m)
-            ca.scores[m] = ca.scores_for(m)
-    if "at2_exact" in todo:
-        from ctxmix.methods.context.at2 import run_at2, store_at2
-
-        _add(ca, "at2_exact")
-        store_at2(ca, run_at2(model, ids, P, kind, at2_w, ca.options["target"]), at2_info)
-    if "contextcite" in todo:
-        seed, keep, alpha = mask_seed(ca.options), float(ca.options["keep_prob"]), float(ca.options["alpha"])
-        ab = run_contextcite(model, builder, src, ca.response_ids, n, seed, keep, batch, compat, progress)
-        store_contextcite(ca, ab, compat, alpha)
-        ca.options["n_ablations"] = n
-        _add(ca, "contextcite")
-    if "leave_one_out" in todo:
-        ab = run_leave_one_out(model, builder, src, ca.response_ids, batch, compat, progress)
-        ca.ablations["leave_one_out"] = {"masks": ab["masks"], "logit_probs": ab["logit_probs"]}
-        ca.scores["leave_one_out"] = leave_one_out_scores(ab, 0, T)
-        ca.cost["leave_one_out"] = ab["cost"]
-        _add(ca, "leave_one_out")
+    job = ContextJob(
+        model=model,
+        ids=list(ca.prompt_ids) + list(ca.response_ids),
+        P=len(ca.prompt_ids),
+        target=ca.options["target"],
+        source_tokens=[list(t) for t in ca.source_tokens],
+        builder=builder,
+        sources=src,
+        options=options,
+        prepared=prepared,
+        progress=progress,
+    )
+    results = run_methods(job, todo)
+    for m in todo:
+        store_result(ca, m, results[m])
     if ca.evaluation:  # measured on the old methods (or contextcite's old scores): measure it again, same options
         _evaluate_again(ca, model)
     return ca
@@ -220,7 +210,7 @@ def ablate(ca, model: Model, method: str, k: int = 3, span=None, max_new_tokens:
     keep = np.ones(d, dtype=bool)
     keep[order[: int(k)]] = False
     full_ids = list(ca.prompt_ids)  # checked by _rebuild
-    reduced_ids = builder.ids(src.rebuild(keep, "contextcite" if builder.compat else "ctxmix"))
+    reduced_ids = builder.ids(src.rebuild(keep, "official" if builder.compat else "ctxmix"))
     t0 = time.perf_counter()
     lp = response_logit_probs(model, [full_ids, reduced_ids], list(ca.response_ids))
     before, after = (float(v) for v in log_probs(lp[:, a:b]))

@@ -100,3 +100,8 @@ def grad_x_input_rows(model: Model, ids: list[int], P: int, attn: str = "auto") 
             "attention": used,
         },
     }
+
+
+def run(job, names: list[str]) -> dict:
+    """The registry's run function of this module's method (`ctxmix.methods.context.job`)."""
+    return {m: grad_x_input_rows(job.model, job.ids, job.P) for m in names}

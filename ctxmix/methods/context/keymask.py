@@ -209,9 +209,11 @@ def key_mask_rows(
 
 
 def whole_response_only(methods, a: int, b: int, T: int) -> list[str]:
-    """Those of `methods` that cannot score the response's tokens a..b-1 of T: the key-mask methods, which store
-    the whole response's derivatives only, for any part of it."""
-    return [m for m in methods if m in KEY_MASK_METHODS and (a, b) != (0, T)]
+    """Those of `methods` that cannot score the response's tokens a..b-1 of T: the methods whose records say they
+    store the whole response's derivatives only (`ContextMethod.whole_response`), for any part of it."""
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    return [m for m in methods if m in CONTEXT_METHODS and CONTEXT_METHODS[m].whole_response and (a, b) != (0, T)]
 
 
 def check_whole_response(method: str, a: int, b: int, T: int) -> None:
@@ -220,6 +222,17 @@ def check_whole_response(method: str, a: int, b: int, T: int) -> None:
         raise BadInput(
             f"{method} scores the whole response only (one backward pass of its summed log-probability; per-token "
             f"rows would take T backward passes): rerun attribute_context with response= the span's text to score "
-            f"that span, or use a method that stores per-token rows (logit, alti_logit, grad_x_input, at2_exact, "
-            f"contextcite)"
+            f"that span, or use a method that stores per-token rows ({', '.join(_span_methods())})"
         )
+
+
+def _span_methods() -> list[str]:
+    from ctxmix.methods.registry import CONTEXT_METHODS
+
+    return [m for m, r in CONTEXT_METHODS.items() if not r.whole_response]
+
+
+def run(job, names: list[str]) -> dict:
+    """The registry's run function of key_mask_grad and key_mask_ig (`ctxmix.methods.context.job`)."""
+    levels = job.options.get("key_mask_levels", DEFAULT_LEVELS)  # an attribution saved before it had them: 4
+    return {m: key_mask_rows(job.model, job.ids, job.P, job.gated, m, levels) for m in names}

@@ -45,9 +45,8 @@ attention weight of row q_t on each position averaged over every layer and head;
 the mean over its tokens (as AT2 aggregates), a source's the sum over its tokens. Shares, not signed amounts.
 
 All three are read in one loop over the layers (top-down) of one trace: methods asked together share it,
-and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`.
-`grad_x_input` is in `ctxmix.methods.context.grad`, `key_mask_grad` and `key_mask_ig` in
-`ctxmix.methods.context.keymask`.
+and each is charged the trace and the layer rebuilds plus its own work in `cost["seconds"]`. The other
+context methods have modules of their own (their records in `ctxmix.methods.registry.CONTEXT_METHODS`).
 """
 
 from __future__ import annotations
@@ -63,16 +62,7 @@ from ctxmix.errors import BadInput
 from ctxmix.methods.readout import centred, norm_adjoint, softcap, target_readout, unembed
 
 TARGETS = ("log_prob", "logit_prob", "logit")
-DECOMPOSED = ("logit", "alti_logit", "attention")  # read from the traced layers (`decompose_rows`)
-ONE_PASS_METHODS = (*DECOMPOSED, "grad_x_input", "key_mask_grad", "key_mask_ig")
-SPAN_AGGREGATION = {
-    "logit": "sum",
-    "alti_logit": "sum",
-    "attention": "mean",
-    "grad_x_input": "sum",
-    "key_mask_grad": "sum",  # one row, the whole response (ctxmix.methods.context.keymask)
-    "key_mask_ig": "sum",
-}
+DECOMPOSED = ("logit", "alti_logit", "attention")  # read from the traced layers (`decompose_rows`), one shared trace
 
 
 def _readout(model: Model, tr, Q: torch.Tensor, tg: torch.Tensor, target: str) -> tuple[torch.Tensor, dict, dict]:
@@ -283,27 +273,24 @@ def run_one_pass(
     target: str,
     streamed: bool | None = None,
     *,
-    gated: list[int] | None = None,
-    levels=4,
     share_trace: bool = True,
 ) -> dict:
-    """{method: {"per_token", "terms", "target", "cost"}} from one traced pass over ids (prompt + response)
-    for the decomposed methods, and `grad_x_input`'s, `key_mask_grad`'s and `key_mask_ig`'s own passes
-    (`ctxmix.methods.context.grad`, `ctxmix.methods.context.keymask`: gated, the sources' token positions, is
-    needed by key_mask_ig; levels, its gate levels). streamed: trace_ids' choice (None: streamed above its
-    memory share). share_trace False: `alti_logit`'s full trace is not shared with the methods that need only
-    the response rows (they get their own rows pass), so each method's seconds are what it costs run alone (the
-    benchmark's time columns); the scores are the same either way."""
-    from ctxmix.methods.prediction import check_logit_model
-
+    """{method: {"per_token", "terms", "target", "cost"}} of the decomposed methods (`DECOMPOSED`) from one traced
+    pass over ids (prompt + response). streamed: trace_ids' choice (None: streamed above its memory share).
+    share_trace False: `alti_logit`'s full trace is not shared with the methods that need only the response rows
+    (they get their own rows pass), so each method's seconds are what it costs run alone (the benchmark's time
+    columns); the scores are the same either way."""
+    bad = [m for m in methods if m not in DECOMPOSED]
+    if bad:
+        raise ValueError(f"run_one_pass runs {', '.join(DECOMPOSED)}; not {', '.join(bad)}")
     for m in ("logit", "alti_logit"):
         if m in methods:
-            check_logit_model(model, m)
+            prepare(model, m, {})
     T = len(ids) - P
     rows = list(range(P - 1, P - 1 + T))
     targets = list(ids[P:])
     out = {}
-    dec = [m for m in methods if m in DECOMPOSED]
+    dec = [m for m in DECOMPOSED if m in methods]
     groups = [dec] if share_trace else [[m for m in dec if m != "alti_logit"], [m for m in dec if m == "alti_logit"]]
     for group in filter(None, groups):
         sw = Stopwatch(model.device)
@@ -322,15 +309,17 @@ def run_one_pass(
             r["cost"] = {"forward": 1, "backward": 0, "seconds": secs, "streamed": bool(tr.streamed)}
             out[m] = r
         del tr
-    if "grad_x_input" in methods:
-        from ctxmix.methods.context.grad import grad_x_input_rows
-
-        out["grad_x_input"] = grad_x_input_rows(model, ids, P)
-    for m in ("key_mask_grad", "key_mask_ig"):
-        if m in methods:
-            from ctxmix.methods.context.keymask import key_mask_rows
-
-            if m == "key_mask_ig" and gated is None:
-                raise ValueError("key_mask_ig needs the sources' token positions (gated=)")
-            out[m] = key_mask_rows(model, ids, P, gated or [], m, levels)
     return out
+
+
+def prepare(model: Model, name: str, options: dict) -> dict:
+    """Before any pass: `logit` and `alti_logit` read the target through the model's head (BadInput without one)."""
+    from ctxmix.methods.prediction import check_logit_model
+
+    check_logit_model(model, name)
+    return {}
+
+
+def run(job, names: list[str]) -> dict:
+    """The registry's run function of logit, alti_logit and attention (`ctxmix.methods.context.job`)."""
+    return run_one_pass(job.model, names, job.ids, job.P, job.target, share_trace=job.share_trace)

@@ -475,3 +475,19 @@ def _compat_response(builder: PromptBuilder, sources: Sources, prompt: Prompt, t
     start = enc["offset_mapping"][P][0]
     offsets = np.array(enc["offset_mapping"][P:], dtype=np.int64).reshape(-1, 2) - start
     return Response(ids, full[start:], np.clip(offsets, 0, None), how, False, seconds)
+
+
+def cut_response(
+    model: Model, builder: PromptBuilder, sources: Sources, prompt: Prompt, resp: Response, stop: str
+) -> Response:
+    """A generated response cut where the prompt form's `stop` says (`sources.cut_at_stop`: a base model's first
+    sentence or line), re-tokenised as a given response of that text (as the benchmark passes its cut responses);
+    unchanged where the cut keeps it whole."""
+    from ctxmix.methods.context.sources import cut_at_stop
+
+    text = cut_at_stop(resp.text, stop)
+    if text == resp.text or not text.strip():
+        return resp
+    cut = make_response(model, builder, sources, prompt, text, 1, False)
+    how = f"generated, cut at its first {stop}"
+    return Response(cut.ids, cut.text, cut.offsets, how, False, resp.generation_seconds)

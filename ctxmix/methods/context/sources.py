@@ -10,7 +10,7 @@ that precedes it); the text after the last source is the *trail*.
 
 Rebuilding the context for a keep-mask v:
 
-- `rule="contextcite"` (the official package): kept parts joined as part_{k1} + sep_{k2} + part_{k2}
+- `rule="official"` (the official ContextCite package): kept parts joined as part_{k1} + sep_{k2} + part_{k2}
   + ..., i.e. the first kept part loses its separator and every other kept part keeps its own; the
   text before the first source and after the last is dropped even when everything is kept.
 - `rule="ctxmix"` (default; docs/context.md, "Choices where the papers leave room"): the same, except that the
@@ -85,10 +85,10 @@ class Sources:
         parts, seps = self.texts, self.separators
         kept = [i for i in range(len(self)) if keep[i]]
         out = "".join(parts[i] if k == 0 else seps[i] + parts[i] for k, i in enumerate(kept))
-        if rule == "contextcite":
+        if rule == "official":
             return out
         if rule != "ctxmix":
-            raise BadInput(f"rule must be 'ctxmix' or 'contextcite', got {rule!r}")
+            raise BadInput(f"rule must be 'ctxmix' or 'official', got {rule!r}")
         return seps[0] + out + self.trail if kept else seps[0] + self.trail
 
     def trimmed(self) -> Sources:
@@ -149,6 +149,30 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
             if _is_sentence(p):
                 spans.append((off + at, off + cur))
     return spans
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of an answer `text` as the sentence sources split it (the whole text when it is one).
+    Split after a word ("Answer: "), as the answer is read, so one that opens with a number ("4817. A rare
+    calm ...") is not taken for a numbered list's "1. " (pysbd keeps such an item with what follows)."""
+    head = "Answer: "
+    spans = sentence_spans(head + text)
+    first = (head + text)[spans[0][0] : spans[0][1]][len(head) :] if spans and spans[0][0] == 0 else ""
+    return first if first.strip() and text.startswith(first) else text
+
+
+def cut_at_stop(text: str, stop: str | None) -> str:
+    """A generated response cut where a base model's answer ends (it never emits end-of-sequence: it goes on
+    with more text of the context or another "Query:"): stop "line", the text up to its first line break;
+    "sentence", its first sentence (which also ends at a line break); None, the whole text. Leading whitespace
+    is kept (the response's own first token)."""
+    lead = len(text) - len(text.lstrip())
+    body = text[lead:]
+    if stop == "line":
+        body = body.split("\n", 1)[0]
+    elif stop == "sentence":
+        body = first_sentence(body)
+    return text[:lead] + body
 
 
 _BLANK = re.compile(r"\n[ \t\r\f\v]*\n")

@@ -1,1 +1,1 @@
-"""at2_exact's trained per-head weights: <model>.npz and its provenance <model>.json (`ctxmix at2-train`)."""
+"""AT2's trained per-head weights: <model>.npz and its provenance <model>.json (`ctxmix at2-train`)."""
