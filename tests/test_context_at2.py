@@ -560,7 +560,7 @@ def test_shipped_weights_follow_the_model_not_its_name(tokenizer):
 
     import transformers as T
 
-    from ctxmix.engine.models import source_sha256
+    from ctxmix.engine.embedded import source_sha256
 
     cfg = T.LlamaConfig(
         vocab_size=tokenizer.vocab_size,

@@ -209,9 +209,9 @@ SHIPPED_FOR = {
 
 def check_shipped_for(model, path: Path) -> None:
     """Refuse a shipped weights file for a model that is not the one it was trained on: the model's source file
-    (`ctxmix.engine.models.source_sha256`) must be the one `SHIPPED_FOR` records. A model of the same name that is
+    (`ctxmix.engine.embedded.source_sha256`) must be the one `SHIPPED_FOR` records. A model of the same name that is
     something else (a random model with the config, a fine-tune, a folder) is told so and offered the options."""
-    from ctxmix.engine.models import source_sha256
+    from ctxmix.engine.embedded import source_sha256
 
     want = SHIPPED_FOR.get(path.name)
     if want is not None and source_sha256(model) == want:
