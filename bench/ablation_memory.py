@@ -36,7 +36,7 @@ def child(attn: str, n: int, heads: int) -> dict:
         max_position_embeddings=2 * n,
     )
     hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     model = dataclasses.replace(ctxmix.model_from_hf(hf, tok), output_attention=attn)
     g = np.random.RandomState(0)
     prompts = [g.randint(0, 1024, n - 8 - i).tolist() for i in range(8)]

@@ -40,8 +40,9 @@ def load(name: str, device: str):
         torch.manual_seed(0)
         hf = T.BertModel(T.BertConfig(), add_pooling_layer=False).eval()
         hf.set_attn_implementation("eager")
-        tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
-        return ctxmix.model_from_hf(hf.to(ctxmix.engine.models.resolve_device(device)), tok, name="bert-base (random)")
+        tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
+        dev = ctxmix.engine.placement.resolve_device(device)
+        return ctxmix.model_from_hf(hf.to(dev), tok, name="bert-base (random)")
     raise SystemExit(f"unknown bench model {name}")
 
 
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from ctxmix.engine.models import keep_cpu_buffers
+    from ctxmix.engine.budget import keep_cpu_buffers
 
     keep_cpu_buffers()  # as the CLI does: this process is ours (measured 15-25 % on value zeroing)
     if a.child:

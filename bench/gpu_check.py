@@ -45,7 +45,7 @@ def _model(tiny: bool, device: str):
 
     widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2) if tiny else {}
     hf = random_llama(2 if tiny else 32, torch.bfloat16, device, max_position_embeddings=131_072, **widths)
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     tok.model_max_length = 131_072
     return ctxmix.model_from_hf(hf, tok, name="random-llama3-8b")
 

@@ -43,11 +43,13 @@ def main() -> None:
     print("|---|---|" + "---|" * len(LENGTHS))
     from ctxmix.methods.memory import reference_config
 
-    for name, (ref, dm) in MODELS.items():
+    for name, (ref, split) in MODELS.items():
         cfg = reference_config(ref)
         for label, kw in CALLS:
             ests = [
-                ctxmix.estimate_memory(cfg, n, dtype="bfloat16", device="cuda", device_map=dm, device_memory=CARD, **kw)
+                ctxmix.estimate_memory(
+                    cfg, n, dtype="bfloat16", device="cuda", layers_per_device=split, device_memory=CARD, **kw
+                )
                 for n in LENGTHS
             ]
             print(f"| {name} | {label} | " + " | ".join(cell(e) for e in ests) + " |")

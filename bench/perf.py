@@ -722,7 +722,7 @@ def long_model(device: str):
         rope_theta=10000.0,
     )  # TinyLlama-1.1B's shape
     hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").to(device).eval()
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     return ctxmix.model_from_hf(hf, tok, name="random 1.1B Llama (TinyLlama shape)")
 
 
@@ -952,7 +952,7 @@ def main() -> None:
     if "--quick" in sys.argv[1:]:  # smaller defaults; sizes given explicitly still win
         ap.set_defaults(vz_n=32, n=64, corpus_texts=4, ig_n=16, mem_sizes=[64, 128, 512], inseq_layers=2, repeat=1)
     a = ap.parse_args()
-    from ctxmix.engine.models import keep_cpu_buffers
+    from ctxmix.engine.budget import keep_cpu_buffers
 
     keep_cpu_buffers()  # as the CLI does: this process is ours (measured 15-25 % on value zeroing)
 
@@ -981,7 +981,7 @@ def main() -> None:
     import ctxmix
 
     transformers.utils.logging.disable_progress_bar()
-    dev = ctxmix.engine.models.resolve_device(a.device)
+    dev = ctxmix.engine.placement.resolve_device(a.device)
     sections = a.only or [s for s in SECTIONS if dev.type == "cuda" or s not in CPU_SKIPS]
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]

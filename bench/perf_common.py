@@ -129,7 +129,7 @@ def tokenizer():
 
     import ctxmix
 
-    return T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    return T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
 
 
 def bert_base(device, layers: int = 12, head: bool = False, dtype=torch.float32, seed: int = 0):

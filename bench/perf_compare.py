@@ -156,7 +156,7 @@ def bench_inseq(a, dev) -> list[dict]:
             [
                 str(py),
                 str(Path(tmp, "child.py")),
-                ctxmix.engine.models.minilm_path(),
+                ctxmix.engine.embedded.minilm_path(),
                 tmp,
                 str(a.inseq_n),
                 str(a.inseq_layers),
@@ -317,7 +317,7 @@ def bench_precision(a, dev) -> list[dict]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--precision-child"]:
-        from ctxmix.engine.models import keep_cpu_buffers
+        from ctxmix.engine.budget import keep_cpu_buffers
 
         keep_cpu_buffers()
         print(json.dumps(precision_child(sys.argv[2])))

@@ -37,7 +37,7 @@ def llama_d256(tokens: int):
 
     import ctxmix
 
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path(), model_max_length=2 * tokens)
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path(), model_max_length=2 * tokens)
     torch.manual_seed(0)
     cfg = T.LlamaConfig(
         vocab_size=tok.vocab_size,

@@ -84,7 +84,7 @@ def half_child(device: str, n_layers: int, n_tokens: int) -> dict:
     import ctxmix
 
     hf = random_llama(n_layers, torch.bfloat16, device)
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b-widths")
     words = "the cat sat on the mat and looked at the door for a long while".split()
     text = " ".join(words[: n_tokens - 2])
@@ -125,7 +125,7 @@ def gpu_child(device: str, call: str, n_tokens: int, split: bool) -> dict:
         dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0}
         dm.update({f"model.layers.{i}": (0 if i < 16 else "cpu") for i in range(32)})
         hf = dispatch_model(hf, device_map=dm)
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
     model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b")
     text = _text(tok, n_tokens)
@@ -181,7 +181,7 @@ def cpu_child(call: str, n_tokens: int) -> dict:
     import ctxmix
 
     hf = random_llama(2, torch.float32, "cpu")
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     tok.model_max_length = LLAMA3_8B["max_position_embeddings"]  # the model's window, not MiniLM's 512
     model = ctxmix.model_from_hf(hf, tok, name="random-llama3-8b-widths-2-layers")
     text = _text(tok, n_tokens if call in ("explain_alti", "scope_maps", "routes") else n_tokens - 16)

@@ -42,7 +42,7 @@ def child(mode: str, root: str, n: int, heads: int, d: int) -> dict:
         max_position_embeddings=n,
     )
     hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
-    model = ctxmix.model_from_hf(hf, T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path()))
+    model = ctxmix.model_from_hf(hf, T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path()))
     ids = np.random.RandomState(0).randint(0, 32000, n).tolist()
     response = list(range(n - 33, n - 1))  # 32 response rows
     _ = rows.trace_rows(model, ids[:64], list(range(56, 63))).reconstruction_error  # warm up at a small size

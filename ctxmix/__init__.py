@@ -31,7 +31,7 @@ _API = {
     "CtxmixError": "errors",
     "ModelLoadError": "errors",
     "UnsupportedArchitecture": "errors",
-    "EMBEDDED": "engine.models",
+    "EMBEDDED": "engine.embedded",
     "Model": "engine.models",
     "load_model": "engine.models",
     "model_from_hf": "engine.models",
@@ -117,7 +117,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     )
     from .analyses.pairs import cross_segment_mixing  # noqa: F401
     from .benchmark.context.many import attribute_contexts  # noqa: F401
-    from .engine.models import EMBEDDED, Model, load_model, model_from_hf  # noqa: F401
+    from .engine.embedded import EMBEDDED  # noqa: F401
+    from .engine.models import Model, load_model, model_from_hf  # noqa: F401
     from .engine.trace import Trace, trace  # noqa: F401
     from .errors import BadInput, CtxmixError, ModelLoadError, UnsupportedArchitecture  # noqa: F401
     from .export.context.load import load_context_attribution  # noqa: F401

@@ -39,7 +39,7 @@ def _write_table(df, out: str | None) -> None:
 
 def _load(args):
     import ctxmix
-    from ctxmix.engine.models import loading_options
+    from ctxmix.engine.placement import loading_options
 
     return ctxmix.load_model(
         args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
@@ -228,7 +228,7 @@ def cmd_methods(args) -> None:
 def cmd_models(args) -> None:
     from ctxmix import MIXING_METHODS, PREDICTION_METHODS, SALIENCY_METHODS
     from ctxmix.engine.arch import families_table, supported_families
-    from ctxmix.engine.models import EMBEDDED
+    from ctxmix.engine.embedded import EMBEDDED
 
     for k, v in EMBEDDED.items():
         print(f"{k:18} {v}")
@@ -271,7 +271,7 @@ def cmd_estimate(args) -> None:
     """The memory a call would take, per device, from a config (no weights loaded) or a loaded embedded model."""
     import json as _json
 
-    from ctxmix.engine.models import EMBEDDED
+    from ctxmix.engine.embedded import EMBEDDED
     from ctxmix.errors import BadInput
     from ctxmix.methods.memory import CALLS, REFERENCE_CONFIGS, estimate_memory, reference_config
 
@@ -281,6 +281,20 @@ def cmd_estimate(args) -> None:
         lengths = [int(t) for t in str(args.tokens).split(",") if t.strip()]
     except ValueError:
         raise BadInput(f"--tokens takes integers separated by commas, got {args.tokens!r}") from None
+    if args.device_map is not None:
+        if args.layers_per_device is not None:
+            raise BadInput("give --layers-per-device only: --device-map is its deprecated old name in ctxmix estimate")
+        print(
+            "--device-map in ctxmix estimate is deprecated: use --layers-per-device; it will mean a module -> device "
+            "map as in the other commands",
+            file=sys.stderr,
+        )
+    spread = args.layers_per_device if args.layers_per_device is not None else args.device_map
+    flag = "--layers-per-device" if args.layers_per_device is not None else "--device-map"
+    try:
+        layers_per_device = _json.loads(spread) if spread else None
+    except _json.JSONDecodeError as e:
+        raise BadInput(f"{flag} is not valid JSON: {e}") from None
     if args.config:
         import transformers as T
 
@@ -299,7 +313,6 @@ def cmd_estimate(args) -> None:
         import transformers as T
 
         target = T.AutoConfig.from_pretrained(args.model)  # the config only: no weights downloaded or read
-    device_map = _json.loads(args.device_map) if args.device_map else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     from ctxmix.methods.context.defaults import fallback_methods
 
@@ -313,7 +326,7 @@ def cmd_estimate(args) -> None:
             dtype=None if args.dtype == "auto" else args.dtype,
             device=None if args.device == "auto" else args.device,
             n_response=args.n_response,
-            device_map=device_map,
+            layers_per_device=layers_per_device,
             device_memory=None if args.device_memory is None else int(args.device_memory * 10**9),
         )
         print(str(est) if args.parts else est.message())
@@ -512,7 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--methods", help="comma-separated (default: alti for explain, attribute_context's own for context)")
     s.add_argument("--dtype", default="auto", help="how the weights would be held: auto (the config's), bfloat16, ...")
     s.add_argument("--device", default="auto", help="the engine's device: auto (cuda if present), cpu, cuda")
-    s.add_argument("--device-map", help='layers per device for a config, JSON: {"cuda:0": 40, "cuda:1": 40}')
+    s.add_argument(
+        "--layers-per-device", metavar="JSON", help='layers per device for a config, JSON: {"cuda:0": 40, "cuda:1": 40}'
+    )
+    s.add_argument(
+        "--device-map", metavar="JSON", help="deprecated: --layers-per-device's old name (to be a module -> device map)"
+    )
     s.add_argument("--device-memory", type=float, help="GB per device (default: read; an absent card: 80)")
     s.add_argument("--n-response", type=int, help="response tokens for attribute_context (default 32)")
     s.add_argument("--parts", action="store_true", help="print every part, by device")
@@ -548,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     if args.verb not in ("serve", "methods", "models"):
-        from ctxmix.engine.models import keep_cpu_buffers
+        from ctxmix.engine.budget import keep_cpu_buffers
 
         keep_cpu_buffers()  # this process is ours: faster chunked products on CPU (see its docstring)
     try:

@@ -4,7 +4,7 @@ for each component, the dynamics against the pre-FF map, RES2 norms, FF-amplifie
 import streamlit as st
 
 from ctxmix.analyses.corpus import comparisons, corpus_report
-from ctxmix.engine.models import weights_sha256
+from ctxmix.engine.fingerprint import weights_sha256
 from ctxmix.export import plots
 from ctxmix.service.cache import cached_frames, model_fingerprint
 from ctxmix_dashboard.ui import common

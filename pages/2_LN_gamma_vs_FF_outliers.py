@@ -38,7 +38,7 @@ with common.errors_as_messages():
     bar.empty()
     common.set_provenance(
         model=name,
-        weights_sha256=ctxmix.engine.models.weights_sha256(model),
+        weights_sha256=ctxmix.engine.fingerprint.weights_sha256(model),
         corpus=corpus_key,
         sequences=len(texts),
         caps=caps,

@@ -287,7 +287,7 @@ FAMILIES = list(_tiny_configs())
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    return T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
 
 
 def exact_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kw):

@@ -1,7 +1,7 @@
 """Big models on this CPU: a model spread over devices and offloaded to disk by accelerate, a quantized one
 (bitsandbytes nf4 and 8-bit on its CPU backend, torchao int8 weight-only) and a half-precision one give what
 the same model in one place gives, without a second copy of the model (`ctxmix.engine.weights`,
-`ctxmix.engine.models.LayerList`)."""
+`ctxmix.engine.layers.LayerList`)."""
 
 import sys
 import warnings
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ctxmix
-from ctxmix.engine.models import weights_sha256
+from ctxmix.engine.fingerprint import weights_sha256
 from ctxmix.errors import BadInput, ModelLoadError, UnsupportedArchitecture
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -295,7 +295,7 @@ def test_half_precision_copies_one_layer_at_a_time(tokenizer, monkeypatch):
     import gc
     import weakref
 
-    from ctxmix.engine import models as M
+    from ctxmix.engine import layers as M
 
     m = tiny_model("llama", tokenizer, dtype=torch.bfloat16)
     assert m.work_dtype == torch.float32 and not m.layers.resident

@@ -109,7 +109,7 @@ def test_changed_weights_in_a_local_folder_are_not_served_old_maps(results, toke
 
 
 def test_in_memory_models_are_fingerprinted_by_their_tensors(tokenizer):
-    from ctxmix.engine.models import weights_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     a, b = tiny_model("bert", tokenizer), tiny_model("bert", tokenizer)
     assert weights_sha256(a) == weights_sha256(b)  # same seed, same weights

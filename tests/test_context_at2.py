@@ -588,7 +588,7 @@ def test_shipped_weights_follow_the_model_not_its_name(tokenizer):
 
     import transformers as T
 
-    from ctxmix.engine.models import source_sha256
+    from ctxmix.engine.embedded import source_sha256
     from ctxmix.methods.context.defaults import shipped
 
     cfg = T.LlamaConfig(

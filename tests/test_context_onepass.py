@@ -665,7 +665,7 @@ torch.manual_seed(0)
 cfg = T.LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=heads,
                     num_key_value_heads=heads, intermediate_size=512, max_position_embeddings=n)
 hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
-m = ctxmix.model_from_hf(hf, T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path()))
+m = ctxmix.model_from_hf(hf, T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path()))
 ids = np.random.RandomState(0).randint(0, 1024, n).tolist()
 trace_rows(m, ids[:64], list(range(56, 63))).reconstruction_error  # warm up at a small size
 open("/proc/self/clear_refs", "w").write("5")  # the peak resident memory from here on

@@ -77,7 +77,7 @@ def test_a_sliding_window_counts_sdpas_boolean_mask():
 def test_70b_spread_over_gpus_splits_its_layers():
     cfg = mem.reference_config("llama-3-70b")
     two = ctxmix.estimate_memory(
-        cfg, 4096, call="attribute_context", methods=["logit"], dtype="bfloat16", device_map={0: 40, 1: 40}
+        cfg, 4096, call="attribute_context", methods=["logit"], dtype="bfloat16", layers_per_device={0: 40, 1: 40}
     )
     w0, w1 = (two.parts[d]["weights (as stored)"] for d in ("cuda:0", "cuda:1"))
     W = acct.widths_of(cfg, "bfloat16")
@@ -85,8 +85,23 @@ def test_70b_spread_over_gpus_splits_its_layers():
     # the forward pass's own transient is on every device that runs layers; the engine's work on the first
     layer_part = "one layer's forward transient (a block of attention rows or MLP)"
     assert layer_part in two.parts["cuda:1"] and "response logits" not in two.parts["cuda:1"]
-    with pytest.raises(ctxmix.BadInput, match="device_map"):
-        ctxmix.estimate_memory(cfg, 16, device_map="auto")
+    with pytest.raises(ctxmix.BadInput, match="layers_per_device"):
+        ctxmix.estimate_memory(cfg, 16, layers_per_device="auto")
+
+
+def test_layers_per_device_is_the_estimates_layer_split_and_device_map_its_deprecated_name():
+    """`layers_per_device` spreads a config's layers; `device_map`, its old name (which means accelerate's module
+    -> device map everywhere else), still works for one release with a DeprecationWarning and gives the same
+    estimate; both at once are refused."""
+    cfg = mem.reference_config("llama-3-70b")
+    kw = dict(call="attribute_context", methods=["logit"], dtype="bfloat16", device="cuda")
+    new = ctxmix.estimate_memory(cfg, 4096, layers_per_device={"cuda:0": 40, "cuda:1": 40}, **kw)
+    with pytest.warns(DeprecationWarning, match="use layers_per_device"):
+        old = ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 40, "cuda:1": 40}, **kw)
+    assert set(new.parts) == {"cuda:0", "cuda:1"}
+    assert old.parts == new.parts and old.peak_bytes == new.peak_bytes
+    with pytest.raises(ctxmix.BadInput, match="layers_per_device only"):
+        ctxmix.estimate_memory(cfg, 4096, layers_per_device={"cuda:0": 80}, device_map={"cuda:0": 80}, **kw)
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -136,7 +151,7 @@ def _random_llama(tokenizer, **widths):
     )
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     tok.model_max_length = 4096
     return ctxmix.model_from_hf(hf, tok, name="random-llama-memory")
 
@@ -272,6 +287,31 @@ def test_ctxmix_estimate_prints_the_estimate(tmp_path, capsys):
     assert "fits: yes" in capsys.readouterr().out
 
 
+def test_ctxmix_estimate_layers_per_device_flag_and_its_deprecated_device_map(capsys):
+    """`ctxmix estimate --layers-per-device JSON` splits the layers; `--device-map`, which means a module -> device
+    map in every loading command, still gives the same estimate for one release, with one line on stderr saying
+    so; both at once are an error before anything is read."""
+    from ctxmix.cli import main
+
+    argv = ["estimate", "--model", "llama-3-70b", "--tokens", "4096", "--device", "cuda", "--dtype", "bfloat16"]
+    split = json.dumps({"cuda:0": 40, "cuda:1": 40})
+    assert main([*argv, "--parts", "--layers-per-device", split]) == 0
+    new = capsys.readouterr()
+    assert "cuda:1" in new.out and "deprecated" not in new.err
+    assert main([*argv, "--parts", "--device-map", split]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    assert old.err.strip().splitlines() == [
+        "--device-map in ctxmix estimate is deprecated: use --layers-per-device; it will mean a module -> device "
+        "map as in the other commands"
+    ]
+    assert main([*argv, "--layers-per-device", split, "--device-map", split]) == 2
+    err = capsys.readouterr().err
+    assert "give --layers-per-device only" in err and "deprecated" in err
+    assert main([*argv, "--layers-per-device", "{not json"]) == 2
+    assert "--layers-per-device is not valid JSON" in capsys.readouterr().err
+
+
 def test_bad_arguments_name_what_is_wrong():
     cfg = T.LlamaConfig(**LLAMA3_8B)
     for bad, match in ((0, "n_tokens"), (2.5, "n_tokens"), (True, "n_tokens")):
@@ -295,7 +335,7 @@ def _estimate_page():
     )
     cfg.vocab_size = 30528
     hf = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
-    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.models.minilm_path())
+    tok = T.AutoTokenizer.from_pretrained(ctxmix.engine.embedded.minilm_path())
     model = ctxmix.model_from_hf(hf, tok, name="tiny-llama")
     common.memory_caption(model, 2048, "explain", ["alti"])
     common.memory_caption(model, 100, "explain", ["alti"])  # short: nothing shown
@@ -354,7 +394,7 @@ def test_gemma2_ablation_estimate_covers_the_attention_it_runs(tokenizer, monkey
     assert est.parts  # the ablation phase with its blocks
 
 
-def test_a_configs_device_map_takes_cpu_and_disk_as_accelerate_places_them():
+def test_a_configs_layers_per_device_takes_cpu_and_disk_as_accelerate_places_them():
     """accelerate keeps a layer mapped to "cpu" in host memory and one mapped to "disk" in the offload folder, and
     runs both on the main device (their hook brings the weights there). The estimate for a config does the same:
     "disk" is accepted (it raised torch's raw device error), its weights are in no device's memory but the one
@@ -363,7 +403,7 @@ def test_a_configs_device_map_takes_cpu_and_disk_as_accelerate_places_them():
     cfg = T.LlamaConfig(**LLAMA3_8B)
     kw = dict(call="attribute_context", methods=["grad_x_input"], dtype="bfloat16", device="cuda")
     one = ctxmix.estimate_memory(cfg, 4096, **kw)
-    disk = ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "disk": 8}, **kw)
+    disk = ctxmix.estimate_memory(cfg, 4096, layers_per_device={"cuda:0": 24, "disk": 8}, **kw)
     assert set(disk.parts) == {"cuda:0"}
     W = acct.widths_of(cfg, "bfloat16")
     layer = (W.weights - W.ends) // W.L
@@ -371,9 +411,9 @@ def test_a_configs_device_map_takes_cpu_and_disk_as_accelerate_places_them():
     assert disk.parts["cuda:0"]["one offloaded layer's weights (while it runs)"] == pytest.approx(layer, rel=1e-6)
     saved = "activations kept for the backward (every layer)"
     assert disk.parts["cuda:0"][saved] == one.parts["cuda:0"][saved]
-    cpu = ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "cpu": 8}, **kw)
+    cpu = ctxmix.estimate_memory(cfg, 4096, layers_per_device={"cuda:0": 24, "cpu": 8}, **kw)
     assert cpu.parts["cuda:0"][saved] == one.parts["cuda:0"][saved]
     assert saved not in cpu.parts["cpu"]
     assert cpu.parts["cpu"]["weights (as stored)"] == pytest.approx(8 * layer, rel=1e-6)
     with pytest.raises(ctxmix.BadInput, match="not one of"):
-        ctxmix.estimate_memory(cfg, 4096, device_map={"cuda:0": 24, "tape": 8}, **kw)
+        ctxmix.estimate_memory(cfg, 4096, layers_per_device={"cuda:0": 24, "tape": 8}, **kw)

@@ -45,16 +45,13 @@ def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
         tokenizer.save_pretrained(folder)
         (folder / "ctxmix_meta.json").write_text(json.dumps({"built": len(builds)}))
 
+    CPU, FLOAT32 = ctxmix.engine.placement.resolve_device("cpu"), torch.float32
     folder = tmp_path / "m"
-    m1 = _cached_build(
-        folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
-    )
+    m1 = _cached_build(folder, build, "tiny", CPU, FLOAT32)
     assert len(builds) == 1 and m1.info["built"] == 1 and "model.safetensors" in m1.info["weights"]
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.warns(UserWarning, match="rebuilding"):
-        m2 = _cached_build(
-            folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
-        )
+        m2 = _cached_build(folder, build, "tiny", CPU, FLOAT32)
     assert len(builds) == 2 and m2.info["built"] == 2
     # weights altered but still a valid file (same size): the recorded checksum catches it
     from safetensors.torch import load_file, save_file
@@ -63,9 +60,7 @@ def test_corrupt_model_cache_is_rebuilt(tmp_path, tokenizer):
     sd["classifier.weight"] = sd["classifier.weight"] * 2
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match="rebuilding"):
-        m3 = _cached_build(
-            folder, build, "tiny", ctxmix.engine.models.resolve_device("cpu"), ctxmix.engine.models._DTYPES["float32"]
-        )
+        m3 = _cached_build(folder, build, "tiny", CPU, FLOAT32)
     assert len(builds) == 3 and m3.info["built"] == 3
 
 
@@ -204,7 +199,7 @@ def test_malloc_tuning_is_an_explicit_opt_in():
     if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
         pytest.skip("glibc only")
     code = (
-        "import ctxmix, ctxmix.engine.models as M; ctxmix.load_model('minilm', device='cpu'); a = M._ALLOCATOR_TUNED; "
+        "import ctxmix, ctxmix.engine.budget as M; ctxmix.load_model('minilm', device='cpu'); a = M._ALLOCATOR_TUNED; "
         "from ctxmix.cli import main; main(['scopes', 'a b', '--device', 'cpu', '--out', '{out}']); "
         "print(a, M._ALLOCATOR_TUNED)"
     )

@@ -17,7 +17,8 @@ from scipy import stats
 
 from ctxmix.analyses.ranks import masked_ranks, spearman_from_ranks
 from ctxmix.engine.budget import batch_size_for, job_slot, memory_budget
-from ctxmix.engine.models import Model, structural_ids
+from ctxmix.engine.models import Model
+from ctxmix.engine.tokens import structural_ids
 from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.mixing import scope_maps_batch

@@ -18,7 +18,8 @@ from ctxmix.progress import progress_bar
 
 def _ensure_built(models: list[ModelSpec]) -> None:
     """Build embedded models that are built on first use once, here, before workers race to it."""
-    from ctxmix.engine.models import BUILT_ONCE, cache_dir
+    from ctxmix.engine.embedded import BUILT_ONCE
+    from ctxmix.engine.models import cache_dir
 
     for m in models:
         if m.name in BUILT_ONCE and not (cache_dir() / m.name / "ctxmix_meta.json").exists():
@@ -121,7 +122,7 @@ def _run_bench(plan: Plan, db, executor: str, fresh: bool, ray_address, num_cpus
         except ImportError:
             raise BadInput("--executor ray needs Ray: pip install ray==2.60.0 (see requirements-dev.txt)") from None
     path = Path(db) if db else default_db(plan)
-    from ctxmix.engine.models import keep_cpu_buffers
+    from ctxmix.engine.budget import keep_cpu_buffers
 
     keep_cpu_buffers()  # a benchmark owns its process (see the docstring); a no-op once set
     with ResultsStore(path) as store:

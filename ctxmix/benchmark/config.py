@@ -160,7 +160,7 @@ def _offline() -> bool:
 def check_model_name(name: str) -> str | None:
     """None when `name` can be loaded (embedded, a local folder, or a hub id the hub or the
     local cache knows); otherwise the reason. Reads at most a config.json."""
-    from ctxmix.engine.models import EMBEDDED
+    from ctxmix.engine.embedded import EMBEDDED
 
     if name in EMBEDDED:
         return None

@@ -28,7 +28,7 @@ Families
   ``lodds_delete`` are the other two pairings the AttCAT code also computes.
   Tokens are ranked by descending signed score (ties by position; by |score| where a dataset
   asks for ``abs_saliency``, as the AttCAT QQP notebook does). Structural tokens ([CLS], [SEP],
-  [PAD], BOS, EOS: ``ctxmix.engine.models.structural_ids``; [UNK] is a word and may be deleted) and, for
+  [PAD], BOS, EOS: ``ctxmix.engine.tokens.structural_ids``; [UNK] is a word and may be deleted) and, for
   language models, the explained position are never deleted. ``stop_one_short`` caps the
   deletions at all but one deletable token, as the AttCAT code's loop does (i != n - 1).
   **Re-tokenisation:** none. Perturbations work on token ids: deleting removes the ids
@@ -503,7 +503,7 @@ def pad_token_id(tokenizer) -> int:
 def protected_positions(model, ids: Sequence[int], position: int | None) -> set[int]:
     """Positions deletion metrics never touch: special tokens, and the explained position of a
     language model (the [MASK] or the last token)."""
-    from ctxmix.engine.models import structural_ids
+    from ctxmix.engine.tokens import structural_ids
 
     special = structural_ids(model.tokenizer)  # [UNK] is a word: it may be deleted
     keep = {i for i, t in enumerate(ids) if t in special}

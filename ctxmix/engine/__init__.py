@@ -1,7 +1,8 @@
 """Model -> trace -> exact decompositions: one declarative map of module names per family
 (`arch`), the layers recomputed from the weights (`layer`), one traced forward pass (`trace`),
-model loading (`models`, `sentiment`), encoder-decoders' decoders (`seq2seq`), precision and
-memory budgets.
+model loading (`models`; where a model lives: `placement`; the embedded models' builds: `embedded`;
+weight fingerprints: `fingerprint`; the layer list: `layers`; `sentiment`), inputs as token ids (`encoding`,
+`tokens`), encoder-decoders' decoders (`seq2seq`), precision and memory budgets.
 """
 
 import logging

@@ -610,7 +610,7 @@ def read_layer(base: nn.Module, config, spec: ArchSpec, li: int, reader: WeightR
 
 def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:
     """Every layer's parameters at once, as views of the stored tensors (no copies): for models whose weights
-    are all plain tensors where the engine computes (`ctxmix.engine.models.LayerList` decides)."""
+    are all plain tensors where the engine computes (`ctxmix.engine.layers.LayerList` decides)."""
     out = [read_layer(base, config, spec, li) for li in range(len(_get(base, spec.layers)))]
     if spec.position != "post":
         for lw, nxt in zip(out, out[1:]):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ctxmix.engine.models import Encoded, Model, non_word_ids, types_from_segments
+from ctxmix.engine.models import Model
+from ctxmix.engine.tokens import Encoded, non_word_ids, types_from_segments
 from ctxmix.errors import BadInput
 
 

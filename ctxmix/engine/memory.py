@@ -63,7 +63,7 @@ def _dtype(value, default: torch.dtype) -> torch.dtype:
 
 
 def _copy_bytes(d: int, d_ff: int, H: int, Hkv: int, dh: int, gated: bool, w: int) -> int:
-    """One layer's V, O and FF matrices in the engine's dtype (`ctxmix.engine.models.LayerList`'s copy)."""
+    """One layer's V, O and FF matrices in the engine's dtype (`ctxmix.engine.layers.LayerList`'s copy)."""
     return (d * Hkv * dh + H * dh * d + (3 if gated else 2) * d * d_ff) * w
 
 

@@ -5,7 +5,7 @@ their hook loads them), stored in half precision, or quantized (bitsandbytes' pa
 tensors with their scales, torchao's tensor subclasses). The engine never reads a raw `.weight`: it reads
 a module's tensors through `materialized` (the offload hook loads them for as long as they are read) and a
 linear layer's matrix through `linear_matrix` (dequantized by the scheme's own function). Every copy this
-makes is one layer's, made when that layer is decomposed and dropped after it (`ctxmix.engine.models.LayerList`).
+makes is one layer's, made when that layer is decomposed and dropped after it (`ctxmix.engine.layers.LayerList`).
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def provenance(model: Model) -> dict:
     import datetime
 
     from ctxmix import __version__
-    from ctxmix.engine.models import weights_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     return {
         "ctxmix_version": __version__,

@@ -20,6 +20,7 @@ is estimated over its loaded weights against what its devices can give now.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,7 +187,7 @@ def _as_tuple(methods) -> tuple[str, ...]:
 
 
 def _layer_shares(model_or_config, device_map, engine: str, L: int) -> dict[str, float]:
-    """{device: share of the layers} from a Model's `hf_device_map` or a device_map given for a config
+    """{device: share of the layers} from a Model's `hf_device_map` or the layers_per_device given for a config
     ({device: number of layers or fraction}); everything on the engine device when there is none."""
     from ctxmix.engine.models import Model
 
@@ -203,9 +204,7 @@ def _layer_shares(model_or_config, device_map, engine: str, L: int) -> dict[str,
     if not device_map:
         return {engine: 1.0}
     if not isinstance(device_map, dict):
-        raise BadInput(
-            "device_map for a config must be {device: layers or fraction}, e.g. {'cuda:0': 40, 'cuda:1': 40}"
-        )
+        raise BadInput("layers_per_device must be {device: layers or fraction}, e.g. {'cuda:0': 40, 'cuda:1': 40}")
     vals = {(f"cuda:{k}" if isinstance(k, int) else str(k)): float(v) for k, v in device_map.items()}
     for d in vals:
         if d != "disk":
@@ -213,11 +212,11 @@ def _layer_shares(model_or_config, device_map, engine: str, L: int) -> dict[str,
                 torch.device(d)
             except RuntimeError:
                 raise BadInput(
-                    f"device_map's device {d!r} is not one of 'cuda:N', 'cpu' or 'disk' (as accelerate places layers)"
+                    f"layers_per_device: {d!r} is not one of 'cuda:N', 'cpu' or 'disk' (as accelerate places layers)"
                 ) from None
     share_sum = float(sum(vals.values()))
     if share_sum <= 0 or min(vals.values()) < 0:
-        raise BadInput("device_map's shares must be positive")
+        raise BadInput("layers_per_device's shares must be positive")
     return {d: v / share_sum for d, v in vals.items()}
 
 
@@ -272,12 +271,13 @@ def estimate_memory(
     dtype=None,
     device=None,
     n_response: int | None = None,
-    device_map: dict | None = None,
+    layers_per_device: dict | None = None,
     device_memory: int | None = None,
     n_ablations: int = 32,
     batch_size: int = 8,
     n_sources: int | None = None,
     phases=None,
+    device_map: dict | None = None,
 ) -> MemoryEstimate:
     """The peak memory of `call` on `n_tokens` tokens, per device, before anything runs (module docstring).
 
@@ -288,19 +288,32 @@ def estimate_memory(
     `batch_size`, `n_sources` (default: one per 30 tokens) for the ablation methods; `phases`: the context methods'
     memory phases when a call knows better than their records, `ctxmix.methods.context.job.memory_phases`). device: the
     engine's device for a config ("cuda", "cpu";
-    default: cuda when present). device_map (config only): {device: layers or fraction} spreading the layers;
-    the embeddings, the head and the engine's work stay on the first. device_memory: bytes per device instead
-    of what is read (for a config on a device that is not here: an 80 GB card unless given)."""
-    from ctxmix.engine.models import Model, resolve_device
+    default: cuda when present). layers_per_device (config only): {device: layers or fraction} spreading the
+    layers, e.g. {"cuda:0": 40, "cuda:1": 40} ("cpu" and "disk" as accelerate places them); the embeddings, the
+    head and the engine's work stay on the first. device_memory: bytes per device instead of what is read (for a
+    config on a device that is not here: an 80 GB card unless given). device_map: layers_per_device's old name,
+    deprecated (a DeprecationWarning; it will mean a module -> device map as in `load_model`)."""
+    from ctxmix.engine.models import Model
+    from ctxmix.engine.placement import resolve_device
 
     if call not in CALLS:
         raise BadInput(f"call must be one of {', '.join(CALLS)}, got {call!r}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
         raise BadInput(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    if device_map is not None:
+        if layers_per_device is not None:
+            raise BadInput("give layers_per_device only: device_map is its deprecated old name, not a second map")
+        warnings.warn(
+            "estimate_memory's device_map is deprecated: use layers_per_device (the same {device: layers}); "
+            "device_map will mean a module -> device map as in load_model",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        layers_per_device = device_map
     methods = _as_tuple(methods)
     loaded = isinstance(model_or_config, Model)
-    if loaded and device_map:
-        raise BadInput("device_map is for a config: a loaded model is estimated as it is placed")
+    if loaded and layers_per_device:
+        raise BadInput("layers_per_device is for a config: a loaded model is estimated as it is placed")
     W = acct.widths_of(model_or_config, None if loaded else dtype)
     if loaded:
         engine = str(model_or_config.device)
@@ -311,11 +324,11 @@ def estimate_memory(
     if engine == "cuda":
         engine = "cuda:0"
     notes: list[str] = []
-    stored = _layer_shares(model_or_config, device_map, engine, W.L)  # where the layers' weights are kept
+    stored = _layer_shares(model_or_config, layers_per_device, engine, W.L)  # where the layers' weights are kept
     if not loaded and engine not in stored:
         engine = next((d for d in stored if d not in ("cpu", "disk")), next(iter(stored)))
         if engine == "disk":
-            raise BadInput("device_map needs a device that runs layers ('cuda:N' or 'cpu'), not only 'disk'")
+            raise BadInput("layers_per_device needs a device that runs layers ('cuda:N' or 'cpu'), not only 'disk'")
     shares = _running_shares(stored, engine)  # where they run
     budget = {d: _capacity(d, loaded, device_memory, notes) for d in {engine, *shares, *(set(stored) - {"disk"})}}
     card = None if torch.device(engine).type != "cuda" else budget[engine] // 4

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from ctxmix.engine.attention import ctxmix_pass, every_row
-from ctxmix.engine.models import Model, non_word_ids, structural_ids
+from ctxmix.engine.models import Model
+from ctxmix.engine.tokens import non_word_ids, structural_ids
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
 

@@ -63,9 +63,9 @@ def _size_of(v) -> int:
 
 def model_fingerprint(model: Model) -> str:
     """Name, dtype, the engine's default precision, the hub commit and build metadata, and the
-    SHA-256 of the weights themselves (`ctxmix.engine.models.weights_sha256`), so a local folder whose
+    SHA-256 of the weights themselves (`ctxmix.engine.fingerprint.weights_sha256`), so a local folder whose
     weights change never gets the old folder's cached maps."""
-    from ctxmix.engine.models import weights_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     c = model.hf.config
     info = {k: v for k, v in model.info.items() if k != "weights"}  # file times are not identity

@@ -468,7 +468,7 @@ def cmd_at2_train(args) -> None:
     for name in ("examples", "masks", "min_tokens", "max_tokens", "steps"):
         if getattr(args, name) < (2 if name == "masks" else 1):
             raise BadInput(f"--{name.replace('_', '-')} must be a positive whole number (masks: at least 2)")
-    from ctxmix.engine.models import loading_options
+    from ctxmix.engine.placement import loading_options
 
     prompt, max_new_tokens = {}, 48
     if args.prompt_from is not None:  # the config's form and response length: its responses are cut the same way

@@ -77,7 +77,8 @@ def weights_entry(path: Path, tables: list[dict]) -> dict:
 
 def model_entry(model, form: dict, weights: dict[str, dict], tables: list[dict]) -> dict:
     """An embedded model's defaults (module docstring): fingerprints, prompt form, AT2 file, page methods."""
-    from ctxmix.engine.models import source_sha256, weights_sha256
+    from ctxmix.engine.embedded import source_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     table = next((t for t in tables if t.get("model") == model.name and (t.get("prompt") or {}) == form), None)
     at2 = next((sha for sha, w in weights.items() if w["trained_on"] == model.name), None)

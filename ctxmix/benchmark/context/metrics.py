@@ -170,7 +170,7 @@ def _whole(x) -> bool:
 
 def _check(ca, model, k, gold, seed, n_ablations) -> tuple[tuple[int, ...], list[int] | None]:
     """Every argument checked before any pass (`ca` is a `ContextAttribution`: not imported, no cycle)."""
-    from ctxmix.engine.models import weights_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     if model.name != ca.model_name:
         raise BadInput(f"this attribution was made with {ca.model_name}; evaluate it with that model, not {model.name}")

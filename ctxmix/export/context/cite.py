@@ -403,12 +403,13 @@ def write_out(ca, p: Path, span=None) -> Path:
 
 def cmd_cite(args) -> None:
     from ctxmix.engine import models
+    from ctxmix.engine.placement import loading_options
     from ctxmix.methods.context.attribution import attribute_context
 
     what, methods, out = check_args(args)
     options = attribution_options(args, methods)
     model = models.load_model(
-        args.model, device=args.device, dtype=args.dtype, precision=args.precision, **models.loading_options(args)
+        args.model, device=args.device, dtype=args.dtype, precision=args.precision, **loading_options(args)
     )
     if "examples" in what:
         return _cite_batch(model, what["examples"], options, args, out)

@@ -42,7 +42,7 @@ def prompt_token_count(
 
 
 def _check_model(ca, model: Model) -> None:
-    from ctxmix.engine.models import weights_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     if model.name != ca.model_name:
         raise BadInput(f"this attribution was made with {ca.model_name}; use that model, not {model.name}")

@@ -38,7 +38,8 @@ def model_entry(model) -> dict | None:
     """The shipped entry of this model, matched by the SHA-256 of the packaged file it is built from
     (`source_sha256`: the same on every machine) or by its weights' fingerprint (`weights_sha256`, hashed only
     for a model of an entry's shape); None for any other model."""
-    from ctxmix.engine.models import source_sha256, weights_sha256
+    from ctxmix.engine.embedded import source_sha256
+    from ctxmix.engine.fingerprint import weights_sha256
 
     entries = shipped()["models"]
     src = source_sha256(model)
