@@ -105,8 +105,8 @@ def main() -> None:
             )
 
         est = dict(call="attribute_context", methods=methods)
-        if "n_ablations" in kw:
-            est["n_ablations"] = kw["n_ablations"]
+        if "ablations" in kw:
+            est["n_ablations"] = kw["ablations"]["n"]
         return run, est
 
     def forward(n):
@@ -126,13 +126,13 @@ def main() -> None:
         "forward_4k": (forward, 4_096),
         "logit_4k": (lambda n: ctx(["logit"], n), 4_096),
         # a random model has no trained AT2 weights: untrained ones cost the same pass
-        "at2_exact_4k": (lambda n: ctx(["at2_exact"], n, at2_weights="untrained"), 4_096),
-        "contextcite32_4k": (lambda n: ctx(["contextcite"], n, n_ablations=32), 4_096),
+        "at2_exact_4k": (lambda n: ctx(["at2_exact"], n, at2={"weights": "untrained"}), 4_096),
+        "contextcite32_4k": (lambda n: ctx(["contextcite"], n, ablations={"n": 32}), 4_096),
         "forward_32k": (forward, 32_768),
         "logit_attention_32k": (lambda n: ctx(["logit", "attention"], n), 32_768),
         "routes_4k": (call(lambda t: ctxmix.routes(m, t), {"call": "routes"}), 4_096),
         "scope_maps_512": (call(lambda t: ctxmix.scope_maps(m, t), {"call": "scope_maps"}), 512),
-        "contextcite32_32k": (lambda n: ctx(["contextcite"], n, n_ablations=32), 32_768),
+        "contextcite32_32k": (lambda n: ctx(["contextcite"], n, ablations={"n": 32}), 32_768),
         "explain_alti_8k": (
             call(lambda t: ctxmix.explain(m, t, ["alti"]), {"call": "explain", "methods": ["alti"]}),
             8_192,

@@ -9,7 +9,7 @@ its ~32-token response given as text), the query "Summarize the first article in
 this process, after one warm-up of each path: (a) `key_mask_rows` (one forward, one backward of sum_t log p_t),
 (b) T backward passes through one forward (the graph kept between them), (c) one batched backward
 (`torch.autograd.grad(..., is_grads_batched=True)`, the T one-hot output gradients as a batch), (d)
-`attribute_context(..., methods=["contextcite"], n_ablations=32)`'s ContextCite seconds. Prints a markdown table.
+`attribute_context(..., methods=["contextcite"], ablations={"n": 32})`'s ContextCite seconds. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     for size in a.sizes:
         context, response = context_example(model.tokenizer, size)
         ca = ctxmix.attribute_context(
-            model, context, QUERY, response=response, methods=["contextcite"], n_ablations=32, progress=False
+            model, context, QUERY, response=response, methods=["contextcite"], ablations={"n": 32}, progress=False
         )
         cc = ca.cost["contextcite"]["seconds"]
         ids, P = ca.prompt_ids + ca.response_ids, len(ca.prompt_ids)

@@ -121,7 +121,7 @@ def context_child(size: int, method: str, device: str, save: str | None) -> dict
         run = lambda: generate(m, input_ids=ids, max_new_tokens=RESPONSE_TOKENS, greedy=True, stop_at_eos=False)  # noqa: E731
         out.update(P=len(ids), T=RESPONSE_TOKENS)
     else:
-        kw = dict(response=resp, methods=[method], n_ablations=N_ABLATIONS, progress=False)
+        kw = dict(response=resp, methods=[method], ablations={"n": N_ABLATIONS}, progress=False)
         ctxmix.attribute_context(m, small, QUERY, **{**kw, "n_ablations": 2})  # warm-up (imports, kernels)
         run = lambda: ctxmix.attribute_context(m, ctx, QUERY, **kw)  # noqa: E731
     res, out["seconds"], out["extra_MB"] = timed_peak(run, device)

@@ -164,7 +164,7 @@ def _calls(ctxmix, model, text):
             dict(call="attribute_context", methods=["logit", "attention"]),
         ),
         "contextcite": (
-            lambda: ctxmix.attribute_context(model, text, methods=["contextcite"], n_ablations=8, **ask),
+            lambda: ctxmix.attribute_context(model, text, methods=["contextcite"], ablations={"n": 8}, **ask),
             dict(call="attribute_context", methods=["contextcite"], n_ablations=8),
         ),
         "explain_alti": (lambda: ctxmix.explain(model, text, ["alti"]), dict(call="explain", methods=["alti"])),

@@ -184,7 +184,7 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
     kw = dict(
         methods=["logit", "contextcite", "at2_exact"],
         chat_template=CHAT.replace("[CLS]", "[CLS] turn"),
-        target="logit",
+        target_kind="logit",
         seed=3,
         seeds="official",
         keep_prob=0.6,
@@ -197,7 +197,7 @@ def test_every_option_of_attribute_context_has_a_flag(tmp_path, served, llama, c
     out = tmp_path / "ca.npz"
     args = ["--context", *files, "--query", QUERY, "--response", RESPONSE, "--n-ablations", "4"]
     args += ["--method", "logit", "contextcite", "at2_exact", "--chat-template", str(tmp_path / "chat.jinja")]
-    args += ["--target", "logit", "--seed", "3", "--seeds", "official", "--keep-prob", "0.6", "--alpha", "0.02"]
+    args += ["--target-kind", "logit", "--seed", "3", "--seeds", "official", "--keep-prob", "0.6", "--alpha", "0.02"]
     args += ["--batch-size", "2", "--at2-features", "attention", "--at2-weights", "untrained", "--out", str(out)]
     assert _cite(*args) == 0
     got = ctxmix.load_context_attribution(out)

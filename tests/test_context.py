@@ -403,7 +403,7 @@ def test_logit_scores_are_explains_contributions(tokenizer, family, target):
     relative."""
     m = tiny_model(family, tokenizer)
     ca = ctxmix.attribute_context(
-        m, CONTEXT, QUERY, response=RESPONSE, methods=["logit"], target=target, progress=False
+        m, CONTEXT, QUERY, response=RESPONSE, methods=["logit"], target_kind=target, progress=False
     )
     ids = ca.prompt_ids + ca.response_ids
     P, T = len(ca.prompt_ids), len(ca.response_ids)

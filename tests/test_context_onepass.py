@@ -83,7 +83,7 @@ def test_target_kinds_match_explain_and_the_model(tokenizer, kind):
     explained quantity is log p (T1), log p - log(1 - p) (T2, ContextCite's per-token logit-probability) or
     the raw logit, from the model's own softmax."""
     m = tiny_model("gpt2", tokenizer)
-    ca = _ca(m, ["logit"], target=kind)
+    ca = _ca(m, ["logit"], target_kind=kind)
     want, want_terms = _explain_rows(m, ca, "logit", kind)
     assert np.allclose(ca.per_token["logit"], want, rtol=0, atol=1e-12 * np.abs(want).max())
     ids = ca.prompt_ids + ca.response_ids
@@ -383,7 +383,7 @@ def test_bf16_buckets_add_up_to_the_float32_target(tokenizer, target):
 
     m16 = tiny_model("llama", tokenizer, dtype=torch.bfloat16)
     m32 = ctxmix.model_from_hf(copy.deepcopy(m16.hf).to(torch.float32), tokenizer, name=m16.name)
-    kw = dict(methods=["logit", "alti_logit", "at2_exact"], target=target, at2_weights="untrained")
+    kw = dict(methods=["logit", "alti_logit", "at2_exact"], target_kind=target, at2_weights="untrained")
     ca16, ca32 = _ca(m16, **kw), _ca(m32, **kw)
     assert ca16.response_ids == ca32.response_ids
     h, rho = _layer_outputs_and_readouts(m16, ca16, target)
@@ -473,7 +473,7 @@ def test_logit_and_alti_logit_rows_equal_a_float64_transcription(tokenizer):
     rounding, 2^-52 x (d + n) x the largest |contribution| x the L H terms summed (both sides read the same HF
     probabilities and layer inputs)."""
     m = tiny_model("llama", tokenizer)
-    ca = _ca(m, ["logit", "alti_logit"], target="logit")
+    ca = _ca(m, ["logit", "alti_logit"], target_kind="logit")
     P = len(ca.prompt_ids)
     D, emb, C = _reference_layer_rows(m, ca.prompt_ids + ca.response_ids, P)
     L, T, n = D.shape
@@ -631,7 +631,7 @@ def test_bf16_rows_trace_is_within_bf16_rounding_of_the_full_trace(tokenizer, mo
     used = []
     real = rows_mod.trace_rows
     monkeypatch.setattr(rows_mod, "trace_rows", lambda *a: used.append(1) or real(*a))
-    ca16, ca32 = _ca(m16, ["logit"], target="logit"), _ca(m32, ["logit"], target="logit")
+    ca16, ca32 = _ca(m16, ["logit"], target_kind="logit"), _ca(m32, ["logit"], target_kind="logit")
     ids, P = ca16.prompt_ids + ca16.response_ids, len(ca16.prompt_ids)
     n = len(ids)
     from ctxmix.engine import attention as att

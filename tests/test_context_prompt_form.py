@@ -138,3 +138,21 @@ def test_at2_weights_of_another_prompt_form_are_named(llama, tmp_path):
     assert any("trained with the prompt form {}" in w for w in cued.warnings), cued.warnings
     plain = ctxmix.attribute_context(llama, CONTEXT, QUERY, prompt={"query_suffix": "", "stop": None}, **kw)
     assert not any("prompt form" in w for w in plain.warnings)
+
+
+def test_target_kind_is_the_explained_quantitys_one_name(llama, capsys):
+    """attribute_context's explained quantity is target_kind= as in explain (whose target= is the predicted token);
+    the earlier target= and `ctxmix cite --target` are taken with a deprecation note and give the same numbers."""
+    kw = dict(response=" the code is 4817.", methods=["logit"], progress=False)
+    new = ctxmix.attribute_context(llama, CONTEXT, QUERY, target_kind="logit", **kw)
+    with pytest.warns(FutureWarning, match=r"target=\.\.\.\) is deprecated: use target_kind"):
+        old = ctxmix.attribute_context(llama, CONTEXT, QUERY, target="logit", **kw)
+    assert new.options["target"] == old.options["target"] == "logit"
+    assert (new.scores["logit"] == old.scores["logit"]).all()
+    with pytest.raises(BadInput, match="target_kind"):
+        ctxmix.attribute_context(llama, CONTEXT, QUERY, target="logit", target_kind="logit_prob", **kw)
+    from ctxmix.cli import build_parser
+
+    args = build_parser().parse_args(["cite", "--context", "a.txt", "--target", "logit_prob"])
+    assert args.target_kind == "logit_prob" and "--target is deprecated" in capsys.readouterr().err
+    assert build_parser().parse_args(["cite", "--context", "a.txt"]).target_kind == "log_prob"

@@ -96,7 +96,13 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--batch-size", type=int, default=8, help="ablation passes per forward batch (default 8; numbers unchanged)"
     )
-    s.add_argument("--target", choices=TARGETS, default="log_prob", help="what the one-pass methods explain")
+    s.add_argument(
+        "--target-kind",
+        choices=TARGETS,
+        default="log_prob",
+        help="what the logit methods explain per response token (explain's target_kind=; --target before)",
+    )
+    s.add_argument("--target", choices=TARGETS, dest="target_kind", action=_DeprecatedTarget, help=argparse.SUPPRESS)
     s.add_argument(
         "--template",
         choices=["chat", "plain"],
@@ -290,6 +296,14 @@ def check_args(args) -> tuple[dict, list[str], Path | None]:
     return {"examples": read_examples(args.batch)}, methods, out
 
 
+class _DeprecatedTarget(argparse.Action):
+    """--target, the earlier name of --target-kind (explain's --target is the predicted token): taken, with a note."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("ctxmix cite: --target is deprecated: use --target-kind", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def attribution_options(args, methods: list[str]) -> dict:
     """attribute_context's options from the command line (what --context, --messages and --batch share), in its
     groups (prompt form, ablations, AT2)."""
@@ -297,7 +311,7 @@ def attribution_options(args, methods: list[str]) -> dict:
     return {
         "sources": args.sources,
         "methods": methods,
-        "target": args.target,
+        "target_kind": args.target_kind,
         "max_new_tokens": args.max_new_tokens,
         "compat": args.compat,
         "key_mask_levels": args.key_mask_levels,
@@ -501,7 +515,7 @@ def reproduce_command(
         cmd += ["--seeds", str(o["seeds"])] if o.get("seeds", default_seeds) != default_seeds else []
         cmd += ["--keep-prob", repr(float(o["keep_prob"]))] if float(o["keep_prob"]) != 0.5 else []
         cmd += ["--alpha", repr(float(o["alpha"]))] if float(o["alpha"]) != 0.01 else []
-    cmd += ["--target", str(o["target"])] if o.get("target", "log_prob") != "log_prob" else []
+    cmd += ["--target-kind", str(o["target"])] if o.get("target", "log_prob") != "log_prob" else []
     cmd += ["--compat"] if o.get("compat") else []
     levels = o.get("key_mask_levels", 4)
     cmd += ["--key-mask-levels", str(levels)] if isinstance(levels, int) and levels != 4 else []

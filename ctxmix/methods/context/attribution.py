@@ -305,7 +305,7 @@ def attribute_context(
     response: str | None = None,
     sources="sentence",
     methods=DEFAULT_METHODS,
-    target: str = "log_prob",
+    target_kind: str = "log_prob",
     prompt: PromptForm | dict | None = None,
     max_new_tokens: int = 64,
     ablations: Ablations | dict | None = None,
@@ -345,8 +345,9 @@ def attribute_context(
     method reads, its cost class and passes, and how a span is scored): the one-pass methods share one traced pass,
     the gradient methods make their own backward passes, the ablation methods one pass per ablated text. Default: the
     shipped defaults' methods for a model with no entry (`ctxmix.methods.context.defaults`). key_mask_levels: the
-    key-mask integrated gradient's gate levels, a count K or a list in (0, 1]. target: what the logit methods explain
-    per response token, "log_prob" (T1, exactly), "logit_prob" (T2: log p - log(1 - p)) or "logit" (the raw logit).
+    key-mask integrated gradient's gate levels, a count K or a list in (0, 1]. target_kind: what the logit methods
+    explain per response token, "log_prob" (T1, exactly), "logit_prob" (T2: log p - log(1 - p)) or "logit" (the raw
+    logit).
 
     ablations (`Ablations`, a dict of its fields, or None): ContextCite's n random ablations (keep_prob, LASSO
     alpha), their seeds ("example": each example its own masks from a hash of seed and the texts; "official": seed +
@@ -369,8 +370,9 @@ def attribute_context(
     progress: True (terminal bars), False, or a callable progress(stage, done, total) (stage "generate", or an
     ablation method's name): the dashboard's bars.
 
-    The flat keywords of the earlier signature (template=, chat_template=, n_ablations=, seed=, seeds=, keep_prob=,
-    alpha=, batch_size=, at2_features=, at2_weights=) still work, with a FutureWarning, for one release.
+    The keywords of the earlier signature (template=, chat_template=, n_ablations=, seed=, seeds=, keep_prob=,
+    alpha=, batch_size=, at2_features=, at2_weights=, and target= for target_kind=, the name `explain` gives the
+    same choice: its target= is the predicted token) still work, with a FutureWarning, for one release.
 
     Raises BadInput, before any model pass, for an empty context, a single source, an empty or
     end-of-sequence-only response, a prompt + response over the model's window, bad spans or options, an encoder
@@ -380,15 +382,16 @@ def attribute_context(
     from ctxmix.methods.context.job import ContextJob, memory_phases, prepare_methods, run_methods, store_result
     from ctxmix.methods.context.keymask import check_levels
     from ctxmix.methods.context.onepass import TARGETS
-    from ctxmix.methods.context.options import cued, groups_from, model_form
+    from ctxmix.methods.context.options import cued, groups_from, model_form, renamed_target
     from ctxmix.methods.context.prompt import build_prompt, cut_response, make_response
     from ctxmix.methods.explanation import provenance
 
+    target = renamed_target("attribute_context", target_kind, deprecated)
     g = groups_from("attribute_context", {"prompt": prompt, "ablations": ablations, "at2": at2}, deprecated)
     form, abl, at2_opts = g["prompt"], g["ablations"], g["at2"]
     methods = _check_call(model, methods, max_new_tokens, query)
     if target not in TARGETS:
-        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+        raise BadInput(f"target_kind must be one of {', '.join(TARGETS)}, got {target!r}")
     if not isinstance(compat, bool):
         raise BadInput(f"compat must be True or False, got {compat!r}")
     seeds = abl.seeds or ("official" if compat else "example")

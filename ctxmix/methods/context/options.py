@@ -150,6 +150,18 @@ def as_group(kind: str, value):
     raise BadInput(f"{kind} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
 
 
+def renamed_target(call: str, target_kind: str, legacy: dict) -> str:
+    """target_kind, or the earlier keyword target= (taken out of `legacy`, with a FutureWarning): `explain` names
+    the explained quantity target_kind and the predicted token target, so one name means one thing."""
+    if "target" not in legacy:
+        return target_kind
+    warnings.warn(f"{call}(target=...) is deprecated: use target_kind=...", FutureWarning, stacklevel=3)
+    old = legacy.pop("target")
+    if target_kind != "log_prob" and old != target_kind:
+        raise BadInput("target= is target_kind=, and target_kind= is given too: give target_kind= only")
+    return old
+
+
 def groups_from(call: str, groups: dict, legacy: dict) -> dict:
     """{group name: group} from the group arguments and any flat keywords of the old signature (each moved into its
     group with a FutureWarning; giving both for one field is an error; an unknown keyword a TypeError, as Python's)."""
