@@ -174,28 +174,25 @@ def test_gemma3_finds_the_needle(gemma3):
     assert ranks["contextcite"] == ranks["logit"] == [0] * len(examples), ranks
 
 
-BAKERY = (
-    "The council met on Tuesday to discuss the new bus routes. Residents asked for a stop near the school. "
-    "The bakery on Mill Street has been open since 1987. The combination of the green safe in the bakery is 7305. "
-    "Its owner bakes rye bread every morning. The weather stayed mild for most of the week. "
-    "A new library will open in the spring."
-)
-
 
 def test_a_base_models_default_response_is_its_answer(gemma3):
-    """A base model's default response is its answer, on a needle of this test's own: gemma3 called with the API's
-    defaults (no response, no prompt form) gets the answer cue after the query and its response cut at its first
-    sentence, so what is explained is its answer, and ContextCite and the page's default one-pass method for gemma3
-    both rank the needle first. (Without the cue and cut, gemma3 answered past the answer and ContextCite ranked the
-    sentence it copied after it first.)"""
+    """A base model's default response is its answer: gemma3 called with the API's defaults (no response, no prompt
+    form) on the needle examples gets the answer cue after the query and its generated response cut at its first
+    sentence, so what is explained is its answer (the fact, one sentence), and ContextCite and the page's default
+    one-pass method for gemma3 both rank the needle first. (Without the cue and cut, gemma3 answered past the
+    answer and ContextCite ranked the sentence it copied after it first.)"""
     from ctxmix.methods.context.defaults import page_methods
-    from ctxmix.methods.context.sources import sentence_spans
+    from ctxmix.methods.context.sources import first_sentence
 
     one_pass = page_methods(gemma3)[0][0]
-    query = "What is the combination of the green safe in the bakery?"
-    ca = ctxmix.attribute_context(gemma3, BAKERY, query, methods=[one_pass, "contextcite"], progress=False)
-    assert ca.options["prompt_form"] == {"query_suffix": ANSWER_CUE, "stop": "sentence"}
-    assert ca.query == query + ANSWER_CUE and "7305" in ca.response, ca.response
-    assert len(sentence_spans(ca.response.strip())) == 1, ca.response
-    needle = next(i for i, t in enumerate(ca.sources) if "7305" in t)
-    assert {m: ca.top(m, 1)[0][0] for m in ca.methods} == {one_pass: needle, "contextcite": needle}
+    tok = gemma3.tokenizer
+    ranks: dict[str, list[int]] = {one_pass: [], "contextcite": []}
+    for e in gemma3_needles(lambda t: len(tok(t, add_special_tokens=False)["input_ids"])):
+        ca = ctxmix.attribute_context(gemma3, e.context, e.query, methods=list(ranks), progress=False)
+        assert ca.options["prompt_form"] == {"query_suffix": ANSWER_CUE, "stop": "sentence"}
+        assert ca.query == e.query + ANSWER_CUE and contains_answer(ca.response, e.answer), (e.id, ca.response)
+        assert first_sentence(ca.response.strip()) == ca.response.strip() and "\n" not in ca.response, ca.response
+        for m, r in ranks.items():
+            s = ca.scores[m]
+            r.append(int((s > s[e.gold[0]]).sum()))
+    assert all(r == [0] * len(r) for r in ranks.values()), ranks
