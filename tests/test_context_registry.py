@@ -169,3 +169,21 @@ def test_a_run_function_that_skips_a_method_fails_loudly(llama, last_layer_atten
         ctxmix.attribute_context(
             llama, CONTEXT, QUERY, response=RESPONSE, methods=[last_layer_attention.name], progress=False
         )
+
+
+def test_the_methods_layer_reads_no_benchmark_output():
+    """The defaults the methods layer uses are one shipped mapping (ctxmix/methods/context/defaults.json): no module
+    of ctxmix/methods reads the benchmark's shipped tables or results (at2.py read the validation tables before)."""
+    found = []
+    for f in REPO.glob("ctxmix/methods/**/*.py"):
+        for line, text in _code_strings(f):
+            if (
+                ("onepass-validation" in text and " " not in text)  # a file name or pattern, not a citation
+                or "shipped" == text
+                or text.endswith(("benchmark/shipped", ".aggregates.csv"))
+            ):
+                found.append(f"{f.relative_to(REPO)}:{line} {text!r}")
+        src = f.read_text()
+        if "ctxmix.benchmark.shipped" in src or '"benchmark" / "shipped"' in src:
+            found.append(f"{f.relative_to(REPO)}: names the benchmark's shipped folder")
+    assert not found, found

@@ -174,7 +174,6 @@ def test_gemma3_finds_the_needle(gemma3):
     assert ranks["contextcite"] == ranks["logit"] == [0] * len(examples), ranks
 
 
-
 def test_a_base_models_default_response_is_its_answer(gemma3):
     """A base model's default response is its answer: gemma3 called with the API's defaults (no response, no prompt
     form) on the needle examples gets the answer cue after the query and its generated response cut at its first

@@ -61,7 +61,6 @@ ONE_PASS_KINDS = ("attention", "norm", "logit", ONE_PASS_COMBINED)
 DEFAULT_KIND = "logit"  # where a weights file has no validation table (and for uniform weights)
 TRAIN_COMMAND = "ctxmix at2-train --model {model} --out DIR"
 WEIGHTS_PACKAGE = "ctxmix.methods.context.at2_weights"
-SHIPPED_TABLES = Path(__file__).resolve().parents[2] / "benchmark" / "shipped"  # ctxmix.benchmark.shipped's folder
 
 
 # ---------------------------------------------------------------- per-head features
