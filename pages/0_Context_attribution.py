@@ -13,6 +13,7 @@ from ctxmix.export.context.json_file import context_attribution_json
 from ctxmix.export.context.npz_file import context_attribution_bytes
 from ctxmix.methods.context.check import extend_attribution, pending_methods, prompt_token_count
 from ctxmix.methods.context.defaults import page_methods
+from ctxmix.methods.context.options import unescape_cue
 from ctxmix.methods.context.prompt import context_message
 from ctxmix.methods.registry import CONTEXT_METHODS, context_methods
 from ctxmix.service.limits import check_context_request
@@ -20,6 +21,7 @@ from ctxmix_dashboard.ui import common
 
 ABLATION = context_methods("ablation")  # slow: behind a button
 STOPS = ["auto", "sentence", "line", "none"]
+NO_CUE = "none"  # the link's word for an empty cue (an empty parameter reads as absent)
 DEFAULT_CONTEXT = (
     "The museum opened in 1902 in a former railway station. Its collection grew slowly at first. "
     "The code for the staff entrance is 4817. Visitors enter through the main hall on the north side. "
@@ -163,10 +165,10 @@ with st.expander("Response (optional)", expanded=bool(common.qp("resp"))):
     f1, f2 = st.columns(2)
     cue = f1.text_input(
         "Answer cue after the query",
-        value=common.qp_text("cue", "auto", 200),
+        value="" if common.qp("cue") == NO_CUE else common.qp_text("cue", "auto", 200),
         key="cue",
         help="auto: '\\nAnswer:' for a model without a chat template (a base model reads the prompt as a document "
-        "to continue), none with one. Empty: no cue.",
+        "to continue), none with one. Empty: no cue. \\n is a line break.",
     )
     stop = f2.selectbox(
         "Cut a generated response at",
@@ -186,7 +188,7 @@ common.set_qp(
     new=int(n_new),
     nabl=int(n_abl),
     resp=given,
-    cue=None if cue == "auto" else cue,
+    cue=None if cue == "auto" else (cue or NO_CUE),
     stop=None if stop == "auto" else stop,
     sys=system or None,
     turns=int(n_turns) or None,
@@ -195,6 +197,9 @@ common.set_qp(
 )
 if source_kind == "files":
     st.query_params.pop("ctx", None)
+for k, v in {"cue": cue != "auto", "stop": stop != "auto"}.items():
+    if not v:  # back to auto: out of the link too
+        st.query_params.pop(k, None)
 for k, v in {"sys": system, "turns": int(n_turns), "turn": turns, "trole": turns}.items():
     if not v:  # cleared: out of the link too
         st.query_params.pop(k, None)
@@ -213,7 +218,7 @@ if system.strip() or any(t["content"].strip() for t in turns):
     if messages_arg is None:
         st.stop()
 
-form_arg = {"query_suffix": cue, "stop": None if stop == "none" else stop}  # "auto": the model's default
+form_arg = {"query_suffix": unescape_cue(cue), "stop": None if stop == "none" else stop}  # "auto": the model's
 
 # ---------------------------------------------------------------- caps, before any model call
 capped = True

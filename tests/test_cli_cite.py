@@ -382,5 +382,5 @@ def test_the_reproduce_command_names_at2_exacts_kind_and_weights():
     ca = SimpleNamespace(options=opts, methods=["at2_exact"], query="Q?", response=" A.")
     cmd = reproduce_command(ca, "smollm2")
     assert "--at2-features logit" in cmd and "--at2-weights" not in cmd
-    opts["at2"] = {"weights": "w.npz", "kind": "attn+norm+logit"}
-    assert "--at2-features attn+norm+logit --at2-weights w.npz" in reproduce_command(ca, "smollm2")
+    opts["at2"] = {"weights": "w.npz", "kind": "attn+norm+logit"}  # a file of before: written in today's names
+    assert "--at2-features attention+norm+logit --at2-weights w.npz" in reproduce_command(ca, "smollm2")

@@ -90,7 +90,9 @@ def test_the_reproduce_command_gives_the_form_back(llama, chat_llama, rambles):
     from ctxmix.export.context.cite import attribution_options, reproduce_command
 
     parser = build_parser()
-    for model, form in [(llama, None), (llama, {"query_suffix": "", "stop": None}), (chat_llama, {"stop": "line"})]:
+    forms = [(llama, None), (llama, {"query_suffix": "", "stop": None}), (chat_llama, {"stop": "line"})]
+    forms += [(chat_llama, {"template": "plain"}), (llama, {"query_suffix": "\nQ:"})]  # a template, an escaped cue
+    for model, form in forms:
         ca = ctxmix.attribute_context(model, CONTEXT, QUERY, methods=["logit"], prompt=form, progress=False)
         cmd = reproduce_command(ca, "m", tokenizer=model.tokenizer)
         if form is None:
@@ -99,7 +101,8 @@ def test_the_reproduce_command_gives_the_form_back(llama, chat_llama, rambles):
         opts = attribution_options(args, ["logit"])
         again = ctxmix.attribute_context(model, CONTEXT, args.query, response=args.response, progress=False, **opts)
         assert again.prompt_ids == ca.prompt_ids and again.response_ids == ca.response_ids, cmd
-        assert again.options["prompt_form"] == ca.options["prompt_form"]
+        # the command gives the response's text, so the rerun cuts nothing: the cue is what must come back
+        assert again.options["prompt_form"]["query_suffix"] == ca.options["prompt_form"]["query_suffix"]
 
 
 def test_the_groups_take_the_old_keywords_with_a_warning(llama):
@@ -156,3 +159,72 @@ def test_target_kind_is_the_explained_quantitys_one_name(llama, capsys):
     args = build_parser().parse_args(["cite", "--context", "a.txt", "--target", "logit_prob"])
     assert args.target_kind == "logit_prob" and "--target is deprecated" in capsys.readouterr().err
     assert build_parser().parse_args(["cite", "--context", "a.txt"]).target_kind == "log_prob"
+
+
+def test_what_is_recorded_is_what_was_applied(llama, rambles):
+    """The cue follows a query only and the cut a generated response only: options["prompt_form"] says what the
+    prompt and the response got, not what "auto" would give."""
+    alone = ctxmix.attribute_context(llama, CONTEXT, None, methods=["logit"], progress=False)
+    assert alone.options["prompt_form"] == {"query_suffix": "", "stop": "sentence"} and alone.query is None
+    given = ctxmix.attribute_context(llama, CONTEXT, QUERY, response=RAMBLE, methods=["logit"], progress=False)
+    assert given.options["prompt_form"] == {"query_suffix": "\nAnswer:", "stop": None}
+    chat = [{"role": "user", "content": CONTEXT}]
+    conv = ctxmix.attribute_context(llama, messages=chat, methods=["logit"], progress=False)
+    assert conv.options["prompt_form"]["query_suffix"] == ""
+    from ctxmix.methods.context.check import prompt_token_count
+
+    with pytest.warns(FutureWarning, match="prompt=PromptForm"):
+        n = prompt_token_count(llama, CONTEXT, QUERY, template="plain")
+    assert n == len(given.prompt_ids)
+
+
+def test_a_resumed_batch_does_not_reuse_rows_of_another_form(llama, tmp_path, monkeypatch):
+    """A batch's resume stamp holds the prompt form "auto" resolves to: rows stored when the shipped defaults gave
+    another form are computed again, not read back."""
+    from ctxmix.benchmark.context.many import attribute_contexts
+    from ctxmix.methods.context import defaults
+
+    examples = [{"context": CONTEXT, "query": QUERY, "response": " the code is 4817."}]
+    store = tmp_path / "store.jsonl"
+    kw = dict(methods=["logit"], store=store, progress=False)
+    first = attribute_contexts(llama, examples, **kw)
+    again = attribute_contexts(llama, examples, **kw)
+    assert list(again.attrs["seconds"].values()) == [0.0]  # read back
+    monkeypatch.setattr(defaults, "prompt_form_for", lambda has_chat: {})  # the defaults changed: no cue
+    other = attribute_contexts(llama, examples, **kw)
+    assert list(other.attrs["seconds"].values())[0] > 0  # computed again
+    assert not first["score"].equals(other["score"])
+
+
+def test_new_at2_options_recompute_at2_exact(llama):
+    """extend_attribution with AT2 options other than those the attribution's AT2 scores were made with computes them
+    again (it kept the old ones silently); the same options change nothing."""
+    from ctxmix.methods.context.check import extend_attribution
+
+    kw = dict(response=" the code is 4817.", methods=["at2_exact"], progress=False)
+    ca = ctxmix.attribute_context(llama, CONTEXT, QUERY, at2={"weights": "untrained"}, **kw)
+    assert ca.options["at2"]["kind"] == "logit"
+    before = ca.scores["at2_exact"].copy()
+    extend_attribution(ca, llama, ["at2_exact"], at2={"features": "logit", "weights": "untrained"})
+    assert (ca.scores["at2_exact"] == before).all()
+    extend_attribution(ca, llama, ["at2_exact"], at2={"features": "attention", "weights": "untrained"})
+    assert ca.options["at2"]["kind"] == "attention" and not (ca.scores["at2_exact"] == before).all()
+    direct = ctxmix.attribute_context(
+        llama, CONTEXT, QUERY, at2={"features": "attention", "weights": "untrained"}, **kw
+    )
+    assert (ca.scores["at2_exact"] == direct.scores["at2_exact"]).all()
+
+
+def test_old_at2_kind_names_reach_the_command_line(llama):
+    """An attribution saved with the kinds' names of before ("attn") gives a reproduce command in today's names, and
+    the command line takes the old spelling too."""
+    from ctxmix.cli import build_parser
+    from ctxmix.export.context.cite import reproduce_command
+
+    ca = ctxmix.attribute_context(
+        llama, CONTEXT, QUERY, response=" the code is 4817.", methods=["at2_exact"], at2={"weights": "untrained"}
+    )
+    ca.options["at2"]["kind"] = "attn"  # as a file of before holds it
+    assert "--at2-features attention" in reproduce_command(ca, "m")
+    args = build_parser().parse_args(["cite", "--context", "a.txt", "--at2-features", "attn"])
+    assert args.at2_features == "attn"  # read as "attention" by at2.canonical_kind

@@ -228,7 +228,8 @@ def at2_weights_sha256(config: dict) -> str | None:
 
     if not runs_at2(config):
         return None
-    return weights_file_sha16(str(config.get("model")), config.get("at2_weights"))
+    weights = config.get("at2_weights", (config.get("at2") or {}).get("weights"))  # a config's key, or the group
+    return weights_file_sha16(str(config.get("model")), weights)
 
 
 def config_stamp(config: dict, check: bool, task: dict, response: str | None) -> str:

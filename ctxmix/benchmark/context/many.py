@@ -92,6 +92,22 @@ def _stampable(call: dict) -> dict:
     return out
 
 
+def _resolved(model: Model, call: dict) -> dict:
+    """What a call's numbers depend on beyond its arguments, for the resume stamp: the prompt form "auto" resolves to
+    for this model (the shipped defaults may change it), and the AT2 weights file at2_exact reads (its content)."""
+    import dataclasses
+
+    from ctxmix.methods.context.at2 import weights_file_sha16
+    from ctxmix.methods.context.attribution import DEFAULT_METHODS
+    from ctxmix.methods.context.options import model_form
+
+    out = {"prompt_form_resolved": dataclasses.asdict(model_form(model, call.get("prompt"), call.get("compat", False)))}
+    if "at2_exact" in (call.get("methods") or DEFAULT_METHODS):
+        at2 = _as_dict(call.get("at2"))
+        out["at2_file"] = weights_file_sha16(model, at2.get("weights", call.get("at2_weights")))
+    return out
+
+
 def _as_dict(group) -> dict:
     """An option group (a dataclass, a dict or None) as a dict."""
     import dataclasses
@@ -135,9 +151,14 @@ def attribute_contexts(model: Model, examples, *, store=None, progress=True, **o
         for i, ex in enumerate(rows):
             key = ex["id"]
             call = {**options, **{k: v for k, v in ex.items() if k not in ("id", "chat_template")}}
-            if ex.get("chat_template") is not None:  # an example's own template, in the prompt form's group
-                call["prompt"] = {**_as_dict(call.get("prompt")), "chat_template": ex["chat_template"]}
-            stamp = config_stamp({"model": fingerprint, **_stampable(call)}, False, {}, None)
+            # the prompt form in its group: the flat template keywords and an example's own chat template
+            prompt = {**_as_dict(call.pop("prompt", None))}
+            prompt |= {k: call.pop(k) for k in ("template", "chat_template") if k in call}
+            if ex.get("chat_template") is not None:
+                prompt["chat_template"] = ex["chat_template"]
+            if prompt:
+                call["prompt"] = prompt
+            stamp = config_stamp({"model": fingerprint, **_stampable(call), **_resolved(model, call)}, False, {}, None)
             rec = done.get((key, stamp))
             if rec is None:
                 t0 = time.perf_counter()

@@ -35,7 +35,7 @@ TEXT_WIDTH = (40, 100)  # a source's text is cut to the terminal's width, within
 def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     """The options after `model_args` (cli.py gives --model, --device, --dtype, --precision): one flag per
     option of `attribute_context` (and of `attribute_contexts` for --batch)."""
-    from ctxmix.methods.context.at2 import ESTIMATORS
+    from ctxmix.methods.context.at2 import ESTIMATORS, KIND_ALIASES
     from ctxmix.methods.context.defaults import fallback_methods
     from ctxmix.methods.context.onepass import TARGETS
     from ctxmix.methods.registry import CONTEXT_METHODS
@@ -114,8 +114,8 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
         "--query-suffix",
         default="auto",
         metavar="TEXT",
-        help="text after the query, an answer cue (default auto: '\\nAnswer:' for a model without a chat template, "
-        "else none; '' for none)",
+        help="text after the query, an answer cue, \\n a line break (default auto: '\\nAnswer:' for a model "
+        "without a chat template, else none; '' for none)",
     )
     s.add_argument(
         "--stop",
@@ -137,7 +137,7 @@ def add_cite_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--at2-features",
-        choices=ESTIMATORS,
+        choices=[*ESTIMATORS, *KIND_ALIASES],  # the names of files written before 2026-11-28 too
         default=None,
         help="AT2's features (default: the weights' own, chosen on their validation table; uniform: logit)",
     )
@@ -307,6 +307,8 @@ class _DeprecatedTarget(argparse.Action):
 def attribution_options(args, methods: list[str]) -> dict:
     """attribute_context's options from the command line (what --context, --messages and --batch share), in its
     groups (prompt form, ablations, AT2)."""
+    from ctxmix.methods.context.options import unescape_cue
+
     chat_template = read_document(args.chat_template, "--chat-template") if args.chat_template else None
     return {
         "sources": args.sources,
@@ -318,7 +320,7 @@ def attribution_options(args, methods: list[str]) -> dict:
         "prompt": {
             "template": args.template,
             "chat_template": chat_template,
-            "query_suffix": args.query_suffix,
+            "query_suffix": unescape_cue(args.query_suffix),
             "stop": None if args.stop == "none" else args.stop,
         },
         "ablations": {
@@ -522,10 +524,16 @@ def reproduce_command(
     if "at2" in o:
         at2 = o["at2"]
         # always named: the default kind is the weights' (chosen on their validation table), and may change with them
-        cmd += ["--at2-features", str(at2["kind"])] if at2.get("kind") else []
+        from ctxmix.methods.context.at2 import canonical_kind
+
+        cmd += ["--at2-features", str(canonical_kind(at2["kind"]))] if at2.get("kind") else []
         weights = str(at2.get("weights", ""))
         if weights == "untrained" or not (weights.startswith("shipped:") or weights.startswith("untrained")):
             cmd += ["--at2-weights", q(weights)]  # a file, or uniform weights asked for (not the shipped default)
+    kind = (o.get("prompt") or {}).get("template")
+    if tokenizer is not None and kind and not (o.get("prompt") or {}).get("chat_template"):
+        default = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        cmd += ["--template", str(kind)] if kind != default else []  # the model's own template otherwise
     cmd += _form_flags(form, o, tokenizer)
     new = max_new_tokens if max_new_tokens is not None else o.get("max_new_tokens")
     cmd += ["--max-new-tokens", str(int(new))] if new else []
@@ -540,6 +548,8 @@ def _form_flags(form: dict | None, options: dict, tokenizer) -> list[str]:
     its `tokenizer`; without it, always named)."""
     import shlex
 
+    from ctxmix.methods.context.options import escape_cue
+
     form = form or {"query_suffix": "", "stop": None}
     if tokenizer is not None:
         from ctxmix.methods.context.defaults import prompt_form_for
@@ -549,7 +559,8 @@ def _form_flags(form: dict | None, options: dict, tokenizer) -> list[str]:
         auto = {} if options.get("compat") else prompt_form_for(has_chat and info.get("template") != "plain")
         if (auto.get("query_suffix", ""), auto.get("stop")) == (form.get("query_suffix") or "", form.get("stop")):
             return []
-    return ["--query-suffix", shlex.quote(form.get("query_suffix") or ""), "--stop", str(form.get("stop") or "none")]
+    cue = escape_cue(form.get("query_suffix") or "")
+    return ["--query-suffix", shlex.quote(cue), "--stop", str(form.get("stop") or "none")]
 
 
 def _round_trips(tokenizer, ca) -> bool:

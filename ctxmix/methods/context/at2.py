@@ -445,7 +445,8 @@ def prepare(model: Model, name: str, options: dict) -> dict:
     w, info = resolve_weights(model, options.get("at2_features"), options.get("at2_weights"))
     form = options.get("prompt_form")
     trained = _trained_form(model, info)
-    if form is not None and trained is not None and _cue_and_cut(trained) != _cue_and_cut(form):
+    given = bool(options.get("response_given"))  # a given response is not cut: only the cue can differ
+    if form is not None and trained is not None and _cue_and_cut(trained, given) != _cue_and_cut(form, given):
         info["note"] = (
             f"at2_exact: its weights were trained with the prompt form {trained} and this call asks with {form}: "
             "the estimator reads features of a prompt it was not trained on (train weights in this form, "
@@ -469,8 +470,8 @@ def _trained_form(model: Model, info: dict) -> dict | None:
     return load_weights(path)[2].get("prompt", {}) if path is not None else None
 
 
-def _cue_and_cut(form: dict) -> tuple[str, str | None]:
-    return form.get("query_suffix") or "", form.get("stop")
+def _cue_and_cut(form: dict, response_given: bool = False) -> tuple[str, str | None]:
+    return form.get("query_suffix") or "", None if response_given else form.get("stop")
 
 
 def run(job, names: list[str]) -> dict:

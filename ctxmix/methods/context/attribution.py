@@ -400,9 +400,13 @@ def attribute_context(
     check_levels(key_mask_levels)
     form = model_form(model, form, compat)
     # checks and resolved inputs (AT2's weights, checked against the prompt form) before any pass
-    asked = {"query_suffix": form.query_suffix, "stop": form.stop}
+    # what is applied: the cue follows a query (not a conversation, not a context alone), the cut a generated response
+    cue = form.query_suffix if query is not None and messages is None else ""
+    asked = {"query_suffix": cue, "stop": form.stop if response is None else None}
     at2_asked = {"at2_features": at2_opts.features, "at2_weights": at2_opts.weights}
-    prepared = prepare_methods(model, methods, {**at2_asked, "prompt_form": asked})
+    prepared = prepare_methods(
+        model, methods, {**at2_asked, "prompt_form": asked, "response_given": response is not None}
+    )
     query_cued = cued(query, form)
     src, builder = build_prompt(
         model,

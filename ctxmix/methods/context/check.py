@@ -20,13 +20,16 @@ from ctxmix.errors import BadInput
 
 
 def prompt_token_count(
-    model: Model, context, query: str | None, sources="sentence", *, messages=None, prompt=None
+    model: Model, context, query: str | None, sources="sentence", *, messages=None, prompt=None, **deprecated
 ) -> int:
     """The number of prompt tokens (template, context, query and its answer cue; or the messages) `attribute_context`
     would build with the prompt form `prompt` (as its argument): tokenising only, no model call (the dashboard's caps
-    are checked on it). Raises BadInput where attribute_context would (an empty context, one source)."""
-    from ctxmix.methods.context.options import cued, model_form
+    are checked on it). Raises BadInput where attribute_context would (an empty context, one source). template= and
+    chat_template= (the earlier keywords) are taken into `prompt`, with a FutureWarning."""
+    from ctxmix.methods.context.options import cued, groups_from, model_form
     from ctxmix.methods.context.prompt import build_prompt
+
+    prompt = groups_from("prompt_token_count", {"prompt": prompt}, deprecated)["prompt"]
 
     form = model_form(model, prompt)
     src, builder = build_prompt(
@@ -99,21 +102,24 @@ def extend_attribution(
     progress: as attribute_context's (a callable gets progress(stage, done, total))."""
     from ctxmix.methods.context.ablation import check_n_ablations
     from ctxmix.methods.context.job import ContextJob, check_names, prepare_methods, run_methods, store_result
-    from ctxmix.methods.context.options import groups_from
+    from ctxmix.methods.context.options import AT2, groups_from
+    from ctxmix.methods.registry import CONTEXT_METHODS
 
     at2_opts = groups_from("extend_attribution", {"at2": at2}, deprecated)["at2"]
     names = check_names(methods)
     n = check_n_ablations(int(ca.options["n_ablations"]) if n_ablations is None else n_ablations)
     _check_model(ca, model)
     todo = pending_methods(ca, names, n_ablations=n)
+    if at2_opts != AT2():  # AT2 options asked anew: a method reading trained weights is computed again with them
+        todo += [m for m in names if m not in todo and CONTEXT_METHODS[m].needs_weights and _at2_changed(ca, at2_opts)]
     if not todo:
         return ca
     kind = at2_opts.features or (ca.options.get("at2") or {}).get("kind")  # None: the weights' default kind
     options = {**ca.options, "n_ablations": n}
     form = ca.options.get("prompt_form") or {"query_suffix": "", "stop": None}  # saved before it was recorded: none
-    prepared = prepare_methods(
-        model, todo, {"at2_features": kind, "at2_weights": at2_opts.weights, "prompt_form": form}
-    )
+    given = ca.options.get("response") == "given"
+    at2_asked = {"at2_features": kind, "at2_weights": at2_opts.weights}
+    prepared = prepare_methods(model, todo, {**at2_asked, "prompt_form": form, "response_given": given})
     src, builder = _rebuild(ca, model)
     job = ContextJob(
         model=model,
@@ -133,6 +139,20 @@ def extend_attribution(
     if ca.evaluation:  # measured on the old methods (or contextcite's old scores): measure it again, same options
         _evaluate_again(ca, model)
     return ca
+
+
+def _at2_changed(ca, asked) -> bool:
+    """Whether AT2 options asked of `extend_attribution` differ from those the attribution's AT2 scores were made
+    with (its kind; weights other than the default, or other than the file it read)."""
+    from ctxmix.methods.context.at2 import canonical_kind
+
+    had = ca.options.get("at2") or {}
+    if asked.features is not None and canonical_kind(asked.features) != canonical_kind(had.get("kind")):
+        return True
+    if asked.weights is None:
+        return False
+    used = str(had.get("weights", ""))
+    return str(asked.weights) != used and not (str(asked.weights) == "untrained" and used.startswith("untrained"))
 
 
 def _evaluate_again(ca, model: Model) -> None:
@@ -221,6 +241,11 @@ def ablate(ca, model: Model, method: str, k: int = 3, span=None, max_new_tokens:
     if new and new[-1] in eos_ids(model):
         new = new[:-1]
     text = model.tokenizer.decode(new)
+    stop = (ca.options.get("prompt_form") or {}).get("stop")
+    if stop and ca.options.get("response", "").startswith("generated"):  # cut as the attribution's response was
+        from ctxmix.methods.context.sources import cut_at_stop
+
+        text = cut_at_stop(text, stop)
     removed = [int(i) for i in order[: int(k)]]  # best first
     return AblationCheck(
         method=method,

@@ -59,6 +59,16 @@ class PromptForm:
         )
 
 
+def unescape_cue(text: str) -> str:
+    """A cue typed on one line, its escapes read: "\\n" a line break, "\\t" a tab ("auto" as it is)."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def escape_cue(text: str) -> str:
+    """The one-line spelling of a cue (`unescape_cue` reads it back)."""
+    return text.replace("\n", "\\n").replace("\t", "\\t")
+
+
 def model_form(model, prompt, compat: bool = False) -> PromptForm:
     """The prompt form a call asks `model` with: `prompt` (a PromptForm, a dict of its fields or None) with "auto"
     resolved for the model (a chat template, given or the tokenizer's, unless template="plain")."""
