@@ -46,6 +46,9 @@ _API = {
     "CONTEXT_METHODS": "methods.registry",
     "attribute_context": "methods.context.attribution",
     "ContextAttribution": "methods.context.attribution",
+    "PromptForm": "methods.context.options",
+    "Ablations": "methods.context.options",
+    "AT2": "methods.context.options",
     "attribute_contexts": "benchmark.context.many",
     "load_context_attribution": "export.context.load",
     "rollout": "methods.mixing",
@@ -125,6 +128,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
     from .export.saved import load_explanation  # noqa: F401
     from .methods.alti_plus import source_contribution  # noqa: F401
     from .methods.context.attribution import ContextAttribution, attribute_context  # noqa: F401
+    from .methods.context.options import AT2, Ablations, PromptForm  # noqa: F401
     from .methods.explain import explain, explain_batch, scope_maps  # noqa: F401
     from .methods.explanation import Explanation  # noqa: F401
     from .methods.memory import MemoryEstimate, estimate_memory  # noqa: F401
