@@ -216,7 +216,8 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
             t_vz = parts["value_zeroing"]
         else:
             log(f"value zeroing n={n}")
-            t_vz, _ = timed(lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids), dev)
+            # best of --repeat, as the scope row: one run on a shared machine reads its drift, not the code
+            t_vz, _ = timed(lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids), dev, a.repeat)
         log(f"scope maps n={n}, straightforward FF product (factorised=False)")
         t_slow, slow = timed(lambda: scope_layer_maps(trace_ids(m, ids), factorised=False), dev)
         diff = max(float(np.abs(fast[k] - slow[k]).max()) for k in fast)

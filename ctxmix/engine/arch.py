@@ -421,15 +421,19 @@ class Norm:
         out, _, rstd = torch.native_layer_norm(z, z.shape[-1:], self.gamma, self.beta, self.eps)
         return out, rstd.reciprocal_().view(*z.shape[:-1], 1)
 
-    def decompose_pieces(self, pieces: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def decompose_pieces(self, pieces: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Pieces (..., m, d) of an input whose full sum has scale s (..., 1): each piece's
-        own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021)."""
+        own mean is subtracted, the std of the real input divides (Kobayashi et al. 2021). `out`: where the
+        result goes (`pieces` itself for a temporary the caller owns, or a workspace buffer laid out as
+        `pieces`); a fresh tensor when None."""
         if self.kind == "identity":
             return pieces
         # gamma / s first: one pass over the (..., m, d) pieces instead of two (in place only on the centred
         # copy: RMSNorm's centre returns the caller's tensor)
         w = self.gamma / s.unsqueeze(-2)
-        return self.centre(pieces).mul_(w) if self.kind == "layernorm" else pieces * w
+        if self.kind == "layernorm":
+            return torch.sub(pieces, pieces.mean(-1, keepdim=True), out=out).mul_(w)
+        return pieces * w if out is None else torch.mul(pieces, w, out=out)
 
     def decompose_bias(self, bias: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """The bias piece (..., d) takes beta on top of its normalised share."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ctxmix.engine.arch import LayerWeights
+from ctxmix.engine.workspace import Workspace, act_into
 
 # ---------------------------------------------------------------- attention parts
 
@@ -366,9 +367,10 @@ def _unbatched(fn):
     return wrapper
 
 
-def _diag_add(F: torch.Tensor, rows: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-    """F (B, c, n, d): add vec[:, k] (B, c, d) to F[:, k, rows[k]] (the residual enters only i == j)."""
-    F = F.clone()
+def _diag_add(F: torch.Tensor, rows: torch.Tensor, vec: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """F (B, c, n, d): add vec[:, k] (B, c, d) to F[:, k, rows[k]] (the residual enters only i == j); `in_place`
+    for a temporary the caller owns (no copy of the (B, c, n, d) pieces)."""
+    F = F if in_place else F.clone()
     F[:, torch.arange(len(rows), device=F.device), rows] += vec
     return F
 
@@ -430,6 +432,7 @@ def ff_pieces_factorised(
     cache: dict,
     gated_nodes: int = 64,
     precision: str = "float32",
+    work: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ff_pieces` without the second n^2*d*d' product.
 
@@ -439,52 +442,69 @@ def ff_pieces_factorised(
     n^2*d*d'). Only the product with W_2,
     which exact maps cannot avoid, stays n^2*d'*d. Works in (j, i) order so that the big
     tensors stay contiguous for the GEMM. cache["v"] (B, H, n, dh) the head values; s (B, c, 1);
-    b (B, c, d) the bias piece. `precision` applies to the two large products (see `big_matmul`).
+    b (B, c, d) the bias piece. `precision` applies to the two large products (see `big_matmul`). `work`: the
+    call's `Workspace`, where the (n, c, d') products go from chunk to chunk.
     """
+    work = Workspace() if work is None else work
     B, c = st.x.shape[0], len(rows)
-    ones_c = torch.ones(B, c, 1, dtype=st.x.dtype, device=st.x.device)
     if "G" not in cache:  # (B, n, H, d') per projection
         cache["G"] = project_heads(lw, cache["v"], precision)
-    xg = norm.decompose_pieces(st.x[:, rows].unsqueeze(2), ones_c).squeeze(2)  # (B, c, d)
+    if "xW" not in cache:  # the residual's piece through each projection, every row at once (B, n, d')
+        ones = torch.ones(*st.x.shape[:2], 1, dtype=st.x.dtype, device=st.x.device)
+        xg = norm.decompose_pieces(st.x.unsqueeze(2), ones).squeeze(2)  # (B, n, d)
+        cache["xW"] = [xg @ W for W, _ in ff_input_projections(lw)]
     ar = torch.arange(c, device=rows.device)
     aT = st.alpha[:, :, rows].permute(0, 3, 2, 1).contiguous()  # (B, n, c, H)
 
-    def project(G, W, weight):  # (B, n, c, d') = (pieces @ W) / s * weight, in (j, i) order
-        P = torch.matmul(aT, G)
-        P[:, rows, ar] += xg @ W
+    def project(k, weight):  # (B, n, c, d') = (pieces @ W_k) / s * weight, in (j, i) order
+        G = cache["G"][k]
+        P = torch.matmul(aT, G, out=work.take(f"P{k}", (*aT.shape[:-1], G.shape[-1]), G.dtype, G.device))
+        P[:, rows, ar] += cache["xW"][k][:, rows]
         # one pass over the (n, c, d') product, not two: 1 / s folded into the (c, d') weight
         return P.mul_((weight / s.view(B, c, 1)).unsqueeze(1))
 
     if lw.gated:
         up = st.u_up[:, rows]
         I1, I2 = layer_gated_ig_weights(lw, st, rows, cache, gated_nodes)
-        hT = project(cache["G"][0], lw.Wg, up * I1).add_(project(cache["G"][1], lw.Wu, I2))
+        hT = project(0, up * I1).add_(project(1, I2))
         hb = (b @ lw.Wg + lw.bg) * up * I1 + (b @ lw.Wu + lw.bu) * I2
     else:
         r = ig_ratio(st.u[:, rows], lw.act)
-        hT = project(cache["G"][0], lw.W1, r)
+        hT = project(0, r)
         hb = (b @ lw.W1 + lw.b1) * r
     return big_matmul(hT, lw.W2, precision).transpose(1, 2), hb @ lw.W2 + lw.b2
 
 
-def _through(norm, F: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pieces and bias through a norm, with the scale of the real vector it reads."""
+def _buffer(work: Workspace | None, name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """A workspace buffer laid out as `like` for a chunk's output pieces, or None (a fresh tensor)."""
+    return None if work is None else work.like(name, like)
+
+
+def _through(
+    norm, F: torch.Tensor, b: torch.Tensor, real: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces and bias through a norm, with the scale of the real vector it reads (the pieces into `out`)."""
     s = norm.scale(real)
-    return norm.decompose_pieces(F, s), norm.decompose_bias(b, s)
+    return norm.decompose_pieces(F, s, out=out), norm.decompose_bias(b, s)
 
 
-def _res2(F_ff, b_ff, F_atb, b_atb, rows, res2: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _res2(
+    F_ff, b_ff, F_atb, b_atb, rows, res2: str, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RES2: the whole attention-block decomposition added ("exact"), or the FF paper's printed
-    Eq. 57 ("diagonal": only F^ATB_i(x_i), bias of the FF alone), which does not reconstruct."""
+    Eq. 57 ("diagonal": only F^ATB_i(x_i), bias of the FF alone), which does not reconstruct. `out`: where
+    the exact sum goes."""
     if res2 == "exact":
-        return F_ff + F_atb, b_ff + b_atb
+        return torch.add(F_ff, F_atb, out=out), b_ff + b_atb
     return _diag_add(F_ff, rows, _diag(F_atb, rows)), b_ff
 
 
-def _next_ln(lw: LayerWeights, st: LayerState, rows, F, b, name: str, out: dict, next_ln: bool) -> None:
+def _next_ln(
+    lw: LayerWeights, st: LayerState, rows, F, b, name: str, out: dict, next_ln: bool, work: Workspace | None = None
+) -> None:
     """The layer output's pieces through the norm that reads it next (the dynamics view)."""
     if next_ln and lw.next_norm is not None:
-        out[name] = _through(lw.next_norm, F, b, st.y[:, rows])
+        out[name] = _through(lw.next_norm, F, b, st.y[:, rows], _buffer(work, name, F))
 
 
 @_unbatched
@@ -497,6 +517,7 @@ def scope_pieces(
     cache: dict | None = None,
     factorised: bool = True,
     precision: str = "float32",
+    work: Workspace | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The FF paper's cumulative scopes for output rows `rows`: name -> (pieces (B,c,n,d), bias (B,c,d)).
 
@@ -507,7 +528,9 @@ def scope_pieces(
     `next_ln` (pre-LN) adds "AtbLnFfResLn": the layer output through the norm that reads it next
     (the next layer's LN1, or the final norm), used for the FF paper's dynamics view on GPT-2.
     `cache` holds per-layer products shared by the row chunks of one layer; `factorised=False`
-    runs the straightforward FF product (the reference the tests compare against).
+    runs the straightforward FF product (the reference the tests compare against); `work` the call's
+    `Workspace`: the factorised product's temporaries, and the returned pieces of sequential layers, go into
+    its buffers, valid until the next call with the same workspace (the chunk loop reads them first).
     """
     cache = {} if cache is None else cache
     if res2 not in ("exact", "diagonal"):
@@ -520,17 +543,17 @@ def scope_pieces(
             cache["f"] = values_through_heads(lw, cache["v"])
         f = cache["f"]
         b = value_bias_rows(lw, None, alpha) + lw.bo
-        F = _diag_add(mix(alpha, f), rows, st.x[:, rows])
+        F = _diag_add(mix(alpha, f), rows, st.x[:, rows], in_place=True)
         s1 = lw.ln1.scale(st.r1[:, rows])
-        F_atb, b_atb = lw.ln1.decompose_pieces(F, s1), lw.ln1.decompose_bias(b, s1)
+        F_atb, b_atb = lw.ln1.decompose_pieces(F, s1, out=F), lw.ln1.decompose_bias(b, s1)  # F: not read again
         out["Atb"] = (F_atb, b_atb)
         if factorised:
-            F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision)
+            F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision, work=work)
         else:
             F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb, cache=cache)
         out["AtbFf"] = (F_ff, b_ff)
-        out["AtbFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b_atb, rows, res2)
-        out["AtbFfResLn"] = _through(lw.ln2, F_r, b_r, st.r2[:, rows])
+        out["AtbFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b_atb, rows, res2, _buffer(work, "AtbFfRes", F_atb))
+        out["AtbFfResLn"] = _through(lw.ln2, F_r, b_r, st.r2[:, rows], _buffer(work, "AtbFfResLn", F_r))
         return out
     if lw.position == "sandwich":
         return _sandwich_scopes(lw, st, rows, alpha, res2, next_ln, cache)
@@ -548,18 +571,18 @@ def scope_pieces(
         cache["f"] = values_through_heads(lw, cache["v"])
     f = cache["f"]
     b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
-    F_atb = _diag_add(mix(alpha, f), rows, st.x[:, rows])
+    F_atb = _diag_add(mix(alpha, f), rows, st.x[:, rows], in_place=True)
     out["Atb"] = (F_atb, b)
     s2 = lw.ln2.scale(st.r1[:, rows])
-    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2), lw.ln2.decompose_bias(b, s2)
+    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2, out=_buffer(work, "AtbLn", F_atb)), lw.ln2.decompose_bias(b, s2)
     out["AtbLn"] = (F_ln, b_ln)
     if factorised:
-        F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache, precision=precision)
+        F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache, precision=precision, work=work)
     else:
         F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln, cache=cache)
     out["AtbLnFf"] = (F_ff, b_ff)
-    out["AtbLnFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b, rows, res2)
-    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfResLn", out, next_ln)
+    out["AtbLnFfRes"] = F_r, b_r = _res2(F_ff, b_ff, F_atb, b, rows, res2, _buffer(work, "AtbLnFfRes", F_atb))
+    _next_ln(lw, st, rows, F_r, b_r, "AtbLnFfResLn", out, next_ln, work)
     return out
 
 
@@ -778,6 +801,7 @@ def value_zeroing_columns(
     factorised: bool = True,
     precision: str = "float32",
     first: int | None = None,
+    work: Workspace | None = None,
 ) -> torch.Tensor:
     """Value zeroing (Mohebbi et al. 2023) for zeroed tokens `cols`: (B, c, n) cosine distances
     between each output y_i and y_i with v_t zeroed in every head (bias included), alpha kept
@@ -793,10 +817,12 @@ def value_zeroing_columns(
     no weight to the zeroed token (i < t in causal models) are unchanged: distance exactly 0.
     Distances in float64. `first`: the first row that gives any zeroed token weight (the least
     `first_receiving_rows` of `cols`, which callers compute once per layer), or None to find it here
-    (one host read).
+    (one host read). `work`: the call's `Workspace`, whose buffers the (c, m, d') temporaries reuse from
+    chunk to chunk (a fresh one per call when None).
     """
     if not st.batched:
-        return value_zeroing_columns(lw, st.as_batch(), cols, prep, factorised, precision, first)[0]
+        return value_zeroing_columns(lw, st.as_batch(), cols, prep, factorised, precision, first, work)[0]
+    work = Workspace() if work is None else work
     B, c, n = st.x.shape[0], len(cols), st.x.shape[1]
     out = torch.zeros(B, c, n, dtype=torch.float64, device=st.x.device)
     if first is None:
@@ -822,50 +848,65 @@ def value_zeroing_columns(
         prep = prep if prep is not None else value_zeroing_prepare(lw, st, precision)
         norm = prep["norm"]
         # residual stream after attention, v_t zeroed: r1 - alpha f (one product, the subtraction in its epilogue)
-        h = _minus_product(st.r1[:, first:], alT, prep["f"][:, cols])  # (B, c, m, d)
+        h = _minus_product(
+            st.r1[:, first:],
+            alT,
+            prep["f"][:, cols],
+            work.take("h", (B, c, n - first, st.x.shape[-1]), st.x.dtype, st.x.device),
+        )  # (B, c, m, d)
         h_normed, s = norm.fused_with_scale(h)  # (B, c, m, d), (B, c, m, 1)
         # u = (A - alpha B) / s + const = (A / s + const) - (alpha / s) B: one pass writes the first term, the
         # batched product subtracts in its epilogue (on c x m x d' tensors each pass costs as much memory traffic
         # as a share of the W_2 product's arithmetic)
         r = s.reciprocal()
-        us = [
-            _minus_product(torch.addcmul(const, r, A[:, first:].unsqueeze(1)), alT * r, Bh[:, cols])
-            for A, Bh, const in prep["proj"]
-        ]
-        inner = lw.act(us[0]).mul_(us[1]) if lw.gated else lw.act(us[0])
+        us = []
+        for k, (A, Bh, const) in enumerate(prep["proj"]):
+            u = work.take(f"u{k}", (B, c, n - first, A.shape[-1]), A.dtype, A.device)
+            us.append(_minus_product(torch.addcmul(const, r, A[:, first:].unsqueeze(1), out=u), alT * r, Bh[:, cols]))
+        inner = act_into(lw.act, us[0])  # in place where the activation has such a kernel: no fresh (c, m, d')
+        if lw.gated:
+            inner.mul_(us[1])
         del us
         if precision == "bf16":
             real = lw.act(st.u[:, first:]) * st.u_up[:, first:] if lw.gated else lw.act(st.u[:, first:])
             ff = big_matmul(inner - real.unsqueeze(1), lw.W2, precision).add_(st.ff[:, first:].unsqueeze(1))
         else:
-            ff = torch.matmul(inner, lw.W2)
+            ff = torch.matmul(
+                inner, lw.W2, out=work.take("ff", (*inner.shape[:-1], lw.W2.shape[-1]), inner.dtype, inner.device)
+            )
             if lw.b2 is not None:
                 ff.add_(lw.b2)
         del inner
         y = lw.ln2.fused(ff.add_(h_normed)) if lw.position == "post" else ff.add_(h)
     # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
-    out[:, :, first:] = cosine_distances(y, st.y[:, first:]).mul_((alT != 0).any(-1))
+    out[:, :, first:] = cosine_distances(y, st.y[:, first:], work).mul_((alT != 0).any(-1))
     return out  # (B, c zeroed, n outputs)
 
 
-def cosine_distances(y_new: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def cosine_distances(y_new: torch.Tensor, y: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
     """1 - cos(y_new, y) in float64, at least 0: y_new (B, c, m, d) against y (B, m, d) -> (B, c, m). As
-    cosine_similarity in float64 (a zero vector has cosine 0: the norms' product is clamped at 1e-16), in fewer
-    passes over the c x m x d vectors (two dot products instead of its norms, products and divisions)."""
-    Y, y64 = y_new.double(), y.double().unsqueeze(1)
-    dot, sq, ref = torch.linalg.vecdot(Y, y64), torch.linalg.vecdot(Y, Y), torch.linalg.vecdot(y64, y64)
-    return (1.0 - dot / (sq * ref).clamp(min=1e-16).sqrt()).clamp_(min=0.0)
+    cosine_similarity in float64 (a zero vector has cosine 0: the norms' product is clamped at 1e-8), in fewer
+    passes over the c x m x d vectors: y_new is read in its own dtype (a float32 value squared or multiplied by
+    a float64 one is exact in float64), its norm is one reduction, and the dot product writes one float64
+    temporary (into `work`'s buffer when given)."""
+    y64 = y.double().unsqueeze(1)
+    prod = None if work is None else work.take("dot", tuple(y_new.shape), torch.float64, y_new.device)
+    dot = torch.mul(y_new, y64, out=prod).sum(-1)
+    norms = torch.linalg.vector_norm(y_new, dim=-1, dtype=torch.float64) * torch.linalg.vector_norm(y64, dim=-1)
+    return (1.0 - dot / norms.clamp(min=1e-8)).clamp_(min=0.0)
 
 
-def _minus_product(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _minus_product(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """base (B, m, k) broadcast over c, or (B, c, m, k) (overwritten), less a (B, c, m, H) @ b (B, c, H, k):
     (B, c, m, k), as one batched product whose epilogue adds the base, instead of a product, a negation and an
-    addition."""
+    addition. `out` (B, c, m, k): where a broadcast base is copied (a fresh tensor when None)."""
     B, c, m, H = a.shape
     k = b.shape[-1]
     if base.dim() == 4:
         out = base.reshape(B * c, m, k)
-    else:  # a fresh copy: with c = 1 a reshape of the broadcast base would be a view of it (overwritten below)
-        out = base.new_empty(B * c, m, k)
+    else:  # a copy: with c = 1 a reshape of the broadcast base would be a view of it (overwritten below)
+        out = base.new_empty(B * c, m, k) if out is None else out.view(B * c, m, k)
         out.view(B, c, m, k).copy_(base.unsqueeze(1))
     return out.baddbmm_(a.reshape(B * c, m, H), b.reshape(B * c, H, k), alpha=-1).view(B, c, m, k)

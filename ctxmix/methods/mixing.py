@@ -22,6 +22,7 @@ from ctxmix.engine.layer import (
 )
 from ctxmix.engine.precision import engine_precision
 from ctxmix.engine.trace import Trace, TraceBatch
+from ctxmix.engine.workspace import Workspace
 from ctxmix.methods.registry import MIXING_METHODS, scope_names
 
 # Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
@@ -178,6 +179,7 @@ def scope_maps_batch(
     B, n = tb.B, tb.n
     dev = tb.states[0].x.device
     maps = {s: map_buffer(tb, tb.states[0].x.dtype) for s in names}
+    work = Workspace()  # this call's temporaries, reused by every chunk of every layer
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             keep = None if keep_dims is None else keep_dims[l]
@@ -199,6 +201,7 @@ def scope_maps_batch(
                         cache=cache,
                         factorised=factorised,
                         precision=precision,
+                        work=work,
                     )
                     real = _scope_targets(lw, st, rows_d) if check and res2 == "exact" else {}
                     real_rows = tb.mask[part][:, rows_d]
@@ -294,6 +297,7 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
     B, n = tb.B, tb.n
     dev = tb.states[0].x.device
     out = map_buffer(tb, torch.float64)
+    work = Workspace()  # this call's temporaries, reused by every chunk of every layer
     with engine_precision(precision, dev):
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             dests = {"vz": out[:, l]}
@@ -307,7 +311,7 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
                 # cache, 5-20 % faster on CPU than chunks twice as large
                 for cols in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):
                     first = min(first_rows[int(cols[0]) : int(cols[-1]) + 1])
-                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision, first)  # (B, c, n)
+                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision, first, work)
                     vz[part, :, _span(cols)] = D.transpose(1, 2).to(vz)
             layer = _crop(vz, tb)  # normalised one layer at a time: no second (B, L, n, n) copy
             s = layer.sum(-1, keepdim=True)

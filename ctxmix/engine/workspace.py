@@ -1,0 +1,71 @@
+"""Temporaries reused across the chunks of one call, and activations applied in place.
+
+Why: on a CPU the allocator hands large freed blocks back to the system, so every chunk's fresh
+(c, m, d') temporaries were page-faulted in again. Value zeroing on the BERT-base of `bench/perf.py`
+(n = 128) took 1.37 million minor faults (5.4 GB of fresh pages) and 3 s of system time in an 8.2 s
+call (bench/profile_passes.py, 2026-11-28). A `Workspace` belongs to one call (never to the model,
+which every session shares), so two calls never write each other's buffers. On CUDA the caching
+allocator already reuses blocks; the workspace changes nothing there but the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class Workspace:
+    """Named flat buffers, grown to the largest request and viewed to the shape asked for. A buffer
+    handed out stays valid until the same name is taken again: callers take a name once per chunk."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of `shape` (contiguous), from the buffer `name`."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = self._buffers[name] = torch.empty(0, dtype=dtype, device=device)  # the old one freed first
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def like(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped and laid out as `t` (a permutation of a dense tensor, as the pieces'
+        (j, i)-ordered products viewed in (i, j) order): elementwise passes then read and write in one order."""
+        strides = t.stride()
+        order = sorted(range(t.dim()), key=lambda k: -strides[k])  # dimensions from outermost in memory
+        buf = self.take(name, tuple(t.shape[k] for k in order), t.dtype, t.device)
+        return buf.permute(*[order.index(k) for k in range(t.dim())])
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def in_place_act(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The in-place form of a model's activation module (x -> act(x), written into x), when its forward is
+    one torch kernel that has one: GELU (exact or tanh), SiLU, ReLU; recognised by class and by the function
+    it holds, so the in-place kernel is the one its forward calls (tests compare the bits on every family).
+    None otherwise (the caller then calls `act`, which allocates)."""
+    name, inner = type(act).__name__, getattr(act, "act", None)
+    if name == "GELUActivation" and inner is F.gelu:
+        return lambda x: torch.ops.aten.gelu_(x)
+    if name in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is F.gelu:
+        approximate = getattr(inner, "keywords", {}).get("approximate", "none")
+        return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
+    if isinstance(act, torch.nn.GELU):
+        return lambda x: torch.ops.aten.gelu_(x, approximate=act.approximate)
+    if name == "SiLUActivation" or isinstance(act, torch.nn.SiLU):
+        return lambda x: F.silu(x, inplace=True)
+    if isinstance(act, torch.nn.ReLU):
+        return lambda x: x.relu_()
+    return None
+
+
+def act_into(act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """act(x), written into x where the activation has an in-place kernel (see `in_place_act`)."""
+    fn = in_place_act(act)
+    return act(x) if fn is None else fn(x)

@@ -1,0 +1,99 @@
+"""The chunk loops' reused temporaries (ctxmix.engine.workspace): same bits as fresh tensors, on every family."""
+
+import pytest
+import torch
+import transformers.activations as hf_act
+from conftest import FAMILIES, tiny_model
+
+from ctxmix.engine.layer import cosine_distances, first_receiving_rows, scope_pieces, value_zeroing_columns
+from ctxmix.engine.trace import trace_ids
+from ctxmix.engine.workspace import Workspace, act_into, in_place_act
+
+IDS = [101, 1996, 6309, 2000, 1996, 5239, 2024, 2006, 1996, 2795, 1012, 102]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_place_activation_is_the_modules_own_kernel(tokenizer, family):
+    """Where ctxmix applies a family's activation in place, it gives the module's bits exactly (the families
+    cover GELU, GELU-tanh, SiLU and ReLU); elsewhere it calls the module."""
+    act = tiny_model(family, tokenizer).layers[0].act
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(3, 7, 40, dtype=dtype) * 4
+        want = act(x)
+        y = x.clone()
+        got = act_into(act, y)
+        assert torch.equal(got, want), family
+        if in_place_act(act) is not None:
+            assert got.data_ptr() == y.data_ptr()  # written into the input: no fresh temporary
+
+
+def test_in_place_activation_declines_what_it_does_not_know():
+    assert in_place_act(hf_act.NewGELUActivation()) is None  # a formula in Python, not one kernel
+    assert in_place_act(hf_act.GELUActivation(use_gelu_python=True)) is None
+    assert in_place_act(torch.nn.Tanh()) is None
+    x = torch.randn(50)
+    assert torch.equal(act_into(hf_act.NewGELUActivation(), x.clone()), hf_act.NewGELUActivation()(x))
+
+
+def test_workspace_buffers_grow_keep_names_apart_and_follow_a_layout():
+    w = Workspace()
+    a = w.take("a", (2, 3), torch.float32, "cpu")
+    a.fill_(1.0)
+    b = w.take("b", (2, 3), torch.float32, "cpu")
+    assert a.data_ptr() != b.data_ptr()
+    assert w.take("a", (3,), torch.float32, "cpu").data_ptr() == a.data_ptr()  # smaller: the same memory
+    big = w.take("a", (4, 5), torch.float32, "cpu")
+    assert big.shape == (4, 5) and big.is_contiguous()
+    assert w.take("a", (2,), torch.float64, "cpu").dtype == torch.float64
+    t = torch.empty(5, 4, 3).transpose(0, 1)  # (4, 5, 3) laid out as (5, 4, 3)
+    like = w.like("c", t)
+    assert like.shape == t.shape and like.stride() == t.stride()
+    assert w.nbytes() >= 4 * 5 * 3 * 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scope_pieces_in_a_shared_workspace_equal_fresh_ones(tokenizer, family):
+    """Two chunks of rows through one workspace (the second reuses the first's buffers) give the pieces that
+    fresh tensors give, bit for bit; each chunk is read before the next is made, as the chunk loop does."""
+    m = tiny_model(family, tokenizer, dtype=torch.float32)
+    tr = trace_ids(m, IDS)
+    work = Workspace()
+    for lw, st in zip(m.layers, tr.states):
+        st = st.as_batch()
+        for rows in (torch.arange(0, 7), torch.arange(7, len(IDS))):
+            fresh = scope_pieces(lw, st, rows, next_ln=True)
+            shared = scope_pieces(lw, st, rows, next_ln=True, work=work)
+            assert fresh.keys() == shared.keys()
+            for k in fresh:
+                assert torch.equal(fresh[k][0], shared[k][0]), (family, k)
+                assert torch.equal(fresh[k][1], shared[k][1]), (family, k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_value_zeroing_in_a_shared_workspace_equals_fresh(tokenizer, family):
+    m = tiny_model(family, tokenizer, dtype=torch.float32)
+    tr = trace_ids(m, IDS)
+    work = Workspace()
+    for lw, st in zip(m.layers, tr.states):
+        st = st.as_batch()
+        first = first_receiving_rows(st.alpha)
+        for cols in (torch.arange(0, 5), torch.arange(5, len(IDS))):
+            f = min(first[int(cols[0]) : int(cols[-1]) + 1])
+            fresh = value_zeroing_columns(lw, st, cols, first=f)
+            shared = value_zeroing_columns(lw, st, cols, first=f, work=work)
+            assert torch.equal(fresh, shared), family
+
+
+def test_cosine_distances_match_torch_in_float64():
+    """The fewer-pass cosine (a float32 vector read as it is, squared and multiplied in float64) against
+    torch's cosine similarity of float64 copies: the same up to float64 rounding of sums over d terms."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 9, 64, generator=g)
+    Y = y.unsqueeze(1) + 1e-3 * torch.randn(2, 5, 9, 64, generator=g)
+    Y[0, 0, 0] = 0.0  # a zero vector has cosine 0
+    want = 1 - torch.nn.functional.cosine_similarity(Y.double(), y.double().unsqueeze(1), dim=-1, eps=1e-8)
+    for work in (None, Workspace()):
+        got = cosine_distances(Y, y, work)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want.clamp(min=0), rtol=0, atol=64 * 2.0**-52)
+        assert got[0, 0, 0] == 1.0
