@@ -441,6 +441,7 @@ def _option_cases():
 # _option_cases or here, with its reason: the test below fails otherwise)
 NO_BATCH_PATH = {
     "decoder_text": "ALTI+ on an encoder-decoder is per text; explain_batch explains an encoder-decoder's encoder only",
+    "image": "images are explained one at a time: explain_batch and the results cache take texts (test_vision.py)",
 }
 
 

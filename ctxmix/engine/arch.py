@@ -59,6 +59,14 @@ class ArchSpec:
     # encoder-decoder models: `layers` names the encoder's; the decoder's self-attention, FF and
     # cross-attention are read through `ctxmix.engine.seq2seq.decoder_specs` (same module names under "decoder")
     encoder_decoder: bool = False
+    # DINOv2's layer scale: modules whose `lambda1` (d,) multiplies the attention / FF output before its residual;
+    # folded into W_O, b_O and W_2, b_2 when the weights are read, so every decomposition sees a plain layer
+    layer_scale_attn: str | None = None
+    layer_scale_ff: str | None = None
+    # whether the model's last hidden state (hidden_states[-1]) is after `final_norm` (text models in
+    # transformers) or the last layer's raw output (ViT, DINOv2: the norm is applied to last_hidden_state only)
+    hidden_after_final_norm: bool = True
+    inputs: str = "ids"  # what the model reads: "ids" (token ids) or "pixels" (an image's pixel values)
 
     @property
     def gated(self) -> bool:
@@ -302,6 +310,53 @@ FAMILIES: tuple[ArchSpec, ...] = (
 )
 
 
+_VISION: dict[str, Any] = dict(
+    position="pre", norm="layernorm", ff_in="mlp.fc1", ff_out="mlp.fc2", act="mlp.activation_fn", inputs="pixels"
+)
+VISION_FAMILIES: tuple[ArchSpec, ...] = (
+    # the patch embedding (a convolution), the class token and the position embeddings are the layer-0 input
+    ArchSpec(
+        "ViT",
+        ("vit",),
+        layers="layers",
+        value="attention.v_proj",
+        out_proj="attention.o_proj",
+        ln1="layernorm_before",
+        ln2="layernorm_after",
+        final_norm="layernorm",
+        hidden_after_final_norm=False,
+        **_VISION,
+    ),
+    ArchSpec(
+        "DINOv2",
+        ("dinov2", "dinov2_with_registers"),
+        layers="encoder.layer",
+        value="attention.v_proj",
+        out_proj="attention.o_proj",
+        ln1="norm1",
+        ln2="norm2",
+        final_norm="layernorm",
+        hidden_after_final_norm=False,
+        layer_scale_attn="layer_scale1",
+        layer_scale_ff="layer_scale2",
+        **_VISION,
+    ),
+    # CLIP's vision tower: pre_layrnorm (sic) normalises the embeddings (the layer-0 input); post_layernorm reads
+    # the pooled class token only, so the token states have no final norm
+    ArchSpec(
+        "CLIP vision",
+        ("clip_vision_model",),
+        layers="encoder.layers",
+        value="self_attn.v_proj",
+        out_proj="self_attn.out_proj",
+        ln1="layer_norm1",
+        ln2="layer_norm2",
+        **_VISION,
+    ),
+)
+FAMILIES = FAMILIES + VISION_FAMILIES
+
+
 FAMILY_NOTES = {
     "BART": "encoder-decoder: explain(model, source, ['alti'], decoder_text=...) gives ALTI+ source and target "
     "contributions over [source; target]; without decoder_text every mixing method runs on the encoder",
@@ -315,6 +370,12 @@ FAMILY_NOTES = {
     "GPT-NeoX": "parallel residual: the FF reads LN2(x), so within a layer it adds to each token's own row "
     "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
     "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
+    "ViT": "images: explain(model, None, methods, image=...); the class token, then the patches row by row; the "
+    "patch and position embeddings are the layer-0 input; mixing methods only",
+    "DINOv2": "images, as ViT's row; layer scale folded into W_O and W_2; use_swiglu_ffn: a gated FF; "
+    "Dinov2WithRegistersModel's registers follow the class token",
+    "CLIP vision": "images, as ViT's row (CLIPVisionModel; pre_layrnorm is part of the layer-0 input, and no "
+    "final norm reads the token states)",
     "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
     "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
 }
@@ -362,6 +423,9 @@ def spec_for(config) -> ArchSpec:
                 return ArchSpec(**{**spec.__dict__, "position": "post", "final_norm": None})
             if spec.family == "GPT-NeoX" and not getattr(config, "use_parallel_residual", True):
                 return ArchSpec(**{**spec.__dict__, "position": "pre"})
+            if spec.family == "DINOv2" and getattr(config, "use_swiglu_ffn", False):  # the SwiGLU FF of the giant
+                swiglu = dict(ff_in=None, ff_gate="mlp.gate_proj", ff_up="mlp.up_proj", ff_out="mlp.down_proj")
+                return ArchSpec(**{**spec.__dict__, **swiglu, "act": "mlp.act_fn"})
             if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
                 raise UnsupportedArchitecture(
                     "OPT checkpoints with word_embed_proj_dim != hidden_size are not supported"
@@ -578,6 +642,9 @@ def read_layer(base: nn.Module, config, spec: ArchSpec, li: int, reader: WeightR
         cols = value_columns(spec, H, Hkv, dh, Wv.device)
         Wv, bv = Wv[:, cols], bv[cols]
     W2, b2 = reader.linear(_get(layer, spec.ff_out), spec.conv1d)
+    if spec.layer_scale_attn:  # y = x + lambda * (attn W_O + b_O): the scale is W_O's and b_O's (new tensors)
+        Wo, bo = _scaled(Wo, bo, _get(layer, spec.layer_scale_attn), reader)
+        W2, b2 = _scaled(W2, b2, _get(layer, spec.layer_scale_ff), reader)
     norm = partial(reader.norm, kind=spec.norm, offset=spec.norm_offset)
     lw = LayerWeights(
         index=li,
@@ -610,6 +677,15 @@ def read_layer(base: nn.Module, config, spec: ArchSpec, li: int, reader: WeightR
     if spec.position != "post":
         lw.next_norm = norm(_get(layers[li + 1], spec.ln1)) if li + 1 < len(layers) else final_norm(base, spec, reader)
     return lw
+
+
+def _scaled(
+    W: torch.Tensor, b: torch.Tensor, scale_module: Any, reader: WeightReader
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection (W (in, out), b (out,)) followed by an elementwise scale `lambda1` (out,), as one projection."""
+    with materialized(scale_module):
+        lam = reader.own(scale_module.lambda1.detach(), offloaded(scale_module)).to(W)
+    return W * lam, b * lam
 
 
 def layer_weights(base: nn.Module, config, spec: ArchSpec) -> list[LayerWeights]:

@@ -21,6 +21,7 @@ from ctxmix.engine.arch import ArchSpec, WeightReader, _config_heads, _get, fina
 from ctxmix.engine.embedded import BUILT_ONCE, EMBEDDED, minilm_path
 from ctxmix.engine.fingerprint import verify_weights, weights_sha256
 from ctxmix.engine.layers import LayerList
+from ctxmix.engine.load_checks import check_loaded
 from ctxmix.engine.placement import (
     engine_device,
     load_placement,
@@ -64,6 +65,7 @@ class Model:
     # the kernel of passes that read no probabilities (`ctxmix.engine.attention.output_only`): the user's fast
     # implementation (flash, flex), "sdpa" where the user's model ran eager or SDPA
     output_attention: str = "sdpa"
+    processor: Any = None  # an image model's image processor (None: the family's default, built from the config)
     _weights_sha256: str | None = field(default=None, repr=False, compare=False)  # weights_sha256, once
     _decoder_weights: list | None = field(default=None, repr=False, compare=False)  # an encoder-decoder's, once
 
@@ -188,6 +190,8 @@ class Model:
         return list(ids), notes
 
     def tokens(self, ids: list[int]) -> list[str]:
+        if self.tokenizer is None:
+            raise BadInput(f"{self.name} has no tokenizer: it reads {self.spec.inputs}, not token ids")
         return list(self.tokenizer.convert_ids_to_tokens(ids))
 
     @property
@@ -324,15 +328,21 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype, placem
     return _from_folder_or_hub(name, name, dev, dtype, placement=placement)
 
 
-def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "float32") -> Model:
-    """Wrap an already built transformers model (tests use tiny random ones)."""
+def model_from_hf(
+    hf: Any, tokenizer=None, name: str = "custom", precision: str = "float32", processor: Any = None
+) -> Model:
+    """Wrap an already built transformers model (tests use tiny random ones). tokenizer: a text model's;
+    processor: an image model's image processor (None: the family's default from the config, see
+    `ctxmix.engine.inputs.default_image_processor`)."""
+    if tokenizer is None and spec_for(hf.config).inputs == "ids":
+        raise BadInput("a text model needs its tokenizer: model_from_hf(hf, tokenizer)")
     spec = spec_for(hf.config)
     cls = type(hf).__name__
     kind = (
         "seq2seq"
         if spec.encoder_decoder
         else "classifier"
-        if "SequenceClassification" in cls
+        if "SequenceClassification" in cls or "ImageClassification" in cls
         else "masked_lm"
         if "MaskedLM" in cls
         else "causal_lm"
@@ -355,6 +365,7 @@ def model_from_hf(hf: Any, tokenizer, name: str = "custom", precision: str = "fl
         dtype=model_dtype(hf),
         precision=check_precision(precision),
         output_attention=fast_name(hf),
+        processor=processor,
     )
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     return model
@@ -439,58 +450,6 @@ def _from_folder_or_hub(
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     weights_sha256(model)  # now, while the files are the ones just read
     return model
-
-
-def _listing(keys, most: int = 8) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
-
-
-def check_loaded(name: str, hf: Any, loading: dict, tokenizer) -> list[str]:
-    """Refuse a model folder that would give silently wrong numbers; warn about what is normal.
-
-    ModelLoadError for: tensors the model (its head included) reads but the checkpoint lacks
-    (transformers would initialise them at random: a classifier head that is not the trained
-    one, a layer left out), tensors of the wrong shape, non-finite weights, and a tokenizer that
-    does not match the embedding (a missing tokenizer falls back to a handful of tokens).
-    A warning lists unexpected tensors: real checkpoints carry some (bert-base-uncased's NSP
-    head and pooler when loaded as a masked LM). Returns the warnings."""
-    problems = []
-    missing = set(loading.get("missing_keys") or ())
-    if missing:
-        problems.append(f"tensors missing from the checkpoint (they would be random): {_listing(missing)}")
-    mismatched = [k[0] if isinstance(k, tuple) else k for k in (loading.get("mismatched_keys") or ())]
-    if mismatched:
-        problems.append(f"tensors of the wrong shape: {_listing(mismatched)}")
-    if loading.get("error_msgs"):
-        problems.append("; ".join(map(str, loading["error_msgs"]))[:500])
-    from ctxmix.engine.weights import module_tensors, tensor_for_hash
-
-    # each offloaded leaf loaded in turn (never the whole model at once); packed quantized tensors are integers,
-    # torchao's subclasses are checked dequantized
-    bad = [
-        n for n, p in module_tensors(hf) if p.is_floating_point() and not bool(torch.isfinite(tensor_for_hash(p)).all())
-    ]
-    if bad:
-        problems.append(f"non-finite weights (NaN or inf) in: {_listing(bad)}")
-    rows = hf.get_input_embeddings().weight.shape[0]
-    n_tok = len(tokenizer)
-    if n_tok > rows or n_tok < 0.9 * rows:
-        problems.append(
-            f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
-            "missing or belong to another model"
-        )
-    if problems:
-        raise ModelLoadError(f"{name!r} cannot be used as it is: " + "; ".join(problems))
-    notes = []
-    unexpected = set(loading.get("unexpected_keys") or ())
-    if unexpected:
-        notes.append(
-            f"{name!r}: the checkpoint has tensors this model does not use (normal for a checkpoint saved "
-            f"with another head): {_listing(unexpected)}"
-        )
-        warnings.warn(notes[-1], stacklevel=3)
-    return notes
 
 
 def _cached_build(folder: Path, build, name: str, device, dtype, placement: dict | None = None) -> Model:

@@ -144,7 +144,8 @@ class ReplayedStates(Sequence):
             st = self._build(l)
         if self._errors[l] is None and self._targets is not None:
             mine = st.y
-            if l == len(self) - 1 and self.model.spec.final_norm is not None:
+            spec = self.model.spec
+            if l == len(self) - 1 and spec.final_norm is not None and spec.hidden_after_final_norm:
                 mine = self.model.layers[l].next_norm(mine)  # as in `_rebuild`: the model's is after the final norm
             self._errors[l] = float((mine - self._target(l)).abs().max())
         self._last = (l, st)

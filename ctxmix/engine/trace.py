@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class Trace:
     token_type_ids: list[int] | None = None  # what the model read (sentence pairs on BERT-like models)
     segments: list[int] | None = None  # 0 / 1: text A / B of a pair; -1: special token
     logits_start: int = 0  # logits[i] is position logits_start + i (trace_ids(logits_from=...))
+    inputs: Any = None  # what the model read when it is not token ids (`ctxmix.engine.inputs.ImageInput`)
 
     @property
     def n(self) -> int:
@@ -90,6 +92,7 @@ class TraceBatch:
     _mask: torch.Tensor | None = None
     token_type_ids: list | None = None  # per sequence: a list or None
     segments: list | None = None  # per sequence: a list or None
+    inputs: list | None = None  # per sequence: its non-id input (`Trace.inputs`) or None
 
     @property
     def B(self) -> int:
@@ -125,10 +128,11 @@ class TraceBatch:
             hidden = states.hidden
         else:  # no states: a logits-only trace (trace_ids(..., layers=False))
             hidden = [st.x for st in states] + [states[-1].y] if states else []
+        inp = (self.inputs or [None] * self.B)[b]
         return Trace(
             model=self.model,
             input_ids=list(self.input_ids[b]),
-            tokens=self.model.tokens(self.input_ids[b]),
+            tokens=self.model.tokens(self.input_ids[b]) if inp is None else inp.labels(),
             hidden=hidden,
             states=states,
             logits=lg,
@@ -136,6 +140,7 @@ class TraceBatch:
             notes=list(self.notes[b]) if self.notes else [],
             token_type_ids=(self.token_type_ids or [None] * self.B)[b],
             segments=(self.segments or [None] * self.B)[b],
+            inputs=inp,
         )
 
     def sequence_errors(self) -> list[float]:
@@ -169,6 +174,7 @@ class TraceBatch:
             _mask=torch.ones(1, tr.n, dtype=torch.bool, device=dev),
             token_type_ids=[tr.token_type_ids],
             segments=[tr.segments],
+            inputs=[tr.inputs],
         )
 
 
@@ -188,8 +194,8 @@ def _rebuild(model: Model, hs: list[torch.Tensor], atts: list[torch.Tensor], mas
         states.append(st)
         real = hs[l + 1]
         mine = st.y
-        if l == model.n_layers - 1 and model.spec.final_norm is not None:
-            mine = lw.next_norm(st.y)  # transformers hands back the last hidden state after the final norm
+        if l == model.n_layers - 1 and model.spec.final_norm is not None and model.spec.hidden_after_final_norm:
+            mine = lw.next_norm(st.y)  # transformers hands back a text model's last hidden state after the final norm
         diff = (mine - real).abs().amax(-1).double()
         if mask is not None:
             diff = torch.where(mask, diff, 0)

@@ -64,9 +64,10 @@ def explain(
     flow_rows: str = "position",
     decompx: dict | None = None,
     target_kind: str = "logit",
+    image=None,
     **saliency_options,
 ) -> Explanation:
-    """Run `methods` on `text` (or on `input_ids`) and return maps, saliency and prediction.
+    """Run `methods` on `text` (or on `input_ids`, or on an `image`) and return maps, saliency and prediction.
 
     text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
     them; `Explanation.segments` then says which tokens belong to which text (0 / 1, -1 for special
@@ -109,7 +110,16 @@ def explain(
     default), "log_prob" (T1: log p = centred logit - H(p), -H(p) in logit_terms as "entropy") or
     "logit_prob" (T2: log p - log(1 - p)); the last two without a foil. `attribute_context` explains the
     same quantities per response token (`ctxmix.methods.readout.target_readout`).
+    image: for a vision model (ViT, DINOv2, CLIP's vision tower), a path, PIL image or (H, W[, C]) array in place
+    of `text`; the positions are the class token (and registers) and the patches row by row ("r{row}c{col}"),
+    the mixing methods apply, and `options["image"]` records the grid (`ctxmix.engine.inputs`). The default
+    position is the class token.
     """
+    if image is not None or model.spec.inputs != "ids":
+        unused = {"target": target, "input_ids": input_ids, "token_type_ids": token_type_ids, "segments": segments}
+        unused |= {"foil": foil, "decoder_text": decoder_text, "decompx": decompx, **saliency_options}
+        given = [k for k, v in unused.items() if v is not None]
+        return _image_call(model, text, image, methods, position, res2, precision, per_head, given)
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
             "input_ids": input_ids,
@@ -154,6 +164,41 @@ def explain(
         checked=True,
         target_kind=target_kind,
     )[0]
+
+
+def _image_call(model: Model, text, image, methods, position, res2, precision, per_head, given) -> Explanation:
+    """explain on an image: the mixing methods, from one traced pass over the class token and the patches;
+    `given`: explain's text-only options the caller set (refused)."""
+    from ctxmix.engine.inputs import image_input, trace_image
+
+    if model.spec.inputs != "pixels":
+        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
+    if image is None or text is not None:
+        raise BadInput(f"{model.name} reads images: explain(model, None, methods, image=path_or_array)")
+    methods = check_methods(methods, model.spec.position)
+    other = [m for m in methods if m not in MIXING_METHODS]
+    if other:
+        raise BadInput(
+            f"{', '.join(other)}: on an image, explain runs the mixing methods "
+            f"({', '.join(MIXING_METHODS)}); the gradient and prediction methods read token ids"
+        )
+    if given:
+        raise BadInput(
+            f"on an image, explain takes methods, position, res2, precision and per_head (got {', '.join(given)})"
+        )
+    _check_call(res2, position, {})
+    inp = image_input(model, image)
+    check_memory(model, inp.n, call="explain", methods=methods)  # before the pass
+    tr = trace_image(model, inp)
+    ex = _explanations(model, TraceBatch.of(tr), [methods], [None], [position], res2, precision, {}, per_head)[0]
+    ex.options["image"] = {
+        "grid": list(inp.grid),
+        "patch": inp.patch,
+        "prefix": inp.prefix,
+        "pixels": list(inp.pixel_values.shape[-2:]),
+        "sha256": inp.fingerprint(),
+    }
+    return ex
 
 
 def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, unused: dict) -> Explanation | None:

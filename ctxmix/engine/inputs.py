@@ -1,0 +1,162 @@
+"""Inputs that are not token ids: an image's pixel values as a vision Transformer reads them.
+
+A text model's positions are its tokens; an image model's are its class token (and DINOv2's registers) followed
+by one patch per grid cell, row by row. `ImageInput` holds what the model reads (the processor's pixel values)
+and what each position is (its label and grid cell), so that the trace, the maps and their labels never guess.
+The sequence's positions stand where token ids stand elsewhere: `Trace.input_ids` then holds -1 per position,
+which no embedding accepts, so a method that would feed ids to the model fails at once instead of reading
+wrong rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ctxmix.errors import BadInput
+
+NOT_AN_ID = -1  # Trace.input_ids of a position that is not a token
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image as the model reads it. pixel_values (1, C, H, W) from the model's image processor; grid (rows,
+    columns) of patches of `patch` pixels; `prefix` positions before the patches (the class token, registers)."""
+
+    pixel_values: torch.Tensor
+    grid: tuple[int, int]
+    patch: int
+    prefix: int
+    prefix_labels: tuple[str, ...]
+
+    kind = "image"
+
+    @property
+    def n(self) -> int:
+        return self.prefix + self.grid[0] * self.grid[1]
+
+    def labels(self) -> list[str]:
+        """One label per position: the prefix tokens', then "r{row}c{col}" for each patch, row by row."""
+        rows, cols = self.grid
+        return list(self.prefix_labels) + [f"r{r}c{c}" for r in range(rows) for c in range(cols)]
+
+    def cell(self, position: int) -> tuple[int, int] | None:
+        """The (row, column) of the patch at `position`, or None for a prefix token."""
+        k = position - self.prefix
+        if not 0 <= k < self.grid[0] * self.grid[1]:
+            return None
+        return divmod(k, self.grid[1])
+
+    def forward_kwargs(self, device, dtype) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values.to(device=device, dtype=dtype)}
+
+    def fingerprint(self) -> str:
+        """sha256 of the pixel values and their shape: the input's identity in caches and saved results."""
+        px = self.pixel_values.detach().to("cpu", torch.float32).contiguous()
+        h = hashlib.sha256(str(tuple(px.shape)).encode())
+        h.update(px.numpy().tobytes())
+        return h.hexdigest()
+
+
+def default_image_processor(config) -> Any:
+    """The family's image processor built from its config (no files needed: random-config models, and models
+    loaded without one): ViT's resize to the model's size, DINOv2's resize and centre crop with ImageNet
+    statistics, CLIP's with its own."""
+    import transformers as T
+
+    size = int(getattr(config, "image_size", 224))
+    mt = getattr(config, "model_type", "")
+    if mt == "vit":
+        return T.ViTImageProcessorPil(size={"height": size, "width": size})
+    if mt in ("dinov2", "dinov2_with_registers"):
+        return T.BitImageProcessorPil(
+            size={"shortest_edge": round(size * 256 / 224)},
+            crop_size={"height": size, "width": size},
+            do_convert_rgb=True,
+            image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225],
+        )
+    if mt == "clip_vision_model":
+        return T.CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    raise BadInput(f"no default image processor for model type {mt!r}; pass processor= to model_from_hf")
+
+
+def _pil(image) -> Any:
+    """A path, a PIL image or an (H, W[, C]) array (uint8 0-255, or floats in [0, 1]) as an RGB PIL image."""
+    from PIL import Image
+
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        if not path.is_file():
+            raise BadInput(f"no image file at {path}")
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except OSError as exc:
+            raise BadInput(f"{path.name} is not an image this installation can read ({exc})") from None
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    arr = np.asarray(image)
+    if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[-1] not in (1, 3, 4)):
+        raise BadInput(f"an image array is (height, width) or (height, width, 1/3/4 channels), got {arr.shape}")
+    if arr.dtype != np.uint8:
+        if not np.isfinite(arr).all() or arr.min() < 0 or arr.max() > 1:
+            raise BadInput("a float image array holds values in [0, 1]")
+        arr = np.round(arr * 255).astype(np.uint8)
+    if arr.ndim == 3 and arr.shape[-1] == 1:
+        arr = arr[..., 0]
+    return Image.fromarray(arr).convert("RGB")
+
+
+def image_input(model, image) -> ImageInput:
+    """`image` (a path, a PIL image or an array) through the model's image processor, with its positions."""
+    if model.spec.inputs != "pixels":
+        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
+    processor = model.processor if model.processor is not None else default_image_processor(model.config)
+    px = processor(images=_pil(image), return_tensors="pt")["pixel_values"]
+    patch = int(model.config.patch_size)
+    H, W = px.shape[-2:]
+    if H % patch or W % patch:
+        raise BadInput(f"the processed image is {H} x {W} pixels, not a whole number of {patch}-pixel patches")
+    registers = int(getattr(model.config, "num_register_tokens", 0) or 0)
+    prefix = ("[CLS]",) + tuple(f"[REG{k}]" for k in range(1, registers + 1))
+    return ImageInput(px, (H // patch, W // patch), patch, len(prefix), prefix)
+
+
+@torch.no_grad()
+def trace_image(model, image, notes: list[str] | None = None):
+    """Run an image model once on `image` (a path, PIL image, array or `ImageInput`) and rebuild every layer from
+    its weights, as `trace_ids` does for text: a `Trace` whose positions are the class token (and registers) and
+    the patches, its `input_ids` NOT_AN_ID per position and its `inputs` the `ImageInput`."""
+    from ctxmix.engine.attention import ctxmix_pass, every_row
+    from ctxmix.engine.trace import Trace, _activations, _kept_logits, _rebuild
+
+    inp = image if isinstance(image, ImageInput) else image_input(model, image)
+    with ctxmix_pass(rows=every_row()):
+        out = model.hf(
+            **inp.forward_kwargs(model.device, model.dtype), output_hidden_states=True, output_attentions=True
+        )
+    if out.hidden_states[0].shape[1] != inp.n:
+        raise BadInput(
+            f"{model.name} read {out.hidden_states[0].shape[1]} positions, but the image has {inp.prefix} prefix "
+            f"tokens and {inp.grid[0]} x {inp.grid[1]} patches"
+        )
+    hs = [_activations(model, h[0]) for h in out.hidden_states]
+    states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
+    logits, _ = _kept_logits(out, inp.n, None)
+    return Trace(
+        model=model,
+        input_ids=[NOT_AN_ID] * inp.n,
+        tokens=inp.labels(),
+        hidden=hs[:-1] + [states[-1].y],
+        states=states,
+        logits=logits,
+        reconstruction_error=float(err),
+        notes=list(notes or []),
+        inputs=inp,
+    )

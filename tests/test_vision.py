@@ -1,0 +1,158 @@
+"""Vision Transformers (ViT, DINOv2 with its layer scale, SwiGLU and registers, CLIP's vision tower): an image's
+class token and patches are the positions, and every decomposition reconstructs the model's own states
+(float64, 1e-8) on tiny random models, as for text."""
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from conftest import randomise_norms
+from PIL import Image
+from test_reconstruction import TOL, _check
+
+import ctxmix
+from ctxmix.engine.arch import families_table, spec_for
+from ctxmix.engine.inputs import NOT_AN_ID, image_input, trace_image
+from ctxmix.engine.layer import norm_family_pieces
+from ctxmix.errors import BadInput
+from ctxmix.methods.mixing import value_zeroing_maps
+from ctxmix.methods.registry import MIXING_METHODS
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32)
+VISION = {
+    "vit": (T.ViTModel, T.ViTConfig(patch_size=8, **SMALL)),
+    "vit-classifier": (T.ViTForImageClassification, T.ViTConfig(patch_size=8, num_labels=3, **SMALL)),
+    "dinov2": (T.Dinov2Model, T.Dinov2Config(patch_size=8, **SMALL)),
+    "dinov2-swiglu": (T.Dinov2Model, T.Dinov2Config(patch_size=8, use_swiglu_ffn=True, **SMALL)),
+    "dinov2-registers": (
+        T.Dinov2WithRegistersModel,
+        T.Dinov2WithRegistersConfig(patch_size=8, num_register_tokens=2, **SMALL),
+    ),
+    "clip-vision": (T.CLIPVisionModel, T.CLIPVisionConfig(patch_size=8, **SMALL)),
+}
+
+
+def vision_model(name: str, dtype=torch.float64):
+    torch.manual_seed(0)
+    cls, cfg = VISION[name]
+    hf = cls._from_config(cfg).to(dtype).eval()
+    randomise_norms(hf)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # DINOv2's layer scale away from its constant init: the fold into W_O and W_2 must show
+        for pname, p in hf.named_parameters():
+            if pname.endswith("lambda1"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g, dtype=p.dtype))
+    return ctxmix.model_from_hf(hf, name=f"tiny-{name}")
+
+
+def photo(h: int = 40, w: int = 48, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module", params=list(VISION))
+def vision(request):
+    return vision_model(request.param)
+
+
+def test_the_layers_rebuilt_from_weights_give_the_models_states(vision):
+    tr = trace_image(vision, photo())
+    assert tr.reconstruction_error < TOL
+    inp = tr.inputs
+    assert tr.n == inp.n == inp.prefix + 16 and inp.grid == (4, 4)
+    assert tr.input_ids == [NOT_AN_ID] * tr.n
+    assert tr.tokens[0] == "[CLS]" and tr.tokens[inp.prefix] == "r0c0" and tr.tokens[-1] == "r3c3"
+    if "registers" in vision.name:
+        assert tr.tokens[1:3] == ["[REG1]", "[REG2]"]
+    assert inp.cell(0) is None and inp.cell(inp.prefix + 5) == (1, 1)
+
+
+def test_every_scope_reconstructs_on_images(vision):
+    tr = trace_image(vision, photo())
+    for factorised in (True, False):
+        for lw, errs in _check(tr, factorised=factorised):
+            assert errs and max(errs.values()) < TOL, (vision.name, lw.index, errs)
+
+
+def test_norm_family_pieces_sum_to_the_residual_stream(vision):
+    tr = trace_image(vision, photo())
+    rows = torch.arange(tr.n)
+    for lw, st in zip(vision.layers, tr.states):
+        P = norm_family_pieces(lw, st, rows)
+        assert float((P["norm_res"].sum(1) + lw.bo - st.r1).abs().max()) < TOL
+
+
+def test_layer_scale_is_folded_into_the_projections():
+    """DINOv2's lambda multiplies the attention and FF outputs: without the fold the rebuilt layer would be off."""
+    m = vision_model("dinov2")
+    lam = m.hf.encoder.layer[0].layer_scale1.lambda1
+    assert float((lam - 1).abs().max()) > 0.1
+    Wo = m.hf.encoder.layer[0].attention.o_proj.weight.T
+    torch.testing.assert_close(m.layers[0].Wo, Wo * lam, rtol=0, atol=0)
+    assert spec_for(VISION["dinov2-swiglu"][1]).gated and not spec_for(VISION["dinov2"][1]).gated
+
+
+def test_value_zeroing_factorised_equals_straightforward_on_images(vision):
+    tr = trace_image(vision, photo())
+    fast, slow = value_zeroing_maps(tr), value_zeroing_maps(tr, factorised=False)
+    np.testing.assert_allclose(fast.sum(-1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-10)
+
+
+def test_explain_an_image_with_every_mixing_method(vision):
+    methods = [m for m in MIXING_METHODS if not m.startswith("Atb")] + ["AtbLnFfRes"]
+    ex = ctxmix.explain(vision, None, methods, image=photo())
+    n = 1 + 16 + (2 if "registers" in vision.name else 0)
+    assert ex.position == 0 and len(ex.tokens) == n
+    assert ex.reconstruction_error < TOL
+    for m in methods:
+        assert ex.layer_maps[m].shape == (2, n, n), m
+        assert np.isfinite(ex.layer_maps[m]).all(), m
+    for m in ("attention", "alti", "value_zeroing"):  # the methods whose rows are shares
+        np.testing.assert_allclose(ex.layer_maps[m].sum(-1), 1.0, atol=1e-8, err_msg=m)
+    assert ex.options["image"]["grid"] == [4, 4] and ex.options["image"]["patch"] == 8
+    assert len(ex.options["image"]["sha256"]) == 64
+    if vision.kind == "classifier":
+        assert set(ex.prediction["probabilities"]) == {"LABEL_0", "LABEL_1", "LABEL_2"}
+
+
+def test_an_image_file_a_pil_image_and_an_array_read_the_same(tmp_path):
+    m = vision_model("vit")
+    arr = photo()
+    path = tmp_path / "photo.png"
+    Image.fromarray(arr).save(path)
+    want = image_input(m, arr).pixel_values
+    for given in (path, str(path), Image.fromarray(arr), arr.astype(np.float64) / 255):
+        got = image_input(m, given)
+        torch.testing.assert_close(got.pixel_values, want, rtol=0, atol=1e-6)
+    assert image_input(m, arr[..., 0]).pixel_values.shape == want.shape  # greyscale becomes RGB
+    assert image_input(m, arr).fingerprint() == image_input(m, arr.copy()).fingerprint()
+    assert image_input(m, arr).fingerprint() != image_input(m, photo(seed=1)).fingerprint()
+
+
+def test_bad_image_calls_say_what_is_wrong(tmp_path, tokenizer):
+    m = vision_model("vit")
+    cases = [
+        (lambda: ctxmix.explain(m, None, ["alti"], image=np.zeros((4, 4, 5))), "channels"),
+        (lambda: ctxmix.explain(m, None, ["alti"], image=np.full((8, 8, 3), 2.0)), "[0, 1]"),
+        (lambda: ctxmix.explain(m, None, ["alti"], image=tmp_path / "missing.png"), "no image file"),
+        (lambda: ctxmix.explain(m, None, ["grad"], image=photo()), "mixing methods"),
+        (lambda: ctxmix.explain(m, None, ["alti"], image=photo(), target=1), "target"),
+        (lambda: ctxmix.explain(m, "a cat", ["alti"]), "reads images"),
+        (lambda: ctxmix.explain(m, None, ["alti"], image=photo(), position=99), "outside"),
+    ]
+    (tmp_path / "text.png").write_text("not an image")
+    cases.append((lambda: ctxmix.explain(m, None, ["alti"], image=tmp_path / "text.png"), "not an image"))
+    text = ctxmix.model_from_hf(T.BertModel(T.BertConfig(**{**SMALL, "vocab_size": 30522})), tokenizer)
+    cases.append((lambda: ctxmix.explain(text, None, ["alti"], image=photo()), "reads text"))
+    for call, words in cases:
+        with pytest.raises(BadInput, match=None) as err:
+            call()
+        assert words in str(err.value), (words, str(err.value))
+    with pytest.raises(BadInput, match="tokenizer"):
+        ctxmix.model_from_hf(T.BertModel(T.BertConfig(**{**SMALL, "vocab_size": 30522})))
+
+
+def test_the_families_table_lists_the_vision_families():
+    rows = {r["family"]: r for r in families_table()}
+    for family in ("ViT", "DINOv2", "CLIP vision"):
+        assert rows[family]["norms"] == "pre-LN" and rows[family]["attention"] == "bidirectional"
