@@ -54,10 +54,15 @@ def _texts(args) -> list[str]:
 
 def cmd_explain(args) -> None:
     import ctxmix
+    from ctxmix.errors import BadInput
 
     m = _load(args)
+    if (args.text is None) == (args.image is None):
+        raise BadInput("give a text, or --image PATH for a vision model (not both)")
     text = args.text if args.pair is None else (args.text, args.pair)
-    if args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
+    if args.image is not None:  # the mixing methods over the class token and the patches
+        ex = ctxmix.explain(m, None, args.method, position=args.position, per_head=args.per_head, image=args.image)
+    elif args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
         ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
     else:
         ex = ctxmix.explain(
@@ -75,6 +80,10 @@ def cmd_explain(args) -> None:
         else:
             p.write_text(json.dumps(d, indent=1))
         print(f"wrote {p}")
+    elif args.image is not None:
+        if ex.prediction:
+            print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
+        _print_patch_grids(ex)
     else:
         print("tokens:", " ".join(ex.tokens))
         if args.pair is not None:
@@ -93,6 +102,19 @@ def cmd_explain(args) -> None:
             print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
         for k, v in ex.saliency.items():
             print(f"{k:>22}: " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens, v)))
+
+
+def _print_patch_grids(ex) -> None:
+    """An image explanation's saliency (the explained row of each aggregated map) as the prefix tokens' shares, then
+    one line per patch row."""
+    img = ex.options["image"]
+    prefix, (rows, cols) = img["prefix"], img["grid"]
+    for k, v in ex.saliency.items():
+        print(f"{k} (row {ex.position}: {ex.tokens[ex.position]}), over a {rows} x {cols} grid of patches:")
+        print("  " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens[:prefix], v[:prefix])))
+        grid = v[prefix:].reshape(rows, cols)
+        for r in range(rows):
+            print("  " + " ".join(f"{x:7.4f}" for x in grid[r]))
 
 
 def cmd_generate(args) -> None:
@@ -379,8 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--limit", type=_count, default=100, help="number of sequences")
         s.add_argument("--out", help="output .csv or .json (default: print)")
 
-    s = sub.add_parser("explain", help="every requested method on one text")
-    s.add_argument("text")
+    s = sub.add_parser("explain", help="every requested method on one text (or, with --image, one image)")
+    s.add_argument("text", nargs="?", default=None, help="the text (none with --image)")
+    s.add_argument(
+        "--image",
+        default=None,
+        metavar="PATH",
+        help="an image file for a vision model (ViT, DINOv2, CLIP's vision tower; e.g. --model dinov2-small)",
+    )
     model_args(s)
     s.add_argument(
         "--method",

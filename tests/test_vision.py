@@ -156,3 +156,22 @@ def test_the_families_table_lists_the_vision_families():
     rows = {r["family"]: r for r in families_table()}
     for family in ("ViT", "DINOv2", "CLIP vision"):
         assert rows[family]["norms"] == "pre-LN" and rows[family]["attention"] == "bidirectional"
+
+
+def test_cli_explains_an_image_file(tmp_path, capsys):
+    from skimage import data
+
+    from ctxmix.cli import main
+
+    path = tmp_path / "coffee.png"
+    Image.fromarray(data.coffee()).save(path)
+    main(["explain", "--image", str(path), "--model", "dinov2-small", "--method", "alti"])
+    out = capsys.readouterr().out
+    assert "alti (row 0: [CLS]), over a 16 x 16 grid of patches:" in out
+    grid = [line.split() for line in out.splitlines()[2:18]]
+    assert len(grid) == 16 and all(len(row) == 16 for row in grid)
+    main(["explain", "--image", str(path), "--model", "dinov2-small", "--out", str(tmp_path / "c.npz")])
+    ex = ctxmix.load_explanation(tmp_path / "c.npz")
+    assert ex.tokens[0] == "[CLS]" and ex.options["image"]["grid"] == [16, 16]
+    assert main(["explain", "a text", "--image", str(path), "--model", "dinov2-small"]) == 2
+    assert "not both" in capsys.readouterr().err

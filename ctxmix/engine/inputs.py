@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ctxmix.engine.image_processors import default_image_processor
 from ctxmix.errors import BadInput
 
 NOT_AN_ID = -1  # Trace.input_ids of a position that is not a token
@@ -61,29 +62,6 @@ class ImageInput:
         h = hashlib.sha256(str(tuple(px.shape)).encode())
         h.update(px.numpy().tobytes())
         return h.hexdigest()
-
-
-def default_image_processor(config) -> Any:
-    """The family's image processor built from its config (no files needed: random-config models, and models
-    loaded without one): ViT's resize to the model's size, DINOv2's resize and centre crop with ImageNet
-    statistics, CLIP's with its own."""
-    import transformers as T
-
-    size = int(getattr(config, "image_size", 224))
-    mt = getattr(config, "model_type", "")
-    if mt == "vit":
-        return T.ViTImageProcessorPil(size={"height": size, "width": size})
-    if mt in ("dinov2", "dinov2_with_registers"):
-        return T.BitImageProcessorPil(
-            size={"shortest_edge": round(size * 256 / 224)},
-            crop_size={"height": size, "width": size},
-            do_convert_rgb=True,
-            image_mean=[0.485, 0.456, 0.406],
-            image_std=[0.229, 0.224, 0.225],
-        )
-    if mt == "clip_vision_model":
-        return T.CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    raise BadInput(f"no default image processor for model type {mt!r}; pass processor= to model_from_hf")
 
 
 def _pil(image) -> Any:

@@ -42,9 +42,9 @@ def check_loaded(name: str, hf: Any, loading: dict, tokenizer) -> list[str]:
     ]
     if bad:
         problems.append(f"non-finite weights (NaN or inf) in: {_listing(bad)}")
-    rows = hf.get_input_embeddings().weight.shape[0]
-    n_tok = len(tokenizer)
-    if n_tok > rows or n_tok < 0.9 * rows:
+    rows = hf.get_input_embeddings().weight.shape[0] if tokenizer is not None else 0
+    n_tok = len(tokenizer) if tokenizer is not None else 0  # an image model reads no tokens
+    if tokenizer is not None and (n_tok > rows or n_tok < 0.9 * rows):
         problems.append(
             f"the tokenizer has {n_tok} tokens but the embedding has {rows} rows: the tokenizer files are "
             "missing or belong to another model"

@@ -20,6 +20,7 @@ import torch
 from ctxmix.engine.arch import ArchSpec, WeightReader, _config_heads, _get, final_norm, read_layer, spec_for
 from ctxmix.engine.embedded import BUILT_ONCE, EMBEDDED, minilm_path
 from ctxmix.engine.fingerprint import verify_weights, weights_sha256
+from ctxmix.engine.image_processors import image_processor_from
 from ctxmix.engine.layers import LayerList
 from ctxmix.engine.load_checks import check_loaded
 from ctxmix.engine.placement import (
@@ -379,6 +380,8 @@ def _kind_and_class(config):
         return "seq2seq", T.AutoModelForSeq2SeqLM
     if "ForSequenceClassification" in archs:
         return "classifier", T.AutoModelForSequenceClassification
+    if "ForImageClassification" in archs:
+        return "classifier", T.AutoModelForImageClassification
     if "ForMaskedLM" in archs or "ForPreTraining" in archs:
         return "masked_lm", T.AutoModelForMaskedLM
     if "ForCausalLM" in archs or "LMHeadModel" in archs:
@@ -416,7 +419,8 @@ def _from_folder_or_hub(
             output_loading_info=True,
             **placement,
         )
-        tok = T.AutoTokenizer.from_pretrained(src)
+        tok = T.AutoTokenizer.from_pretrained(src) if spec.inputs == "ids" else None
+        processor = None if spec.inputs == "ids" else image_processor_from(src, config)
     except Exception as e:  # noqa: BLE001
         if "ignore_mismatched_sizes" in str(e):
             raise ModelLoadError(
@@ -446,6 +450,7 @@ def _from_folder_or_hub(
         dtype=dtype,
         info=info or {},
         output_attention=fast_name(hf),
+        processor=processor,
     )
     model.quantization_schemes  # noqa: B018 - refuses a quantized layer it cannot read, now rather than mid-way
     weights_sha256(model)  # now, while the files are the ones just read
