@@ -75,6 +75,32 @@ def test_outliers_page():
     assert len(at.dataframe) >= 1
 
 
+def test_images_page_explains_a_bundled_photograph():
+    """dinov2-small on scikit-image's coffee: the class token's heat over the image, then a patch's row, then
+    another photograph and method."""
+    at = _run("pages/5_Images.py")
+    assert _charts(at) == 2  # the aggregated row and the last layer's, both over the image
+    assert any("coffee" in m.value and "257 positions" in m.value for m in at.markdown)
+    at.radio(key="image_row").set_value("A patch").run()
+    assert not at.exception and not at.error
+    assert any("r8c8" in h.value for h in at.subheader)
+    at.selectbox(key="photo").set_value("chelsea").run()
+    at.multiselect(key="image_methods").set_value(["value_zeroing"]).run()
+    assert not at.exception and not at.error and _charts(at) == 2
+    assert any("value_zeroing" in h.value for h in at.subheader)
+
+
+def test_images_page_refuses_an_image_over_the_hosted_caps(monkeypatch):
+    from ctxmix.service import limits
+
+    monkeypatch.setattr(limits, "LOCAL", limits.replace(limits.LOCAL, max_image_positions=100))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.switch_page("pages/5_Images.py")
+    at.run()
+    assert not at.exception
+    assert any("max_image_positions" in e.value for e in at.error) and _charts(at) == 0
+
+
 def test_benchmarks_page_without_results(tmp_path, monkeypatch):
     """A fresh install (no results store, no run started) shows the shipped method x metric tables,
     says they were shipped (not computed here), and quotes each paper config's published numbers."""

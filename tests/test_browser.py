@@ -21,6 +21,7 @@ PAGES = {
     "LN_gamma_vs_FF_outliers": 2,
     "Benchmarks": 0,
     "Saved_explanation": 0,
+    "Images": 2,
 }
 
 pytestmark = pytest.mark.slow

@@ -175,3 +175,72 @@ def test_cli_explains_an_image_file(tmp_path, capsys):
     assert ex.tokens[0] == "[CLS]" and ex.options["image"]["grid"] == [16, 16]
     assert main(["explain", "a text", "--image", str(path), "--model", "dinov2-small"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_patch_values_read_a_row_over_the_grid():
+    from ctxmix.methods.images import patch_values, position_of
+
+    m = vision_model("dinov2-registers")
+    ex = ctxmix.explain(m, None, ["alti", "attention"], image=photo())
+    prefix, grid = patch_values(ex, "alti")
+    assert list(prefix) == ["[CLS]", "[REG1]", "[REG2]"] and grid.shape == (4, 4)
+    row = ex.global_maps["alti"][-1][0]
+    assert prefix["[CLS]"] == row[0] and grid[1, 2] == row[3 + 1 * 4 + 2]
+    pos = position_of(ex, 3, 1)
+    assert ex.tokens[pos] == "r3c1"
+    _, layer2 = patch_values(ex, "attention", pos, layer=2)
+    np.testing.assert_array_equal(layer2.reshape(-1), ex.layer_maps["attention"][1][pos][3:])
+    for call, words in [
+        (lambda: position_of(ex, 4, 0), "outside the 4 x 4 grid"),
+        (lambda: patch_values(ex, "globenc"), "not computed"),
+        (lambda: patch_values(ex, "alti", layer=3), "outside 1..2"),
+        (lambda: patch_values(ex, "alti", position=99), "outside the 19 positions"),
+    ]:
+        with pytest.raises(BadInput, match=None) as err:
+            call()
+        assert words in str(err.value)
+
+
+def test_the_image_as_the_model_read_it_comes_back_in_rgb():
+    from ctxmix.engine.inputs import SAMPLE_IMAGES, sample_image
+
+    m = vision_model("vit")  # ViT's processor: a resize to 32 x 32, normalised by 0.5 / 0.5
+    flat = np.full((64, 64, 3), 200, dtype=np.uint8)
+    inp = image_input(m, flat)
+    assert inp.source_size == (64, 64) and inp.mean == (0.5, 0.5, 0.5)
+    rgb = inp.rgb()
+    assert rgb.shape == (32, 32, 3) and rgb.dtype == np.uint8 and np.abs(rgb.astype(int) - 200).max() <= 1
+    buf = __import__("io").BytesIO()
+    Image.fromarray(photo()).save(buf, format="PNG")
+    torch.testing.assert_close(image_input(m, buf.getvalue()).pixel_values, image_input(m, photo()).pixel_values)
+    with pytest.raises(BadInput, match="not an image"):
+        image_input(m, b"not an image")
+    assert [sample_image(k).shape[-1] for k in SAMPLE_IMAGES] == [3, 3, 3]
+    with pytest.raises(BadInput, match="no bundled photograph"):
+        sample_image("moon")
+
+
+def test_image_caps_refuse_before_any_work():
+    from ctxmix.service.limits import HOSTED, LOCAL, check_image
+
+    m = vision_model("vit")
+    check_image(LOCAL, image_input(m, photo(600, 800)))
+    with pytest.raises(BadInput, match="max_image_pixels"):
+        check_image(HOSTED, image_input(m, photo(2100, 2100)))
+    with pytest.raises(BadInput, match="max_image_positions"):
+        check_image(__import__("dataclasses").replace(HOSTED, max_image_positions=16), image_input(m, photo()))
+
+
+def test_the_heat_figure_lays_the_patches_over_the_image():
+    from ctxmix.export.plots import image_heat
+
+    rgb = np.zeros((32, 48, 3), dtype=np.uint8)
+    grid = np.arange(6, dtype=float).reshape(2, 3)
+    fig = image_heat(rgb, grid, title="t")
+    img, heat = fig.data
+    assert img.type == "image" and heat.type == "heatmap"
+    np.testing.assert_allclose(heat.x, [8, 24, 40])  # patch centres: 16 pixels wide
+    np.testing.assert_allclose(heat.y, [8, 24])
+    assert heat.colorscale[0][1] != "rgb(5,48,97)"  # unsigned shares: not the diverging scale
+    signed = image_heat(rgb, grid - 2.5)
+    assert signed.data[1].zmid == 0

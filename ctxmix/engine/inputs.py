@@ -11,6 +11,7 @@ wrong rows.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ class ImageInput:
     patch: int
     prefix: int
     prefix_labels: tuple[str, ...]
+    source_size: tuple[int, int] | None = None  # (height, width) of the image given, before the processor
+    mean: tuple[float, ...] | None = None  # the processor's normalisation, per channel (None: none)
+    std: tuple[float, ...] | None = None
 
     kind = "image"
 
@@ -52,6 +56,16 @@ class ImageInput:
         if not 0 <= k < self.grid[0] * self.grid[1]:
             return None
         return divmod(k, self.grid[1])
+
+    def rgb(self) -> np.ndarray:
+        """The image as the model read it (resized, cropped), back in 0-255 RGB: (H, W, 3) uint8, for display."""
+        px = self.pixel_values[0].detach().to("cpu", torch.float64)
+        if self.mean is not None and self.std is not None:
+            px = (
+                px * torch.tensor(self.std, dtype=px.dtype)[:, None, None]
+                + torch.tensor(self.mean, dtype=px.dtype)[:, None, None]
+            )
+        return (px.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
     def forward_kwargs(self, device, dtype) -> dict[str, torch.Tensor]:
         return {"pixel_values": self.pixel_values.to(device=device, dtype=dtype)}
@@ -79,6 +93,12 @@ def _pil(image) -> Any:
             raise BadInput(f"{path.name} is not an image this installation can read ({exc})") from None
     if isinstance(image, Image.Image):
         return image.convert("RGB")
+    if isinstance(image, bytes):  # an uploaded file's contents
+        try:
+            with Image.open(io.BytesIO(image)) as im:
+                return im.convert("RGB")
+        except OSError as exc:
+            raise BadInput(f"the file is not an image this installation can read ({exc})") from None
     arr = np.asarray(image)
     if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[-1] not in (1, 3, 4)):
         raise BadInput(f"an image array is (height, width) or (height, width, 1/3/4 channels), got {arr.shape}")
@@ -92,18 +112,47 @@ def _pil(image) -> Any:
 
 
 def image_input(model, image) -> ImageInput:
-    """`image` (a path, a PIL image or an array) through the model's image processor, with its positions."""
+    """`image` (a path, a PIL image, an array or a file's bytes) through the model's image processor, with its
+    positions (an `ImageInput` is returned as it is)."""
     if model.spec.inputs != "pixels":
         raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
+    if isinstance(image, ImageInput):
+        return image
     processor = model.processor if model.processor is not None else default_image_processor(model.config)
-    px = processor(images=_pil(image), return_tensors="pt")["pixel_values"]
+    pil = _pil(image)
+    px = processor(images=pil, return_tensors="pt")["pixel_values"]
     patch = int(model.config.patch_size)
     H, W = px.shape[-2:]
     if H % patch or W % patch:
         raise BadInput(f"the processed image is {H} x {W} pixels, not a whole number of {patch}-pixel patches")
     registers = int(getattr(model.config, "num_register_tokens", 0) or 0)
     prefix = ("[CLS]",) + tuple(f"[REG{k}]" for k in range(1, registers + 1))
-    return ImageInput(px, (H // patch, W // patch), patch, len(prefix), prefix)
+    normalised = getattr(processor, "do_normalize", False)
+    mean, std = (
+        (getattr(processor, "image_mean", None), getattr(processor, "image_std", None)) if normalised else (None, None)
+    )
+    return ImageInput(
+        px,
+        (H // patch, W // patch),
+        patch,
+        len(prefix),
+        prefix,
+        source_size=(pil.height, pil.width),
+        mean=None if mean is None else tuple(float(x) for x in mean),
+        std=None if std is None else tuple(float(x) for x in std),
+    )
+
+
+SAMPLE_IMAGES = ("coffee", "astronaut", "chelsea")  # the photographs scikit-image's wheel bundles (no download)
+
+
+def sample_image(name: str) -> np.ndarray:
+    """One of scikit-image's bundled photographs, (H, W, 3) uint8."""
+    if name not in SAMPLE_IMAGES:
+        raise BadInput(f"no bundled photograph {name!r}; there are {', '.join(SAMPLE_IMAGES)}")
+    from skimage import data
+
+    return getattr(data, name)()
 
 
 @torch.no_grad()

@@ -36,6 +36,9 @@ class Limits:
     max_documents: int = 5  # documents (uploaded files) in one context
     max_ablations: int = 32  # ContextCite's ablations, and evaluate's held-out ones, per request
     max_context_new_tokens: int = 64  # the response's new tokens
+    # the Images page: the image given (before the processor) and the positions the model reads
+    max_image_pixels: int = 4096 * 4096
+    max_image_positions: int = 1370  # DINOv2 at its full 518 x 518 resolution: 37 x 37 patches and the class token
 
     @property
     def server_upload_mb(self) -> int:
@@ -59,6 +62,8 @@ HOSTED = Limits(
     max_job_tokens=12_800,
     max_concurrent_jobs=2,
     max_context_tokens=1024,
+    max_image_pixels=2048 * 2048,
+    max_image_positions=257,  # a 224 x 224 crop in 14-pixel patches (DINOv2), or 16-pixel ones (ViT-B/16: 197)
 )
 
 
@@ -216,4 +221,21 @@ def check_context_request(
         raise BadInput(
             f"{max_new_tokens} new tokens asked for; the limit here is {limits.max_context_new_tokens} "
             "(max_context_new_tokens)"
+        )
+
+
+def check_image(limits: Limits, image) -> None:
+    """Refuse an image (an `ctxmix.engine.inputs.ImageInput`) over the caps, before any model call: the pixels of the
+    image given, and the positions the model would read."""
+    if image.source_size is not None:
+        h, w = image.source_size
+        if h * w > limits.max_image_pixels:
+            raise BadInput(
+                f"the image is {w} x {h} pixels; the limit here is {limits.max_image_pixels:,} pixels "
+                "(max_image_pixels): shrink it first"
+            )
+    if image.n > limits.max_image_positions:
+        raise BadInput(
+            f"the model would read {image.n} positions of this image; the limit here is "
+            f"{limits.max_image_positions} (max_image_positions)"
         )

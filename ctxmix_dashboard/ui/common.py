@@ -96,6 +96,13 @@ def allowed_models() -> list[str]:
     return EMBEDDED_MODELS
 
 
+def allowed_image_models() -> list[str]:
+    """The Images page's models: the embedded image encoders, those of `allowed_models` in hosted mode when the
+    secrets list them."""
+    listed = _secret("allowed_models", None) if hosted() else None
+    return [m for m in IMAGE_MODELS if listed is None or m in listed]
+
+
 def require_login() -> bool:
     """In hosted mode: Streamlit's OIDC login when [auth] is configured, else a password
     (CTXMIX_PASSWORD or `password` in secrets). Returns True when the page may render."""

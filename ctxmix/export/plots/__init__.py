@@ -38,6 +38,7 @@ from ctxmix.export.plots.files import (
     static_export_available,
     table_bytes,
 )
+from ctxmix.export.plots.images import image_heat
 from ctxmix.export.plots.maps import head_grid, map_heatmap, maps_grid
 from ctxmix.export.plots.prediction import NEGATIVE, POSITIVE, layer_saliency_figure, logit_contributions_figure
 from ctxmix.export.plots.routes import ROUTE_BINS, ROUTE_COLOURS, route_node_xy, routes_figure
@@ -76,6 +77,7 @@ __all__ = [
     "figure_data_bytes",
     "grouped_bars",
     "head_grid",
+    "image_heat",
     "layer_saliency_figure",
     "logit_contributions_figure",
     "map_heatmap",

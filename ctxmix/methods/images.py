@@ -1,0 +1,48 @@
+"""Image explanations read as images: a map's row over the grid of patches (`patch_values`), and the position of
+a patch (`position_of`). An image's positions are its prefix tokens (the class token, registers), then one patch
+per grid cell row by row (`ctxmix.engine.inputs.ImageInput`); `Explanation.options["image"]` records the grid."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ctxmix.errors import BadInput
+
+
+def _grid(ex) -> tuple[int, tuple[int, int]]:
+    img = (ex.options or {}).get("image")
+    if not img:
+        raise BadInput("this explanation is not of an image (no options['image'])")
+    return int(img["prefix"]), (int(img["grid"][0]), int(img["grid"][1]))
+
+
+def position_of(ex, row: int, col: int) -> int:
+    """The position of the patch at grid cell (row, col), 0-based."""
+    prefix, (rows, cols) = _grid(ex)
+    if not (0 <= row < rows and 0 <= col < cols):
+        raise BadInput(f"cell ({row}, {col}) is outside the {rows} x {cols} grid of patches")
+    return prefix + row * cols + col
+
+
+def patch_values(
+    ex, method: str, position: int | None = None, layer: int | None = None
+) -> tuple[dict[str, float], np.ndarray]:
+    """Row `position` (default: the explanation's) of `method`'s aggregated map, or of layer `layer`'s map
+    (1-based), as ({prefix token: value}, (rows, cols) values of the patches)."""
+    prefix, (rows, cols) = _grid(ex)
+    pos = ex.position if position is None else int(position)
+    n = len(ex.tokens)
+    if not 0 <= pos < n:
+        raise BadInput(f"position {pos} is outside the {n} positions")
+    if layer is None:
+        if method not in ex.global_maps:
+            raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")
+        v = np.asarray(ex.global_maps[method][-1][pos], dtype=float)
+    else:
+        if method not in ex.layer_maps:
+            raise BadInput(f"{method!r} has no layer maps in this explanation ({', '.join(ex.layer_maps)})")
+        L = ex.layer_maps[method].shape[0]
+        if not 1 <= layer <= L:
+            raise BadInput(f"layer {layer} is outside 1..{L}")
+        v = np.asarray(ex.layer_maps[method][layer - 1][pos], dtype=float)
+    return dict(zip(ex.tokens[:prefix], map(float, v[:prefix]))), v[prefix:].reshape(rows, cols)
