@@ -442,6 +442,8 @@ def _option_cases():
 NO_BATCH_PATH = {
     "decoder_text": "ALTI+ on an encoder-decoder is per text; explain_batch explains an encoder-decoder's encoder only",
     "image": "images are explained one at a time: explain_batch and the results cache take texts (test_vision.py)",
+    "audio": "clips are explained one at a time, as images (test_speech.py)",
+    "sampling_rate": "the rate of an audio clip (test_speech.py)",
 }
 
 

@@ -354,7 +354,26 @@ VISION_FAMILIES: tuple[ArchSpec, ...] = (
         **_VISION,
     ),
 )
-FAMILIES = FAMILIES + VISION_FAMILIES
+# speech encoders over a convolutional feature encoder's frames; the feature encoder, the positional convolution
+# and (post-LN base models) encoder.layer_norm before layer 1 are the layer-0 input
+SPEECH_FAMILIES: tuple[ArchSpec, ...] = (
+    ArchSpec(
+        "wav2vec2/HuBERT",
+        ("wav2vec2", "hubert"),
+        position="post",
+        norm="layernorm",
+        layers="encoder.layers",
+        value="attention.v_proj",
+        out_proj="attention.out_proj",
+        ln1="layer_norm",
+        ln2="final_layer_norm",
+        ff_in="feed_forward.intermediate_dense",
+        ff_out="feed_forward.output_dense",
+        act="feed_forward.intermediate_act_fn",
+        inputs="audio",
+    ),
+)
+FAMILIES = FAMILIES + VISION_FAMILIES + SPEECH_FAMILIES
 
 
 FAMILY_NOTES = {
@@ -376,6 +395,9 @@ FAMILY_NOTES = {
     "Dinov2WithRegistersModel's registers follow the class token",
     "CLIP vision": "images, as ViT's row (CLIPVisionModel; pre_layrnorm is part of the layer-0 input, and no "
     "final norm reads the token states)",
+    "wav2vec2/HuBERT": "speech: explain(model, None, methods, audio=..., sampling_rate=...); the positions are the "
+    "feature encoder's frames (20 ms apart); post-LN base models, pre-LN large ones (do_stable_layer_norm); the "
+    "feature encoder, positional convolution and base models' encoder.layer_norm are the layer-0 input",
     "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
     "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
 }
@@ -426,6 +448,15 @@ def spec_for(config) -> ArchSpec:
             if spec.family == "DINOv2" and getattr(config, "use_swiglu_ffn", False):  # the SwiGLU FF of the giant
                 swiglu = dict(ff_in=None, ff_gate="mlp.gate_proj", ff_up="mlp.up_proj", ff_out="mlp.down_proj")
                 return ArchSpec(**{**spec.__dict__, **swiglu, "act": "mlp.act_fn"})
+            if spec.family == "wav2vec2/HuBERT":
+                if getattr(config, "adapter_attn_dim", None):
+                    raise UnsupportedArchitecture(
+                        "wav2vec2 with attention adapters (adapter_attn_dim) is not supported: the adapters add a "
+                        "branch after each layer's FF that no family describes"
+                    )
+                if getattr(config, "do_stable_layer_norm", False):  # the large models: pre-LN, a final norm
+                    large = {"position": "pre", "final_norm": "encoder.layer_norm", "hidden_after_final_norm": False}
+                    return ArchSpec(**{**spec.__dict__, **large})
             if spec.family == "OPT" and getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size):
                 raise UnsupportedArchitecture(
                     "OPT checkpoints with word_embed_proj_dim != hidden_size are not supported"

@@ -11,9 +11,10 @@ from ctxmix.errors import BadInput
 
 
 def default_image_processor(config) -> Any:
-    """The family's image processor built from its config (no files needed: random-config models, and models
-    loaded without one): ViT's resize to the model's size, DINOv2's resize and centre crop with ImageNet
-    statistics, CLIP's with its own."""
+    """The family's image processor (or a speech encoder's feature extractor) built from its config (no files
+    needed: random-config models, and models loaded without one): ViT's resize to the model's size, DINOv2's
+    resize and centre crop with ImageNet statistics, CLIP's with its own; wav2vec2's and HuBERT's 16 kHz
+    normalised waveform."""
     import transformers as T
 
     size = int(getattr(config, "image_size", 224))
@@ -28,9 +29,11 @@ def default_image_processor(config) -> Any:
             image_mean=[0.485, 0.456, 0.406],
             image_std=[0.229, 0.224, 0.225],
         )
+    if mt in ("wav2vec2", "hubert"):  # a speech encoder's feature extractor: 16 kHz, zero mean and unit variance
+        return T.Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True)
     if mt == "clip_vision_model":
         return T.CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    raise BadInput(f"no default image processor for model type {mt!r}; pass processor= to model_from_hf")
+    raise BadInput(f"no default processor for model type {mt!r}; pass processor= to model_from_hf")
 
 
 def image_processor_from(folder: str, config) -> Any:

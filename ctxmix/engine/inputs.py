@@ -70,6 +70,17 @@ class ImageInput:
     def forward_kwargs(self, device, dtype) -> dict[str, torch.Tensor]:
         return {"pixel_values": self.pixel_values.to(device=device, dtype=dtype)}
 
+    def record(self) -> dict:
+        """What an explanation records of the image (`Explanation.options["image"]`)."""
+        pixels = list(self.pixel_values.shape[-2:])
+        return {
+            "grid": list(self.grid),
+            "patch": self.patch,
+            "prefix": self.prefix,
+            "pixels": pixels,
+            "sha256": self.fingerprint(),
+        }
+
     def fingerprint(self) -> str:
         """sha256 of the pixel values and their shape: the input's identity in caches and saved results."""
         px = self.pixel_values.detach().to("cpu", torch.float32).contiguous()
@@ -155,24 +166,129 @@ def sample_image(name: str) -> np.ndarray:
     return getattr(data, name)()
 
 
+@dataclass(frozen=True, eq=False)
+class AudioInput:
+    """One clip as a speech encoder reads it: input_values (1, samples) from the model's feature extractor at
+    `sampling_rate`, and the frames its convolutional feature encoder makes: frame k covers samples
+    [k * stride, k * stride + receptive) of the clip."""
+
+    input_values: torch.Tensor
+    sampling_rate: int
+    stride: int  # samples between frames (the product of the convolutions' strides)
+    receptive: int  # samples one frame reads
+    frames: int
+
+    kind = "audio"
+
+    @property
+    def n(self) -> int:
+        return self.frames
+
+    def span(self, position: int) -> tuple[float, float]:
+        """(start, end) in seconds of the samples frame `position` reads."""
+        start = position * self.stride
+        return start / self.sampling_rate, (start + self.receptive) / self.sampling_rate
+
+    def labels(self) -> list[str]:
+        """One label per frame: its start time in seconds ("0.000s", "0.020s", ...)."""
+        return [f"{self.span(k)[0]:.3f}s" for k in range(self.frames)]
+
+    def forward_kwargs(self, device, dtype) -> dict[str, torch.Tensor]:
+        return {"input_values": self.input_values.to(device=device, dtype=dtype)}
+
+    def record(self) -> dict:
+        """What an explanation records of the clip (`Explanation.options["audio"]`)."""
+        samples = int(self.input_values.shape[-1])
+        return {
+            "sampling_rate": self.sampling_rate,
+            "stride": self.stride,
+            "receptive": self.receptive,
+            "samples": samples,
+            "sha256": self.fingerprint(),
+        }
+
+    def fingerprint(self) -> str:
+        x = self.input_values.detach().to("cpu", torch.float32).contiguous()
+        h = hashlib.sha256(f"{tuple(x.shape)} {self.sampling_rate}".encode())
+        h.update(x.numpy().tobytes())
+        return h.hexdigest()
+
+
+def _waveform(audio, sampling_rate: int | None, target: int) -> np.ndarray:
+    """A WAV file or a 1-D array (at `sampling_rate`) as mono float64 samples at `target` Hz."""
+    from math import gcd
+
+    from scipy.signal import resample_poly
+
+    if isinstance(audio, (str, Path)):
+        from scipy.io import wavfile
+
+        path = Path(audio)
+        if not path.is_file():
+            raise BadInput(f"no audio file at {path}")
+        try:
+            sr, x = wavfile.read(path)
+        except ValueError as exc:
+            raise BadInput(f"{path.name} is not a WAV file this installation can read ({exc})") from None
+        if sampling_rate is not None and sampling_rate != sr:
+            raise BadInput(f"{path.name} is sampled at {sr} Hz, not the {sampling_rate} Hz given")
+        sampling_rate = sr
+        x = x.astype(np.float64) / (np.iinfo(x.dtype).max + 1.0) if x.dtype.kind in "iu" else x.astype(np.float64)
+    else:
+        x = np.asarray(audio, dtype=np.float64)
+        if sampling_rate is None:
+            raise BadInput("an audio array needs its sampling_rate (samples per second)")
+    if x.ndim == 2:  # (samples, channels): mono by the mean
+        x = x.mean(axis=1)
+    if x.ndim != 1 or x.size == 0 or not np.isfinite(x).all():
+        raise BadInput(f"audio is a non-empty 1-D array of finite samples (or samples x channels), got {x.shape}")
+    if int(sampling_rate) <= 0:
+        raise BadInput(f"sampling_rate must be positive, got {sampling_rate}")
+    sr = int(sampling_rate)
+    if sr != target:
+        g = gcd(sr, target)
+        x = resample_poly(x, target // g, sr // g)
+    return x
+
+
+def audio_input(model, audio, sampling_rate: int | None = None) -> AudioInput:
+    """`audio` (a WAV path, or a 1-D array with its `sampling_rate`; resampled to the model's rate) through the
+    model's feature extractor, with its frames (an `AudioInput` is returned as it is)."""
+    if model.spec.inputs != "audio":
+        raise BadInput(f"{model.name} is a {model.spec.family} model: it does not read audio")
+    if isinstance(audio, AudioInput):
+        return audio
+    extractor = model.processor if model.processor is not None else default_image_processor(model.config)
+    rate = int(extractor.sampling_rate)
+    x = _waveform(audio, sampling_rate, rate)
+    cfg = model.config
+    stride, receptive = 1, 1
+    for k, st in zip(cfg.conv_kernel, cfg.conv_stride):
+        receptive += (k - 1) * stride
+        stride *= st
+    if x.size < receptive:
+        raise BadInput(
+            f"the clip has {x.size} samples; {model.name} reads at least {receptive} ({receptive / rate:.3f} s)"
+        )
+    values = extractor(x, sampling_rate=rate, return_tensors="pt")["input_values"]
+    frames = (values.shape[-1] - receptive) // stride + 1
+    return AudioInput(values, rate, stride, receptive, frames)
+
+
 @torch.no_grad()
-def trace_image(model, image, notes: list[str] | None = None):
-    """Run an image model once on `image` (a path, PIL image, array or `ImageInput`) and rebuild every layer from
-    its weights, as `trace_ids` does for text: a `Trace` whose positions are the class token (and registers) and
-    the patches, its `input_ids` NOT_AN_ID per position and its `inputs` the `ImageInput`."""
+def trace_input(model, inp, notes: list[str] | None = None):
+    """Run a model once on a non-id input (`ImageInput`, `AudioInput`) and rebuild every layer from its weights,
+    as `trace_ids` does for text: a `Trace` whose positions are the input's (`labels()`), its `input_ids`
+    NOT_AN_ID per position and its `inputs` the input."""
     from ctxmix.engine.attention import ctxmix_pass, every_row
     from ctxmix.engine.trace import Trace, _activations, _kept_logits, _rebuild
 
-    inp = image if isinstance(image, ImageInput) else image_input(model, image)
     with ctxmix_pass(rows=every_row()):
         out = model.hf(
             **inp.forward_kwargs(model.device, model.dtype), output_hidden_states=True, output_attentions=True
         )
     if out.hidden_states[0].shape[1] != inp.n:
-        raise BadInput(
-            f"{model.name} read {out.hidden_states[0].shape[1]} positions, but the image has {inp.prefix} prefix "
-            f"tokens and {inp.grid[0]} x {inp.grid[1]} patches"
-        )
+        raise BadInput(f"{model.name} read {out.hidden_states[0].shape[1]} positions, not the {inp.n} expected")
     hs = [_activations(model, h[0]) for h in out.hidden_states]
     states, err = _rebuild(model, hs, [_activations(model, a[0]) for a in out.attentions], None)
     logits, _ = _kept_logits(out, inp.n, None)
@@ -187,3 +303,14 @@ def trace_image(model, image, notes: list[str] | None = None):
         notes=list(notes or []),
         inputs=inp,
     )
+
+
+def trace_image(model, image, notes: list[str] | None = None):
+    """`trace_input` of an image (a path, PIL image, array, bytes or `ImageInput`): the class token (and registers)
+    and the patches."""
+    return trace_input(model, image_input(model, image), notes)
+
+
+def trace_audio(model, audio, sampling_rate: int | None = None, notes: list[str] | None = None):
+    """`trace_input` of a clip (a WAV path, an array with its sampling_rate, or an `AudioInput`): its frames."""
+    return trace_input(model, audio_input(model, audio, sampling_rate), notes)

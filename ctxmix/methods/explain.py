@@ -65,9 +65,11 @@ def explain(
     decompx: dict | None = None,
     target_kind: str = "logit",
     image=None,
+    audio=None,
+    sampling_rate: int | None = None,
     **saliency_options,
 ) -> Explanation:
-    """Run `methods` on `text` (or on `input_ids`, or on an `image`) and return maps, saliency and prediction.
+    """Run `methods` on `text` (or on `input_ids`, an `image` or `audio`) and return maps, saliency and prediction.
 
     text: one string, or a sentence pair (text_a, text_b) tokenised as the model's tokenizer pairs
     them; `Explanation.segments` then says which tokens belong to which text (0 / 1, -1 for special
@@ -114,12 +116,19 @@ def explain(
     of `text`; the positions are the class token (and registers) and the patches row by row ("r{row}c{col}"),
     the mixing methods apply, and `options["image"]` records the grid (`ctxmix.engine.inputs`). The default
     position is the class token.
+    audio: for a speech encoder (wav2vec2, HuBERT), a WAV path or a 1-D array with its `sampling_rate` (resampled
+    to the model's 16 kHz); the positions are the feature encoder's frames ("0.000s", "0.020s", ...: each
+    frame's start), and `options["audio"]` records the rate, the frames' stride and receptive field in samples,
+    and the clip's sha256. The default position is the first frame.
     """
-    if image is not None or model.spec.inputs != "ids":
+    if image is not None or audio is not None or model.spec.inputs != "ids":
         unused = {"target": target, "input_ids": input_ids, "token_type_ids": token_type_ids, "segments": segments}
         unused |= {"foil": foil, "decoder_text": decoder_text, "decompx": decompx, **saliency_options}
         given = [k for k, v in unused.items() if v is not None]
-        return _image_call(model, text, image, methods, position, res2, precision, per_head, given)
+        if image is not None and audio is not None:
+            raise BadInput("give an image or audio, not both")
+        call = (text, image, audio, sampling_rate)
+        return _input_call(model, call, methods, position, res2, precision, per_head, given)
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
             "input_ids": input_ids,
@@ -166,38 +175,38 @@ def explain(
     )[0]
 
 
-def _image_call(model: Model, text, image, methods, position, res2, precision, per_head, given) -> Explanation:
-    """explain on an image: the mixing methods, from one traced pass over the class token and the patches;
-    `given`: explain's text-only options the caller set (refused)."""
-    from ctxmix.engine.inputs import image_input, trace_image
+def _input_call(model: Model, call: tuple, methods, position, res2, precision, per_head, given) -> Explanation:
+    """explain on an image or a clip (`call`: text, image, audio, sampling_rate): the mixing methods, from one
+    traced pass over the input's positions; `given`: explain's text-only options the caller set (refused)."""
+    from ctxmix.engine.inputs import audio_input, image_input, trace_input
 
-    if model.spec.inputs != "pixels":
-        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
-    if image is None or text is not None:
-        raise BadInput(f"{model.name} reads images: explain(model, None, methods, image=path_or_array)")
+    text, image, audio, sampling_rate = call
+    kind, value = ("image", image) if image is not None else ("audio", audio)
+    reads = {"pixels": "images", "audio": "audio", "ids": "text"}[model.spec.inputs]
+    if (kind == "image" and model.spec.inputs != "pixels") or (kind == "audio" and model.spec.inputs != "audio"):
+        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads {reads}, not {kind}")
+    if value is None or text is not None:
+        how = "image=path_or_array" if model.spec.inputs == "pixels" else "audio=wav_path_or_array, sampling_rate=..."
+        raise BadInput(f"{model.name} reads {reads}: explain(model, None, methods, {how})")
+    if sampling_rate is not None and kind != "audio":
+        given = [*given, "sampling_rate"]
     methods = check_methods(methods, model.spec.position)
     other = [m for m in methods if m not in MIXING_METHODS]
     if other:
         raise BadInput(
-            f"{', '.join(other)}: on an image, explain runs the mixing methods "
+            f"{', '.join(other)}: on {'an image' if kind == 'image' else 'audio'}, explain runs the mixing methods "
             f"({', '.join(MIXING_METHODS)}); the gradient and prediction methods read token ids"
         )
     if given:
         raise BadInput(
-            f"on an image, explain takes methods, position, res2, precision and per_head (got {', '.join(given)})"
+            f"on {kind}, explain takes methods, position, res2, precision and per_head (got {', '.join(given)})"
         )
     _check_call(res2, position, {})
-    inp = image_input(model, image)
+    inp = image_input(model, image) if kind == "image" else audio_input(model, audio, sampling_rate)
     check_memory(model, inp.n, call="explain", methods=methods)  # before the pass
-    tr = trace_image(model, inp)
+    tr = trace_input(model, inp)
     ex = _explanations(model, TraceBatch.of(tr), [methods], [None], [position], res2, precision, {}, per_head)[0]
-    ex.options["image"] = {
-        "grid": list(inp.grid),
-        "patch": inp.patch,
-        "prefix": inp.prefix,
-        "pixels": list(inp.pixel_values.shape[-2:]),
-        "sha256": inp.fingerprint(),
-    }
+    ex.options[kind] = inp.record()  # what the positions are, in the saved explanation too
     return ex
 
 
