@@ -25,6 +25,13 @@ from ctxmix.errors import BadInput
 NOT_AN_ID = -1  # Trace.input_ids of a position that is not a token
 
 
+def _tensor_sha256(t: torch.Tensor, header: str) -> str:
+    """sha256 of `header`, then of t's float32 bytes."""
+    h = hashlib.sha256(header.encode())
+    h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True, eq=False)
 class ImageInput:
     """One image as the model reads it. pixel_values (1, C, H, W) from the model's image processor; grid (rows,
@@ -83,10 +90,7 @@ class ImageInput:
 
     def fingerprint(self) -> str:
         """sha256 of the pixel values and their shape: the input's identity in caches and saved results."""
-        px = self.pixel_values.detach().to("cpu", torch.float32).contiguous()
-        h = hashlib.sha256(str(tuple(px.shape)).encode())
-        h.update(px.numpy().tobytes())
-        return h.hexdigest()
+        return _tensor_sha256(self.pixel_values, str(tuple(self.pixel_values.shape)))
 
 
 def _pil(image) -> Any:
@@ -208,10 +212,8 @@ class AudioInput:
         }
 
     def fingerprint(self) -> str:
-        x = self.input_values.detach().to("cpu", torch.float32).contiguous()
-        h = hashlib.sha256(f"{tuple(x.shape)} {self.sampling_rate}".encode())
-        h.update(x.numpy().tobytes())
-        return h.hexdigest()
+        """sha256 of the input values, their shape and rate."""
+        return _tensor_sha256(self.input_values, f"{tuple(self.input_values.shape)} {self.sampling_rate}")
 
 
 def _waveform(audio, sampling_rate: int | None, target: int) -> np.ndarray:
