@@ -24,8 +24,9 @@ names = common.allowed_image_models()
 if not names:
     st.error("No image model is allowed on this server (allowed_models in its secrets lists none).")
     st.stop()
-name = st.sidebar.selectbox("Model", names, index=common.qp_index("model", names), key="image_model")
-common.set_qp(model=name)
+# its own URL key: the text pages' shared "model" names a text model
+name = st.sidebar.selectbox("Model", names, index=common.qp_index("image_model", names), key="image_model")
+common.set_qp(image_model=name)
 model = common.load_or_stop(name)
 lim = common.limits()
 

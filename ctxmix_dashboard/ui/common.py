@@ -170,6 +170,7 @@ PAGES = [
     ("pages/2_LN_gamma_vs_FF_outliers.py", "LN γ vs FF outliers", ":material/scatter_plot:"),
     ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
     ("pages/4_Saved_explanation.py", "Saved explanation", ":material/folder_open:"),
+    ("pages/5_Images.py", "Images", ":material/image:"),
 ]
 SHARED = ("model", "corpus", "n")  # carried from page to page
 
