@@ -99,7 +99,10 @@ def test_explain_a_clip_with_every_mixing_method(speech):
         "sampling_rate": 16000,
         "stride": 80,
         "receptive": 150,
+        "offset": 0,
         "samples": 1600,
+        "frames": n,
+        "valid_frames": n,
         "sha256": audio_input(speech, clip(0.1), 16000).fingerprint(),
     }
     if speech.kind == "classifier":

@@ -66,7 +66,8 @@ class ArchSpec:
     # whether the model's last hidden state (hidden_states[-1]) is after `final_norm` (text models in
     # transformers) or the last layer's raw output (ViT, DINOv2: the norm is applied to last_hidden_state only)
     hidden_after_final_norm: bool = True
-    inputs: str = "ids"  # what the model reads: "ids" (token ids) or "pixels" (an image's pixel values)
+    inputs: str = "ids"  # what the model reads: "ids" (token ids), "pixels" (an image's pixel values) or "audio"
+    # (a clip: its waveform, or Whisper's log-mel spectrogram of it)
 
     @property
     def gated(self) -> bool:
@@ -372,6 +373,19 @@ SPEECH_FAMILIES: tuple[ArchSpec, ...] = (
         act="feed_forward.intermediate_act_fn",
         inputs="audio",
     ),
+    ArchSpec(
+        # encoder-decoder over a log-mel spectrogram (mBART's pre-LN layers): the two convolutions and the
+        # sinusoidal positions are the encoder's layer-0 input; its 1,500 positions are 20 ms apart, padded to 30 s
+        "Whisper",
+        ("whisper",),
+        position="pre",
+        norm="layernorm",
+        layers="encoder.layers",
+        final_norm="encoder.layer_norm",
+        encoder_decoder=True,
+        inputs="audio",
+        **_ENC_DEC_LAYER,
+    ),
 )
 FAMILIES = FAMILIES + VISION_FAMILIES + SPEECH_FAMILIES
 
@@ -398,6 +412,9 @@ FAMILY_NOTES = {
     "wav2vec2/HuBERT": "speech: explain(model, None, methods, audio=..., sampling_rate=...); the positions are the "
     "feature encoder's frames (20 ms apart); post-LN base models, pre-LN large ones (do_stable_layer_norm); the "
     "feature encoder, positional convolution and base models' encoder.layer_norm are the layer-0 input",
+    "Whisper": "speech, encoder-decoder: explain(model, None, methods, audio=...) explains the encoder's 1,500 "
+    "positions (20 ms apart; those past the clip are the feature extractor's padding to 30 s, marked) and "
+    "transcribes; with decoder_text (True: the model's own transcript) ALTI+ over [frames; transcript tokens]",
     "Gemma 2/3": "attention and FF outputs normalised before their residuals (scopes Atb = LN1 + ATTN + LNa + "
     "RES1, +Ln, +Ff, +FfLn, +Res); RMSNorm scales by 1 + w; ff_outliers compares LNf's gamma",
 }
@@ -638,6 +655,8 @@ def _config_heads(config, spec: ArchSpec) -> tuple[int, int]:
             break
     else:
         raise UnsupportedArchitecture("cannot find the number of attention heads in the config")
+    if spec.encoder_decoder:  # no grouped heads; Whisper's config maps num_key_value_heads to the encoder's heads
+        return H, H
     Hkv = int(getattr(config, "num_key_value_heads", None) or H)
     return H, Hkv
 

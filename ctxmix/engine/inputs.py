@@ -1,8 +1,10 @@
-"""Inputs that are not token ids: an image's pixel values as a vision Transformer reads them.
+"""Inputs that are not token ids: an image's pixel values as a vision Transformer reads them, and a clip as a speech
+model reads it.
 
 A text model's positions are its tokens; an image model's are its class token (and DINOv2's registers) followed
-by one patch per grid cell, row by row. `ImageInput` holds what the model reads (the processor's pixel values)
-and what each position is (its label and grid cell), so that the trace, the maps and their labels never guess.
+by one patch per grid cell, row by row; a speech model's are frames in time order. `ImageInput` and `AudioInput`
+hold what the model reads (the processor's pixel values, the clip's samples or spectrogram) and what each position
+is (its label, grid cell or time span), so that the trace, the maps and their labels never guess.
 The sequence's positions stand where token ids stand elsewhere: `Trace.input_ids` then holds -1 per position,
 which no embedding accepts, so a method that would feed ids to the model fails at once instead of reading
 wrong rows.
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxmix.engine.image_processors import default_image_processor
+from ctxmix.engine.processors import default_processor
 from ctxmix.errors import BadInput
 
 NOT_AN_ID = -1  # Trace.input_ids of a position that is not a token
@@ -133,7 +135,7 @@ def image_input(model, image) -> ImageInput:
         raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
     if isinstance(image, ImageInput):
         return image
-    processor = model.processor if model.processor is not None else default_image_processor(model.config)
+    processor = model.processor if model.processor is not None else default_processor(model.config)
     pil = _pil(image)
     px = processor(images=pil, return_tensors="pt")["pixel_values"]
     patch = int(model.config.patch_size)
@@ -170,17 +172,40 @@ def sample_image(name: str) -> np.ndarray:
     return getattr(data, name)()
 
 
+# spoken sentences bundled with ctxmix (16 kHz WAV, flite 2.2's CMU voices slt and rms: free to redistribute)
+SAMPLE_CLIPS = {
+    "stella": "Please call Stella and ask her to bring these things with her from the store.",
+    "keys": "The keys to the cabinet are on the table.",
+    "boat": "A small boat sailed slowly across the quiet lake.",
+}
+
+
+def sample_clip(name: str) -> Path:
+    """The path of one of the bundled spoken sentences (`SAMPLE_CLIPS`: name -> what it says)."""
+    if name not in SAMPLE_CLIPS:
+        raise BadInput(f"no bundled clip {name!r}; there are {', '.join(SAMPLE_CLIPS)}")
+    return Path(__file__).parent / "sample_clips" / f"{name}.wav"
+
+
 @dataclass(frozen=True, eq=False)
 class AudioInput:
-    """One clip as a speech encoder reads it: input_values (1, samples) from the model's feature extractor at
-    `sampling_rate`, and the frames its convolutional feature encoder makes: frame k covers samples
-    [k * stride, k * stride + receptive) of the clip."""
+    """One clip as a speech model reads it, and the frames the model's positions are: frame k reads samples
+    [k * stride - offset, k * stride - offset + receptive) of the clip (at `sampling_rate`).
 
-    input_values: torch.Tensor
+    wav2vec2 and HuBERT read the waveform (`input_values`, (1, samples)); their convolutions make one frame per
+    stride. Whisper reads the log-mel spectrogram of a 30 s window (`input_features`, (1, mels, 3000)): 1,500
+    positions 20 ms apart, centred frames (hence `offset`), and those from `valid` on hold the feature
+    extractor's padding, not the clip."""
+
+    input_values: torch.Tensor  # what the model reads, under the keyword `feature`
     sampling_rate: int
     stride: int  # samples between frames (the product of the convolutions' strides)
     receptive: int  # samples one frame reads
     frames: int
+    samples: int = 0  # the clip's own samples (0: input_values' last dimension, the waveform itself)
+    valid: int | None = None  # frames that hold the clip; the rest are padding (None: every frame)
+    offset: int = 0  # samples a frame's receptive field starts before k * stride (centred frames)
+    feature: str = "input_values"  # the model's keyword for `input_values` ("input_features": Whisper)
 
     kind = "audio"
 
@@ -188,26 +213,41 @@ class AudioInput:
     def n(self) -> int:
         return self.frames
 
+    @property
+    def clip_samples(self) -> int:
+        return self.samples or int(self.input_values.shape[-1])
+
+    @property
+    def n_valid(self) -> int:
+        """The frames that hold the clip (the others are padding)."""
+        return self.frames if self.valid is None else self.valid
+
     def span(self, position: int) -> tuple[float, float]:
-        """(start, end) in seconds of the samples frame `position` reads."""
-        start = position * self.stride
-        return start / self.sampling_rate, (start + self.receptive) / self.sampling_rate
+        """(start, end) in seconds of the samples frame `position` reads (clipped to the clip's start)."""
+        start = position * self.stride - self.offset
+        return max(start, 0) / self.sampling_rate, (start + self.receptive) / self.sampling_rate
 
     def labels(self) -> list[str]:
-        """One label per frame: its start time in seconds ("0.000s", "0.020s", ...)."""
-        return [f"{self.span(k)[0]:.3f}s" for k in range(self.frames)]
+        """One label per frame: its time, k * stride, in seconds ("0.000s", "0.020s", ...); "pad" marks a frame
+        of padding."""
+        return [
+            f"{k * self.stride / self.sampling_rate:.3f}s" + ("" if k < self.n_valid else " pad")
+            for k in range(self.frames)
+        ]
 
     def forward_kwargs(self, device, dtype) -> dict[str, torch.Tensor]:
-        return {"input_values": self.input_values.to(device=device, dtype=dtype)}
+        return {self.feature: self.input_values.to(device=device, dtype=dtype)}
 
     def record(self) -> dict:
         """What an explanation records of the clip (`Explanation.options["audio"]`)."""
-        samples = int(self.input_values.shape[-1])
         return {
             "sampling_rate": self.sampling_rate,
             "stride": self.stride,
             "receptive": self.receptive,
-            "samples": samples,
+            "offset": self.offset,
+            "samples": self.clip_samples,
+            "frames": self.frames,
+            "valid_frames": self.n_valid,
             "sha256": self.fingerprint(),
         }
 
@@ -260,9 +300,11 @@ def audio_input(model, audio, sampling_rate: int | None = None) -> AudioInput:
         raise BadInput(f"{model.name} is a {model.spec.family} model: it does not read audio")
     if isinstance(audio, AudioInput):
         return audio
-    extractor = model.processor if model.processor is not None else default_image_processor(model.config)
+    extractor = model.processor if model.processor is not None else default_processor(model.config)
     rate = int(extractor.sampling_rate)
     x = _waveform(audio, sampling_rate, rate)
+    if model.spec.family == "Whisper":
+        return _whisper_input(model, extractor, x)
     cfg = model.config
     stride, receptive = 1, 1
     for k, st in zip(cfg.conv_kernel, cfg.conv_stride):
@@ -277,6 +319,31 @@ def audio_input(model, audio, sampling_rate: int | None = None) -> AudioInput:
     return AudioInput(values, rate, stride, receptive, frames)
 
 
+def _whisper_input(model, extractor, x: np.ndarray) -> AudioInput:
+    """Whisper's log-mel features of one window (`n_samples`, 30 s): a longer clip is refused, never cut."""
+    rate, hop, window = int(extractor.sampling_rate), int(extractor.hop_length), int(extractor.n_fft)
+    if x.size > extractor.n_samples:
+        raise BadInput(
+            f"the clip lasts {x.size / rate:.1f} s; Whisper reads one window of {extractor.n_samples / rate:.0f} s: "
+            "cut the clip (ctxmix explains one window and never trims silently)"
+        )
+    feats = extractor(x, sampling_rate=rate, return_tensors="pt")["input_features"]
+    # two convolutions of kernel 3 (the second of stride 2) over centred STFT frames `hop` apart
+    stride = 2 * hop
+    frames = int(model.config.max_source_positions)
+    return AudioInput(
+        feats,
+        rate,
+        stride,
+        receptive=4 * hop + window,
+        frames=frames,
+        samples=int(x.size),
+        valid=min(frames, -(-x.size // stride)),
+        offset=2 * hop + window // 2,
+        feature="input_features",
+    )
+
+
 @torch.no_grad()
 def trace_input(model, inp, notes: list[str] | None = None):
     """Run a model once on a non-id input (`ImageInput`, `AudioInput`) and rebuild every layer from its weights,
@@ -285,10 +352,9 @@ def trace_input(model, inp, notes: list[str] | None = None):
     from ctxmix.engine.attention import ctxmix_pass, every_row
     from ctxmix.engine.trace import Trace, _activations, _kept_logits, _rebuild
 
+    run = model.hf.get_encoder() if model.spec.encoder_decoder else model.hf  # Whisper: the encoder's own pass
     with ctxmix_pass(rows=every_row()):
-        out = model.hf(
-            **inp.forward_kwargs(model.device, model.dtype), output_hidden_states=True, output_attentions=True
-        )
+        out = run(**inp.forward_kwargs(model.device, model.dtype), output_hidden_states=True, output_attentions=True)
     if out.hidden_states[0].shape[1] != inp.n:
         raise BadInput(f"{model.name} read {out.hidden_states[0].shape[1]} positions, not the {inp.n} expected")
     hs = [_activations(model, h[0]) for h in out.hidden_states]

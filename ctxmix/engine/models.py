@@ -20,7 +20,6 @@ import torch
 from ctxmix.engine.arch import ArchSpec, WeightReader, _config_heads, _get, final_norm, read_layer, spec_for
 from ctxmix.engine.embedded import BUILT_ONCE, EMBEDDED, minilm_path
 from ctxmix.engine.fingerprint import verify_weights, weights_sha256
-from ctxmix.engine.image_processors import image_processor_from
 from ctxmix.engine.layers import LayerList
 from ctxmix.engine.load_checks import check_loaded
 from ctxmix.engine.placement import (
@@ -31,6 +30,7 @@ from ctxmix.engine.placement import (
     resolve_device,
     torch_dtype,
 )
+from ctxmix.engine.processors import processor_from
 from ctxmix.engine.tokens import Encoded, non_word_ids
 from ctxmix.errors import BadInput, ModelLoadError, checked_arguments
 
@@ -191,6 +191,8 @@ class Model:
         return list(ids), notes
 
     def tokens(self, ids: list[int]) -> list[str]:
+        if self.tokenizer is None and self.spec.encoder_decoder:  # a random Whisper's decoder: ids as they are
+            return [f"<{i}>" for i in ids]
         if self.tokenizer is None:
             raise BadInput(f"{self.name} has no tokenizer: it reads {self.spec.inputs}, not token ids")
         return list(self.tokenizer.convert_ids_to_tokens(ids))
@@ -334,7 +336,7 @@ def model_from_hf(
 ) -> Model:
     """Wrap an already built transformers model (tests use tiny random ones). tokenizer: a text model's;
     processor: an image model's image processor (None: the family's default from the config, see
-    `ctxmix.engine.inputs.default_image_processor`)."""
+    `ctxmix.engine.processors.default_processor`)."""
     if tokenizer is None and spec_for(hf.config).inputs == "ids":
         raise BadInput("a text model needs its tokenizer: model_from_hf(hf, tokenizer)")
     spec = spec_for(hf.config)
@@ -377,7 +379,8 @@ def _kind_and_class(config):
 
     archs = " ".join(getattr(config, "architectures", None) or [])
     if getattr(config, "is_encoder_decoder", False):
-        return "seq2seq", T.AutoModelForSeq2SeqLM
+        speech = getattr(config, "num_mel_bins", None) is not None  # Whisper
+        return "seq2seq", T.AutoModelForSpeechSeq2Seq if speech else T.AutoModelForSeq2SeqLM
     if "ForSequenceClassification" in archs:
         return "classifier", T.AutoModelForSequenceClassification
     if "ForImageClassification" in archs:
@@ -419,8 +422,8 @@ def _from_folder_or_hub(
             output_loading_info=True,
             **placement,
         )
-        tok = T.AutoTokenizer.from_pretrained(src) if spec.inputs == "ids" else None
-        processor = None if spec.inputs == "ids" else image_processor_from(src, config)
+        tok = T.AutoTokenizer.from_pretrained(src) if spec.inputs == "ids" or spec.encoder_decoder else None
+        processor = None if spec.inputs == "ids" else processor_from(src, config)
     except Exception as e:  # noqa: BLE001
         if "ignore_mismatched_sizes" in str(e):
             raise ModelLoadError(

@@ -1,4 +1,4 @@
-"""Encoder-decoders (BART, Marian, mBART, M2M-100/NLLB): the decoder's weights, its layers
+"""Encoder-decoders (BART, Marian, mBART, M2M-100/NLLB, Whisper): the decoder's weights, its layers
 recomputed from them, and one teacher-forced trace of source and target. ALTI+ over it lives in
 `ctxmix.methods.alti_plus`."""
 
@@ -129,23 +129,23 @@ class Seq2SeqTrace:
 
 
 @torch.no_grad()
-def trace_seq2seq(
-    model: Model, source_ids: list[int], decoder_ids: list[int], notes: list[str] | None = None
-) -> Seq2SeqTrace:
-    """Run the model once (teacher forcing) and rebuild the encoder's and the decoder's layers."""
+def trace_seq2seq(model: Model, source, decoder_ids: list[int], notes: list[str] | None = None) -> Seq2SeqTrace:
+    """Run the model once (teacher forcing) and rebuild the encoder's and the decoder's layers. source: the source's
+    token ids, or an input that is not ids (Whisper's `AudioInput`), whose positions the encoder's trace takes."""
     from ctxmix.engine.attention import ctxmix_pass, every_row
+    from ctxmix.engine.inputs import NOT_AN_ID
     from ctxmix.engine.trace import Trace, _activations, _rebuild
 
-    src = torch.tensor([source_ids], device=model.device)
     dec = torch.tensor([decoder_ids], device=model.device)
+    if hasattr(source, "forward_kwargs"):
+        src_kwargs, inputs = source.forward_kwargs(model.device, model.dtype), source
+        source_ids, tokens = [NOT_AN_ID] * source.n, source.labels()
+    else:
+        src = torch.tensor([source], device=model.device)
+        src_kwargs, inputs = {"input_ids": src, "attention_mask": torch.ones_like(src)}, None
+        source_ids, tokens = list(source), model.tokens(source)
     with ctxmix_pass(rows=every_row()):  # every row's probabilities: self-, cross- and decoder attention
-        out = model.hf(
-            input_ids=src,
-            attention_mask=torch.ones_like(src),
-            decoder_input_ids=dec,
-            output_hidden_states=True,
-            output_attentions=True,
-        )
+        out = model.hf(**src_kwargs, decoder_input_ids=dec, output_hidden_states=True, output_attentions=True)
     if any(a is None for a in (out.encoder_attentions or [None])) or any(
         a is None for a in (out.cross_attentions or [None])
     ):
@@ -157,13 +157,14 @@ def trace_seq2seq(
     states, enc_err = _rebuild(model, ehs, [_activations(model, a[0]) for a in out.encoder_attentions], None)
     enc = Trace(
         model=model,
-        input_ids=list(source_ids),
-        tokens=model.tokens(source_ids),
+        input_ids=source_ids,
+        tokens=tokens,
         hidden=ehs[:-1] + [states[-1].y],
         states=states,
         logits=None,
         reconstruction_error=float(enc_err),
         notes=list(notes or []),
+        inputs=inputs,
     )
     e = _activations(model, out.encoder_last_hidden_state)
     dhs = [_activations(model, h) for h in out.decoder_hidden_states]

@@ -1,4 +1,4 @@
-"""Encoder-decoder models (BART, Marian, mBART, M2M-100/NLLB): ALTI+ source and target contributions.
+"""Encoder-decoder models (BART, Marian, mBART, M2M-100/NLLB, Whisper): ALTI+ source and target contributions.
 
 ALTI+ is from Ferrando, Gállego, Alastruey, Escolano and Costa-jussà, "Towards Opening the Black
 Box of Neural Machine Translation: Source and Target Contributions to the Model Predictions",
@@ -54,7 +54,7 @@ from ctxmix.engine.models import Model
 from ctxmix.engine.seq2seq import DecoderState, decoder_weights, encode_target, trace_seq2seq
 from ctxmix.errors import BadInput
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
-from ctxmix.methods.mixing import _chunks, norm_layer_maps, rollout
+from ctxmix.methods.mixing import _chunks, clipped_rows_note, norm_layer_maps, rollout
 from ctxmix.methods.registry import MIXING_METHODS
 
 
@@ -98,23 +98,46 @@ def alti_plus_layer(sw: LayerWeights, cw: LayerWeights, st: DecoderState) -> tor
     return out
 
 
-def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, position: int | None = None):
-    """ALTI+ on one source text and its target (see the module docstring): an `Explanation` whose
-    tokens are [source; decoder inputs] with segments 0 / 1, layer maps M^l and global maps R^l over
-    them (one per decoder layer), and the saliency of row `position` (the last decoder input by
-    default, the one that predicts the target's last token)."""
+def _only_alti(methods) -> None:
     methods = [methods] if isinstance(methods, str) else list(methods)
     if methods != ["alti"]:
         raise BadInput(
             f"with decoder_text, ctxmix computes ALTI+ (methods=['alti']), got {methods}; the other "
             "mixing methods explain the encoder alone (call explain without decoder_text)"
         )
+
+
+def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, position: int | None = None):
+    """ALTI+ on one source text and its target (see the module docstring): an `Explanation` whose
+    tokens are [source; decoder inputs] with segments 0 / 1, layer maps M^l and global maps R^l over
+    them (one per decoder layer), and the saliency of row `position` (the last decoder input by
+    default, the one that predicts the target's last token)."""
+    _only_alti(methods)
     if not isinstance(text, str):
         raise BadInput("on an encoder-decoder model the source must be one string")
     src_ids, notes = model.encode(text)
     dec_ids, target_ids, more = encode_target(model, decoder_text)
     tr = trace_seq2seq(model, src_ids, dec_ids, notes + more)
-    S, T = len(src_ids), len(dec_ids)
+    return alti_plus_explanation(model, tr, target_ids, position, {"decoder_text": decoder_text})
+
+
+def explain_transcript(model: Model, inp, methods, decoder_text, position: int | None = None):
+    """ALTI+ on a clip (`AudioInput`) and its transcript, Whisper's own (decoder_text=True, greedy) or one given as
+    text (teacher-forced): the source positions are the encoder's frames."""
+    from ctxmix.engine.transcribe import given_transcript, transcribe
+
+    _only_alti(methods)
+    script = transcribe(model, inp) if decoder_text is True else given_transcript(model, decoder_text)
+    notes = [] if script.ended else [f"the transcript reached the decoder's {len(script.decoder_ids)} tokens unended"]
+    tr = trace_seq2seq(model, inp, script.decoder_ids, notes)
+    options = {"decoder_text": script.text, "transcript": script.text, "transcribed": decoder_text is True}
+    return alti_plus_explanation(model, tr, script.target_ids, position, options)
+
+
+def alti_plus_explanation(model: Model, tr, target_ids: list[int], position: int | None, options: dict):
+    """The ALTI+ `Explanation` of a traced source and decoder input (`Seq2SeqTrace`); target_ids[t]: what decoder
+    row t predicts (-1: unknown)."""
+    S, T = tr.n_source, len(tr.decoder_ids)
     n = S + T
     pos = n - 1 if position is None else position
     if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not -n <= pos < n:
@@ -133,8 +156,8 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
     for l in range(L):
         prev = R[l] = M[l] @ prev
     ex = Explanation(
-        tokens=model.tokens(src_ids) + model.tokens(dec_ids),
-        input_ids=src_ids + dec_ids,
+        tokens=tr.encoder.tokens + model.tokens(tr.decoder_ids),
+        input_ids=tr.encoder.input_ids + tr.decoder_ids,
         methods=["alti"],
         layer_maps={"alti": M},
         global_maps={"alti": R},
@@ -144,10 +167,15 @@ def explain_seq2seq(model: Model, text: str, methods, decoder_text: str, positio
         reconstruction_error=tr.reconstruction_error,
         warnings=list(tr.encoder.notes),
         segments=[0] * S + [1] * T,
-        options={"decoder_text": decoder_text, "n_source": S, "method_variant": "ALTI+"},
+        options={**options, "n_source": S, "method_variant": "ALTI+"},
         provenance=provenance(model),
     )
-    if pos >= S:
+    notes = [
+        clipped_rows_note(enc, R_enc[None], tr.encoder.tokens, "ALTI (encoder)"),
+        clipped_rows_note(M[:, S:, :], R[:, S:, :], ex.tokens[S:], "ALTI+ (decoder)"),
+    ]
+    ex.warnings += [w for w in notes if w]
+    if pos >= S and target_ids[pos - S] >= 0:
         t = pos - S
         ex.target = int(target_ids[t])
         ex.prediction = top_tokens(model, tr.logits[t], f"next token after position {pos}")

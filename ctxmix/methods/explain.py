@@ -14,7 +14,13 @@ from ctxmix.engine.trace import Trace, TraceBatch, trace_batch_tensors, trace_id
 from ctxmix.errors import BadInput, checked_arguments
 from ctxmix.methods.explanation import Explanation, provenance, top_tokens
 from ctxmix.methods.memory import check_memory
-from ctxmix.methods.mixing import head_maps_batch, mixing_maps_batch, rollout_tensor, scope_layer_maps
+from ctxmix.methods.mixing import (
+    clipped_rows_note,
+    head_maps_batch,
+    mixing_maps_batch,
+    rollout_tensor,
+    scope_layer_maps,
+)
 from ctxmix.methods.registry import MIXING_METHODS, PER_HEAD_METHODS, PREDICTION_METHODS, check_methods
 
 
@@ -59,7 +65,7 @@ def explain(
     precision: str | None = None,
     per_head: bool = False,
     foil=None,
-    decoder_text: str | None = None,
+    decoder_text: str | bool | None = None,
     embedding: str = "token",
     flow_rows: str = "position",
     decompx: dict | None = None,
@@ -120,14 +126,20 @@ def explain(
     to the model's 16 kHz); the positions are the feature encoder's frames ("0.000s", "0.020s", ...: each
     frame's start), and `options["audio"]` records the rate, the frames' stride and receptive field in samples,
     and the clip's sha256. The default position is the first frame.
+    On Whisper, audio (up to 30 s) gives the encoder's 1,500 positions, 20 ms apart ("... pad": the feature
+    extractor's padding past the clip), and the greedy transcript (`ex.transcript`); decoder_text=True (the model's
+    own transcript) or a transcript string (teacher-forced) with methods=["alti"] gives ALTI+ over [frames;
+    decoder inputs], as for text encoder-decoders.
     """
     if image is not None or audio is not None or model.spec.inputs != "ids":
         unused = {"target": target, "input_ids": input_ids, "token_type_ids": token_type_ids, "segments": segments}
-        unused |= {"foil": foil, "decoder_text": decoder_text, "decompx": decompx, **saliency_options}
+        unused |= {"foil": foil, "decompx": decompx, **saliency_options}
         given = [k for k, v in unused.items() if v is not None]
+        if decoder_text is not None and not (audio is not None and model.spec.encoder_decoder):
+            given.append("decoder_text")
         if image is not None and audio is not None:
             raise BadInput("give an image or audio, not both")
-        call = (text, image, audio, sampling_rate)
+        call = (text, image, audio, sampling_rate, decoder_text)
         return _input_call(model, call, methods, position, res2, precision, per_head, given)
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
@@ -180,7 +192,7 @@ def _input_call(model: Model, call: tuple, methods, position, res2, precision, p
     traced pass over the input's positions; `given`: explain's text-only options the caller set (refused)."""
     from ctxmix.engine.inputs import audio_input, image_input, trace_input
 
-    text, image, audio, sampling_rate = call
+    text, image, audio, sampling_rate, decoder_text = call
     kind, value = ("image", image) if image is not None else ("audio", audio)
     reads = {"pixels": "images", "audio": "audio", "ids": "text"}[model.spec.inputs]
     if (kind == "image" and model.spec.inputs != "pixels") or (kind == "audio" and model.spec.inputs != "audio"):
@@ -203,9 +215,19 @@ def _input_call(model: Model, call: tuple, methods, position, res2, precision, p
         )
     _check_call(res2, position, {})
     inp = image_input(model, image) if kind == "image" else audio_input(model, audio, sampling_rate)
-    check_memory(model, inp.n, call="explain", methods=methods)  # before the pass
-    tr = trace_input(model, inp)
-    ex = _explanations(model, TraceBatch.of(tr), [methods], [None], [position], res2, precision, {}, per_head)[0]
+    if decoder_text is not None:  # Whisper's decoder: ALTI+ over the frames and the transcript
+        from ctxmix.methods.alti_plus import explain_transcript
+
+        check_memory(model, inp.n, call="explain", methods=["alti"])
+        ex = explain_transcript(model, inp, methods, decoder_text, position)
+    else:
+        check_memory(model, inp.n, call="explain", methods=methods)  # before the pass
+        tr = trace_input(model, inp)
+        ex = _explanations(model, TraceBatch.of(tr), [methods], [None], [position], res2, precision, {}, per_head)[0]
+        if model.spec.encoder_decoder:  # Whisper: what the model heard, beside its encoder's mixing
+            from ctxmix.engine.transcribe import transcribe
+
+            ex.options["transcript"] = transcribe(model, inp).text
     ex.options[kind] = inp.record()  # what the positions are, in the saved explanation too
     return ex
 
@@ -516,6 +538,10 @@ def _explanations(
                 gm = rollout_tensor(maps[m][b, :, :n, :n], row_normalise=rn).cpu().numpy()
                 ex.layer_maps[m], ex.global_maps[m] = lm, gm
                 ex.saliency[m] = gm[-1][pos].copy()
+                note = clipped_rows_note(lm, gm, tr.tokens, m) if m == "alti" else None
+                if note:
+                    ex.method_warnings[m] = [note]
+                    ex.warnings.append(note)
             if m in heads:
                 ex.head_maps[m] = heads[m][b, :, :, :n, :n].cpu().numpy()
         ex.warnings += call_notes(methods, per_head, saliency_options.get("foil"), target_kind)

@@ -92,6 +92,11 @@ class Explanation:
     head_saliency: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n), with per_head=True
     logit_terms: dict[str, dict] = field(default_factory=dict)  # what no token gets (lists: per layer)
 
+    @property
+    def transcript(self) -> str | None:
+        """A speech recogniser's transcript of the clip explained (Whisper), else None."""
+        return self.options.get("transcript")
+
     def save(self, path, half: bool = False) -> Path:
         """Write everything to one compressed .npz (metadata as a JSON string entry, so it opens
         with allow_pickle=False); `half=True` stores the maps in float16, "for viewing" (about

@@ -29,6 +29,23 @@ from ctxmix.methods.registry import MIXING_METHODS, scope_names
 CHUNK_ELEMENTS = 2**25
 
 
+def clipped_rows_note(
+    layer_maps: np.ndarray, global_maps: np.ndarray, tokens: list[str], what: str = "alti"
+) -> str | None:
+    """A warning when ALTI left rows all zero (every contribution clipped: the block's output is dominated by its
+    bias, or its residual is cancelled by the attention), so that rollout rows reading them sum to less than one;
+    None when every row is complete. layer_maps, global_maps (L, n, n)."""
+    empty = np.argwhere(layer_maps.sum(-1) < 0.5)  # (layer, row) pairs: a row sums to one or to zero
+    if not len(empty):
+        return None
+    where = ", ".join(f"layer {l + 1} {tokens[i]!r}" for l, i in empty[:4]) + (" ..." if len(empty) > 4 else "")
+    least = float(global_maps[-1].sum(-1).min())
+    return (
+        f"{what}: {len(empty)} row(s) have every contribution clipped ({where}); they are zero, so the mass that "
+        f"reaches them is attributed to no token and rollout rows sum to as little as {least:.3f}"
+    )
+
+
 def rollout(maps: np.ndarray, add_identity: bool = False, row_normalise: bool = False) -> np.ndarray:
     """Aggregate per-layer maps (L, n, n): R^1 = M^1, R^l = M^l R^{l-1} (newest layer left), float64.
 

@@ -17,14 +17,14 @@ import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
 
 import ctxmix
-from ctxmix.engine.embedded import IMAGE_MODELS
+from ctxmix.engine.embedded import IMAGE_MODELS, SPEECH_MODELS
 from ctxmix.export import plots
 from ctxmix.service.limits import Limits, check_tokens, hosted_mode, load_limits
 from ctxmix.service.limits import password as ctxmix_password
 
-# every embedded text model (one whose package is missing says which); the pages read text, so the image
-# encoders (IMAGE_MODELS) are left out of their pickers
-EMBEDDED_MODELS = [k for k in ctxmix.EMBEDDED if k not in IMAGE_MODELS]
+# every embedded text model (one whose package is missing says which); the pages read text, so the image and
+# speech models (IMAGE_MODELS, SPEECH_MODELS) are left out of their pickers
+EMBEDDED_MODELS = [k for k in ctxmix.EMBEDDED if k not in IMAGE_MODELS + SPEECH_MODELS]
 DEFAULT_TEXT = "The keys to the cabinet are on the table ."
 
 
