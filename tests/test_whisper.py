@@ -166,3 +166,30 @@ def test_whisper_calls_that_cannot_work_say_why(whisper):
     for call, words in cases:
         with pytest.raises(BadInput, match=words):
             call()
+
+
+def test_dtw_finds_the_cheapest_monotonic_path():
+    from ctxmix.methods.speech import dtw_path
+
+    cost = np.array([[0, 0, 9, 9], [9, 9, 0, 9], [9, 9, 9, 0]], dtype=float)
+    rows, cols = dtw_path(cost)
+    assert rows.tolist() == [0, 0, 1, 2] and cols.tolist() == [0, 1, 2, 3]
+    rows, cols = dtw_path(np.zeros((3, 3)))  # ties: the diagonal
+    assert rows.tolist() == cols.tolist() == [0, 1, 2]
+
+
+def test_the_transcripts_words_lie_in_order_on_the_clip(whisper):
+    ex = ctxmix.explain(whisper, None, ["alti"], audio=clip(), sampling_rate=16000, decoder_text=True)
+    words = ex.options["words"]
+    script_len = len(ex.tokens) - ex.options["n_source"] - 1  # the prompt is one token here
+    assert sum(len(w["tokens"]) for w in words) == script_len
+    firsts = [w["frames"][0] for w in words]
+    assert firsts == sorted(firsts) and all(0 <= w["frames"][0] < w["frames"][1] <= 25 for w in words)
+    assert all(w["start"] == w["frames"][0] * 0.02 and w["end"] == w["frames"][1] * 0.02 for w in words)
+    from ctxmix.methods.speech import word_shares
+
+    shares = word_shares(ex)
+    frames_share = ex.global_maps["alti"][-1][ex.position][: ex.options["n_source"]].sum()
+    assert len(shares) == len(words) and sum(s["share"] for s in shares) <= frames_share + 1e-12
+    with pytest.raises(BadInput, match="transcript"):
+        word_shares(ctxmix.explain(whisper, None, ["alti"], audio=clip(), sampling_rate=16000))

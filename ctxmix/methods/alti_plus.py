@@ -129,8 +129,11 @@ def explain_transcript(model: Model, inp, methods, decoder_text, position: int |
     _only_alti(methods)
     script = transcribe(model, inp) if decoder_text is True else given_transcript(model, decoder_text)
     notes = [] if script.ended else [f"the transcript reached the decoder's {len(script.decoder_ids)} tokens unended"]
+    from ctxmix.methods.speech import align_words
+
     tr = trace_seq2seq(model, inp, script.decoder_ids, notes)
     options = {"decoder_text": script.text, "transcript": script.text, "transcribed": decoder_text is True}
+    options["words"] = [w.record() for w in align_words(model, tr, script, inp)]
     return alti_plus_explanation(model, tr, script.target_ids, position, options)
 
 
