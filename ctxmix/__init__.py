@@ -57,6 +57,7 @@ _API = {
     "explain_batch": "methods.explain",
     "scope_maps": "methods.explain",
     "source_contribution": "methods.alti_plus",
+    "word_shares": "methods.speech",
     "routes": "methods.routes",
     "Routes": "methods.routes",
     "load_explanation": "export.saved",
@@ -140,4 +141,5 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ provid
         PREDICTION_METHODS,
         SALIENCY_METHODS,
     )
+    from .methods.speech import word_shares  # noqa: F401
     from .verify import verify  # noqa: F401

@@ -57,11 +57,18 @@ def cmd_explain(args) -> None:
     from ctxmix.errors import BadInput
 
     m = _load(args)
-    if (args.text is None) == (args.image is None):
-        raise BadInput("give a text, or --image PATH for a vision model (not both)")
+    if sum(x is not None for x in (args.text, args.image, args.audio)) != 1:
+        raise BadInput("give a text, or --image PATH for a vision model, or --audio PATH for a speech model (one)")
+    if args.transcribe and args.decoder_text is not None:
+        raise BadInput("--transcribe uses the model's own transcript; --decoder-text gives one: not both")
     text = args.text if args.pair is None else (args.text, args.pair)
     if args.image is not None:  # the mixing methods over the class token and the patches
         ex = ctxmix.explain(m, None, args.method, position=args.position, per_head=args.per_head, image=args.image)
+    elif args.audio is not None:  # a speech model's frames; Whisper: ALTI+ over frames and transcript
+        script = True if args.transcribe else args.decoder_text
+        ex = ctxmix.explain(
+            m, None, args.method, position=args.position, per_head=args.per_head, audio=args.audio, decoder_text=script
+        )
     elif args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
         ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
     else:
@@ -84,6 +91,8 @@ def cmd_explain(args) -> None:
         if ex.prediction:
             print("prediction:", ex.prediction["label"], ex.prediction["probabilities"])
         _print_patch_grids(ex)
+    elif args.audio is not None:
+        _print_clip(ex)
     else:
         print("tokens:", " ".join(ex.tokens))
         if args.pair is not None:
@@ -115,6 +124,33 @@ def _print_patch_grids(ex) -> None:
         grid = v[prefix:].reshape(rows, cols)
         for r in range(rows):
             print("  " + " ".join(f"{x:7.4f}" for x in grid[r]))
+
+
+def _print_clip(ex, top: int = 8) -> None:
+    """A clip's explanation: the transcript (Whisper), its words on the clip and the explained row's share of each,
+    or each method's frames with the largest share of the explained row."""
+    import ctxmix
+
+    audio = ex.options["audio"]
+    print(
+        f"clip: {audio['samples'] / audio['sampling_rate']:.2f} s, {audio['valid_frames']} of {audio['frames']} "
+        "positions hold it (the rest: padding)"
+    )
+    if ex.transcript is not None:
+        print("transcript:", ex.transcript)
+    if ex.options.get("words"):
+        S = ex.options["n_source"]
+        share = ctxmix.source_contribution(ex)[-1]
+        print("source contribution of each decoder input (ALTI+, after the last decoder layer):")
+        print("  " + " ".join(f"{t}={v:.3f}" for t, v in zip(ex.tokens[S:], share)))
+        print(f"row {ex.position} ({ex.tokens[ex.position]}): its share of each word's frames (ALTI+)")
+        for w in ctxmix.word_shares(ex):
+            print(f"  {w['word']:>16} {w['start']:6.2f}-{w['end']:5.2f} s  {w['share']:.3f}")
+        return
+    for k, v in ex.saliency.items():
+        best = sorted(range(len(v)), key=lambda j: -v[j])[:top]
+        print(f"{k} (row {ex.position}: {ex.tokens[ex.position]}), the {top} frames with the largest share:")
+        print("  " + " ".join(f"{ex.tokens[j]}={v[j]:.3g}" for j in best))
 
 
 def cmd_generate(args) -> None:
@@ -401,13 +437,26 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--limit", type=_count, default=100, help="number of sequences")
         s.add_argument("--out", help="output .csv or .json (default: print)")
 
-    s = sub.add_parser("explain", help="every requested method on one text (or, with --image, one image)")
-    s.add_argument("text", nargs="?", default=None, help="the text (none with --image)")
+    s = sub.add_parser(
+        "explain", help="every requested method on one text (or, with --image or --audio, one image or clip)"
+    )
+    s.add_argument("text", nargs="?", default=None, help="the text (none with --image or --audio)")
     s.add_argument(
         "--image",
         default=None,
         metavar="PATH",
         help="an image file for a vision model (ViT, DINOv2, CLIP's vision tower; e.g. --model dinov2-small)",
+    )
+    s.add_argument(
+        "--audio",
+        default=None,
+        metavar="WAV",
+        help="a WAV file for a speech model (wav2vec2, HuBERT, Whisper; e.g. --model whisper-tiny-en)",
+    )
+    s.add_argument(
+        "--transcribe",
+        action="store_true",
+        help="Whisper: ALTI+ over the clip's frames and the model's own transcript (else the encoder's maps)",
     )
     model_args(s)
     s.add_argument(
@@ -431,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--decoder-text",
         default=None,
         metavar="TARGET",
-        help="encoder-decoder models: the target the decoder reads (ALTI+ source/target contributions)",
+        help="encoder-decoder models: the target the decoder reads (ALTI+ source/target contributions; on Whisper "
+        "with --audio, a transcript to teacher-force)",
     )
     s.add_argument("--per-head", action="store_true", help="also per-head maps (attention, norm)")
     s.add_argument("--maps", action="store_true", help="include the (L, n, n) maps in the JSON")

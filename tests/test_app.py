@@ -101,6 +101,34 @@ def test_images_page_refuses_an_image_over_the_hosted_caps(monkeypatch):
     assert any("max_image_positions" in e.value for e in at.error) and _charts(at) == 0
 
 
+def test_speech_page_explains_a_bundled_sentence():
+    """whisper-tiny-en on a bundled flite sentence: the transcript's last row over the spectrogram with its words,
+    the word shares, then the encoder's frames with two methods."""
+    at = _run("pages/6_Speech.py")
+    assert any("Please call Stella" in m.value for m in at.markdown)  # the transcript
+    assert any("142 of 1500 positions" in m.value or "of 1500 positions hold the clip" in m.value for m in at.markdown)
+    assert _charts(at) == 2 and len(at.dataframe) == 1  # aggregated row, one layer's row; the words' shares
+    words = at.dataframe[0].value
+    assert list(words.columns) == ["word", "start", "end", "share"] and "Stella" in " ".join(words["word"])
+    at.radio(key="speech_view").set_value("The encoder's frames").run()
+    assert not at.exception and not at.error and _charts(at) == 2
+    assert any("0.000s" in h.value for h in at.subheader)
+    at.selectbox(key="clip").set_value("keys").run()
+    assert not at.exception and not at.error
+    assert any("2.84 s" in m.value for m in at.markdown)
+
+
+def test_speech_page_refuses_a_clip_over_the_cap(monkeypatch):
+    from ctxmix.service import limits
+
+    monkeypatch.setattr(limits, "LOCAL", limits.replace(limits.LOCAL, max_audio_seconds=2.0))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.switch_page("pages/6_Speech.py")
+    at.run()
+    assert not at.exception
+    assert any("max_audio_seconds" in e.value for e in at.error) and _charts(at) == 0
+
+
 def test_benchmarks_page_without_results(tmp_path, monkeypatch):
     """A fresh install (no results store, no run started) shows the shipped method x metric tables,
     says they were shipped (not computed here), and quotes each paper config's published numbers."""

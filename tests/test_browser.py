@@ -22,6 +22,7 @@ PAGES = {
     "Benchmarks": 0,
     "Saved_explanation": 0,
     "Images": 2,
+    "Speech": 2,
 }
 
 pytestmark = pytest.mark.slow

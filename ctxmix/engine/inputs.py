@@ -257,19 +257,20 @@ class AudioInput:
 
 
 def _waveform(audio, sampling_rate: int | None, target: int) -> np.ndarray:
-    """A WAV file or a 1-D array (at `sampling_rate`) as mono float64 samples at `target` Hz."""
+    """A WAV file (its path or its bytes) or a 1-D array (at `sampling_rate`) as mono float64 samples at `target`
+    Hz."""
     from math import gcd
 
     from scipy.signal import resample_poly
 
-    if isinstance(audio, (str, Path)):
+    if isinstance(audio, (str, Path, bytes)):
         from scipy.io import wavfile
 
-        path = Path(audio)
-        if not path.is_file():
+        path = Path("the upload") if isinstance(audio, bytes) else Path(audio)
+        if not isinstance(audio, bytes) and not path.is_file():
             raise BadInput(f"no audio file at {path}")
         try:
-            sr, x = wavfile.read(path)
+            sr, x = wavfile.read(io.BytesIO(audio) if isinstance(audio, bytes) else path)
         except ValueError as exc:
             raise BadInput(f"{path.name} is not a WAV file this installation can read ({exc})") from None
         if sampling_rate is not None and sampling_rate != sr:

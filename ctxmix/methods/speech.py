@@ -63,7 +63,7 @@ def dtw_path(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     while i > 0 and j > 0:
         rows.append(i - 1)
         cols.append(j - 1)
-        k = move[i, j]
+        k = int(move[i, j])
         i, j = (i - 1, j - 1) if k == 0 else (i - 1, j) if k == 1 else (i, j - 1)
     return np.array(rows[::-1]), np.array(cols[::-1])
 
@@ -132,3 +132,28 @@ def word_shares(ex, method: str = "alti", row: int | None = None) -> list[dict]:
         {"word": w["text"], "start": w["start"], "end": w["end"], "share": float(values[slice(*w["frames"])].sum())}
         for w in words
     ]
+
+
+def frame_values(ex, method: str, position: int | None = None, layer: int | None = None) -> np.ndarray:
+    """Row `position` (default: the explanation's) of `method`'s aggregated map, or of layer `layer`'s map
+    (1-based), over the clip's frames: (frames,) values, the padding's included (`options["audio"]["valid_frames"]`
+    says where it starts). For a transcript's explanation (ALTI+), the frames are the source columns."""
+    audio = (ex.options or {}).get("audio")
+    if not audio:
+        raise BadInput("this explanation is not of a clip (no options['audio'])")
+    pos = ex.position if position is None else int(position)
+    n = len(ex.tokens)
+    if not 0 <= pos < n:
+        raise BadInput(f"position {pos} is outside the {n} positions")
+    if layer is None:
+        if method not in ex.global_maps:
+            raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")
+        v = ex.global_maps[method][-1][pos]
+    else:
+        if method not in ex.layer_maps:
+            raise BadInput(f"{method!r} has no layer maps in this explanation ({', '.join(ex.layer_maps)})")
+        L = ex.layer_maps[method].shape[0]
+        if not 1 <= layer <= L:
+            raise BadInput(f"layer {layer} is outside 1..{L}")
+        v = ex.layer_maps[method][layer - 1][pos]
+    return np.asarray(v[: int(audio["frames"])], dtype=float)

@@ -39,6 +39,8 @@ class Limits:
     # the Images page: the image given (before the processor) and the positions the model reads
     max_image_pixels: int = 4096 * 4096
     max_image_positions: int = 1370  # DINOv2 at its full 518 x 518 resolution: 37 x 37 patches and the class token
+    # the Speech page: a clip's length (Whisper reads at most 30 s, whatever the cap)
+    max_audio_seconds: float = 30.0
 
     @property
     def server_upload_mb(self) -> int:
@@ -64,6 +66,7 @@ HOSTED = Limits(
     max_context_tokens=1024,
     max_image_pixels=2048 * 2048,
     max_image_positions=257,  # a 224 x 224 crop in 14-pixel patches (DINOv2), or 16-pixel ones (ViT-B/16: 197)
+    max_audio_seconds=10.0,
 )
 
 
@@ -238,4 +241,14 @@ def check_image(limits: Limits, image) -> None:
         raise BadInput(
             f"the model would read {image.n} positions of this image; the limit here is "
             f"{limits.max_image_positions} (max_image_positions)"
+        )
+
+
+def check_audio(limits: Limits, clip) -> None:
+    """Refuse a clip (an `ctxmix.engine.inputs.AudioInput`) longer than the cap, before any model call."""
+    seconds = clip.clip_samples / clip.sampling_rate
+    if seconds > limits.max_audio_seconds:
+        raise BadInput(
+            f"the clip lasts {seconds:.1f} s; the limit here is {limits.max_audio_seconds:g} s (max_audio_seconds): "
+            "cut it first"
         )

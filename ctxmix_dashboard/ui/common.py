@@ -103,6 +103,13 @@ def allowed_image_models() -> list[str]:
     return [m for m in IMAGE_MODELS if listed is None or m in listed]
 
 
+def allowed_speech_models() -> list[str]:
+    """The Speech page's models: the embedded speech models, those of `allowed_models` in hosted mode when the
+    secrets list them."""
+    listed = _secret("allowed_models", None) if hosted() else None
+    return [m for m in SPEECH_MODELS if listed is None or m in listed]
+
+
 def require_login() -> bool:
     """In hosted mode: Streamlit's OIDC login when [auth] is configured, else a password
     (CTXMIX_PASSWORD or `password` in secrets). Returns True when the page may render."""
@@ -171,6 +178,7 @@ PAGES = [
     ("pages/3_Benchmarks.py", "Benchmarks", ":material/leaderboard:"),
     ("pages/4_Saved_explanation.py", "Saved explanation", ":material/folder_open:"),
     ("pages/5_Images.py", "Images", ":material/image:"),
+    ("pages/6_Speech.py", "Speech", ":material/graphic_eq:"),
 ]
 SHARED = ("model", "corpus", "n")  # carried from page to page
 

@@ -6,6 +6,8 @@ labels on the axes):
 
     style       colours, font, token labels, titles below the plotly toolbar
     maps        (n, n) context-mixing maps, scopes side by side, every head
+    images      an image with one row's heat over its patches
+    audio       a clip's spectrogram or waveform with one row's heat over its frames
     saliency    per-token saliency rows, ALTI+'s source share, rank agreement between methods
     prediction  signed logit parts per token, the layer-by-token table of ALTI-Logit / Logit
     routes      information-flow routes over tokens and layers
@@ -17,6 +19,7 @@ attribution's paper figure lives with the rest of context attribution's views (`
 and is forwarded on first use (it draws with `style`, so importing it here at the top would be a cycle).
 """
 
+from ctxmix.export.plots.audio import clip_heat
 from ctxmix.export.plots.corpus import (
     change_bars,
     correlation_bars,
@@ -67,6 +70,7 @@ __all__ = [
     "ROUTE_COLOURS",
     "STATIC_HINT",
     "change_bars",
+    "clip_heat",
     "chromium_path",
     "color_range",
     "context_figure",

@@ -1,0 +1,161 @@
+"""Speech: how a speech model's frames mix (Whisper's encoder, wav2vec2, HuBERT), and which frames Whisper's
+transcript reads (ALTI+), with the text pages' exact methods."""
+
+import pandas as pd
+import streamlit as st
+
+import ctxmix
+from ctxmix.engine.inputs import SAMPLE_CLIPS, audio_input, sample_clip
+from ctxmix.export import plots
+from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.methods.speech import frame_values, word_shares
+from ctxmix.service.limits import check_audio
+from ctxmix_dashboard.ui import common
+
+common.page_setup()
+
+st.title("Speech")
+st.caption(
+    "A speech model's positions are frames of the clip, 20 ms apart. Whisper reads a 30 s window: the positions past "
+    "the clip hold the feature extractor's padding, shaded grey and counted apart. Every mixing method is exact "
+    "here as on text; for Whisper's transcript, ALTI+ says which frames each token reads."
+)
+names = common.allowed_speech_models()
+if not names:
+    st.error("No speech model is allowed on this server (allowed_models in its secrets lists none).")
+    st.stop()
+name = st.sidebar.selectbox("Model", names, index=common.qp_index("speech_model", names), key="speech_model")
+common.set_qp(speech_model=name)
+model = common.load_or_stop(name)
+lim = common.limits()
+whisper = model.spec.encoder_decoder
+
+source = st.radio("Clip", ["A bundled sentence", "Upload a WAV file"], horizontal=True, key="clip_source")
+if source == "A bundled sentence":
+    sample = st.selectbox(
+        "Sentence (spoken by flite)", list(SAMPLE_CLIPS), format_func=lambda k: SAMPLE_CLIPS[k], key="clip"
+    )
+    common.set_qp(clip=sample)
+    clip, label = sample_clip(sample), sample
+else:
+    up = st.file_uploader(
+        "WAV (any rate: resampled to 16 kHz)",
+        type=["wav"],
+        key="clip_file",
+        max_upload_size=max(1, int(lim["max_upload_mb"] + 0.999)),
+    )
+    if up is None:
+        st.info("Upload a WAV file to explain it.")
+        st.stop()
+    clip, label = up.getvalue(), up.name
+
+views = ["The transcript (ALTI+)", "The encoder's frames"] if whisper else ["The frames"]
+view = st.radio("Explain", views, horizontal=True, key="speech_view")
+transcript_view = view.startswith("The transcript")
+if transcript_view:
+    methods = ["alti"]
+    st.caption("ALTI+ (Ferrando et al. 2022): the decoder's tokens over the encoder's frames and the earlier tokens.")
+else:
+    options = [m for m in MIXING_METHODS if not m.startswith("Atb")] + list(scope_names(model.spec.position))
+    methods = st.multiselect("Methods", options, default=["alti", "attention_rollout"], key="speech_methods")
+    if not methods:
+        st.info("Pick at least one method.")
+        st.stop()
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _explain(_model, model_name: str, fingerprint: str, methods: tuple, transcript: bool, _inp):
+    return ctxmix.explain(_model, None, list(methods), audio=_inp, decoder_text=True if transcript else None)
+
+
+with common.errors_as_messages():
+    inp = audio_input(model, clip)
+    check_audio(common.server_limits(), inp)
+    with st.spinner(f"Tracing {inp.n} positions and decomposing every layer…"):
+        ex = _explain(model, name, inp.fingerprint(), tuple(methods), transcript_view, inp)
+    seconds = inp.clip_samples / inp.sampling_rate
+    st.markdown(
+        f"**{label}**: {seconds:.2f} s; {inp.n_valid} of {inp.n} positions hold the clip"
+        + (f" (the other {inp.n - inp.n_valid} are padding)" if inp.n_valid < inp.n else "")
+        + f"; reconstruction error {ex.reconstruction_error:.1e}."
+    )
+    if ex.transcript is not None:
+        st.markdown(f"Transcript: *{ex.transcript}*")
+    for w in ex.warnings:
+        st.warning(w)
+    common.set_provenance(
+        model=name,
+        weights_sha256=ctxmix.engine.fingerprint.weights_sha256(model),
+        clip=label,
+        clip_sha256=inp.fingerprint(),
+        methods=methods,
+    )
+
+    method = st.selectbox("Map", methods, key="speech_map")
+    S = ex.options.get("n_source", len(ex.tokens))
+    if transcript_view:
+        rows = list(range(S, len(ex.tokens)))
+        position = st.selectbox(
+            "Row (a decoder input: it predicts the next token)",
+            rows,
+            index=len(rows) - 1,
+            format_func=lambda p: f"{p - S}: {plots.display_tokens([ex.tokens[p]])[0]}",
+            key="speech_row",
+        )
+    else:
+        position = st.slider("Row (a frame)", 0, inp.n_valid - 1, 0, key="speech_frame")
+    what = plots.display_tokens([ex.tokens[position]])[0]
+    show_padding = st.checkbox("Show the padding's frames too", value=False, key="show_padding")
+    until = None if show_padding else seconds + 0.2
+    spectrogram = inp.input_values[0].numpy() if inp.feature == "input_features" else None
+    waveform = None if spectrogram is not None else inp.input_values[0].numpy()
+    times = pd.Series(range(inp.n)).to_numpy() * inp.stride / inp.sampling_rate
+    pad_from = inp.n_valid * inp.stride / inp.sampling_rate if inp.n_valid < inp.n else None
+
+    def heat(values, title, key):
+        common.plot(
+            plots.clip_heat(
+                times,
+                values,
+                spectrogram=spectrogram,
+                waveform=waveform,
+                sampling_rate=inp.sampling_rate,
+                words=ex.options.get("words"),
+                padding_from=pad_from,
+                until=until,
+                title=title,
+            ),
+            key,
+            data=pd.DataFrame({"time_s": times, "frame": ex.tokens[: inp.n], "share": values}),
+        )
+
+    values = frame_values(ex, method, position)
+    st.subheader(f"{method}: what {what} mixes in from the frames, after the last layer")
+    st.caption(
+        f"The row of the aggregated map. Its share in the clip's frames: {values[: inp.n_valid].sum():.3f}; in the "
+        f"padding: {values[inp.n_valid :].sum():.3f}"
+        + (
+            f"; in the earlier decoder inputs: {ex.global_maps[method][-1][position][S:].sum():.3f}."
+            if whisper and transcript_view
+            else "."
+        )
+    )
+    heat(values, f"{method}, row {what}, aggregated", f"speech_{method}_{position}")
+    if ex.options.get("words"):
+        shares = pd.DataFrame(word_shares(ex, method, position))
+        st.dataframe(shares, hide_index=True)
+        common.export_table(shares, f"speech_words_{position}")
+
+    n_layers = ex.layer_maps[method].shape[0]
+    layer = st.slider("Layer", 1, n_layers, n_layers, key="speech_layer")
+    st.subheader(f"{method}: layer {layer}'s own map, row {what}")
+    heat(
+        frame_values(ex, method, position, layer=layer),
+        f"{method}, row {what}, layer {layer}",
+        f"speech_{method}_{position}_layer{layer}",
+    )
+    flag = " --transcribe" if transcript_view else ""
+    common.reproduce(
+        f"python -m ctxmix explain --audio CLIP.wav --model {name} --method {' '.join(methods)}{flag} "
+        f"--position {position}"
+    )
