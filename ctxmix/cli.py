@@ -58,7 +58,9 @@ def cmd_explain(args) -> None:
 
     m = _load(args)
     if sum(x is not None for x in (args.text, args.image, args.audio)) != 1:
-        raise BadInput("give a text, or --image PATH for a vision model, or --audio PATH for a speech model (one)")
+        raise BadInput(
+            "give a text, or --image PATH for a vision model, or --audio PATH for a speech model (one, not both)"
+        )
     if args.transcribe and args.decoder_text is not None:
         raise BadInput("--transcribe uses the model's own transcript; --decoder-text gives one: not both")
     text = args.text if args.pair is None else (args.text, args.pair)

