@@ -236,6 +236,13 @@ def table_text(df) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def markdown_table(df) -> str:
+    """The table as markdown (pandas' to_markdown needs tabulate, which ctxmix does not install)."""
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    return "\n".join([head, rule] + ["| " + " | ".join(map(str, r)) + " |" for r in df.itertuples(index=False)])
+
+
 def log(msg: str) -> None:
     print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

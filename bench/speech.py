@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from perf_common import cpu_name, peak_rss_mb, reset_peak_rss  # noqa: E402
+from perf_common import cpu_name, markdown_table, peak_rss_mb, reset_peak_rss  # noqa: E402
 
 import ctxmix  # noqa: E402
 from ctxmix.engine.flite import speak  # noqa: E402
@@ -114,9 +114,9 @@ def main() -> None:
 
     model = ctxmix.load_model("whisper-tiny-en")
     print(f"# whisper-tiny-en on flite speech, {cpu_name()}, torch threads {__import__('torch').get_num_threads()}")
-    print(pd.DataFrame([voice_rows(model, v) for v in args.voices]).to_markdown(index=False))
+    print(markdown_table(pd.DataFrame([voice_rows(model, v) for v in args.voices])))
     print()
-    print(pd.DataFrame(cost_rows(model)).to_markdown(index=False))
+    print(markdown_table(pd.DataFrame(cost_rows(model))))
 
 
 if __name__ == "__main__":
