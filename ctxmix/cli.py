@@ -227,13 +227,38 @@ def cmd_scopes(args) -> None:
     print(f"wrote {p}: {', '.join(maps)} of shape {next(iter(maps.values())).shape}")
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def _files(folder: str, suffixes: tuple[str, ...], limit: int) -> list[Path]:
+    """The files of `folder` with one of `suffixes`, sorted by name, at most `limit`."""
+    from ctxmix.errors import BadInput
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise BadInput(f"no folder at {path}")
+    found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
+    if not found:
+        raise BadInput(f"{path} holds no {'/'.join(suffixes)} file")
+    return found[:limit]
+
+
 def cmd_change(args) -> None:
     import ctxmix
+    from ctxmix.errors import BadInput
 
     m = _load(args)
+    if args.image_dir and args.audio_dir:
+        raise BadInput("give --image-dir or --audio-dir, not both")
+    if args.image_dir:
+        items = _files(args.image_dir, IMAGE_SUFFIXES, args.limit)
+    elif args.audio_dir:
+        items = _files(args.audio_dir, (".wav",), args.limit)
+    else:
+        items = _texts(args)
     df = ctxmix.contextualization_change(
         m,
-        _texts(args),
+        items,
         ignore_low_gamma=args.ignore_low_gamma,
         mask_rate=args.mask_rate,
         seed=args.seed,
@@ -542,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--res2", choices=["exact", "diagonal"], default="exact")
     s.add_argument("--pair", default=None, metavar="TEXT_B", help="a second text: scope maps of the sentence pair")
     s.add_argument("--lower-triangle", action="store_true", help="causal models: compare j <= i cells only")
+    s.add_argument("--image-dir", default=None, metavar="DIR", help="an image model's corpus: the images of DIR")
+    s.add_argument("--audio-dir", default=None, metavar="DIR", help="a speech model's corpus: the WAV files of DIR")
     s.set_defaults(func=cmd_change)
 
     s = sub.add_parser("outliers", help="FF outlier dimensions vs the next norm's gamma")

@@ -11,6 +11,7 @@ from ctxmix.methods.images import patch_values, position_of
 from ctxmix.methods.registry import MIXING_METHODS, scope_names
 from ctxmix.service.limits import check_image
 from ctxmix_dashboard.ui import common
+from ctxmix_dashboard.ui.input_corpus import change_section
 
 common.page_setup()
 
@@ -112,3 +113,7 @@ with common.errors_as_messages():
     common.reproduce(
         f"python -m ctxmix explain --image IMAGE.png --model {name} --method {' '.join(methods)} --position {position}"
     )
+
+change_section(
+    model, name, {k: sample_image(k) for k in SAMPLE_IMAGES}, "photographs", "About 10-30 s per photograph on a CPU."
+)

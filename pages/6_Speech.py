@@ -11,6 +11,7 @@ from ctxmix.methods.registry import MIXING_METHODS, scope_names
 from ctxmix.methods.speech import frame_values, word_shares
 from ctxmix.service.limits import check_audio
 from ctxmix_dashboard.ui import common
+from ctxmix_dashboard.ui.input_corpus import change_section
 
 common.page_setup()
 
@@ -159,3 +160,11 @@ with common.errors_as_messages():
         f"python -m ctxmix explain --audio CLIP.wav --model {name} --method {' '.join(methods)}{flag} "
         f"--position {position}"
     )
+
+change_section(
+    model,
+    name,
+    {k: sample_clip(k) for k in SAMPLE_CLIPS},
+    "clips",
+    "Whisper's encoder has 1,500 positions whatever the clip: about 3-5 minutes per clip on a 2-core CPU.",
+)

@@ -88,6 +88,8 @@ def test_images_page_explains_a_bundled_photograph():
     at.multiselect(key="image_methods").set_value(["value_zeroing"]).run()
     assert not at.exception and not at.error and _charts(at) == 2
     assert any("value_zeroing" in h.value for h in at.subheader)
+    at.button(key="change_photographs").click().run()  # 1 - rho per layer over the three bundled photographs
+    assert not at.exception and not at.error and _charts(at) == 3
 
 
 def test_images_page_refuses_an_image_over_the_hosted_caps(monkeypatch):

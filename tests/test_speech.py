@@ -152,3 +152,28 @@ def test_bad_audio_calls_say_what_is_wrong(tmp_path, tokenizer):
 def test_adapters_are_refused_by_name():
     with pytest.raises(UnsupportedArchitecture, match="adapter_attn_dim"):
         spec_for(T.Wav2Vec2Config(**SMALL, adapter_attn_dim=8))
+
+
+def test_contextualization_change_over_a_folder_of_clips(tmp_path, capsys):
+    """The FF paper's 1 - rho per layer over clips: the API on arrays' AudioInputs, the CLI on a folder of WAVs."""
+    m = speech_model("wav2vec2")
+    clips = [audio_input(m, clip(0.1, seed=k), 16000) for k in range(3)]
+    df = ctxmix.contextualization_change(m, clips, progress=False)
+    assert set(df["layer"]) == {1, 2} and (df["n"] == 3).all() and df["change"].between(0, 2).all()
+    with pytest.raises(BadInput, match="mask_rate"):
+        ctxmix.contextualization_change(m, clips, mask_rate=0.1, progress=False)
+    m.hf.save_pretrained(tmp_path / "model")
+    (tmp_path / "clips").mkdir()
+    for k in range(2):
+        wavfile.write(tmp_path / "clips" / f"{k}.wav", 16000, (clip(0.1, seed=k) * 20000).astype(np.int16))
+    (tmp_path / "clips" / "notes.txt").write_text("not a clip")
+    from ctxmix.cli import main
+
+    out = tmp_path / "change.csv"
+    main(["change", "--audio-dir", str(tmp_path / "clips"), "--model", str(tmp_path / "model"), "--out", str(out)])
+    import pandas as pd
+
+    got = pd.read_csv(out)
+    assert set(got["layer"]) == {1, 2} and (got["n"] == 2).all()
+    assert main(["change", "--audio-dir", str(tmp_path / "none"), "--model", str(tmp_path / "model")]) == 2
+    assert "no folder" in capsys.readouterr().err

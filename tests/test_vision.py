@@ -244,3 +244,21 @@ def test_the_heat_figure_lays_the_patches_over_the_image():
     assert heat.colorscale[0][1] != "rgb(5,48,97)"  # unsigned shares: not the diverging scale
     signed = image_heat(rgb, grid - 2.5)
     assert signed.data[1].zmid == 0
+
+
+def test_contextualization_change_over_a_folder_of_images(tmp_path):
+    m = vision_model("vit")
+    df = ctxmix.contextualization_change(m, [photo(seed=k) for k in range(3)], progress=False)
+    assert (df["n"] == 3).all() and df["change"].between(0, 2).all()
+    m.hf.save_pretrained(tmp_path / "model")
+    (tmp_path / "images").mkdir()
+    for k in range(2):
+        Image.fromarray(photo(seed=k)).save(tmp_path / "images" / f"{k}.png")
+    from ctxmix.cli import main
+
+    out = tmp_path / "change.csv"
+    main(["change", "--image-dir", str(tmp_path / "images"), "--model", str(tmp_path / "model"), "--out", str(out)])
+    import pandas as pd
+
+    got = pd.read_csv(out)
+    assert (got["n"] == 2).all() and set(got["layer"]) == set(df["layer"])

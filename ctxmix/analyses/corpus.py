@@ -196,7 +196,11 @@ def corpus_batches(
 ) -> Iterator[tuple[list[int], TraceBatch]]:
     """Trace the corpus in length-bucketed padded batches: yields (text indices, TraceBatch).
     Empty texts are skipped (and counted in a warning). progress: True for a tqdm bar, or a
-    callable(done, total) (the dashboard's progress bar)."""
+    callable(done, total) (the dashboard's progress bar). For an image or speech model the corpus is of images or
+    clips (`_input_batches`)."""
+    if model.spec.inputs != "ids":
+        yield from _input_batches(model, texts, mask_rate, progress, desc)
+        return
     index, ids_list, notes, skipped = encode_corpus(model, texts, mask_rate, seed, max_tokens, max_total_tokens)
     total = len(index) + skipped
     bar = progress_bar(total, desc, progress is True)
@@ -215,6 +219,26 @@ def corpus_batches(
         progress(total, total)
     if skipped:
         warnings.warn(f"{skipped} empty text(s) skipped", stacklevel=2)
+
+
+def _input_batches(model: Model, items, mask_rate: float, progress: Progress, desc: str):
+    """An image model's corpus (image paths, arrays, PIL images or `ImageInput`s) or a speech model's (WAV paths,
+    WAV bytes or `AudioInput`s), traced one at a time: yields ([index], TraceBatch of one)."""
+    from ctxmix.engine.inputs import audio_input, image_input, trace_input
+
+    if mask_rate:
+        raise BadInput("mask_rate masks tokens of a text model; images and clips have none")
+    items = list(items)
+    make = image_input if model.spec.inputs == "pixels" else audio_input
+    bar = progress_bar(len(items), desc, progress is True)
+    for k, item in enumerate(items):
+        if callable(progress):
+            progress(k, len(items))
+        yield [k], TraceBatch.of(trace_input(model, make(model, item)))
+        bar.update(1)
+    bar.close()
+    if callable(progress):
+        progress(len(items), len(items))
 
 
 def corpus_traces(
