@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import ctxmix  # noqa: E402
 from ctxmix.engine.flite import speak  # noqa: E402
 from ctxmix.engine.inputs import audio_input  # noqa: E402
 from ctxmix.engine.transcribe import transcribe  # noqa: E402
+from ctxmix.methods.speech import word_error_rate  # noqa: E402
 
 SENTENCES = [
     "Please call Stella and ask her to bring these things with her from the store.",
@@ -39,27 +39,13 @@ SENTENCES = [
 ]
 
 
-def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z' ]", " ", text.lower()).split()
-
-
-def edit_distance(a: list[str], b: list[str]) -> int:
-    row = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        diagonal, row[0] = row[0], i
-        for j, y in enumerate(b, 1):
-            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (x != y))
-    return row[-1]
-
-
 def voice_rows(model, voice: str) -> dict:
-    errors = total = 0
+    heard = []
     starts, ends = [], []
     for text in SENTENCES:
         spoken = speak(text, voice)
         inp = audio_input(model, spoken.samples, spoken.sampling_rate)
-        errors += edit_distance(words(text), words(transcribe(model, inp).text))
-        total += len(words(text))
+        heard.append(transcribe(model, inp).text)
         if spoken.words is None:
             continue
         ex = ctxmix.explain(model, None, ["alti"], audio=inp, decoder_text=text)
@@ -72,7 +58,7 @@ def voice_rows(model, voice: str) -> dict:
     s, e = np.array(starts), np.array(ends)
     return {
         "voice": voice,
-        "WER": round(errors / total, 3),
+        "WER": round(word_error_rate(SENTENCES, heard), 3),
         "words aligned": len(s),
         "start error, mean s": round(float(s.mean()), 3),
         "start error, median s": round(float(np.median(s)), 3),

@@ -275,6 +275,25 @@ def _arrays(ex: Explanation, half: bool) -> dict:
     return arrays
 
 
+def map_row(ex: Explanation, method: str, position: int | None = None, layer: int | None = None) -> np.ndarray:
+    """Row `position` (default: the explanation's) of `method`'s aggregated map, or of layer `layer`'s own map
+    (1-based): (n,) float64."""
+    pos = ex.position if position is None else int(position)
+    n = len(ex.tokens)
+    if not 0 <= pos < n:
+        raise BadInput(f"position {pos} is outside the {n} positions")
+    if layer is None:
+        if method not in ex.global_maps:
+            raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")
+        return np.asarray(ex.global_maps[method][-1][pos], dtype=float)
+    if method not in ex.layer_maps:
+        raise BadInput(f"{method!r} has no layer maps in this explanation ({', '.join(ex.layer_maps)})")
+    L = ex.layer_maps[method].shape[0]
+    if not 1 <= layer <= L:
+        raise BadInput(f"layer {layer} is outside 1..{L}")
+    return np.asarray(ex.layer_maps[method][layer - 1][pos], dtype=float)
+
+
 def provenance(model: Model) -> dict:
     """Who made an explanation: ctxmix version, model, its weights' SHA-256, dtype, date."""
     import datetime

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ctxmix.errors import BadInput
+from ctxmix.methods.explanation import map_row
 
 
 def _grid(ex) -> tuple[int, tuple[int, int]]:
@@ -30,19 +31,5 @@ def patch_values(
     """Row `position` (default: the explanation's) of `method`'s aggregated map, or of layer `layer`'s map
     (1-based), as ({prefix token: value}, (rows, cols) values of the patches)."""
     prefix, (rows, cols) = _grid(ex)
-    pos = ex.position if position is None else int(position)
-    n = len(ex.tokens)
-    if not 0 <= pos < n:
-        raise BadInput(f"position {pos} is outside the {n} positions")
-    if layer is None:
-        if method not in ex.global_maps:
-            raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")
-        v = np.asarray(ex.global_maps[method][-1][pos], dtype=float)
-    else:
-        if method not in ex.layer_maps:
-            raise BadInput(f"{method!r} has no layer maps in this explanation ({', '.join(ex.layer_maps)})")
-        L = ex.layer_maps[method].shape[0]
-        if not 1 <= layer <= L:
-            raise BadInput(f"layer {layer} is outside 1..{L}")
-        v = np.asarray(ex.layer_maps[method][layer - 1][pos], dtype=float)
+    v = map_row(ex, method, position, layer)
     return dict(zip(ex.tokens[:prefix], map(float, v[:prefix]))), v[prefix:].reshape(rows, cols)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ctxmix.errors import BadInput
+from ctxmix.methods.explanation import map_row
 
 FILTER_FRAMES = 7  # the median filter's width along time
 
@@ -141,19 +142,30 @@ def frame_values(ex, method: str, position: int | None = None, layer: int | None
     audio = (ex.options or {}).get("audio")
     if not audio:
         raise BadInput("this explanation is not of a clip (no options['audio'])")
-    pos = ex.position if position is None else int(position)
-    n = len(ex.tokens)
-    if not 0 <= pos < n:
-        raise BadInput(f"position {pos} is outside the {n} positions")
-    if layer is None:
-        if method not in ex.global_maps:
-            raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")
-        v = ex.global_maps[method][-1][pos]
-    else:
-        if method not in ex.layer_maps:
-            raise BadInput(f"{method!r} has no layer maps in this explanation ({', '.join(ex.layer_maps)})")
-        L = ex.layer_maps[method].shape[0]
-        if not 1 <= layer <= L:
-            raise BadInput(f"layer {layer} is outside 1..{L}")
-        v = ex.layer_maps[method][layer - 1][pos]
-    return np.asarray(v[: int(audio["frames"])], dtype=float)
+    v = map_row(ex, method, position, layer)
+    return v[: int(audio["frames"])]
+
+
+def transcript_words(text: str) -> list[str]:
+    """A transcript's words for scoring: lower case, letters and apostrophes only."""
+    import re
+
+    return re.sub(r"[^a-z' ]", " ", text.lower()).split()
+
+
+def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
+    """Word error rate of transcripts against their references: word edits (substitutions, insertions, deletions;
+    Levenshtein over `transcript_words`) summed over the pairs, over the references' words."""
+    errors = total = 0
+    for ref, hyp in zip(references, hypotheses, strict=True):
+        a, b = transcript_words(ref), transcript_words(hyp)
+        row = list(range(len(b) + 1))
+        for i, x in enumerate(a, 1):
+            diagonal, row[0] = row[0], i
+            for j, y in enumerate(b, 1):
+                diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (x != y))
+        errors += row[-1]
+        total += len(a)
+    if total == 0:
+        raise BadInput("the references hold no word")
+    return errors / total
