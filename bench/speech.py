@@ -23,20 +23,10 @@ import numpy as np  # noqa: E402
 from perf_common import cpu_name, markdown_table, peak_rss_mb, reset_peak_rss  # noqa: E402
 
 import ctxmix  # noqa: E402
-from ctxmix.engine.flite import speak  # noqa: E402
+from ctxmix.engine.flite import SENTENCES, speak  # noqa: E402
 from ctxmix.engine.inputs import audio_input  # noqa: E402
 from ctxmix.engine.transcribe import transcribe  # noqa: E402
 from ctxmix.methods.speech import word_error_rate  # noqa: E402
-
-SENTENCES = [
-    "Please call Stella and ask her to bring these things with her from the store.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Context mixing measures how much each token reads from the others.",
-    "The weather today is cold and windy, with rain in the evening.",
-    "She opened the window and looked at the garden below.",
-    "A small boat sailed slowly across the quiet lake.",
-    "The keys to the cabinet are on the table.",
-]
 
 
 def voice_rows(model, voice: str) -> dict:

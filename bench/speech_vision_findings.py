@@ -22,10 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from perf_common import markdown_table  # noqa: E402
-from speech import SENTENCES  # noqa: E402
 
 import ctxmix  # noqa: E402
-from ctxmix.engine.flite import speak  # noqa: E402
+from ctxmix.engine.flite import SENTENCES, speak  # noqa: E402
 from ctxmix.engine.inputs import SAMPLE_IMAGES, audio_input, image_input, sample_image, trace_image  # noqa: E402
 from ctxmix.methods.images import patch_values  # noqa: E402
 

@@ -12,19 +12,11 @@ import pytest
 from test_reconstruction import TOL
 
 import ctxmix
+from ctxmix.engine.flite import SENTENCES
 from ctxmix.engine.inputs import SAMPLE_CLIPS, audio_input, sample_clip, trace_audio
 from ctxmix.engine.transcribe import given_transcript, transcribe
 from ctxmix.engine.whisper_ct2 import package_folder, read_ct2
 from ctxmix.methods.speech import word_error_rate
-
-SENTENCES = [
-    "Please call Stella and ask her to bring these things with her from the store.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Context mixing measures how much each token reads from the others.",
-    "The weather today is cold and windy, with rain in the evening.",
-    "She opened the window and looked at the garden below.",
-    "A small boat sailed slowly across the quiet lake.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,16 @@ import numpy as np
 from ctxmix.errors import BadInput
 
 VOICES = ("slt", "rms", "awb", "kal")  # flite 2.2's built-in voices (kal: 8 kHz, the others 16 kHz)
+# sentences whisper-tiny-en is checked on (tests/test_whisper_tiny_en.py, bench/speech.py): plain words, no numbers
+SENTENCES = (
+    "Please call Stella and ask her to bring these things with her from the store.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Context mixing measures how much each token reads from the others.",
+    "The weather today is cold and windy, with rain in the evening.",
+    "She opened the window and looked at the garden below.",
+    "A small boat sailed slowly across the quiet lake.",
+    "The keys to the cabinet are on the table.",
+)
 
 
 @dataclass(frozen=True)
