@@ -262,3 +262,19 @@ def test_contextualization_change_over_a_folder_of_images(tmp_path):
 
     got = pd.read_csv(out)
     assert (got["n"] == 2).all() and set(got["layer"]) == set(df["layer"])
+
+
+def test_patches_gather_into_regions():
+    from ctxmix.methods.images import patch_values, region_values
+
+    m = vision_model("dinov2-registers")
+    ex = ctxmix.explain(m, None, ["alti"], image=photo())
+    _, grid = patch_values(ex, "alti")  # 4 x 4
+    quads = region_values(ex, "alti", (2, 2))
+    np.testing.assert_allclose(quads[0, 1], grid[:2, 2:].sum(), rtol=1e-12)
+    np.testing.assert_allclose(quads.sum(), grid.sum(), rtol=1e-12)
+    thirds = region_values(ex, "alti", (3, 1))  # rows split 2 / 1 / 1
+    np.testing.assert_allclose(thirds[:, 0], [grid[:2].sum(), grid[2].sum(), grid[3].sum()], rtol=1e-12)
+    assert region_values(ex, "alti", (4, 4)).tolist() == grid.tolist()
+    with pytest.raises(BadInput, match="regions"):
+        region_values(ex, "alti", (5, 1))

@@ -33,3 +33,19 @@ def patch_values(
     prefix, (rows, cols) = _grid(ex)
     v = map_row(ex, method, position, layer)
     return dict(zip(ex.tokens[:prefix], map(float, v[:prefix]))), v[prefix:].reshape(rows, cols)
+
+
+def region_values(
+    ex, method: str, regions: tuple[int, int] = (2, 2), position: int | None = None, layer: int | None = None
+) -> np.ndarray:
+    """Row `position` of `method`'s map (as `patch_values`) gathered into a coarser grid of (rows, cols) regions:
+    each region's value is the sum over the patches it covers (grid rows and columns split as evenly as they go,
+    the first regions taking the extra patch). The regions' values sum to the patches' share of the row."""
+    _, grid = patch_values(ex, method, position, layer)
+    R, C = regions
+    rows, cols = grid.shape
+    if isinstance(R, bool) or isinstance(C, bool) or not (1 <= R <= rows and 1 <= C <= cols):
+        raise BadInput(f"regions must be (rows, cols) within the {rows} x {cols} grid of patches, got {regions!r}")
+    row_parts = np.array_split(np.arange(rows), R)
+    col_parts = np.array_split(np.arange(cols), C)
+    return np.array([[grid[np.ix_(r, c)].sum() for c in col_parts] for r in row_parts])
