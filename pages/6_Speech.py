@@ -62,6 +62,12 @@ else:
     if not methods:
         st.info("Pick at least one method.")
         st.stop()
+    slow = [m for m in methods if m == "value_zeroing" or m.startswith("Atb")]
+    if slow and whisper:
+        st.caption(
+            f"{', '.join(slow)}: Whisper's encoder has 1,500 positions whatever the clip, so these take minutes on a "
+            "CPU (value zeroing with ALTI and GlobEnc: about 2 minutes on 2 cores); ALTI alone takes seconds."
+        )
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
