@@ -2,10 +2,10 @@
 neighbours and with distant frames, layer by layer; how much its decoder reads the frames (ALTI+); and how DINOv2's
 class token spreads over the patches of scikit-image's photographs by ALTI and by attention rollout.
 
-    python bench/speech_vision_findings.py                  # tables, and the figures into docs/analyses/img/
+    python bench/speech_vision_findings.py                  # tables, and the figures into docs/findings/img/
     python bench/speech_vision_findings.py --value-zeroing  # also value zeroing on one clip (minutes on a CPU)
 
-Needs Debian's flite for the spoken sentences (the bundled clips are flite's too). docs/analyses/speech_vision.md
+Needs Debian's flite for the spoken sentences (the bundled clips are flite's too). docs/findings/speech_vision.md
 quotes the tables of one run.
 """
 
@@ -28,7 +28,7 @@ from ctxmix.engine.flite import SENTENCES, speak  # noqa: E402
 from ctxmix.engine.inputs import SAMPLE_IMAGES, audio_input, image_input, sample_image, trace_image  # noqa: E402
 from ctxmix.methods.images import patch_values  # noqa: E402
 
-IMG = Path(__file__).resolve().parents[1] / "docs" / "analyses" / "img"
+IMG = Path(__file__).resolve().parents[1] / "docs" / "findings" / "img"
 NEAR = 5  # frames on each side counted as a frame's neighbourhood: +-100 ms
 
 
