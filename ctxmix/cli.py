@@ -64,12 +64,23 @@ def cmd_explain(args) -> None:
     if args.transcribe and args.decoder_text is not None:
         raise BadInput("--transcribe uses the model's own transcript; --decoder-text gives one: not both")
     text = args.text if args.pair is None else (args.text, args.pair)
+    # on an image or a clip, a classifier's gradient methods take a target class and a foil as on text
+    scored = {"target": args.target, "foil": args.foil}
     if args.image is not None:  # the mixing methods over the class token and the patches
-        ex = ctxmix.explain(m, None, args.method, position=args.position, per_head=args.per_head, image=args.image)
+        ex = ctxmix.explain(
+            m, None, args.method, position=args.position, per_head=args.per_head, image=args.image, **scored
+        )
     elif args.audio is not None:  # a speech model's frames; Whisper: ALTI+ over frames and transcript
         script = True if args.transcribe else args.decoder_text
         ex = ctxmix.explain(
-            m, None, args.method, position=args.position, per_head=args.per_head, audio=args.audio, decoder_text=script
+            m,
+            None,
+            args.method,
+            position=args.position,
+            per_head=args.per_head,
+            audio=args.audio,
+            decoder_text=script,
+            **scored,
         )
     elif args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
         ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
@@ -115,13 +126,24 @@ def cmd_explain(args) -> None:
             print(f"{k:>22}: " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens, v)))
 
 
+def _whose(ex, method: str) -> str:
+    """What a saliency vector is of: a map's row, or (a gradient method) the class it scores."""
+    if method in ex.global_maps:
+        return f"row {ex.position}: {ex.tokens[ex.position]}"
+    labels = list((ex.prediction or {}).get("probabilities", {}))
+    label = labels[ex.target] if ex.target is not None and ex.target < len(labels) else ex.target
+    return f"class {label}" + (
+        f" minus {labels[ex.foil] if ex.foil < len(labels) else ex.foil}" if ex.foil is not None else ""
+    )
+
+
 def _print_patch_grids(ex) -> None:
     """An image explanation's saliency (the explained row of each aggregated map) as the prefix tokens' shares, then
     one line per patch row."""
     img = ex.options["image"]
     prefix, (rows, cols) = img["prefix"], img["grid"]
     for k, v in ex.saliency.items():
-        print(f"{k} (row {ex.position}: {ex.tokens[ex.position]}), over a {rows} x {cols} grid of patches:")
+        print(f"{k} ({_whose(ex, k)}), over a {rows} x {cols} grid of patches:")
         print("  " + " ".join(f"{t}={s:.3g}" for t, s in zip(ex.tokens[:prefix], v[:prefix])))
         grid = v[prefix:].reshape(rows, cols)
         for r in range(rows):
@@ -151,7 +173,9 @@ def _print_clip(ex, top: int = 8) -> None:
         return
     for k, v in ex.saliency.items():
         best = sorted(range(len(v)), key=lambda j: -v[j])[:top]
-        print(f"{k} (row {ex.position}: {ex.tokens[ex.position]}), the {top} frames with the largest share:")
+        print(
+            f"{k} ({_whose(ex, k)}), the {top} frames with the largest {'share' if k in ex.global_maps else 'score'}:"
+        )
         print("  " + " ".join(f"{ex.tokens[j]}={v[j]:.3g}" for j in best))
 
 

@@ -7,8 +7,9 @@ import streamlit as st
 import ctxmix
 from ctxmix.engine.inputs import SAMPLE_IMAGES, image_input, sample_image
 from ctxmix.export import plots
+from ctxmix.methods.explain import input_methods
 from ctxmix.methods.images import patch_values, position_of
-from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.service.cache import cached_explain
 from ctxmix.service.limits import check_image
 from ctxmix_dashboard.ui import common
 from ctxmix_dashboard.ui.input_corpus import change_section
@@ -48,23 +49,17 @@ else:
         st.stop()
     image, label = up.getvalue(), up.name
 
-options = [m for m in MIXING_METHODS if not m.startswith("Atb")] + list(scope_names(model.spec.position))
-methods = st.multiselect("Methods", options, default=["alti", "attention_rollout"], key="image_methods")
+methods = st.multiselect("Methods", input_methods(model), default=["alti", "attention_rollout"], key="image_methods")
 if not methods:
     st.info("Pick at least one method.")
     st.stop()
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def _explain(_model, model_name: str, fingerprint: str, methods: tuple, _inp):
-    return ctxmix.explain(_model, None, list(methods), image=_inp)
 
 
 with common.errors_as_messages():
     inp = image_input(model, image)
     check_image(common.server_limits(), inp)
     with st.spinner(f"Tracing {inp.n} positions and decomposing every layer…"):
-        ex = _explain(model, name, inp.fingerprint(), tuple(methods), inp)
+        ex = cached_explain(model, None, methods, image=inp)  # keyed by the pixels the model reads
     rows, cols = inp.grid
     st.markdown(
         f"**{label}** as {name} reads it: {inp.pixel_values.shape[-1]} × {inp.pixel_values.shape[-2]} pixels, "
@@ -80,7 +75,17 @@ with common.errors_as_messages():
     )
 
     method = st.selectbox("Map", methods, key="image_map")
-    whose = st.radio("Row", ["The class token", "A patch"], horizontal=True, key="image_row")
+    scored = method not in ex.global_maps  # a gradient method: one score per position for the class, no map
+    if scored:
+        st.caption(
+            f"{method} scores the predicted class, {ex.prediction['label']}, at layer 0's input (the patch "
+            "embeddings): one value per position, no row to choose, no layers."
+        )
+    whose = (
+        "The class token"
+        if scored
+        else st.radio("Row", ["The class token", "A patch"], horizontal=True, key="image_row")
+    )
     if whose == "A patch":
         r = st.slider("Patch row", 0, rows - 1, rows // 2, key="patch_row")
         c = st.slider("Patch column", 0, cols - 1, cols // 2, key="patch_col")
@@ -90,9 +95,12 @@ with common.errors_as_messages():
     what = ex.tokens[position]
 
     prefix, grid = patch_values(ex, method, position)
-    st.subheader(f"{method}: what {what} mixes in, after the last layer")
+    st.subheader(
+        f"{method}: the class's score per patch" if scored else f"{method}: what {what} mixes in, after the last layer"
+    )
     st.caption(
-        "The row of the aggregated map (rollout of the layer maps); prefix tokens: "
+        ("The scores; " if scored else "The row of the aggregated map (rollout of the layer maps); ")
+        + "prefix tokens: "
         + ", ".join(f"{t} {v:.3g}" for t, v in prefix.items())
     )
     common.plot(
@@ -101,8 +109,8 @@ with common.errors_as_messages():
         data=pd.DataFrame(grid),
     )
 
-    layer = st.slider("Layer", 1, model.n_layers, model.n_layers, key="image_layer")
     if method in ex.layer_maps:
+        layer = st.slider("Layer", 1, model.n_layers, model.n_layers, key="image_layer")
         prefix_l, grid_l = patch_values(ex, method, position, layer=layer)
         st.subheader(f"{method}: layer {layer}'s own map, row {what}")
         common.plot(
@@ -115,5 +123,10 @@ with common.errors_as_messages():
     )
 
 change_section(
-    model, name, {k: sample_image(k) for k in SAMPLE_IMAGES}, "photographs", "About 10-30 s per photograph on a CPU."
+    model,
+    name,
+    {k: sample_image(k) for k in SAMPLE_IMAGES},
+    "photographs",
+    "About 10-30 s per photograph on a CPU.",
+    upload_types=["png", "jpg", "jpeg", "webp", "bmp"],
 )

@@ -7,8 +7,9 @@ import streamlit as st
 import ctxmix
 from ctxmix.engine.inputs import SAMPLE_CLIPS, audio_input, sample_clip
 from ctxmix.export import plots
-from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.methods.explain import input_methods
 from ctxmix.methods.speech import frame_values, word_shares
+from ctxmix.service.cache import cached_explain
 from ctxmix.service.limits import check_audio
 from ctxmix_dashboard.ui import common
 from ctxmix_dashboard.ui.input_corpus import change_section
@@ -57,8 +58,9 @@ if transcript_view:
     methods = ["alti"]
     st.caption("ALTI+ (Ferrando et al. 2022): the decoder's tokens over the encoder's frames and the earlier tokens.")
 else:
-    options = [m for m in MIXING_METHODS if not m.startswith("Atb")] + list(scope_names(model.spec.position))
-    methods = st.multiselect("Methods", options, default=["alti", "attention_rollout"], key="speech_methods")
+    methods = st.multiselect(
+        "Methods", input_methods(model), default=["alti", "attention_rollout"], key="speech_methods"
+    )
     if not methods:
         st.info("Pick at least one method.")
         st.stop()
@@ -70,16 +72,12 @@ else:
         )
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def _explain(_model, model_name: str, fingerprint: str, methods: tuple, transcript: bool, _inp):
-    return ctxmix.explain(_model, None, list(methods), audio=_inp, decoder_text=True if transcript else None)
-
-
 with common.errors_as_messages():
     inp = audio_input(model, clip)
     check_audio(common.server_limits(), inp)
     with st.spinner(f"Tracing {inp.n} positions and decomposing every layer…"):
-        ex = _explain(model, name, inp.fingerprint(), tuple(methods), transcript_view, inp)
+        transcript = {"decoder_text": True} if transcript_view else {}
+        ex = cached_explain(model, None, methods, audio=inp, **transcript)  # keyed by what the model reads
     seconds = inp.clip_samples / inp.sampling_rate
     st.markdown(
         f"**{label}**: {seconds:.2f} s; {inp.n_valid} of {inp.n} positions hold the clip"
@@ -109,35 +107,37 @@ with common.errors_as_messages():
             format_func=lambda p: f"{p - S}: {plots.display_tokens([ex.tokens[p]])[0]}",
             key="speech_row",
         )
+    elif method not in ex.global_maps:  # a gradient method: one score per frame for the class, no map
+        st.caption(
+            f"{method} scores the predicted class, {ex.prediction['label']}, at layer 0's input (the frame "
+            "embeddings): one value per frame, no row to choose, no layers."
+        )
+        position = ex.position
     else:
         position = st.slider("Row (a frame)", 0, inp.n_valid - 1, 0, key="speech_frame")
     what = plots.display_tokens([ex.tokens[position]])[0]
     show_padding = st.checkbox("Show the padding's frames too", value=False, key="show_padding")
-    until = None if show_padding else seconds + 0.2
-    spectrogram = inp.input_values[0].numpy() if inp.feature == "input_features" else None
-    waveform = None if spectrogram is not None else inp.input_values[0].numpy()
     times = pd.Series(range(inp.n)).to_numpy() * inp.stride / inp.sampling_rate
-    pad_from = inp.n_valid * inp.stride / inp.sampling_rate if inp.n_valid < inp.n else None
 
     def heat(values, title, key):
-        common.plot(
-            plots.clip_heat(
-                times,
-                values,
-                spectrogram=spectrogram,
-                waveform=waveform,
-                sampling_rate=inp.sampling_rate,
-                words=ex.options.get("words"),
-                padding_from=pad_from,
-                until=until,
-                title=title,
-            ),
-            key,
-            data=pd.DataFrame({"time_s": times, "frame": ex.tokens[: inp.n], "share": values}),
+        fig = plots.explained_clip_heat(
+            ex.options["audio"],
+            values,
+            inp.input_values[0].numpy(),
+            spectrogram=inp.feature == "input_features",
+            words=ex.options.get("words"),
+            show_padding=show_padding,
+            title=title,
         )
+        common.plot(fig, key, data=pd.DataFrame({"time_s": times, "frame": ex.tokens[: inp.n], "share": values}))
 
     values = frame_values(ex, method, position)
-    st.subheader(f"{method}: what {what} mixes in from the frames, after the last layer")
+    scored = method not in ex.global_maps
+    st.subheader(
+        f"{method}: the class's score per frame"
+        if scored
+        else f"{method}: what {what} mixes in from the frames, after the last layer"
+    )
     st.caption(
         f"The row of the aggregated map. Its share in the clip's frames: {values[: inp.n_valid].sum():.3f}; in the "
         f"padding: {values[inp.n_valid :].sum():.3f}"
@@ -153,14 +153,15 @@ with common.errors_as_messages():
         st.dataframe(shares, hide_index=True)
         common.export_table(shares, f"speech_words_{position}")
 
-    n_layers = ex.layer_maps[method].shape[0]
-    layer = st.slider("Layer", 1, n_layers, n_layers, key="speech_layer")
-    st.subheader(f"{method}: layer {layer}'s own map, row {what}")
-    heat(
-        frame_values(ex, method, position, layer=layer),
-        f"{method}, row {what}, layer {layer}",
-        f"speech_{method}_{position}_layer{layer}",
-    )
+    if method in ex.layer_maps:
+        n_layers = ex.layer_maps[method].shape[0]
+        layer = st.slider("Layer", 1, n_layers, n_layers, key="speech_layer")
+        st.subheader(f"{method}: layer {layer}'s own map, row {what}")
+        heat(
+            frame_values(ex, method, position, layer=layer),
+            f"{method}, row {what}, layer {layer}",
+            f"speech_{method}_{position}_layer{layer}",
+        )
     flag = " --transcribe" if transcript_view else ""
     common.reproduce(
         f"python -m ctxmix explain --audio CLIP.wav --model {name} --method {' '.join(methods)}{flag} "
@@ -173,4 +174,5 @@ change_section(
     {k: sample_clip(k) for k in SAMPLE_CLIPS},
     "clips",
     "Whisper's encoder has 1,500 positions whatever the clip: about 3-5 minutes per clip on a 2-core CPU.",
+    upload_types=["wav"],
 )

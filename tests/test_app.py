@@ -90,6 +90,29 @@ def test_images_page_explains_a_bundled_photograph():
     assert any("value_zeroing" in h.value for h in at.subheader)
     at.button(key="change_photographs").click().run()  # 1 - rho per layer over the three bundled photographs
     assert not at.exception and not at.error and _charts(at) == 3
+    at.radio(key="set_photographs").set_value("Your own photographs").run()  # a set of the user's files instead
+    assert not at.exception and _charts(at) == 2
+    assert any("Upload two or more photographs" in i.value for i in at.info)
+
+
+def test_images_page_offers_a_classifiers_gradients(monkeypatch):
+    """A ViT classifier (tiny, random): the gradient methods are offered; one is a score per patch for the predicted
+    class, with no row to choose and no layer chart."""
+    from test_vision import vision_model
+
+    from ctxmix_dashboard.ui import common
+
+    vit = vision_model("vit-classifier")
+    monkeypatch.setattr(common, "allowed_image_models", lambda: ["tiny-vit-classifier"])
+    monkeypatch.setattr(common, "load_or_stop", lambda name: vit)
+    at = _run("pages/5_Images.py")
+    assert {"grad", "integrated_gradients"} <= set(at.multiselect(key="image_methods").options)
+    at.multiselect(key="image_methods").set_value(["alti", "grad_x_input"]).run()
+    at.selectbox(key="image_map").set_value("grad_x_input").run()
+    assert not at.exception and not at.error
+    assert _charts(at) == 1 and "image_row" not in [r.key for r in at.radio]
+    assert any("scores the predicted class, LABEL_" in c.value for c in at.caption)
+    assert any("the class's score per patch" in h.value for h in at.subheader)
 
 
 def test_images_page_refuses_an_image_over_the_hosted_caps(monkeypatch):

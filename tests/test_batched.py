@@ -441,7 +441,7 @@ def _option_cases():
 # _option_cases or here, with its reason: the test below fails otherwise)
 NO_BATCH_PATH = {
     "decoder_text": "ALTI+ on an encoder-decoder is per text; explain_batch explains an encoder-decoder's encoder only",
-    "image": "images are explained one at a time: explain_batch and the results cache take texts (test_vision.py)",
+    "image": "images are explained one at a time: explain_batch takes texts; the results cache keys them (test_cache)",
     "audio": "clips are explained one at a time, as images (test_speech.py)",
     "sampling_rate": "the rate of an audio clip (test_speech.py)",
 }

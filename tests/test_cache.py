@@ -257,3 +257,33 @@ def test_the_reconstruction_error_is_the_largest_of_the_entries(results, tokeniz
     ex = cache.cached_explain(m, text, ["grad", "alti"])
     ref = ctxmix.explain(m, text, ["alti"]).reconstruction_error
     assert ref > 0 and ex.reconstruction_error == ref
+
+
+def test_an_image_or_a_clip_is_keyed_by_what_the_model_reads(results, monkeypatch, tmp_path):
+    """cached_explain on an image (a file, then the same pixels as an array) or a clip: one entry each, the second
+    call served from disk with the same maps, the saved record and the gradient options; another photo misses."""
+    from PIL import Image
+    from test_speech import clip, speech_model
+    from test_vision import photo, vision_model
+
+    computed = _counting(monkeypatch)
+    vit = vision_model("vit-classifier")
+    Image.fromarray(photo()).save(tmp_path / "p.png")
+    a = cache.cached_explain(vit, None, ["alti", "grad"], image=tmp_path / "p.png")
+    cache.mem_clear()
+    b = cache.cached_explain(vit, None, ["alti", "grad"], image=photo())
+    assert computed == ["alti", "grad"]
+    direct = __import__("ctxmix").explain(vit, None, ["alti", "grad"], image=photo())
+    for ex in (a, b):
+        np.testing.assert_array_equal(ex.layer_maps["alti"], direct.layer_maps["alti"])
+        np.testing.assert_array_equal(ex.saliency["grad"], direct.saliency["grad"])
+        assert ex.options == direct.options and ex.target == direct.target and ex.tokens == direct.tokens
+    cache.cached_explain(vit, None, ["alti"], image=photo(seed=1))
+    assert computed == ["alti", "grad", "alti"]
+    w2v = speech_model("wav2vec2")
+    c = cache.cached_explain(w2v, None, ["norm"], audio=clip(), sampling_rate=16000)
+    cache.mem_clear()
+    d = cache.cached_explain(w2v, None, ["norm"], audio=clip(), sampling_rate=16000)
+    assert computed[-1:] == ["norm"] and len(computed) == 4
+    assert c.options == d.options and "sampling_rate" not in d.options and d.options["audio"]["frames"] == len(d.tokens)
+    np.testing.assert_array_equal(c.global_maps["norm"], d.global_maps["norm"])

@@ -153,3 +153,28 @@ def test_tables_carry_their_provenance():
 def test_html_figures_carry_their_provenance():
     html = plots.figure_bytes(_fig(), "html", provenance=PROV).decode()
     assert html.startswith("<!-- ctxmix provenance:") and "- -" in html.splitlines()[0]  # no "--" inside a comment
+
+
+@pytest.mark.slow
+def test_an_image_and_a_clip_figure_export_as_pictures():
+    """The Images page's heat over a photograph (a layout image under a heatmap) and the Speech page's heat under a
+    spectrogram with word bands export as PNGs that open, at their size, with the heat drawn (many colours)."""
+    from PIL import Image
+
+    if not plots.static_export_available():
+        pytest.fail("kaleido + Chromium are required for static export (apt install chromium)")
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    times = np.arange(150) * 0.02
+    words = [{"text": "the", "start": 0.2, "end": 0.5}, {"text": "keys", "start": 0.5, "end": 1.1}]
+    figures = {
+        "image": plots.image_heat(rgb, rng.random((2, 3)), title="alti, row [CLS]"),
+        "clip": plots.clip_heat(
+            times, rng.random(150), spectrogram=rng.random((80, 300)), words=words, padding_from=2.0, title="alti"
+        ),
+    }
+    for name, fig in figures.items():
+        png = Image.open(io.BytesIO(plots.figure_bytes(fig, "png")))
+        assert png.size[0] > 300 and png.size[1] > 200, name
+        assert len(set(png.convert("RGB").getdata())) > 200, name  # the heat and the picture, not a blank page
+        assert plots.figure_bytes(fig, "pdf").startswith(b"%PDF"), name

@@ -248,7 +248,7 @@ def test_attcat_masks_special_tokens_as_the_attcat_code_does(tokenizer):
 @pytest.mark.parametrize(
     "opts, msg",
     [
-        ({"ig_baseline": "blank"}, "ig_baseline must be one of 'pad'"),
+        ({"ig_baseline": "gaussian"}, "ig_baseline must be one of 'pad'"),
         ({"ig_steps": 0}, "ig_steps must be a whole number from 1"),
         ({"blank_replacement": "pad"}, "blank_replacement must be one of 'unk'"),
         ({"ig_stepz": 3}, "unknown option 'ig_stepz'"),

@@ -185,7 +185,7 @@ def test_show_source(s2s_ex):
         (("attention",), {"kind": "scopes"}, "methods that do: Atb, AtbFf"),
         ((), {"kind": "pair"}, r"kind='pair' needs a pair: .*can show kind= saliency, maps, layer, global, heads"),
         ((), {"kind": "source"}, "needs an encoder-decoder explained with decoder_text="),
-        ((), {"layer": 1}, "layer= applies to kind= maps, layer, global, heads, scopes, not 'saliency'"),
+        ((), {"layer": 1}, "layer= applies to kind= maps, layer, global, heads, scopes, image, clip, not 'saliency'"),
         ((), {"kind": "maps", "head": 1}, "head= applies to kind='heads' only"),
         ((), {"kind": "heads", "layer": 1}, "give head="),
         ((), {"kind": "maps", "colour": "red"}, "maps_grid takes no 'colour'; extra keywords it takes: title"),

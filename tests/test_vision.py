@@ -2,7 +2,10 @@
 class token and patches are the positions, and every decomposition reconstructs the model's own states
 (float64, 1e-8) on tiny random models, as for text."""
 
+import io
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import transformers as T
@@ -250,6 +253,12 @@ def test_contextualization_change_over_a_folder_of_images(tmp_path):
     m = vision_model("vit")
     df = ctxmix.contextualization_change(m, [photo(seed=k) for k in range(3)], progress=False)
     assert (df["n"] == 3).all() and df["change"].between(0, 2).all()
+    files = []  # the dashboard's uploads: a file's bytes
+    for k in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(photo(seed=k)).save(buf, format="PNG")
+        files.append(buf.getvalue())
+    pd.testing.assert_frame_equal(ctxmix.contextualization_change(m, files, progress=False), df)
     m.hf.save_pretrained(tmp_path / "model")
     (tmp_path / "images").mkdir()
     for k in range(2):
@@ -258,7 +267,6 @@ def test_contextualization_change_over_a_folder_of_images(tmp_path):
 
     out = tmp_path / "change.csv"
     main(["change", "--image-dir", str(tmp_path / "images"), "--model", str(tmp_path / "model"), "--out", str(out)])
-    import pandas as pd
 
     got = pd.read_csv(out)
     assert (got["n"] == 2).all() and set(got["layer"]) == set(df["layer"])
@@ -278,3 +286,24 @@ def test_patches_gather_into_regions():
     assert region_values(ex, "alti", (4, 4)).tolist() == grid.tolist()
     with pytest.raises(BadInput, match="regions"):
         region_values(ex, "alti", (5, 1))
+
+
+def test_clip_joint_model_explains_its_image_tower(tmp_path):
+    """A CLIPModel (wrapped, or a folder of one) is explained through its image tower (`vision_model`, keys
+    vision_model.*): the same maps as that tower alone, its text tower neither read nor loaded."""
+    torch.manual_seed(0)
+    vc = {k: v for k, v in SMALL.items()} | {"patch_size": 8}
+    tc = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
+    joint = T.CLIPModel(T.CLIPConfig(vision_config=vc, text_config=tc, projection_dim=16)).to(torch.float64).eval()
+    randomise_norms(joint)
+    joint.save_pretrained(tmp_path / "clip")
+    wrapped = ctxmix.model_from_hf(joint, name="tiny-clip")
+    assert wrapped.spec.family == "CLIP vision" and wrapped.hf is joint.vision_model
+    ex = ctxmix.explain(wrapped, None, ["alti", "norm_res_ln"], image=photo())
+    assert ex.reconstruction_error < TOL and len(ex.tokens) == 17
+    loaded = ctxmix.load_model(str(tmp_path / "clip"), dtype="float64")
+    assert type(loaded.hf).__name__ == "CLIPVisionModel"
+    assert not any("text" in n for n, _ in loaded.hf.named_parameters())
+    again = ctxmix.explain(loaded, None, ["alti", "norm_res_ln"], image=photo())
+    for m in ("alti", "norm_res_ln"):
+        np.testing.assert_allclose(again.layer_maps[m], ex.layer_maps[m], rtol=0, atol=1e-12)

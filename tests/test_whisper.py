@@ -145,6 +145,11 @@ def test_alti_plus_over_frames_and_the_models_transcript(whisper):
     share = source_contribution(ex)
     assert share.shape == (2, n - S) and ((share >= -1e-12) & (share <= 1 + 1e-12)).all()
     assert ex.position == n - 1 and ex.transcript is not None
+    fig = ex.show()  # the last decoder input's row over the frames, under the log-mel spectrogram, with the words
+    spectrogram, bars = fig.data
+    assert spectrogram.type == "heatmap" and spectrogram.z.shape[0] == whisper.config.num_mel_bins
+    np.testing.assert_allclose(np.asarray(bars.y), R[-1, -1, :S][: len(bars.y)], rtol=1e-12)
+    assert len(fig.layout.shapes) >= len(ex.options["words"])  # a band per word (and the padding's)
 
 
 def test_whisper_calls_that_cannot_work_say_why(whisper):

@@ -25,7 +25,7 @@ TARGETS = ("predicted", "gold")
 
 
 EXPLAIN_OPTIONS = {
-    "ig_baseline": ("pad", "mask", "unk", "zero"),
+    "ig_baseline": ("pad", "mask", "unk", "zero"),  # text only ("blank" is for images and clips)
     "ig_steps": int,
     "blank_replacement": ("unk", "mask"),
     "cat_mask_special": (True, False),

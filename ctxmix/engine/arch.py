@@ -404,11 +404,12 @@ FAMILY_NOTES = {
     "only (scopes Atb = LN1 + ATTN, +Ff, +Res, +Ln); query_key_value interleaved per head",
     "Phi": "parallel residual with one shared norm (as GPT-NeoX's scopes)",
     "ViT": "images: explain(model, None, methods, image=...); the class token, then the patches row by row; the "
-    "patch and position embeddings are the layer-0 input; mixing methods only",
+    "patch and position embeddings are the layer-0 input; the mixing methods, and a classifier's gradient "
+    "methods at the layer-0 input",
     "DINOv2": "images, as ViT's row; layer scale folded into W_O and W_2; use_swiglu_ffn: a gated FF; "
     "Dinov2WithRegistersModel's registers follow the class token",
-    "CLIP vision": "images, as ViT's row (CLIPVisionModel; pre_layrnorm is part of the layer-0 input, and no "
-    "final norm reads the token states)",
+    "CLIP vision": "images, as ViT's row (CLIPVisionModel, or a CLIPModel's vision_model: a CLIP checkpoint loads "
+    "its image tower alone; pre_layrnorm is part of the layer-0 input, and no final norm reads the token states)",
     "wav2vec2/HuBERT": "speech: explain(model, None, methods, audio=..., sampling_rate=...); the positions are the "
     "feature encoder's frames (20 ms apart); post-LN base models, pre-LN large ones (do_stable_layer_norm); the "
     "feature encoder, positional convolution and base models' encoder.layer_norm are the layer-0 input",

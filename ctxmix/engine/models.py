@@ -331,12 +331,19 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype, placem
     return _from_folder_or_hub(name, name, dev, dtype, placement=placement)
 
 
+# joint image-text models whose image tower ctxmix explains: {model type: the tower's class}. A CLIPModel's tower is
+# its `vision_model` (a CLIPVisionModel: keys vision_model.*); a folder or hub id of one loads the tower alone
+JOINT_VISION_TOWERS = {"clip": "CLIPVisionModel"}
+
+
 def model_from_hf(
     hf: Any, tokenizer=None, name: str = "custom", precision: str = "float32", processor: Any = None
 ) -> Model:
     """Wrap an already built transformers model (tests use tiny random ones). tokenizer: a text model's;
     processor: an image model's image processor (None: the family's default from the config, see
     `ctxmix.engine.processors.default_processor`)."""
+    if getattr(hf.config, "model_type", None) in JOINT_VISION_TOWERS:  # CLIPModel: its image tower (`vision_model`)
+        hf = hf.vision_model
     if tokenizer is None and spec_for(hf.config).inputs == "ids":
         raise BadInput("a text model needs its tokenizer: model_from_hf(hf, tokenizer)")
     spec = spec_for(hf.config)
@@ -411,8 +418,11 @@ def _from_folder_or_hub(
             f"could not load {name!r} as {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
             f"(no network, a typo, or a private model?). Embedded models that work offline: {', '.join(EMBEDDED)}"
         ) from None
+    tower = JOINT_VISION_TOWERS.get(getattr(config, "model_type", None))
+    if tower is not None:  # the image tower of a joint model: its text tower is neither read nor loaded
+        config = config.vision_config
     spec = spec_for(config)
-    kind, cls = _kind_and_class(config)
+    kind, cls = ("encoder", getattr(T, tower)) if tower else _kind_and_class(config)
     try:
         hf, loading = cls.from_pretrained(
             src,
@@ -434,6 +444,8 @@ def _from_folder_or_hub(
             f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             "ctxmix reads safetensors weights only (never pickle files, never remote code)."
         ) from None
+    if tower is not None:  # the joint model's other parts are not the tower's: no warning for them
+        loading = {**loading, "unexpected_keys": [k for k in loading.get("unexpected_keys") or () if "vision" in k]}
     check_loaded(name, hf, loading, tok)
     hf.eval().requires_grad_(False)  # gradients are taken w.r.t. inputs only
     if not placement:  # a dispatched or quantized model stays where transformers put it

@@ -35,8 +35,18 @@ KINDS = {  # kind: what it draws, and what the explanation needs for it
         "Logit / ALTI-Logit's layers x tokens table, with the parts no token gets beside it",
         "a layer_saliency: explain a causal LM with 'logit' or 'alti_logit'",
     ),
+    "image": (
+        "one row (position=, default the explained one) over the image's patches, aggregated or of layer=; over the "
+        "photograph when the explanation holds it (else inputs=image_input(model, photo))",
+        "an image explained: explain(model, None, methods, image=...)",
+    ),
+    "clip": (
+        "one row (position=) over the clip's frames, aggregated or of layer=, under its spectrogram or waveform when "
+        "the explanation holds the clip (else inputs=audio_input(model, clip)), with the transcript's words",
+        "a clip explained: explain(model, None, methods, audio=...)",
+    ),
 }
-LAYERED = ("maps", "layer", "global", "heads", "scopes")  # the kinds that take layer=
+LAYERED = ("maps", "layer", "global", "heads", "scopes", "image", "clip")  # the kinds that take layer=
 HTML_MAX_TOKENS = 512  # a longer heat row is unreadable and makes the notebook heavy
 
 
@@ -58,6 +68,8 @@ def _has(ex, kind: str, m: str) -> bool:
         "source": m in ex.global_maps,
         "prediction": m in ex.logit_contributions,
         "layer_saliency": m in ex.layer_saliency,
+        "image": m in ex.global_maps or m in ex.saliency,
+        "clip": m in ex.global_maps or m in ex.saliency,
     }[kind]
 
 
@@ -68,6 +80,8 @@ def _kind_applies(ex, kind: str) -> bool:
         return not seq2seq and bool(ex.segments) and {0, 1} <= set(ex.segments)
     if kind == "source":
         return seq2seq and bool(ex.segments) and 1 in ex.segments
+    if kind in ("image", "clip"):
+        return {"image": "image", "clip": "audio"}[kind] in ex.options
     return True
 
 
@@ -141,8 +155,10 @@ def logit_row_labels(ex, m: str) -> list[str]:
     return [f"logit of {t}" for t in explained_tokens(ex, len(rows))]
 
 
-def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head=None, **kw):
+def show(ex, method: str | None = None, kind: str | None = None, layer=None, head=None, **kw):
     """See `Explanation.show`."""
+    if kind is None:  # an image's or a clip's rows read best over the picture
+        kind = "image" if "image" in ex.options else "clip" if "audio" in ex.options else "saliency"
     if kind not in KINDS:
         raise BadInput(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
     names = _methods(ex)
@@ -166,6 +182,8 @@ def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head
 
     m = method if method is not None else fit[0]
     toks = ex.tokens
+    if kind in ("image", "clip"):
+        return _picture(ex, kind, m, layer, kw)
     if kind == "saliency":
         sal = {m: ex.saliency[m]} if method is not None else dict(ex.saliency)  # the dashboard's order
         return _call(plots.saliency_figure, {"tokens": toks, "saliency": sal}, kw)
@@ -219,6 +237,46 @@ def show(ex, method: str | None = None, kind: str = "saliency", layer=None, head
         maps_all, title = ex.global_maps[m], f"{m}: aggregated up to layer {l}"
     opts = {"title": title, "zmax": plots.color_range(maps_all)}
     return _call(plots.map_heatmap, {"tokens": toks, "M": maps_all[l - 1]}, kw, opts)
+
+
+def _picture(ex, kind: str, m: str, layer, kw: dict):
+    """kind "image" / "clip": row `position` (kw; the explained one by default) of m's aggregated map, or of layer
+    `layer`'s, over the image's patches or the clip's frames (a gradient method: its scores); kw `inputs`: the
+    `ImageInput` / `AudioInput` to draw under it when the explanation does not hold one (a saved one)."""
+    from ctxmix.export import plots
+
+    kw = dict(kw)
+    position, inputs = kw.pop("position", None), kw.pop("inputs", None)
+    inputs = inputs if inputs is not None else ex.inputs
+    if layer is not None:
+        if m not in ex.layer_maps:
+            raise BadInput(f"layer= needs a method with layer maps; {m} has none")
+        layer = _index(layer, "layer", ex.layer_maps[m].shape[0], 1)
+    v = ex.row(m, position, layer)
+    pos = ex.position if position is None else int(position)
+    what = f"{m}, row {ex.tokens[pos]}" if m in ex.global_maps else f"{m}, the class's score"
+    title = f"{what}, {'layer ' + str(layer) if layer else 'aggregated'}"
+    record = ex.options[kind if kind == "image" else "audio"]
+    if kind == "image":
+        if inputs is not None and inputs.fingerprint() != record["sha256"]:
+            raise BadInput("inputs= is not the image this explanation explained (its sha256 differs)")
+        prefix = record["prefix"]
+        data = {
+            "record": record,
+            "values": v[prefix:].reshape(record["grid"]),
+            "rgb": None if inputs is None else inputs.rgb(),
+        }
+        return _call(plots.explained_image_heat, data, kw, {"title": title})
+    if inputs is not None and inputs.fingerprint() != record["sha256"]:
+        raise BadInput("inputs= is not the clip this explanation explained (its sha256 differs)")
+    data = {
+        "record": record,
+        "values": v,
+        "features": None if inputs is None else inputs.input_values[0].numpy(),
+        "spectrogram": inputs is not None and inputs.feature == "input_features",
+        "words": ex.options.get("words"),
+    }
+    return _call(plots.explained_clip_heat, data, kw, {"title": title})
 
 
 # ---------------------------------------------------------------- HTML summary

@@ -132,15 +132,15 @@ def explain(
     decoder inputs], as for text encoder-decoders.
     """
     if image is not None or audio is not None or model.spec.inputs != "ids":
-        unused = {"target": target, "input_ids": input_ids, "token_type_ids": token_type_ids, "segments": segments}
-        unused |= {"foil": foil, "decompx": decompx, **saliency_options}
-        given = [k for k, v in unused.items() if v is not None]
+        text_only = {"input_ids": input_ids, "token_type_ids": token_type_ids, "segments": segments, "decompx": decompx}
+        given = [k for k, v in text_only.items() if v is not None]
         if decoder_text is not None and not (audio is not None and model.spec.encoder_decoder):
             given.append("decoder_text")
         if image is not None and audio is not None:
             raise BadInput("give an image or audio, not both")
         call = (text, image, audio, sampling_rate, decoder_text)
-        return _input_call(model, call, methods, position, res2, precision, per_head, given)
+        saliency = {"target": target, "foil": foil, **saliency_options}
+        return _input_call(model, call, methods, position, res2, precision, per_head, given, saliency)
     if decoder_text is not None or model.spec.encoder_decoder:
         unused = {
             "input_ids": input_ids,
@@ -187,9 +187,13 @@ def explain(
     )[0]
 
 
-def _input_call(model: Model, call: tuple, methods, position, res2, precision, per_head, given) -> Explanation:
-    """explain on an image or a clip (`call`: text, image, audio, sampling_rate): the mixing methods, from one
-    traced pass over the input's positions; `given`: explain's text-only options the caller set (refused)."""
+def _input_call(
+    model: Model, call: tuple, methods, position, res2, precision, per_head, given, saliency: dict
+) -> Explanation:
+    """explain on an image or a clip (`call`: text, image, audio, sampling_rate, decoder_text): the mixing methods,
+    from one traced pass over the input's positions, and on a classifier the gradient methods at layer 0's input;
+    `given`: explain's text-only options the caller set (refused); `saliency`: target, foil and the saliency
+    options (`_input_saliency`)."""
     from ctxmix.engine.inputs import audio_input, image_input, trace_input
 
     text, image, audio, sampling_rate, decoder_text = call
@@ -203,17 +207,13 @@ def _input_call(model: Model, call: tuple, methods, position, res2, precision, p
     if sampling_rate is not None and kind != "audio":
         given = [*given, "sampling_rate"]
     methods = check_methods(methods, model.spec.position)
-    other = [m for m in methods if m not in MIXING_METHODS]
-    if other:
-        raise BadInput(
-            f"{', '.join(other)}: on {'an image' if kind == 'image' else 'audio'}, explain runs the mixing methods "
-            f"({', '.join(MIXING_METHODS)}); the gradient and prediction methods read token ids"
-        )
+    target, foil, options = _input_saliency(model, kind, methods, saliency, decoder_text)
     if given:
         raise BadInput(
-            f"on {kind}, explain takes methods, position, res2, precision and per_head (got {', '.join(given)})"
+            f"on {kind}, explain takes methods, position, res2, precision, per_head, target, foil and the gradient "
+            f"options (got {', '.join(given)})"
         )
-    _check_call(res2, position, {})
+    _check_call(res2, position, options)
     inp = image_input(model, image) if kind == "image" else audio_input(model, audio, sampling_rate)
     if decoder_text is not None:  # Whisper's decoder: ALTI+ over the frames and the transcript
         from ctxmix.methods.alti_plus import explain_transcript
@@ -223,13 +223,70 @@ def _input_call(model: Model, call: tuple, methods, position, res2, precision, p
     else:
         check_memory(model, inp.n, call="explain", methods=methods)  # before the pass
         tr = trace_input(model, inp)
-        ex = _explanations(model, TraceBatch.of(tr), [methods], [None], [position], res2, precision, {}, per_head)[0]
+        if foil is not None:
+            options = {**options, "foil": foil}
+        ex = _explanations(
+            model, TraceBatch.of(tr), [methods], [target], [position], res2, precision, options, per_head
+        )[0]
         if model.spec.encoder_decoder:  # Whisper: what the model heard, beside its encoder's mixing
             from ctxmix.engine.transcribe import transcribe
 
             ex.options["transcript"] = transcribe(model, inp).text
     ex.options[kind] = inp.record()  # what the positions are, in the saved explanation too
+    ex.inputs = inp  # the picture `show` draws under the heat (not saved)
     return ex
+
+
+GRADIENT_ON_INPUTS = ("grad", "grad_x_input", "integrated_gradients", "cat", "attcat")
+
+
+def input_methods(model: Model) -> list[str]:
+    """The methods explain runs on `model`'s images or clips: the mixing maps (the scopes of its norm position) and,
+    on a classifier without a decoder, the gradient methods."""
+    from ctxmix.methods.registry import scope_names
+
+    methods = [m for m in MIXING_METHODS if not m.startswith("Atb")] + list(scope_names(model.spec.position))
+    if model.kind == "classifier" and not model.spec.encoder_decoder:
+        methods += list(GRADIENT_ON_INPUTS)
+    return methods
+
+
+def _input_saliency(model: Model, kind: str, methods: list[str], saliency: dict, decoder_text) -> tuple:
+    """(target, foil, saliency options) of explain on an image or a clip: the gradient methods differentiate at layer
+    0's input (the patch or frame embeddings: there are no word embeddings), IG from a blank input's (the mean
+    colour, silence: a pre-LN model's first norm makes an all-zero layer-0 input a discontinuity), CAT with
+    no position masked (these models take no attention mask); refused where there is no head to differentiate."""
+    target, foil = saliency.pop("target"), saliency.pop("foil")
+    what = "an image" if kind == "image" else "audio"
+    other = [m for m in methods if m not in MIXING_METHODS and m not in GRADIENT_ON_INPUTS]
+    grads = [m for m in methods if m in GRADIENT_ON_INPUTS]
+    if other:
+        raise BadInput(
+            f"{', '.join(other)}: on {what}, explain runs the mixing methods ({', '.join(MIXING_METHODS)}) and, on a "
+            f"classifier, {', '.join(GRADIENT_ON_INPUTS)}; the others read token ids"
+        )
+    if grads and (model.kind != "classifier" or decoder_text is not None or model.spec.encoder_decoder):
+        raise BadInput(
+            f"{', '.join(grads)}: the gradient methods explain a classifier's class; {model.name} "
+            f"({model.kind}) has no class to differentiate. The mixing methods apply."
+        )
+    if not grads:
+        set_ = [k for k, v in {"target": target, "foil": foil, **saliency}.items() if v is not None]
+        if set_:
+            raise BadInput(f"{', '.join(set_)}: options of the gradient methods, and none was asked for")
+        return None, None, {}
+    if saliency.get("grad_at", "embedding_output") != "embedding_output":
+        raise BadInput(f"on {what} the gradients are taken at layer 0's input (grad_at='embedding_output')")
+    if saliency.get("blank_replacement") is not None:
+        raise BadInput("blank_replacement: blank-out replaces token ids, which images and clips do not have")
+    if saliency.get("cat_mask_special"):
+        raise BadInput(f"on {what} CAT and AttCAT mask no position (the model takes no attention mask)")
+    options = {"grad_at": "embedding_output", **saliency}
+    if "integrated_gradients" in grads:
+        options.setdefault("ig_baseline", "blank")
+    if {"cat", "attcat"} & set(grads):
+        options["cat_mask_special"] = False
+    return target, foil, options
 
 
 def _encoder_decoder_call(model: Model, text, methods, decoder_text, position, unused: dict) -> Explanation | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -91,6 +91,13 @@ class Explanation:
     layer_saliency: dict[str, np.ndarray] = field(default_factory=dict)  # (L, n) per layer and source token
     head_saliency: dict[str, np.ndarray] = field(default_factory=dict)  # (L, H, n), with per_head=True
     logit_terms: dict[str, dict] = field(default_factory=dict)  # what no token gets (lists: per layer)
+    # the image or clip explained (`ImageInput`, `AudioInput`), for `show`'s picture: held in memory, never saved
+    inputs: Any = field(default=None, repr=False, compare=False)
+
+    def row(self, method: str, position: int | None = None, layer: int | None = None) -> np.ndarray:
+        """Row `position` (default: the explained one) of `method`'s aggregated map, or of layer `layer`'s (1-based):
+        (n,); a gradient method's scores (`map_row`)."""
+        return map_row(self, method, position, layer)
 
     @property
     def transcript(self) -> str | None:
@@ -166,11 +173,16 @@ class Explanation:
         return summary_html(self)
 
     def show(
-        self, method: str | None = None, kind: str = "saliency", layer: int | None = None, head: int | None = None, **kw
+        self,
+        method: str | None = None,
+        kind: str | None = None,
+        layer: int | None = None,
+        head: int | None = None,
+        **kw,
     ) -> go.Figure:
         """The plotly figure the dashboard shows for one view of this explanation.
 
-        kind:
+        kind (None: "image" for an image, "clip" for a clip, else "saliency"):
           "saliency": every method's saliency, a row each (only `method`'s when given);
           "maps": `method`'s map of `layer` beside its map aggregated up to `layer`;
           "layer" / "global": one of those two (n, n) maps, on the colour scale of all its layers;
@@ -186,6 +198,10 @@ class Explanation:
             heat map, with `logit_terms` (what no token gets, per layer) beside it.
           The last two are the dashboard's "How the context builds the prediction" figures: explain with
           "decompx" (classifiers, causal LMs), "logit" or "alti_logit" (causal LMs) to get them.
+          "image" / "clip": one row (`position=`, default the explained one) of `method`'s aggregated map, or of
+            `layer`'s, over the image's patches or under the clip's spectrogram or waveform with the transcript's
+            words, as the Images and Speech pages draw it; a saved explanation holds no pixels: give
+            `inputs=ctxmix.engine.inputs.image_input(model, photo)` (or `audio_input`) to draw them.
         method: None picks the first method that has what the kind needs (for "saliency", "scopes"
         and "pair": all of them). layer, head: 1-based, as the dashboard numbers them; layer
         defaults to the last, head to 1. kw: passed to the figure builder in `ctxmix.export.plots`
@@ -277,11 +293,16 @@ def _arrays(ex: Explanation, half: bool) -> dict:
 
 def map_row(ex: Explanation, method: str, position: int | None = None, layer: int | None = None) -> np.ndarray:
     """Row `position` (default: the explanation's) of `method`'s aggregated map, or of layer `layer`'s own map
-    (1-based): (n,) float64."""
+    (1-based): (n,) float64. A gradient method (no map) gives its saliency, which is the explained position's
+    (a classifier's class) only."""
     pos = ex.position if position is None else int(position)
     n = len(ex.tokens)
     if not 0 <= pos < n:
         raise BadInput(f"position {pos} is outside the {n} positions")
+    if method in ex.saliency and method not in ex.global_maps and method not in ex.layer_maps:
+        if pos != ex.position or layer is not None:
+            raise BadInput(f"{method} scores the explained output (position {ex.position}) only: it has no map")
+        return np.asarray(ex.saliency[method], dtype=float)
     if layer is None:
         if method not in ex.global_maps:
             raise BadInput(f"{method!r} was not computed for this explanation ({', '.join(ex.global_maps)})")

@@ -103,7 +103,9 @@ def _forward_embeds(model: Model, tr: Trace, E: torch.Tensor, mask: torch.Tensor
         return model.hf(inputs_embeds=E, attention_mask=mask, **tr.type_ids_kwargs(batch=E.shape[0]), **kw)
 
 
-IG_BASELINES = ("pad", "mask", "unk", "zero")
+# "blank": layer 0's input of an all-zero image (the processor's mean colour) or clip (silence); images and clips only
+IG_BASELINES = ("pad", "mask", "unk", "zero", "blank")
+INPUT_IG_BASELINES = ("blank", "zero")
 
 
 def _baseline_ids(model: Model, ids: list[int], baseline: str) -> list[int]:
@@ -145,8 +147,20 @@ def _install_layer0_hook(model: Model) -> None:
     )
 
 
-def _embedding_output(model: Model, tr: Trace, ids: list[int]) -> torch.Tensor:
-    """Layer 0's input for `ids` (with the trace's token types): (1, n, d)."""
+def _input_kwargs(model: Model, tr: Trace, batch: int = 1, blank: bool = False) -> dict[str, torch.Tensor]:
+    """The forward keywords of a trace's image or clip (pixel values, input values or features), `batch` times;
+    blank: all zero (the processor's mean colour, silence)."""
+    kw = tr.inputs.forward_kwargs(model.device, model.dtype)
+    return {k: (torch.zeros_like(v) if blank else v).expand(batch, *v.shape[1:]) for k, v in kw.items()}
+
+
+def _embedding_output(model: Model, tr: Trace, ids: list[int] | None, blank: bool = False) -> torch.Tensor:
+    """Layer 0's input for `ids` (with the trace's token types), or for the trace's image or clip (`blank`: of an
+    all-zero one, IG's "blank" baseline): (1, n, d)."""
+    if tr.inputs is not None:  # the patch or frame embeddings (with positions, CLIP's pre-norm, ...)
+        with torch.no_grad(), _pass(model, tr.n):
+            out = model.hf(**_input_kwargs(model, tr, blank=blank), output_hidden_states=True)
+        return out.hidden_states[0].detach()
     x = torch.tensor([ids], device=model.device)
     with torch.no_grad(), _pass(model, len(ids)):
         out = model.hf(
@@ -156,11 +170,15 @@ def _embedding_output(model: Model, tr: Trace, ids: list[int]) -> torch.Tensor:
 
 
 def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
-    """The model run from word embeddings or from layer 0's input X (b, n, d)."""
+    """The model run from word embeddings or from layer 0's input X (b, n, d) (an image's or a clip's: grad_at
+    "embedding_output" only; its own embeddings are computed, then replaced)."""
     if grad_at == "word":
         return _forward_embeds(model, tr, X)
-    ids = torch.tensor([tr.input_ids], device=model.device).expand(X.shape[0], -1)
     _install_layer0_hook(model)
+    if tr.inputs is not None:
+        with _pass(model, X.shape[1], layer0_input=X):
+            return model.hf(**_input_kwargs(model, tr, X.shape[0]))
+    ids = torch.tensor([tr.input_ids], device=model.device).expand(X.shape[0], -1)
     with _pass(model, X.shape[1], layer0_input=X):
         return model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **tr.type_ids_kwargs(batch=X.shape[0]))
 
@@ -168,9 +186,11 @@ def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
 def _gradients(
     model: Model, tr: Trace, target: Target, position: int, grad_at: str = "word"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.tensor([tr.input_ids], device=model.device)
     with torch.enable_grad():
-        E = _embed(model, ids) if grad_at == "word" else _embedding_output(model, tr, tr.input_ids)
+        if grad_at == "word":
+            E = _embed(model, torch.tensor([tr.input_ids], device=model.device))
+        else:
+            E = _embedding_output(model, tr, tr.input_ids)
         E = E.detach().requires_grad_(True)
         p = _score(model, _forward_at(model, tr, E, grad_at).logits, target, position)
         (g,) = torch.autograd.grad(p.sum(), E)
@@ -208,13 +228,18 @@ def integrated_gradients(
         raise BadInput(f"unknown IG baseline {baseline!r}; choose one of {', '.join(IG_BASELINES)}")
     if n_steps < 1:
         raise BadInput("IG needs at least one step")
-    ids = torch.tensor([tr.input_ids], device=model.device)
+    if tr.inputs is not None and baseline not in INPUT_IG_BASELINES:
+        raise BadInput(f"on an image or a clip ig_baseline is one of {', '.join(INPUT_IG_BASELINES)}, not {baseline!r}")
+    if tr.inputs is None and baseline == "blank":
+        raise BadInput("ig_baseline 'blank' is an image's or a clip's; on text choose pad, mask, unk or zero")
     if grad_at == "word":
-        E = _embed(model, ids).detach()
+        E = _embed(model, torch.tensor([tr.input_ids], device=model.device)).detach()
     else:
         E = _embedding_output(model, tr, tr.input_ids)
     if baseline == "zero":  # all zero, special tokens included (word embeddings: position embeddings stay)
         B = torch.zeros_like(E)
+    elif baseline == "blank":
+        B = _embedding_output(model, tr, None, blank=True)
     elif grad_at == "word":
         B = _embed(model, torch.tensor([_baseline_ids(model, tr.input_ids, baseline)], device=model.device)).detach()
     else:
@@ -237,6 +262,8 @@ def blank_out(
     model: Model, tr: Trace, target: Target, position: int, replacement: str = "unk", batch: int = 32
 ) -> np.ndarray:
     """Drop of p_target when each token in turn is replaced by [UNK] (or [MASK])."""
+    if tr.inputs is not None:
+        raise BadInput("blank-out replaces token ids; an image's patches and a clip's frames have none")
     tok = model.tokenizer
     rep = tok.unk_token_id if replacement == "unk" else getattr(tok, "mask_token_id", None)
     if replacement not in ("unk", "mask"):
@@ -270,7 +297,12 @@ def cat_scores(
     attention each token receives (mean over heads, then queries).
 
     mask_special: the AttCAT code explains with attention_mask 0 at [CLS] and [SEP] (no query
-    attends to them as keys, so they get about zero AttCAT); False explains the unmasked pass."""
+    attends to them as keys, so they get about zero AttCAT); False explains the unmasked pass.
+    On an image or a clip (which take no attention mask) no position is masked: `mask_special` must be False."""
+    if tr.inputs is not None:
+        if mask_special:
+            raise BadInput("on an image or a clip CAT and AttCAT mask no position: cat_mask_special=False")
+        return _cat_of(model, tr, target, position, _input_cat_pass(model, tr))
     ids = torch.tensor([tr.input_ids], device=model.device)
     mask = torch.ones_like(ids)
     if mask_special and model.kind != "causal_lm":  # a causal LM's first token is its attention sink
@@ -283,6 +315,22 @@ def cat_scores(
         with _pass(model, len(tr.input_ids), rows=every_row()):  # the attention each token receives is read
             out = _forward_embeds(model, tr, E, mask, output_hidden_states=True, output_attentions=True)
         hs = list(out.hidden_states[: model.n_layers])
+    return _cat_of(model, tr, target, position, (out, hs))
+
+
+def _input_cat_pass(model: Model, tr: Trace):
+    """CAT's pass on an image or a clip: from its layer-0 input, which then is the first layer input."""
+    X = _embedding_output(model, tr, tr.input_ids).requires_grad_(True)
+    _install_layer0_hook(model)
+    with torch.enable_grad(), _pass(model, tr.n, rows=every_row(), layer0_input=X):
+        out = model.hf(**_input_kwargs(model, tr), output_hidden_states=True, output_attentions=True)
+    return out, [X, *out.hidden_states[1 : model.n_layers]]
+
+
+def _cat_of(model: Model, tr: Trace, target: Target, position: int, run) -> tuple[np.ndarray, np.ndarray]:
+    """CAT and AttCAT (L, n) from a pass `run` = (its output, the layer inputs it differentiates)."""
+    out, hs = run
+    with torch.enable_grad():
         y = _score(model, out.logits, target, position, prob=False).sum()
         grads = torch.autograd.grad(y, hs, allow_unused=True)
     cat = torch.stack(

@@ -291,15 +291,33 @@ def _load_method(k: str):
         return None
 
 
+def _typed_input(model: Model, options: dict) -> tuple[dict, dict]:
+    """(explain's options, the options a key reads): an `image=` or `audio=` (a path, an array, bytes) is read once
+    into its `ImageInput` / `AudioInput`, which the call takes, and keyed by its fingerprint (the sha256 of what
+    the model reads, after the processor: the same photo as a file or an array is one entry)."""
+    from ctxmix.engine.inputs import audio_input, image_input
+
+    if options.get("image") is not None:
+        inp = image_input(model, options["image"])
+        return {**options, "image": inp}, {**options, "image": inp.fingerprint()}
+    if options.get("audio") is not None:
+        inp = audio_input(model, options["audio"], options.get("sampling_rate"))
+        call = {k: v for k, v in options.items() if k != "sampling_rate"}
+        return {**call, "audio": inp}, {**call, "audio": inp.fingerprint()}
+    return options, options
+
+
 def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **options) -> Explanation:
     """`explain` with a per-method cache: methods already computed for this (model, text,
-    options) come from memory or disk; the rest are computed together in one call."""
+    options) come from memory or disk; the rest are computed together in one call. An image or a clip
+    (`image=`, `audio=`) is keyed by what the model reads of it (`ImageInput.fingerprint`)."""
     from ctxmix.methods.explain import call_notes
     from ctxmix.methods.registry import check_methods
 
     methods = check_methods(methods, model.spec.position)
     fp = model_fingerprint(model)
-    keys = {m: explain_key(fp, text, m, options) for m in methods}
+    options, keyed = _typed_input(model, options)
+    keys = {m: explain_key(fp, text, m, keyed) for m in methods}
     found: dict[str, tuple[dict, dict]] = {}
     for m, k in keys.items():
         hit = _mem_get(k)
@@ -349,11 +367,16 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
                 )
             )
         ),
-        # the options the call gave, and every option explain recorded for each method
+        # the options the call gave (an image or clip as explain records it), and every option explain recorded for
+        # each method
         options=copy.deepcopy(
-            {**options, **{k: v for m in methods for k, v in found[m][0].get("options", {}).items()}}
+            {
+                **{k: v for k, v in keyed.items() if k not in ("image", "audio", "sampling_rate")},
+                **{k: v for m in methods for k, v in found[m][0].get("options", {}).items()},
+            }
         ),
         provenance=provenance(model),
+        inputs=options.get("image", options.get("audio")),  # the ImageInput / AudioInput read: show's picture
     )
     for m in methods:
         m_meta, arrays = found[m]

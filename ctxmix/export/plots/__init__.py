@@ -19,7 +19,7 @@ attribution's paper figure lives with the rest of context attribution's views (`
 and is forwarded on first use (it draws with `style`, so importing it here at the top would be a cycle).
 """
 
-from ctxmix.export.plots.audio import clip_heat
+from ctxmix.export.plots.audio import clip_heat, explained_clip_heat
 from ctxmix.export.plots.corpus import (
     change_bars,
     correlation_bars,
@@ -41,7 +41,7 @@ from ctxmix.export.plots.files import (
     static_export_available,
     table_bytes,
 )
-from ctxmix.export.plots.images import image_heat
+from ctxmix.export.plots.images import explained_image_heat, image_heat
 from ctxmix.export.plots.maps import head_grid, map_heatmap, maps_grid
 from ctxmix.export.plots.prediction import NEGATIVE, POSITIVE, layer_saliency_figure, logit_contributions_figure
 from ctxmix.export.plots.routes import ROUTE_BINS, ROUTE_COLOURS, route_node_xy, routes_figure
@@ -77,6 +77,8 @@ __all__ = [
     "correlation_bars",
     "cross_mixing_figure",
     "display_tokens",
+    "explained_clip_heat",
+    "explained_image_heat",
     "figure_bytes",
     "figure_data_bytes",
     "grouped_bars",

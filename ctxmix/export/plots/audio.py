@@ -85,3 +85,32 @@ def clip_heat(
         )
     fig.update_layout(showlegend=False, bargap=0)
     return _layout(fig, title, height=520)
+
+
+def explained_clip_heat(
+    record: dict,
+    values: np.ndarray,
+    features: np.ndarray | None = None,
+    spectrogram: bool = False,
+    words: list[dict] | None = None,
+    show_padding: bool = False,
+    title: str = "",
+) -> go.Figure:
+    """A clip explanation's frame values (frames,) over time (`record`: `options["audio"]`), under the clip's
+    log-mel spectrogram (`spectrogram=True`: Whisper's input features) or waveform (`features`: what the model
+    read; None: the heat alone, as for a saved explanation), the transcript's words as bands, and the padding shaded
+    (and, unless `show_padding`, cut 0.2 s after the clip)."""
+    rate, stride, n = record["sampling_rate"], record["stride"], record["frames"]
+    times = np.arange(n) * stride / rate
+    pad_from = record["valid_frames"] * stride / rate if record["valid_frames"] < n else None
+    return clip_heat(
+        times,
+        np.asarray(values)[:n],
+        spectrogram=features if spectrogram else None,
+        waveform=None if spectrogram else features,
+        sampling_rate=rate,
+        words=words,
+        padding_from=pad_from,
+        until=None if show_padding else record["samples"] / rate + 0.2,
+        title=title,
+    )

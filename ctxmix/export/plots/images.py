@@ -32,3 +32,13 @@ def image_heat(rgb: np.ndarray, values: np.ndarray, title: str = "", opacity: fl
     fig.update_xaxes(visible=False, range=[0, W])
     fig.update_yaxes(visible=False, range=[H, 0], scaleanchor="x")
     return _layout(fig, title, height=max(380, int(520 * H / max(W, 1))))
+
+
+def explained_image_heat(record: dict, values: np.ndarray, rgb: np.ndarray | None = None, title: str = "") -> go.Figure:
+    """An image explanation's patch values (rows, cols) over the image as the model read it (`ImageInput.rgb()`), or
+    over a grey canvas of its size (`record`: `options["image"]`) when the picture is not at hand (a saved
+    explanation holds the grid, not the pixels)."""
+    if rgb is None:
+        H, W = record["pixels"]
+        rgb = np.full((H, W, 3), 210, dtype=np.uint8)
+    return image_heat(rgb, values, title=title)
