@@ -183,7 +183,7 @@ with common.errors_as_messages():
     if heads:
         opts["per_head"] = True
     common.memory_caption(model, len(ids), "explain", methods)
-    with st.spinner("Computing (cached per model, text and method)…"):
+    with st.spinner("Computing (cached per model, text and method)…"), common.engine_progress("Computing:"):
         ex = cached_explain(model, None if gen_t is not None else source, methods, **opts)
 
     for w in ex.warnings:

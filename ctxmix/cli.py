@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -52,6 +53,53 @@ def _texts(args) -> list[str]:
     return corpus(args.corpus, limit=args.limit)
 
 
+def _explain_call(ctxmix, m, args, text):
+    """explain as the arguments ask: a text (or a pair), an image, a clip, or ALTI+ with a decoder text."""
+    # on an image or a clip, a classifier's gradient methods take a target class and a foil as on text
+    scored = {"target": args.target, "foil": args.foil}
+    if args.image is not None:  # the mixing methods over the class token and the patches
+        return ctxmix.explain(
+            m, None, args.method, position=args.position, per_head=args.per_head, image=args.image, **scored
+        )
+    elif args.audio is not None:  # a speech model's frames; Whisper: ALTI+ over frames and transcript
+        script = True if args.transcribe else args.decoder_text
+        return ctxmix.explain(
+            m,
+            None,
+            args.method,
+            position=args.position,
+            per_head=args.per_head,
+            audio=args.audio,
+            decoder_text=script,
+            **scored,
+        )
+    elif args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
+        return ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
+    else:
+        return ctxmix.explain(
+            m, text, args.method, target=args.target, position=args.position, foil=args.foil, per_head=args.per_head
+        )
+
+
+@contextlib.contextmanager
+def _engine_bar():
+    """A terminal progress bar for the engine's long loops (`ctxmix.progress.reporting`), on a terminal only."""
+    from ctxmix.progress import progress_bar, reporting
+
+    if not sys.stderr.isatty():
+        yield
+        return
+    with progress_bar(100, "decomposing", unit="%") as bar:
+
+        def update(stage: str, fraction: float) -> None:
+            bar.set_description(stage)
+            bar.n = round(100 * fraction)
+            bar.refresh()
+
+        with reporting(update):
+            yield
+
+
 def cmd_explain(args) -> None:
     import ctxmix
     from ctxmix.errors import BadInput
@@ -64,30 +112,8 @@ def cmd_explain(args) -> None:
     if args.transcribe and args.decoder_text is not None:
         raise BadInput("--transcribe uses the model's own transcript; --decoder-text gives one: not both")
     text = args.text if args.pair is None else (args.text, args.pair)
-    # on an image or a clip, a classifier's gradient methods take a target class and a foil as on text
-    scored = {"target": args.target, "foil": args.foil}
-    if args.image is not None:  # the mixing methods over the class token and the patches
-        ex = ctxmix.explain(
-            m, None, args.method, position=args.position, per_head=args.per_head, image=args.image, **scored
-        )
-    elif args.audio is not None:  # a speech model's frames; Whisper: ALTI+ over frames and transcript
-        script = True if args.transcribe else args.decoder_text
-        ex = ctxmix.explain(
-            m,
-            None,
-            args.method,
-            position=args.position,
-            per_head=args.per_head,
-            audio=args.audio,
-            decoder_text=script,
-            **scored,
-        )
-    elif args.decoder_text is not None:  # an encoder-decoder: ALTI+ over source and target
-        ex = ctxmix.explain(m, text, args.method, position=args.position, decoder_text=args.decoder_text)
-    else:
-        ex = ctxmix.explain(
-            m, text, args.method, target=args.target, position=args.position, foil=args.foil, per_head=args.per_head
-        )
+    with _engine_bar():
+        ex = _explain_call(ctxmix, m, args, text)
     d = ex.to_dict()
     if not args.maps:
         d.pop("layer_maps")

@@ -58,7 +58,7 @@ if not methods:
 with common.errors_as_messages():
     inp = image_input(model, image)
     check_image(common.server_limits(), inp)
-    with st.spinner(f"Tracing {inp.n} positions and decomposing every layer…"):
+    with st.spinner(f"Tracing {inp.n} positions…"), common.engine_progress("Decomposing every layer:"):
         ex = cached_explain(model, None, methods, image=inp)  # keyed by the pixels the model reads
     rows, cols = inp.grid
     st.markdown(

@@ -75,7 +75,7 @@ else:
 with common.errors_as_messages():
     inp = audio_input(model, clip)
     check_audio(common.server_limits(), inp)
-    with st.spinner(f"Tracing {inp.n} positions and decomposing every layer…"):
+    with st.spinner(f"Tracing {inp.n} positions…"), common.engine_progress("Decomposing every layer:"):
         transcript = {"decoder_text": True} if transcript_view else {}
         ex = cached_explain(model, None, methods, audio=inp, **transcript)  # keyed by what the model reads
     seconds = inp.clip_samples / inp.sampling_rate

@@ -24,6 +24,7 @@ from ctxmix.engine.precision import engine_precision
 from ctxmix.engine.trace import Trace, TraceBatch
 from ctxmix.engine.workspace import Workspace
 from ctxmix.methods.registry import MIXING_METHODS, scope_names
+from ctxmix.progress import report
 
 # Elements of the largest (rows, n, width) tensor a chunk may hold; 2**25 float32 = 128 MiB.
 CHUNK_ELEMENTS = 2**25
@@ -92,6 +93,11 @@ def _chunks(n: int, width: int, copies: int = 4, batch: int = 1, device="cpu") -
 
 
 MIN_ROWS = 16  # fewest output rows per chunk before the batch is split instead
+
+
+def _tick(stage: str, layer: int, layers: int, part: int, parts: int, chunk: int, chunks: int) -> None:
+    """Progress (`ctxmix.progress.report`) as a chunk of a part of a layer starts: the work before it is done."""
+    report(stage, layer + (part + chunk / max(1, chunks)) / max(1, parts), layers)
 
 
 def _sub_batches(B: int, n: int, width: int, copies: int, device) -> list[slice]:
@@ -202,12 +208,13 @@ def scope_maps_batch(
             keep = None if keep_dims is None else keep_dims[l]
             dests = {s: v[:, l] for s, v in maps.items()}
             out = layer_targets(dests, dev)
-            for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
+            parts = _sub_batches(B, n, _ff_width(lw), 6, dev)
+            for p, part in enumerate(parts):
                 st = st_all.sub_batch(part)
                 cache: dict = {}  # per-layer products shared by the row chunks
-                for rows in _chunks(
-                    n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev
-                ):  # see value_zeroing_maps_batch
+                chunks = _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev)  # as value zeroing's
+                for k, rows in enumerate(chunks):
+                    _tick("FF scopes", l, len(tb.states), p, len(parts), k, len(chunks))
                     rows_d = rows.to(dev)
                     pieces = scope_pieces(
                         lw,
@@ -230,6 +237,7 @@ def scope_maps_batch(
                             err = torch.where(real_rows, err, 0).amax(-1)
                             tb.errors[part] = torch.maximum(tb.errors[part], err.to(tb.errors.device))
             flush_layer(dests, out)
+    report("FF scopes", 1, 1)
     return {s: _crop(v, tb) for s, v in maps.items()}
 
 
@@ -283,20 +291,25 @@ def norm_maps_batch(tb: TraceBatch, names: list[str]) -> dict[str, torch.Tensor]
     dev = tb.states[0].x.device
     maps = {m: map_buffer(tb, torch.promote_types(tb.states[0].x.dtype, torch.float32)) for m in names}
     causal = model.spec.causal
+    stage = "ALTI and the norm family" if "alti" in names else "the norm family"
     for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
         d = st_all.x.shape[-1]
         dests = {m: v[:, l] for m, v in maps.items()}
         out = layer_targets(dests, dev)
-        for part in _sub_batches(B, n, d, 6, dev):
+        parts = _sub_batches(B, n, d, 6, dev)
+        for p, part in enumerate(parts):
             st = st_all.sub_batch(part)
             f = head_vectors(lw, st.x if lw.position == "post" else st.x1, with_bias=True)  # once per layer
-            for rows in _chunks(n, d, copies=6, batch=st.x.shape[0], device=dev):
+            chunks = _chunks(n, d, copies=6, batch=st.x.shape[0], device=dev)
+            for k, rows in enumerate(chunks):
+                _tick(stage, l, len(tb.states), p, len(parts), k, len(chunks))
                 rows_d = rows.to(dev)
                 J = int(rows[-1]) + 1 if causal else n  # later columns are zero in a causal model's rows
                 for m, v in norm_family_row_maps(lw, st, rows_d, names, f, J).items():
                     out[m][part, _span(rows), :J] = v.to(out[m])
             del f  # before the next layer's: two layers' head vectors (n x H x d each) are never alive at once
         flush_layer(dests, out)
+    report(stage, 1, 1)
     return {m: _crop(v, tb) for m, v in maps.items()}
 
 
@@ -319,14 +332,17 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
         for l, (lw, st_all) in enumerate(zip(model.layers, tb.states)):
             dests = {"vz": out[:, l]}
             vz = layer_targets(dests, dev)["vz"]
-            for part in _sub_batches(B, n, _ff_width(lw), 6, dev):
+            parts = _sub_batches(B, n, _ff_width(lw), 6, dev)
+            for p, part in enumerate(parts):
                 st = st_all.sub_batch(part)
                 prep = None  # the previous part's products go before this part's are made
                 prep = value_zeroing_prepare(lw, st, precision) if factorised else None
                 first_rows = first_receiving_rows(st.alpha)  # one host read per layer, none per chunk
                 # copies=6 (as for the scopes): smaller chunks keep the (B, c, n, d') temporaries nearer the
                 # cache, 5-20 % faster on CPU than chunks twice as large
-                for cols in _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev):
+                chunks = _chunks(n, _ff_width(lw), copies=6, batch=st.x.shape[0], device=dev)
+                for k, cols in enumerate(chunks):
+                    _tick("value zeroing", l, len(tb.states), p, len(parts), k, len(chunks))
                     first = min(first_rows[int(cols[0]) : int(cols[-1]) + 1])
                     D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision, first, work)
                     vz[part, :, _span(cols)] = D.transpose(1, 2).to(vz)
@@ -334,6 +350,7 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
             s = layer.sum(-1, keepdim=True)
             vz.copy_(layer / torch.where(s > 0, s, torch.ones_like(s)))
             flush_layer(dests, {"vz": vz})
+    report("value zeroing", 1, 1)
     return out
 
 

@@ -415,6 +415,24 @@ def public_message(msg: str) -> str:
 
 
 @contextlib.contextmanager
+def engine_progress(what: str):
+    """A progress bar fed by the engine's loops (`ctxmix.progress.reporting`: this session's call only, another
+    session's work on the same model never moves it), removed when the block ends."""
+    from ctxmix.progress import reporting
+
+    bar = st.progress(0.0, text=what)
+
+    def update(stage: str, fraction: float) -> None:
+        bar.progress(fraction, text=f"{what} {stage}: {fraction:.0%}")
+
+    try:
+        with reporting(update):
+            yield
+    finally:
+        bar.empty()
+
+
+@contextlib.contextmanager
 def errors_as_messages():
     """Show errors as messages in the page, never as tracebacks (hosted mode: no server paths,
     and unexpected errors only as an id to look up in the server log)."""
