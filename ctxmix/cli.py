@@ -89,15 +89,21 @@ def _engine_bar():
     if not sys.stderr.isatty():
         yield
         return
-    with progress_bar(100, "decomposing", unit="%") as bar:
+    bars: list = []  # made at the first report: a call that reports nothing draws nothing
 
-        def update(stage: str, fraction: float) -> None:
-            bar.set_description(stage)
-            bar.n = round(100 * fraction)
-            bar.refresh()
+    def update(stage: str, fraction: float) -> None:
+        if not bars:
+            bars.append(progress_bar(100, stage, unit="%"))
+        bars[0].set_description(stage)
+        bars[0].n = round(100 * fraction)
+        bars[0].refresh()
 
+    try:
         with reporting(update):
             yield
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def cmd_explain(args) -> None:

@@ -104,7 +104,9 @@ with common.errors_as_messages():
         + ", ".join(f"{t} {v:.3g}" for t, v in prefix.items())
     )
     common.plot(
-        plots.image_heat(inp.rgb(), grid, title=f"{method}, row {what}, aggregated"),
+        plots.image_heat(
+            inp.rgb(), grid, title=f"{method}, the class's score" if scored else f"{method}, row {what}, aggregated"
+        ),
         f"image_{method}_{what}",
         data=pd.DataFrame(grid),
     )

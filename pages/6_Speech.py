@@ -138,16 +138,20 @@ with common.errors_as_messages():
         if scored
         else f"{method}: what {what} mixes in from the frames, after the last layer"
     )
-    st.caption(
-        f"The row of the aggregated map. Its share in the clip's frames: {values[: inp.n_valid].sum():.3f}; in the "
-        f"padding: {values[inp.n_valid :].sum():.3f}"
-        + (
-            f"; in the earlier decoder inputs: {ex.global_maps[method][-1][position][S:].sum():.3f}."
-            if whisper and transcript_view
-            else "."
+    if scored:
+        st.caption("The scores at layer 0's input, one per frame.")
+    else:
+        st.caption(
+            f"The row of the aggregated map. Its share in the clip's frames: {values[: inp.n_valid].sum():.3f}; in "
+            f"the padding: {values[inp.n_valid :].sum():.3f}"
+            + (
+                f"; in the earlier decoder inputs: {ex.global_maps[method][-1][position][S:].sum():.3f}."
+                if whisper and transcript_view
+                else "."
+            )
         )
-    )
-    heat(values, f"{method}, row {what}, aggregated", f"speech_{method}_{position}")
+    title = f"{method}, the class's score" if scored else f"{method}, row {what}, aggregated"
+    heat(values, title, f"speech_{method}_{position}")
     if ex.options.get("words"):
         shares = pd.DataFrame(word_shares(ex, method, position))
         st.dataframe(shares, hide_index=True)

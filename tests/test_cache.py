@@ -280,10 +280,14 @@ def test_an_image_or_a_clip_is_keyed_by_what_the_model_reads(results, monkeypatc
         assert ex.options == direct.options and ex.target == direct.target and ex.tokens == direct.tokens
     cache.cached_explain(vit, None, ["alti"], image=photo(seed=1))
     assert computed == ["alti", "grad", "alti"]
+    # a gradient option with only a mixing method left to compute: the option is the cached method's, not refused
+    cache.cached_explain(vit, None, ["grad"], image=photo(seed=2), target=1, ig_steps=8)
+    both = cache.cached_explain(vit, None, ["alti", "grad"], image=photo(seed=2), target=1, ig_steps=8)
+    assert computed[-2:] == ["grad", "alti"] and both.target == 1
     w2v = speech_model("wav2vec2")
     c = cache.cached_explain(w2v, None, ["norm"], audio=clip(), sampling_rate=16000)
     cache.mem_clear()
     d = cache.cached_explain(w2v, None, ["norm"], audio=clip(), sampling_rate=16000)
-    assert computed[-1:] == ["norm"] and len(computed) == 4
+    assert computed[-1:] == ["norm"] and len(computed) == 6
     assert c.options == d.options and "sampling_rate" not in d.options and d.options["audio"]["frames"] == len(d.tokens)
     np.testing.assert_array_equal(c.global_maps["norm"], d.global_maps["norm"])

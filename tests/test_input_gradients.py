@@ -154,6 +154,8 @@ def test_show_draws_an_image_or_a_clip_explanation(case, tmp_path):
     np.testing.assert_allclose(values, ex.global_maps["alti"][-1][0][prefix:], rtol=1e-12)
     pictures = [t.type for t in fig.data if t.type in ("image", "scatter")]
     assert pictures == (["image"] if kind == "image" else ["scatter"])  # the photograph; the waveform
+    # layer= without a method: the first method that has layer maps, not a gradient method listed first
+    assert "alti" in ctxmix.explain(m, None, ["grad", "alti"], **kwargs).show(layer=1).layout.title.text
     one = ex.show("alti", layer=1, position=2)
     assert "layer 1" in one.layout.title.text and ex.tokens[2] in one.layout.title.text
     assert "score" in ex.show("grad").layout.title.text

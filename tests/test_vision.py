@@ -307,3 +307,8 @@ def test_clip_joint_model_explains_its_image_tower(tmp_path):
     again = ctxmix.explain(loaded, None, ["alti", "norm_res_ln"], image=photo())
     for m in ("alti", "norm_res_ln"):
         np.testing.assert_allclose(again.layer_maps[m], ex.layer_maps[m], rtol=0, atol=1e-12)
+    from ctxmix.errors import UnsupportedArchitecture
+
+    head = T.CLIPForImageClassification(T.CLIPConfig(vision_config=vc, text_config=tc, num_labels=2))
+    with pytest.raises(UnsupportedArchitecture, match="CLIPForImageClassification is not supported"):
+        ctxmix.model_from_hf(head)  # never silently its bare tower, head dropped

@@ -72,6 +72,14 @@ def test_the_encoders_positions_are_frames_with_the_padding_marked(whisper):
     assert longer.n_valid == 50
 
 
+def test_a_clip_and_the_clip_with_trailing_silence_are_two_inputs(whisper):
+    """Their log-mel features are equal (Whisper pads with zeros), their valid frames are not: the fingerprint (the
+    results cache's key, the saved sha256) tells them apart."""
+    a = audio_input(whisper, clip(0.5), 16000)
+    b = audio_input(whisper, np.concatenate([clip(0.5), np.zeros(4000)]), 16000)
+    assert a.n_valid != b.n_valid and a.fingerprint() != b.fingerprint()
+
+
 def test_a_clip_longer_than_the_window_is_refused_not_cut(whisper):
     with pytest.raises(BadInput, match="cut the clip"):
         audio_input(whisper, clip(1.5), 16000)

@@ -132,7 +132,8 @@ def image_input(model, image) -> ImageInput:
     """`image` (a path, a PIL image, an array or a file's bytes) through the model's image processor, with its
     positions (an `ImageInput` is returned as it is)."""
     if model.spec.inputs != "pixels":
-        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads text, not images")
+        reads = "audio" if model.spec.inputs == "audio" else "text"
+        raise BadInput(f"{model.name} is a {model.spec.family} model: it reads {reads}, not images")
     if isinstance(image, ImageInput):
         return image
     processor = model.processor if model.processor is not None else default_processor(model.config)
@@ -252,8 +253,10 @@ class AudioInput:
         }
 
     def fingerprint(self) -> str:
-        """sha256 of the input values, their shape and rate."""
-        return _tensor_sha256(self.input_values, f"{tuple(self.input_values.shape)} {self.sampling_rate}")
+        """sha256 of the input values, their shape and rate, and the clip's length in samples (Whisper's features of
+        a clip and of the same clip with trailing silence are equal: the padding differs)."""
+        shape = tuple(self.input_values.shape)
+        return _tensor_sha256(self.input_values, f"{shape} {self.sampling_rate} {self.clip_samples}")
 
 
 def _waveform(audio, sampling_rate: int | None, target: int) -> np.ndarray:

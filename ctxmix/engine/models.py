@@ -32,7 +32,7 @@ from ctxmix.engine.placement import (
 )
 from ctxmix.engine.processors import processor_from
 from ctxmix.engine.tokens import Encoded, non_word_ids
-from ctxmix.errors import BadInput, ModelLoadError, checked_arguments
+from ctxmix.errors import BadInput, ModelLoadError, UnsupportedArchitecture, checked_arguments
 
 
 def cache_dir() -> Path:
@@ -331,9 +331,24 @@ def _load_model(name_or_path: str, device: str, dtype: str | torch.dtype, placem
     return _from_folder_or_hub(name, name, dev, dtype, placement=placement)
 
 
-# joint image-text models whose image tower ctxmix explains: {model type: the tower's class}. A CLIPModel's tower is
-# its `vision_model` (a CLIPVisionModel: keys vision_model.*); a folder or hub id of one loads the tower alone
-JOINT_VISION_TOWERS = {"clip": "CLIPVisionModel"}
+# joint image-text models whose image tower ctxmix explains: {model type: (the joint class, the tower's class)}. A
+# CLIPModel's tower is its `vision_model` (a CLIPVisionModel: keys vision_model.*); a folder or hub id of one loads
+# the tower alone. Another class of that type (CLIPForImageClassification: a head on the pooled patches) is refused
+JOINT_VISION_TOWERS = {"clip": ("CLIPModel", "CLIPVisionModel")}
+
+
+def _joint_tower(model_type, cls_names: list[str]) -> str | None:
+    """The tower class to explain for a joint model of `model_type` built as one of `cls_names` (None: not one)."""
+    joint = JOINT_VISION_TOWERS.get(model_type)
+    if joint is None:
+        return None
+    other = [c for c in cls_names if c != joint[0]]
+    if other:
+        raise UnsupportedArchitecture(
+            f"{', '.join(other)} is not supported: ctxmix explains a {joint[0]}'s image tower ({joint[1]}); a head "
+            "on a joint model's tower is not described"
+        )
+    return joint[1]
 
 
 def model_from_hf(
@@ -342,7 +357,7 @@ def model_from_hf(
     """Wrap an already built transformers model (tests use tiny random ones). tokenizer: a text model's;
     processor: an image model's image processor (None: the family's default from the config, see
     `ctxmix.engine.processors.default_processor`)."""
-    if getattr(hf.config, "model_type", None) in JOINT_VISION_TOWERS:  # CLIPModel: its image tower (`vision_model`)
+    if _joint_tower(getattr(hf.config, "model_type", None), [type(hf).__name__]):  # CLIPModel: its `vision_model`
         hf = hf.vision_model
     if tokenizer is None and spec_for(hf.config).inputs == "ids":
         raise BadInput("a text model needs its tokenizer: model_from_hf(hf, tokenizer)")
@@ -418,7 +433,7 @@ def _from_folder_or_hub(
             f"could not load {name!r} as {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
             f"(no network, a typo, or a private model?). Embedded models that work offline: {', '.join(EMBEDDED)}"
         ) from None
-    tower = JOINT_VISION_TOWERS.get(getattr(config, "model_type", None))
+    tower = _joint_tower(getattr(config, "model_type", None), list(getattr(config, "architectures", None) or []))
     if tower is not None:  # the image tower of a joint model: its text tower is neither read nor loaded
         config = config.vision_config
     spec = spec_for(config)
@@ -444,8 +459,10 @@ def _from_folder_or_hub(
             f"could not load the weights of {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             "ctxmix reads safetensors weights only (never pickle files, never remote code)."
         ) from None
-    if tower is not None:  # the joint model's other parts are not the tower's: no warning for them
-        loading = {**loading, "unexpected_keys": [k for k in loading.get("unexpected_keys") or () if "vision" in k]}
+    if tower is not None:  # the joint model's text tower and projections are not the tower's: no warning for them
+        joint_parts = ("text_model.", "text_projection", "visual_projection", "logit_scale")
+        unexpected = [k for k in loading.get("unexpected_keys") or () if not k.startswith(joint_parts)]
+        loading = {**loading, "unexpected_keys": unexpected}
     check_loaded(name, hf, loading, tok)
     hf.eval().requires_grad_(False)  # gradients are taken w.r.t. inputs only
     if not placement:  # a dispatched or quantized model stays where transformers put it

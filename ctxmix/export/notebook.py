@@ -183,6 +183,8 @@ def show(ex, method: str | None = None, kind: str | None = None, layer=None, hea
     m = method if method is not None else fit[0]
     toks = ex.tokens
     if kind in ("image", "clip"):
+        if method is None and layer is not None:  # a layer's map: the first method that has layer maps
+            m = next((x for x in fit if x in ex.layer_maps), m)
         return _picture(ex, kind, m, layer, kw)
     if kind == "saliency":
         sal = {m: ex.saliency[m]} if method is not None else dict(ex.saliency)  # the dashboard's order

@@ -213,7 +213,7 @@ def _input_call(
             f"on {kind}, explain takes methods, position, res2, precision, per_head, target, foil and the gradient "
             f"options (got {', '.join(given)})"
         )
-    _check_call(res2, position, options)
+    _check_call(res2, position, options, inputs=True)
     inp = image_input(model, image) if kind == "image" else audio_input(model, audio, sampling_rate)
     if decoder_text is not None:  # Whisper's decoder: ALTI+ over the frames and the transcript
         from ctxmix.methods.alti_plus import explain_transcript
@@ -333,9 +333,10 @@ def _trace_one(
     return trace_ids(model, e.ids, e.notes, e.token_type_ids, e.segments, layers=layers)
 
 
-def _check_call(res2, position, saliency_options: dict) -> None:
-    """explain's options, checked before any work: a wrong value names the argument and what it takes."""
-    from ctxmix.methods.saliency import check_saliency_options
+def _check_call(res2, position, saliency_options: dict, inputs: bool = False) -> None:
+    """explain's options, checked before any work: a wrong value names the argument and what it takes (`inputs`: an
+    image's or a clip's call, whose IG baselines are its own)."""
+    from ctxmix.methods.saliency import INPUT_IG_BASELINES, check_saliency_options
 
     if res2 not in ("exact", "diagonal"):
         raise BadInput(f"res2 must be 'exact' or 'diagonal', got {res2!r}")
@@ -347,6 +348,11 @@ def _check_call(res2, position, saliency_options: dict) -> None:
     own = ("model", "text", "methods", "saliency_options")
     keywords = [p for p in inspect.signature(explain).parameters if p not in own]
     check_saliency_options(saliency_options, keywords)
+    baseline = saliency_options.get("ig_baseline")
+    if inputs and baseline is not None and baseline not in INPUT_IG_BASELINES:
+        raise BadInput(f"on an image or a clip ig_baseline is one of {', '.join(INPUT_IG_BASELINES)}, not {baseline!r}")
+    if not inputs and baseline == "blank":
+        raise BadInput("ig_baseline 'blank' is an image's or a clip's; on text choose pad, mask, unk or zero")
 
 
 @checked_arguments

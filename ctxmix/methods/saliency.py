@@ -147,11 +147,11 @@ def _install_layer0_hook(model: Model) -> None:
     )
 
 
-def _input_kwargs(model: Model, tr: Trace, batch: int = 1, blank: bool = False) -> dict[str, torch.Tensor]:
-    """The forward keywords of a trace's image or clip (pixel values, input values or features), `batch` times;
-    blank: all zero (the processor's mean colour, silence)."""
+def _input_kwargs(model: Model, tr: Trace, blank: bool = False) -> dict[str, torch.Tensor]:
+    """The forward keywords of a trace's image or clip (pixel values, input values or features); blank: all zero
+    (the processor's mean colour, silence)."""
     kw = tr.inputs.forward_kwargs(model.device, model.dtype)
-    return {k: (torch.zeros_like(v) if blank else v).expand(batch, *v.shape[1:]) for k, v in kw.items()}
+    return {k: torch.zeros_like(v) if blank else v for k, v in kw.items()}
 
 
 def _embedding_output(model: Model, tr: Trace, ids: list[int] | None, blank: bool = False) -> torch.Tensor:
@@ -175,9 +175,10 @@ def _forward_at(model: Model, tr: Trace, X: torch.Tensor, grad_at: str):
     if grad_at == "word":
         return _forward_embeds(model, tr, X)
     _install_layer0_hook(model)
-    if tr.inputs is not None:
+    if tr.inputs is not None:  # the embeddings of one input, then replaced by the b rows of X: IG's steps never
+        # run the patch convolution or a speech model's feature encoder b times
         with _pass(model, X.shape[1], layer0_input=X):
-            return model.hf(**_input_kwargs(model, tr, X.shape[0]))
+            return model.hf(**_input_kwargs(model, tr))
     ids = torch.tensor([tr.input_ids], device=model.device).expand(X.shape[0], -1)
     with _pass(model, X.shape[1], layer0_input=X):
         return model.hf(input_ids=ids, attention_mask=torch.ones_like(ids), **tr.type_ids_kwargs(batch=X.shape[0]))

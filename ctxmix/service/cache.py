@@ -26,8 +26,9 @@ import numpy as np
 import pandas as pd
 
 from ctxmix.engine.models import Model, cache_dir
-from ctxmix.methods.explain import explain
+from ctxmix.methods.explain import GRADIENT_ON_INPUTS, explain
 from ctxmix.methods.explanation import KIND_FIELDS, Explanation, provenance
+from ctxmix.methods.saliency import SALIENCY_OPTIONS
 
 _MEM: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (value, bytes)
 _MEM_BYTES = 0
@@ -329,8 +330,11 @@ def cached_explain(model: Model, text, methods: list[str], disk: bool = True, **
             found[m] = hit
     missing = [m for m in methods if m not in found]
     if missing:
-        # DecompX's options go with DecompX: explain refuses them for a call without it
+        # DecompX's options go with DecompX: explain refuses them for a call without it; so are the gradient
+        # options on an image or a clip when only mixing methods are left to compute
         call = options if "decompx" in missing else {k: v for k, v in options.items() if k != "decompx"}
+        if keyed is not options and not set(missing) & set(GRADIENT_ON_INPUTS):
+            call = {k: v for k, v in call.items() if k not in ("target", "foil", *SALIENCY_OPTIONS)}
         ex = explain(model, text, missing, **call)
         for m in missing:
             found[m] = _entry(ex, m)

@@ -421,9 +421,13 @@ def engine_progress(what: str):
     from ctxmix.progress import reporting
 
     bar = st.progress(0.0, text=what)
+    shown: list = [None]
 
     def update(stage: str, fraction: float) -> None:
-        bar.progress(fraction, text=f"{what} {stage}: {fraction:.0%}")
+        now = (stage, int(100 * fraction))
+        if now != shown[0]:  # one message to the browser per percent, not per chunk
+            shown[0] = now
+            bar.progress(fraction, text=f"{what} {stage}: {fraction:.0%}")
 
     try:
         with reporting(update):

@@ -30,13 +30,17 @@ def _own_files(what: str, types: list[str]) -> dict | None:
         key=f"own_{what}",
         max_upload_size=max(1, int(common.limits()["max_upload_mb"] + 0.999)),
     )
-    if not ups:
+    if not ups or len(ups) < 2:
         st.info(f"Upload two or more {what} to compare them.")
         return None
     if len(ups) > MAX_OWN_FILES:
         st.error(f"{len(ups)} files: at most {MAX_OWN_FILES} at a time.")
         return None
-    return {u.name: u.getvalue() for u in ups}
+    files: dict = {}
+    for u in ups:  # two files of one name stay two items
+        label = u.name if u.name not in files else f"{u.name} ({sum(k.startswith(u.name) for k in files) + 1})"
+        files[label] = u.getvalue()
+    return files
 
 
 def change_section(model, name: str, items: dict, what: str, cost: str, upload_types: list[str] | None = None) -> None:
