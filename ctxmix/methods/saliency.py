@@ -158,6 +158,8 @@ def _embedding_output(model: Model, tr: Trace, ids: list[int] | None, blank: boo
     """Layer 0's input for `ids` (with the trace's token types), or for the trace's image or clip (`blank`: of an
     all-zero one, IG's "blank" baseline): (1, n, d)."""
     if tr.inputs is not None:  # the patch or frame embeddings (with positions, CLIP's pre-norm, ...)
+        if not blank and tr.hidden:  # the trace holds the model's own, cast losslessly up: no forward pass again
+            return tr.hidden[0].to(device=model.device, dtype=model.dtype)[None].clone()
         with torch.no_grad(), _pass(model, tr.n):
             out = model.hf(**_input_kwargs(model, tr, blank=blank), output_hidden_states=True)
         return out.hidden_states[0].detach()
