@@ -97,3 +97,31 @@ def test_cosine_distances_match_torch_in_float64():
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, want.clamp(min=0), rtol=0, atol=64 * 2.0**-52)
         assert got[0, 0, 0] == 1.0
+
+
+def test_row_chunks_are_even_and_cover_every_row_once():
+    """The chunks split n rows into as many chunks as the budget asks, all of one size but the last, which is
+    short by less than the number of chunks: never a thin remainder (a thin chunk runs a slow product)."""
+    from ctxmix.methods.mixing import _chunks
+
+    for n in (1, 5, 64, 127, 128, 129, 512):
+        chunks = _chunks(n, 3072, copies=6)
+        assert torch.equal(torch.cat(chunks), torch.arange(n))
+        sizes = [len(c) for c in chunks]
+        assert len(set(sizes[:-1])) <= 1 and sizes[0] - len(chunks) < sizes[-1] <= sizes[0]
+    assert [len(c) for c in _chunks(128, 3072, copies=6)] == [13] * 9 + [11]  # not 14 x 9 + 2
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "identity"])
+def test_fast_scale_is_the_norms_scale(kind):
+    """Norm.fast_scale (value zeroing's pre-LN path) equals Norm.scale, up to float32 rounding of a mean of d
+    squares (a few ulp of s)."""
+    from ctxmix.engine.arch import Norm
+
+    g = torch.Generator().manual_seed(0)
+    z = 3 * torch.randn(2, 5, 7, 64, generator=g) + 1.5
+    gamma = None if kind == "identity" else torch.randn(64, generator=g)
+    beta = torch.randn(64, generator=g) if kind == "layernorm" else None
+    for dtype, rtol in ((torch.float32, 8 * 2.0**-23), (torch.float64, 8 * 2.0**-52)):
+        norm = Norm(kind, *(None if t is None else t.to(dtype) for t in (gamma, beta)), 1e-5)
+        torch.testing.assert_close(norm.fast_scale(z.to(dtype)), norm.scale(z.to(dtype)), rtol=rtol, atol=0)
