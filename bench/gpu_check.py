@@ -13,6 +13,13 @@ Rows (the per-call issue's table; the GPU-rate issue adds its rows here):
 - explain(alti) at 8,192 tokens, routes at 4,096, scope_maps at 512.
 The last line is a summary: one-pass time / ContextCite-32 time at 4k (goal <= 1/8) and the 32k one-pass time
 (goal <= 10 s within its estimate), every estimate / measured ratio (goal [0.75, 1.33]).
+
+`--rate` runs the GPU-rate issue's rows instead, on bench/perf.py's BERT-base-sized random models (no 8B build):
+perf.py's sections vz, flops (with explain), batch, corpus and predict, each row a JSON line, then where the time of
+scope maps and value zeroing goes (bench/profile_passes.py's categories):
+
+    python bench/gpu_check.py --rate                         # on CUDA
+    python bench/gpu_check.py --rate --tiny --only vz profile  # a dry run on this CPU
 """
 
 from __future__ import annotations
@@ -64,11 +71,82 @@ def _peak(device: str):
     return lambda: (peak_rss_mb() - base) * 2**20
 
 
+RATE_SECTIONS = ("vz", "flops", "batch", "corpus", "predict", "profile")
+
+
+def _profile_rows(n: int, device: str) -> list[dict]:
+    """Where the time of scope maps and value zeroing goes on this device (bench/profile_passes.py): seconds per
+    category of op, and the FLOP rate over the whole call and over its products alone / the matmul rate."""
+    from perf import vz_flops
+    from perf_common import bert_base, ids_for, matmul_rates, widths
+    from profile_passes import by_category, profile
+
+    from ctxmix.engine.trace import trace_ids
+    from ctxmix.methods.mixing import scope_layer_maps, value_zeroing_maps
+
+    m = bert_base(device)
+    L, d, dff = widths(m)
+    ids = ids_for(n)
+    rate = matmul_rates(device, 8192 if device.startswith("cuda") else 2048)[0]
+    calls = {
+        "scope_maps": (lambda: scope_layer_maps(trace_ids(m, ids)), L * 2 * n * n * d * dff),
+        "value_zeroing": (lambda: value_zeroing_maps(trace_ids(m, ids)), vz_flops(m, n)),
+    }
+    rows = []
+    for name, (fn, flops) in calls.items():
+        by = by_category(profile(fn, device)[0])
+        total = sum(by.values())
+        out = {"target": f"profile {name} n={n}", **{k: round(v, 4) for k, v in by.items()}}
+        out["whole call / matmul rate"] = round(flops / total / rate, 3)
+        out["products alone / matmul rate"] = round(flops / max(by["matrix products"], 1e-9) / rate, 3)
+        rows.append(out)
+    return rows
+
+
+def rate_rows(device: str, tiny: bool, only: list[str] | None) -> None:
+    """The GPU-rate issue's rows, one JSON line each as its section finishes: bench/perf.py's sections vz, flops
+    (with explain), batch, corpus (float32, tf32, bf16) and predict on its BERT-base-sized random models, then the
+    profile's breakdown. `tiny`: perf.py's --quick sizes (a dry run on a CPU)."""
+    import perf
+
+    args = ["--device", device] + (["--quick", "--predict-sizes", "64", "--batch", "2"] if tiny else [])
+    a = perf.build_parser(quick=tiny).parse_args(args)
+    dev = torch.device(device)
+    sections = {
+        "vz": lambda: perf.bench_value_zeroing(a, dev),
+        "flops": lambda: perf.bench_flops_and_explain(a, dev, ["flops", "explain"]),
+        "batch": lambda: perf.bench_batch(a, dev),
+        "corpus": lambda: perf.bench_corpus(a, dev),
+        "predict": lambda: perf.bench_predict(a, dev),
+        "profile": lambda: _profile_rows(a.n, device),
+    }
+    t0 = time.perf_counter()
+    for name, fn in sections.items():
+        if only and name not in only:
+            continue
+        try:
+            rows = fn()
+        except Exception as e:  # noqa: BLE001 - the row says what happened; the other sections still run
+            rows = [{"target": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}]
+        for r in rows:
+            r = {k: (float(v) if hasattr(v, "item") else v) for k, v in r.items()}
+            print(json.dumps({"section": name, **r}, default=str), flush=True)
+    print(json.dumps({"row": "summary", "total_seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a dry run on the CPU: a small model, small sizes")
-    ap.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    ap.add_argument("--only", nargs="*", help="row names to run (default: all); with --rate, sections")
+    ap.add_argument(
+        "--rate",
+        action="store_true",
+        help=f"the GPU-rate issue's rows instead (sections {', '.join(RATE_SECTIONS)}), on BERT-base-sized models",
+    )
     a = ap.parse_args()
+    if a.rate:
+        rate_rows("cpu" if a.tiny or not torch.cuda.is_available() else "cuda", a.tiny, a.only)
+        return
     import gc
 
     import ctxmix

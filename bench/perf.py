@@ -908,7 +908,9 @@ def bench_memory(a, dev) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def build_parser(quick: bool = False) -> argparse.ArgumentParser:
+    """The command line of this script (`bench/gpu_check.py --rate` reads its defaults); `quick`: --quick's
+    smaller sizes as the defaults (sizes given explicitly still win)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (named in the table)")
@@ -950,9 +952,13 @@ def main() -> None:
     )
     ap.add_argument("--budget-child", help=argparse.SUPPRESS)
     add_context_arguments(ap)
-    if "--quick" in sys.argv[1:]:  # smaller defaults; sizes given explicitly still win
+    if quick:
         ap.set_defaults(vz_n=32, n=64, corpus_texts=4, ig_n=16, mem_sizes=[64, 128, 512], inseq_layers=2, repeat=1)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser("--quick" in sys.argv[1:]).parse_args()
     from ctxmix.engine.budget import keep_cpu_buffers
 
     keep_cpu_buffers()  # as the CLI does: this process is ours (measured 15-25 % on value zeroing)

@@ -19,7 +19,8 @@ from collections import defaultdict
 import torch
 from perf_common import bert_base, ids_for, matmul_rates, sync, widths
 
-MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::baddbmm_", "aten::addbmm", "aten::_scaled_mm"}
+MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_", "aten::addbmm"}
+MATMUL |= {"aten::_scaled_mm"}
 REDUCTION = {"aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::amax", "aten::max"}
 REDUCTION |= {"aten::min", "aten::amin", "aten::cumsum", "aten::var_mean", "aten::std"}
 COPY = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::stack", "aten::index"}
@@ -28,7 +29,18 @@ COPY |= {"aten::zeros", "aten::empty", "aten::empty_strided", "aten::new_zeros",
 ELEMENTWISE = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::div"}
 ELEMENTWISE |= {"aten::div_", "aten::abs", "aten::abs_", "aten::sqrt", "aten::rsqrt", "aten::pow", "aten::neg"}
 ELEMENTWISE |= {"aten::clamp", "aten::clamp_", "aten::clamp_min", "aten::clamp_min_", "aten::maximum", "aten::where"}
-ELEMENTWISE |= {"aten::gelu", "aten::erf", "aten::exp", "aten::tanh", "aten::relu", "aten::addcmul_", "aten::lerp"}
+ELEMENTWISE |= {
+    "aten::gelu",
+    "aten::gelu_",
+    "aten::silu_",
+    "aten::relu_",
+    "aten::erf",
+    "aten::exp",
+    "aten::tanh",
+    "aten::relu",
+    "aten::addcmul_",
+    "aten::lerp",
+}
 ELEMENTWISE |= {"aten::reciprocal", "aten::sign", "aten::square", "aten::softmax", "aten::_softmax", "aten::silu"}
 ELEMENTWISE |= {"aten::addcmul", "aten::ne", "aten::eq", "aten::native_layer_norm", "aten::layer_norm"}
 CATEGORIES = ("matrix products", "elementwise", "reductions", "copies and allocation", "other")
@@ -84,11 +96,17 @@ def _product_flops(op: str, shapes) -> int:
     return 2 * batch * x[-2] * x[-1] * y[-1]
 
 
-def report(name: str, profiled: tuple, flops: int, rate: float, top: int) -> str:
-    ops, shapes = profiled
-    by = defaultdict(float)
+def by_category(ops: dict) -> dict[str, float]:
+    """Self seconds per category (CATEGORIES) of `profile`'s {op: (seconds, calls)}."""
+    by: dict[str, float] = defaultdict(float)
     for op, (s, _) in ops.items():
         by[category(op)] += s
+    return {c: by[c] for c in CATEGORIES}
+
+
+def report(name: str, profiled: tuple, flops: int, rate: float, top: int) -> str:
+    ops, shapes = profiled
+    by = by_category(ops)
     total = sum(by.values())
     lines = [f"### {name}", "", "| part | seconds | share |", "|---|---|---|"]
     lines += [f"| {c} | {by[c]:.3f} | {by[c] / total:.0%} |" for c in CATEGORIES if by[c] > 0]

@@ -113,3 +113,31 @@ def test_saliency_only_explain_rebuilds_no_layer(tokenizer, family, monkeypatch)
     rebuilt.clear()
     ctxmix.explain(m, None, ["grad", "attention"], input_ids=IDS)
     assert len(rebuilt) == m.n_layers
+
+
+@pytest.mark.slow
+def test_gpu_check_rate_rows_dry_run_on_the_cpu():
+    """bench/gpu_check.py --rate, the GPU-rate issue's prepared run, works end to end (here as its CPU dry run):
+    every line is JSON, the value-zeroing rows agree with the loop, and the profile's categories add up to a
+    positive time with the products' rate reported."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--rate", "--tiny", "--only", "vz", "profile"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert lines[-1]["row"] == "summary"
+    vz = [r for r in lines if r.get("section") == "vz"]
+    assert any("max |map difference|" in r["target"] and r["pass"] == "yes" for r in vz)
+    prof = [r for r in lines if r.get("section") == "profile"]
+    assert [r["target"].split()[1] for r in prof] == ["scope_maps", "value_zeroing"]
+    for r in prof:
+        assert r["matrix products"] > 0 and 0 < r["whole call / matmul rate"] <= r["products alone / matmul rate"]
+    assert not any("error" in r for r in lines)
