@@ -110,6 +110,7 @@ def test_row_chunks_are_even_and_cover_every_row_once():
         sizes = [len(c) for c in chunks]
         assert len(set(sizes[:-1])) <= 1 and sizes[0] - len(chunks) < sizes[-1] <= sizes[0]
     assert [len(c) for c in _chunks(128, 3072, copies=6)] == [13] * 9 + [11]  # not 14 x 9 + 2
+    assert _chunks(0, 3072) == []
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "identity"])

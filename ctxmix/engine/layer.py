@@ -911,11 +911,12 @@ def value_zeroing_columns(
             ff = big_matmul(inner - real.unsqueeze(1), lw.W2, precision).add_(st.ff[:, first:].unsqueeze(1))
             z = ff.add_(base)
         else:
-            # the W_2 product accumulates onto the base in its epilogue (beta = 1): no (c, m, d) FF output is
-            # written and then added
             if lw.b2 is not None:
                 base.add_(lw.b2)
-            z = base.view(-1, base.shape[-1]).addmm_(inner.view(-1, inner.shape[-1]), lw.W2).view(base.shape)
+            if precision == "tf32" and inner.is_cuda:  # `big_matmul`'s split bfloat16 product on the tensor cores
+                z = base.add_(big_matmul(inner, lw.W2, precision))
+            else:  # float32: the product accumulates onto the base in its epilogue (beta = 1), no (c, m, d) output
+                z = base.view(-1, base.shape[-1]).addmm_(inner.view(-1, inner.shape[-1]), lw.W2).view(base.shape)
         del inner
         y = lw.ln2.fused(z) if lw.position == "post" else z
     # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
@@ -926,15 +927,20 @@ def value_zeroing_columns(
 def cosine_distances(y_new: torch.Tensor, y: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
     """1 - cos(y_new, y) in float64, at least 0: y_new (B, c, m, d) against y (B, m, d) -> (B, c, m). As
     cosine_similarity in float64 (a zero vector has cosine 0: the norms' product is clamped at 1e-8), in fewer
-    passes over the c x m x d vectors: y_new is cast to float64 once (into `work`'s buffer when given; the cast is
-    exact), and its dot products with y and its norms are reductions over that copy, with no float64 product
-    written out."""
+    passes over the c x m x d vectors: y_new is cast to float64 once (exact), into `work`'s buffer when given, laid
+    out (B, m, c, d) so that the dot products with y are one batched product over (b, m) with no further copy, and
+    the norms are a reduction over the same copy."""
+    B, c, m, d = y_new.shape
+    shape = (B, m, c, d)
+    if work is None:
+        buf = torch.empty(shape, dtype=torch.float64, device=y_new.device)
+    else:
+        buf = work.take("y64", shape, torch.float64, y_new.device)
+    yn64 = buf.copy_(y_new.transpose(1, 2))
     y64 = y.double()
-    out = None if work is None else work.take("y64", tuple(y_new.shape), torch.float64, y_new.device)
-    yn64 = y_new.to(torch.float64) if out is None else out.copy_(y_new)
-    dot = torch.einsum("bcmd,bmd->bcm", yn64, y64)
-    norms = torch.linalg.vector_norm(yn64, dim=-1) * torch.linalg.vector_norm(y64, dim=-1).unsqueeze(1)
-    return (1.0 - dot / norms.clamp(min=1e-8)).clamp_(min=0.0)
+    dot = torch.matmul(yn64, y64.unsqueeze(-1)).squeeze(-1)  # (B, m, c)
+    norms = torch.linalg.vector_norm(yn64, dim=-1) * torch.linalg.vector_norm(y64, dim=-1, keepdim=True)
+    return (1.0 - dot / norms.clamp(min=1e-8)).clamp_(min=0.0).transpose(1, 2)
 
 
 def _minus_product(

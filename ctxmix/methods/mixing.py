@@ -89,7 +89,8 @@ def _chunks(n: int, width: int, copies: int = 4, batch: int = 1, device="cpu") -
     """Row index chunks so that a (batch, rows, n, width) tensor times `copies` stays in budget, with
     several rows per chunk on a card where it holds them (`chunk_rows`)."""
     size = chunk_rows(n, width, copies, batch, chunk_elements(device, CHUNK_ELEMENTS), card_elements(device))
-    size = -(-n // -(-n // max(1, size)))  # as many chunks, of even sizes: no thin last chunk (a slow product)
+    if n > 0:  # as many chunks, of even sizes: no thin last chunk (a slow product)
+        size = -(-n // -(-n // max(1, size)))
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
