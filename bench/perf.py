@@ -68,6 +68,8 @@ from perf_common import (  # noqa: E402
     log,
     machine,
     matmul_rates,
+    paired_ratios,
+    paired_rounds,
     peak_rss_mb,
     reset_peak_rss,
     row,
@@ -144,7 +146,7 @@ def bench_value_zeroing(a, dev) -> list[dict]:
     # context); ctxmix runs the FF on n^2 perturbed vectors and mixes the removed values
     fl_loop = L * n * (2 * n * (4 * d * d + 2 * d * dff) + 4 * n * n * d)
     fl_cm = vz_flops(m, n)
-    goal = 60.0 if torch.device(dev).type == "cuda" else 3.0
+    goal = 60.0 if torch.device(dev).type == "cuda" else 4.0  # the GPU rate issue's goals
     return [
         row(
             f"value zeroing n={n}, BERT-base (random): speed-up over the per-token loop",
@@ -206,18 +208,29 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
             parts[meth], _ = timed(lambda: ctxmix.explain(m, None, [meth], input_ids=ids), dev)  # noqa: B023 - called at once
         rates.append(matmul_rates(dev, size))
     t_scope = t_vz = t_slow = t_all = None
+    paired: dict[str, list[float]] = {}  # per round: FLOP rate / the matmul rate measured around that round
     if "flops" in sections:
-        log(f"scope_maps n={n} (factorised): engine and the user's call, interleaved")
-        t_scope_engine, t_scope, _, fast = timed_pair(
-            lambda: scope_layer_maps(trace_ids(m, ids)), lambda: ctxmix.scope_maps(m, input_ids=ids), dev, a.repeat
-        )
+        rounds = a.repeat + 1
+        log(f"scope_maps n={n} (factorised): engine and user's call, {rounds} rounds, each followed by the matmul rate")
+        calls = {
+            "engine": lambda: scope_layer_maps(trace_ids(m, ids)),
+            "user": lambda: ctxmix.scope_maps(m, input_ids=ids),
+        }
+        times, scope_rates, res = paired_rounds(calls, dev, size, rounds)
+        t_scope_engine, t_scope, fast = min(times["engine"]), min(times["user"]), res["user"]
+        paired["scope"] = paired_ratios(L * 2 * n * n * d * dff, times["user"], scope_rates)
         rates.append(matmul_rates(dev, size))
         if "value_zeroing" in parts:
             t_vz = parts["value_zeroing"]
         else:
-            log(f"value zeroing n={n}")
-            # best of --repeat, as the scope row: one run on a shared machine reads its drift, not the code
-            t_vz, _ = timed(lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids), dev, a.repeat)
+            log(f"value zeroing n={n}: {rounds} rounds, each followed by the matmul rate")
+            times, vz_rates, _ = paired_rounds(
+                {"user": lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids)}, dev, size, rounds
+            )
+            t_vz = min(times["user"])  # best of the rounds, as the scope row: one run reads a shared machine's drift
+            paired["vz"] = paired_ratios(vz_flops(m, n), times["user"], vz_rates)
+            rates += [(r, r) for r in vz_rates]
+        rates += [(r, r) for r in scope_rates]
         log(f"scope maps n={n}, straightforward FF product (factorised=False)")
         t_slow, slow = timed(lambda: scope_layer_maps(trace_ids(m, ids), factorised=False), dev)
         diff = max(float(np.abs(fast[k] - slow[k]).max()) for k in fast)
@@ -241,24 +254,37 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
     ]
     if t_scope is not None:
         fl, fl_vz = L * 2 * n * n * d * dff, vz_flops(m, n)
+        goal = 0.60 if cuda else 0.75  # the GPU rate issue's goals: 0.60 of a GPU's rate, 0.75 of a CPU's
+        for key, what, flops_text, t, fl_k, call in (
+            ("scope", f"scope_maps n={n}", "2 n^2 d d' per layer", t_scope, fl, "scope_maps"),
+            ("vz", f"value zeroing n={n}", "2 n^2 (d d' + H d' + H d) per layer", t_vz, fl_vz, "explain"),
+        ):
+            per_round = paired.get(key)
+            if per_round:
+                med = float(np.median(per_round))
+                rows.append(
+                    row(
+                        f"{what}: achieved FLOP rate ({flops_text}) / the matmul rate measured around the same "
+                        f"round (median of {len(per_round)} rounds)",
+                        f"{fl_k / t / 1e9:.1f} GFLOP/s (best {t:.2f} s, {call})",
+                        "rounds " + ", ".join(f"{r:.2f}" for r in per_round),
+                        med,
+                        f">= {goal:.2f}",
+                        med >= goal,
+                    )
+                )
+            rows.append(
+                row(
+                    f"{what}: the best time's FLOP rate / the best sustained matmul rate of the whole section "
+                    "(strict: two moments of a drifting machine)",
+                    f"{fl_k / t / 1e9:.1f} GFLOP/s ({t:.2f} s)",
+                    f"{rate / 1e9:.1f} GFLOP/s ({fl_k / t / peak:.2f} of the best single product)",
+                    fl_k / t / rate,
+                    "report" if per_round else f">= {goal:.2f}",
+                    None if per_round else fl_k / t / rate >= goal,
+                )
+            )
         rows += [
-            row(
-                f"scope_maps n={n}: achieved FLOP rate (2 n^2 d d' per layer) / sustained matmul rate",
-                f"{fl / t_scope / 1e9:.1f} GFLOP/s ({t_scope:.2f} s)",
-                f"{rate / 1e9:.1f} GFLOP/s ({fl / t_scope / peak:.2f} of the best single product)",
-                fl / t_scope / rate,
-                ">= 0.60",
-                fl / t_scope / rate >= 0.6,
-            ),
-            row(
-                f"value zeroing n={n}: achieved FLOP rate (2 n^2 (d d' + H d' + H d) per layer) "
-                "/ sustained matmul rate",
-                f"{fl_vz / t_vz / 1e9:.1f} GFLOP/s ({t_vz:.2f} s, explain(value_zeroing))",
-                f"{rate / 1e9:.1f} GFLOP/s ({fl_vz / t_vz / peak:.2f} of the best single product)",
-                fl_vz / t_vz / rate,
-                ">= 0.60",
-                fl_vz / t_vz / rate >= 0.6,
-            ),
             user_row(f"scope maps n={n}", t_scope, t_scope_engine, "scope_maps", "scope_layer_maps(trace_ids)"),
             row(
                 f"scope_maps n={n}: factorised W_1 vs the straightforward FF product (speed-up)",

@@ -106,6 +106,28 @@ def timed_pair(engine, user, device, repeat: int = 3):
     return te, tu, re, ru
 
 
+def paired_rounds(fns: dict, device, size: int, rounds: int, seconds: float = 1.0) -> tuple[dict, list[float], dict]:
+    """({name: [seconds per round]}, [sustained matmul rate before round 1, after round 1, ..., after the last],
+    {name: the last result}): each round runs every fn once, then measures the matmul rate for `seconds`. A
+    call's FLOP rate over the better of the two rates measured just before and just after its round is then a
+    ratio of two numbers taken under the same machine state: on a shared machine the matmul rate drifts by a
+    third within a minute (seen here: 161-232 GFLOP/s in one section), which a section-wide best rate mixes in."""
+    times: dict = {k: [] for k in fns}
+    results: dict = {}
+    rates = [matmul_rates(device, size, seconds)[0]]
+    for _ in range(max(1, rounds)):
+        for k, fn in fns.items():
+            t, results[k] = timed(fn, device)
+            times[k].append(t)
+        rates.append(matmul_rates(device, size, seconds)[0])
+    return times, rates, results
+
+
+def paired_ratios(flops: float, times: list[float], rates: list[float]) -> list[float]:
+    """Each round's FLOP rate over the better of the matmul rates around it (see `paired_rounds`)."""
+    return [flops / t / max(rates[k], rates[k + 1]) for k, t in enumerate(times)]
+
+
 def user_row(what: str, t_user: float, t_engine: float, user: str, engine: str) -> dict:
     """A row comparing the call a user makes with the engine function a speed row times, on the same
     input in the same process: ratio = user / engine, and the overhead in seconds (tracing, checks and

@@ -20,11 +20,12 @@ import torch
 from perf_common import bert_base, ids_for, matmul_rates, sync, widths
 
 MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_", "aten::addbmm"}
-MATMUL |= {"aten::_scaled_mm"}
+MATMUL |= {"aten::_scaled_mm", "mkl::_mkl_linear"}
 REDUCTION = {"aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::amax", "aten::max"}
 REDUCTION |= {"aten::min", "aten::amin", "aten::cumsum", "aten::var_mean", "aten::std"}
 COPY = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::stack", "aten::index"}
 COPY |= {"aten::index_select", "aten::gather", "aten::_to_copy", "aten::to", "aten::fill_", "aten::zero_"}
+COPY |= {"mkl::_mkl_reorder_linear_weight"}
 COPY |= {"aten::zeros", "aten::empty", "aten::empty_strided", "aten::new_zeros", "aten::index_put_", "aten::scatter_"}
 ELEMENTWISE = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::div"}
 ELEMENTWISE |= {"aten::div_", "aten::abs", "aten::abs_", "aten::sqrt", "aten::rsqrt", "aten::pow", "aten::neg"}
@@ -85,8 +86,11 @@ def profile(fn, device, shapes_too: bool = False) -> tuple[dict, dict]:
 
 
 def _product_flops(op: str, shapes) -> int:
-    """The FLOPs of one product from its input shapes (mm/addmm: (a, b) x (b, c); bmm/baddbmm: batched)."""
+    """The FLOPs of one product from its input shapes (mm/addmm: (a, b) x (b, c); bmm/baddbmm: batched; MKL's
+    packed linear: input (a, b), packed weight, weight (c, b))."""
     mats = [s for s in shapes if len(s) in (2, 3)]
+    if op == "mkl::_mkl_linear":
+        return 2 * shapes[0][0] * shapes[0][1] * shapes[2][0] if len(shapes) > 2 and len(shapes[2]) == 2 else 0
     if op in ("aten::addmm", "aten::baddbmm", "aten::baddbmm_"):
         mats = mats[1:3] if len(mats) >= 3 else mats[-2:]
     if len(mats) < 2:

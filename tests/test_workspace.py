@@ -126,3 +126,65 @@ def test_fast_scale_is_the_norms_scale(kind):
     for dtype, rtol in ((torch.float32, 8 * 2.0**-23), (torch.float64, 8 * 2.0**-52)):
         norm = Norm(kind, *(None if t is None else t.to(dtype) for t in (gamma, beta)), 1e-5)
         torch.testing.assert_close(norm.fast_scale(z.to(dtype)), norm.scale(z.to(dtype)), rtol=rtol, atol=0)
+
+
+def test_workspace_product_packs_once_and_never_serves_a_stale_weight():
+    """Workspace.product is a @ W (added onto `into` when given). Where MKL packs float32 weights, the second
+    product with the same W and M runs on the packed copy; the result stays mm's within float32 rounding of K
+    terms (MKL's packed kernel gave the same bits here), and a weight changed in place, another weight or
+    another M is never served from the old packed copy."""
+    from ctxmix.engine.workspace import MKL_PACKING
+
+    g = torch.Generator().manual_seed(0)
+    K, N = 96, 40
+    weight = torch.randn(N, K, generator=g)
+    W = weight.t()  # (K, N), a view of an nn.Linear-style weight, as LayerWeights holds it
+
+    def close(got, a, W, base=None):
+        want = a.double() @ W.double() + (0 if base is None else base.double())
+        bound = K * 2.0**-24 * (a.abs().double() @ W.abs().double()) + (0 if base is None else 2.0**-24 * want.abs())
+        assert ((got.double() - want).abs() <= bound + 1e-30).all()
+
+    w = Workspace()
+    a = torch.randn(24, K, generator=g)
+    for _ in range(3):  # plain, then packed, then packed again
+        close(w.product("W", a, W), a, W)
+    assert not MKL_PACKING or w._packed["W"][3] is not None  # the packed path ran
+    base = torch.randn(24, N, generator=g)
+    got = w.product("W", a, W, into=base.clone())
+    close(got, a, W, base)
+    weight.mul_(-2.0)  # changed in place: its version counter moves
+    close(w.product("W", a, W), a, W)
+    close(w.product("W", a, W), a, W)
+    other = torch.randn(K, N, generator=g)
+    close(w.product("W", a, other), a, other)
+    a2 = torch.randn(7, K, generator=g)
+    close(w.product("W", a2, W), a2, W)
+    a64 = a.double()
+    assert torch.equal(w.product("W", a64, W.double()), a64 @ W.double())  # not float32: the plain product
+
+
+def test_norm_fused_with_scale_takes_a_shift_into_beta():
+    """fused_with_scale(z, shift) is the norm of z plus shift (value zeroing folds b_2 into LN1's beta)."""
+    from ctxmix.engine.arch import Norm
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(3, 5, 64, generator=g)
+    shift = torch.randn(64, generator=g)
+    for kind, beta in (("layernorm", torch.randn(64, generator=g)), ("layernorm", None), ("rmsnorm", None)):
+        norm = Norm(kind, torch.randn(64, generator=g), beta, 1e-5)
+        out, s = norm.fused_with_scale(z, shift)
+        torch.testing.assert_close(out, norm(z) + shift, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(s, norm.scale(z), rtol=8 * 2.0**-23, atol=0)
+
+
+def test_columns_gathers_tokens_of_either_layout():
+    """`_columns` takes tokens of a (B, n, H, k) tensor whether it is contiguous or a (t, h) view of (B, H, n, k)
+    storage (project_heads' uncopied layout): the same values as plain indexing."""
+    from ctxmix.engine.layer import _columns
+
+    g = torch.Generator().manual_seed(2)
+    heads_first = torch.randn(2, 3, 10, 8, generator=g)  # (B, H, n, k)
+    cols = torch.tensor([1, 4, 5, 9])
+    for t in (heads_first.transpose(1, 2), heads_first.transpose(1, 2).contiguous()):
+        assert torch.equal(_columns(t, cols), t[:, cols])

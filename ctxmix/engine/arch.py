@@ -525,13 +525,15 @@ class Norm:
             return self(z)
         return torch.nn.functional.layer_norm(z, z.shape[-1:], self.gamma, self.beta, self.eps)
 
-    def fused_with_scale(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_with_scale(self, z: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norm of z, its scale s (..., 1)), as (`__call__`, `scale`), from one fused LayerNorm kernel (its
         1/s comes with the output: faster than torch.var_mean alone on a CPU); RMSNorm and "identity" as the two
-        calls."""
+        calls. `shift` (d,): added to the output, folded into beta (no pass over the output of its own)."""
         if self.kind != "layernorm":
-            return self(z), self.scale(z)
-        out, _, rstd = torch.native_layer_norm(z, z.shape[-1:], self.gamma, self.beta, self.eps)
+            out = self(z)
+            return (out if shift is None else out.add_(shift)), self.scale(z)
+        beta = self.beta if shift is None else shift if self.beta is None else self.beta + shift
+        out, _, rstd = torch.native_layer_norm(z, z.shape[-1:], self.gamma, beta, self.eps)
         return out, rstd.reciprocal_().view(*z.shape[:-1], 1)
 
     def fast_scale(self, z: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,15 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
 HEAD_FF_CACHE_BYTES = 32 * 2**20  # one layer's head_ff_maps kept with its weights up to this size (BERT-base: 9 MB)
 
 
-def project_heads(lw: LayerWeights, v: torch.Tensor, precision: str = "float32") -> list[torch.Tensor]:
+def project_heads(
+    lw: LayerWeights, v: torch.Tensor, precision: str = "float32", contiguous: bool = True
+) -> list[torch.Tensor]:
     """Each head value's normalised share (before 1/s) times each FF input projection:
-    v (B, H, n, dh) -> [(B, n, H, d')], contiguous in (j, h) order for the per-chunk GEMMs."""
-    return [big_matmul(v, M, precision).transpose(1, 2).contiguous() for M in head_ff_maps(lw)]
+    v (B, H, n, dh) -> [(B, n, H, d')], contiguous in (j, h) order for the per-chunk GEMMs; with
+    `contiguous=False` a (j, h) view of the products' own (B, H, n, d') layout, for callers that take a few
+    tokens' rows per chunk (a gather copies them anyway: no (n, H, d') copy of the whole)."""
+    out = [big_matmul(v, M, precision).transpose(1, 2) for M in head_ff_maps(lw)]
+    return [t.contiguous() for t in out] if contiguous else out
 
 
 def value_bias_rows(lw: LayerWeights, ln_beta: torch.Tensor | None, alpha: torch.Tensor) -> torch.Tensor:
@@ -131,7 +136,9 @@ def mix(alpha: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 PRECISIONS = ("float32", "tf32", "bf16")
 
 
-def big_matmul(a: torch.Tensor, W: torch.Tensor, precision: str = "float32") -> torch.Tensor:
+def big_matmul(
+    a: torch.Tensor, W: torch.Tensor, precision: str = "float32", work: Workspace | None = None, name: str = "W"
+) -> torch.Tensor:
     """a @ W for the large products (pieces x W_1, FF activations x W_2), in the engine's precision, set per call:
     nothing process-wide is switched (another session's float32 call is untouched).
 
@@ -140,10 +147,13 @@ def big_matmul(a: torch.Tensor, W: torch.Tensor, precision: str = "float32") -> 
     2^-16 relative per term, finer than TF32's 2^-11); on a CPU a plain float32 product. "bf16": both operands
     rounded to bfloat16, products accumulated in float32 (tensor cores on CUDA, oneDNN on CPU); the result comes
     back in the operands' dtype. Everything else (norms, LayerNorm statistics, activation shares, cosines) never
-    goes through here."""
+    goes through here. `work`: the call's `Workspace`, whose `product` packs W once for a CPU's MKL when the
+    chunks of a layer multiply by the same W (under `name`); the same bits as the plain product."""
     if precision == "tf32" and a.is_cuda and a.dtype == torch.float32 and W.dtype == torch.float32:
         return split_bf16_matmul(a, W)
     if precision != "bf16" or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if work is not None and W.dim() == 2 and a.is_contiguous():
+            return work.product(name, a.view(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[-1])
         return torch.matmul(a, W)
     Wb = W.to(torch.bfloat16)
     ab = a.to(torch.bfloat16)
@@ -447,8 +457,8 @@ def ff_pieces_factorised(
     """
     work = Workspace() if work is None else work
     B, c = st.x.shape[0], len(rows)
-    if "G" not in cache:  # (B, n, H, d') per projection
-        cache["G"] = project_heads(lw, cache["v"], precision)
+    if "G" not in cache:  # (B, n, H, d') per projection; one sequence's (n, H, d') view is a strided batch, no copy
+        cache["G"] = project_heads(lw, cache["v"], precision, contiguous=B > 1)
     if "xW" not in cache:  # the residual's piece through each projection, every row at once (B, n, d')
         ones = torch.ones(*st.x.shape[:2], 1, dtype=st.x.dtype, device=st.x.device)
         xg = norm.decompose_pieces(st.x.unsqueeze(2), ones).squeeze(2)  # (B, n, d)
@@ -469,7 +479,8 @@ def ff_pieces_factorised(
         hT = project(0, up * I1).add_(project(1, I2))
     else:
         hT = project(0, _layer_ig_ratio(lw, st, cache)[:, rows])
-    return big_matmul(hT, lw.W2, precision).transpose(1, 2), ff_bias(lw, st, rows, b, cache, gated_nodes)
+    F_ff = big_matmul(hT, lw.W2, precision, work, "W2").transpose(1, 2)
+    return F_ff, ff_bias(lw, st, rows, b, cache, gated_nodes)
 
 
 def _layer_ig_ratio(lw: LayerWeights, st: LayerState, cache: dict) -> torch.Tensor:
@@ -535,6 +546,19 @@ def _next_ln(
         out[name] = _through(lw.next_norm, F, b, st.y[:, rows], _buffer(work, name, F))
 
 
+def _bias_rows(
+    lw: LayerWeights, st: LayerState, cache: dict, ln_beta: torch.Tensor | None, norm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's bias piece after the attention block (the value bias through alpha, b_O, and pre-LN's LN1
+    beta) and its share through the norm the FF reads (of r1): (B, n, d) each, once per layer (`cache`), where
+    each chunk takes its rows. The FF input's ("ff_bias_in") lets `ff_bias` run its products once per layer."""
+    if "bias_rows" not in cache:
+        b = value_bias_rows(lw, ln_beta, st.alpha) + lw.bo
+        cache["bias_rows"] = (b, norm.decompose_bias(b, norm.scale(st.r1)))
+        cache["ff_bias_in"] = cache["bias_rows"][1]
+    return cache["bias_rows"]
+
+
 @_unbatched
 def scope_pieces(
     lw: LayerWeights,
@@ -570,15 +594,12 @@ def scope_pieces(
             cache["v"] = head_values(lw, st.x, with_bias=False)
             cache["f"] = values_through_heads(lw, cache["v"])
         f = cache["f"]
-        b = value_bias_rows(lw, None, alpha) + lw.bo
+        b_atb = _bias_rows(lw, st, cache, None, lw.ln1)[1][:, rows]
         F = _diag_add(mix(alpha, f), rows, st.x[:, rows], in_place=True)
         s1 = lw.ln1.scale(st.r1[:, rows])
-        F_atb, b_atb = lw.ln1.decompose_pieces(F, s1, out=F), lw.ln1.decompose_bias(b, s1)  # F: not read again
+        F_atb = lw.ln1.decompose_pieces(F, s1, out=F)  # F: not read again
         out["Atb"] = (F_atb, b_atb)
         if factorised:
-            if "ff_bias_in" not in cache:  # every row's FF input bias, for ff_bias's once-per-layer products
-                b_all = value_bias_rows(lw, None, st.alpha) + lw.bo
-                cache["ff_bias_in"] = lw.ln1.decompose_bias(b_all, lw.ln1.scale(st.r1))
             F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision, work=work)
         else:
             F_ff, b_ff = ff_pieces(lw, st, rows, F_atb, b_atb, cache=cache)
@@ -601,16 +622,14 @@ def scope_pieces(
         cache["v"] = head_values(lw, xhat, with_bias=False)
         cache["f"] = values_through_heads(lw, cache["v"])
     f = cache["f"]
-    b = value_bias_rows(lw, lw.ln1.beta, alpha) + lw.bo
+    b_all, b_in = _bias_rows(lw, st, cache, lw.ln1.beta, lw.ln2)
+    b, b_ln = b_all[:, rows], b_in[:, rows]
     F_atb = _diag_add(mix(alpha, f), rows, st.x[:, rows], in_place=True)
     out["Atb"] = (F_atb, b)
     s2 = lw.ln2.scale(st.r1[:, rows])
-    F_ln, b_ln = lw.ln2.decompose_pieces(F_atb, s2, out=_buffer(work, "AtbLn", F_atb)), lw.ln2.decompose_bias(b, s2)
+    F_ln = lw.ln2.decompose_pieces(F_atb, s2, out=_buffer(work, "AtbLn", F_atb))
     out["AtbLn"] = (F_ln, b_ln)
     if factorised:
-        if "ff_bias_in" not in cache:  # every row's FF input bias, for ff_bias's once-per-layer products
-            b_all = value_bias_rows(lw, lw.ln1.beta, st.alpha) + lw.bo
-            cache["ff_bias_in"] = lw.ln2.decompose_bias(b_all, lw.ln2.scale(st.r1))
         F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln2, s2, b_ln, cache, precision=precision, work=work)
     else:
         F_ff, b_ff = ff_pieces(lw, st, rows, F_ln, b_ln, cache=cache)
@@ -798,8 +817,8 @@ def alti_layer(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "float32") -> dict:
     """Per-layer products that every chunk of zeroed tokens shares (see value_zeroing_columns):
     the head vectors f^h(x_t) (B, n, H, d), and for each FF input projection W (W_1, or gate and up)
-    A = centre(r1) (gamma W) (B, n, d'), B^h_t = centre(f^h(x_t)) (gamma W) (B, n, H, d') and the
-    constant beta W + b."""
+    A = centre(r1) (gamma W) (B, n, d'), B^h_t = centre(f^h(x_t)) (gamma W) (B, n, H, d', a (t, h) view of
+    a (B, H, n, d') tensor: `_columns` gathers a chunk's tokens) and the constant beta W + b."""
     st = st.as_batch()
     src = st.x if lw.position == "post" else st.x1
     norm = ff_in_norm(lw)
@@ -810,7 +829,7 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     r1c = norm.centre(st.r1) * norm.gamma
     proj = [
         (r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
-        for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision))
+        for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision, contiguous=False))
     ]
     return {"f": f, "norm": norm, "proj": proj}
 
@@ -890,8 +909,8 @@ def value_zeroing_columns(
         )  # (B, c, m, d)
         # base: what the FF's output is added to, this chunk's own tensor: LN1's output (post-LN: it is the FF's
         # input and joins the layer output) or the residual stream (pre-LN: LN2's output is never formed)
-        if lw.position == "post":
-            base, s = norm.fused_with_scale(h)  # (B, c, m, d), (B, c, m, 1)
+        if lw.position == "post":  # b_2 folded into LN1's beta (not in bf16, whose FF output carries it)
+            base, s = norm.fused_with_scale(h, None if precision == "bf16" else lw.b2)  # (B, c, m, d), (B, c, m, 1)
         else:
             base, s = h, norm.fast_scale(h)
         # u = (A - alpha B) / s + const = (A / s + const) - (alpha / s) B: one pass writes the first term, the
@@ -901,7 +920,8 @@ def value_zeroing_columns(
         us = []
         for k, (A, Bh, const) in enumerate(prep["proj"]):
             u = work.take(f"u{k}", (B, c, n - first, A.shape[-1]), A.dtype, A.device)
-            us.append(_minus_product(torch.addcmul(const, r, A[:, first:].unsqueeze(1), out=u), alT * r, Bh[:, cols]))
+            a_r = torch.addcmul(const, r, A[:, first:].unsqueeze(1), out=u)
+            us.append(_minus_product(a_r, alT * r, _columns(Bh, cols)))
         inner = act_into(lw.act, us[0])  # in place where the activation has such a kernel: no fresh (c, m, d')
         if lw.gated:
             inner.mul_(us[1])
@@ -911,12 +931,13 @@ def value_zeroing_columns(
             ff = big_matmul(inner - real.unsqueeze(1), lw.W2, precision).add_(st.ff[:, first:].unsqueeze(1))
             z = ff.add_(base)
         else:
-            if lw.b2 is not None:
+            if lw.b2 is not None and lw.position != "post":
                 base.add_(lw.b2)
             if precision == "tf32" and inner.is_cuda:  # `big_matmul`'s split bfloat16 product on the tensor cores
                 z = base.add_(big_matmul(inner, lw.W2, precision))
-            else:  # float32: the product accumulates onto the base in its epilogue (beta = 1), no (c, m, d) output
-                z = base.view(-1, base.shape[-1]).addmm_(inner.view(-1, inner.shape[-1]), lw.W2).view(base.shape)
+            else:  # float32: the product accumulates onto the base (in its epilogue, or one add of the packed one's)
+                flat = base.view(-1, base.shape[-1])
+                z = work.product("W2", inner.view(-1, inner.shape[-1]), lw.W2, into=flat).view(base.shape)
         del inner
         y = lw.ln2.fused(z) if lw.position == "post" else z
     # a row that gives no weight to t is unchanged: exactly 0, not the rounding of a recomputation
@@ -941,6 +962,12 @@ def cosine_distances(y_new: torch.Tensor, y: torch.Tensor, work: Workspace | Non
     dot = torch.matmul(yn64, y64.unsqueeze(-1)).squeeze(-1)  # (B, m, c)
     norms = torch.linalg.vector_norm(yn64, dim=-1) * torch.linalg.vector_norm(y64, dim=-1, keepdim=True)
     return (1.0 - dot / norms.clamp(min=1e-8)).clamp_(min=0.0).transpose(1, 2)
+
+
+def _columns(t: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Tokens `cols` of a (B, n, H, k) tensor, (B, c, H, k): for a (t, h) view of a (B, H, n, k) tensor (see
+    `project_heads`) the gather runs along n on the tensor's own layout and returns a view in (t, h) order."""
+    return t.transpose(1, 2).index_select(2, cols).transpose(1, 2)
 
 
 def _minus_product(

@@ -17,12 +17,28 @@ import torch
 import torch.nn.functional as F
 
 
+def _mkl_packing() -> bool:
+    """Whether this torch has MKL's packed float32 GEMM (x86 CPU builds; not ARM)."""
+    try:
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+MKL_PACKING = _mkl_packing()
+# MKL's packed copy of a (K, N) weight took 2.2 times the weight's bytes (BERT-base's W_2 at M = 1,664 rows): packed
+# only up to this size, so a call never holds more than ~70 MB more than the memory estimate counts. Llama-3-8B's
+# W_2 (235 MB in float32) runs unpacked.
+PACK_MAX_BYTES = 32 * 2**20
+
+
 class Workspace:
     """Named flat buffers, grown to the largest request and viewed to the shape asked for. A buffer
     handed out stays valid until the same name is taken again: callers take a name once per chunk."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._packed: dict[str, tuple[torch.Tensor, int, int, torch.Tensor | None]] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of `shape` (contiguous), from the buffer `name`."""
@@ -41,8 +57,36 @@ class Workspace:
         buf = self.take(name, tuple(t.shape[k] for k in order), t.dtype, t.device)
         return buf.permute(*[order.index(k) for k in range(t.dim())])
 
+    def product(self, name: str, a: torch.Tensor, W: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """a (M, K) @ W (K, N), added onto `into` (M, N) in place when given (the product's epilogue), as
+        torch.mm / addmm_. On a CPU with MKL, in float32, once the same W and M come a second time (the chunks of
+        one layer), W is packed for MKL once (`_mkl_reorder_linear_weight`) and kept under `name` until another W
+        or M comes: MKL then skips re-packing W inside every product, measured 5-6 % faster on the (c n, d') x
+        (d', d) products of value zeroing and the scope maps (bench/profile_passes.py), the same bits as mm (so
+        `into` then takes the product in one add, packed or not: a chunk's bits do not depend on its order). The
+        packed copy is this call's: the model's weights are never touched. W is held, so its identity and version
+        counter tell a changed weight. Weights over PACK_MAX_BYTES run unpacked (the packed copy is twice as big)."""
+        M = a.shape[0]
+        packable = MKL_PACKING and a.device.type == W.device.type == "cpu" and a.dtype == W.dtype == torch.float32
+        packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES
+        slot = self._packed.get(name)
+        same = slot is not None and slot[0] is W and slot[1] == W._version and slot[2] == M
+        if not packable:
+            return torch.mm(a, W) if into is None else into.addmm_(a, W)
+        if not same:  # the first use of this W and M: a plain product (the bits of the packed one), remembered
+            self._packed[name] = (W, W._version, M, None)
+            out = torch.mm(a, W)
+            return out if into is None else into.add_(out)
+        packed = slot[3]
+        if packed is None:  # the second use of this W and M: pack once for the rest
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(W.t().contiguous(), M)
+            self._packed[name] = (W, W._version, M, packed)
+        out = torch.ops.mkl._mkl_linear(a.contiguous(), packed, W.t(), None, M)
+        return out if into is None else into.add_(out)
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        packed = sum(p[3].numel() * p[3].element_size() for p in self._packed.values() if p[3] is not None)
+        return packed + sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 def in_place_act(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
