@@ -590,14 +590,16 @@ def scope_pieces(
     alpha = st.alpha[:, :, rows]
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if lw.position == "post":
-        if "f" not in cache:
+        if "f_ln1" not in cache:  # LN1's share of each head vector before 1/s: centred, times gamma (s = 1)
             cache["v"] = head_values(lw, st.x, with_bias=False)
-            cache["f"] = values_through_heads(lw, cache["v"])
-        f = cache["f"]
+            f = values_through_heads(lw, cache["v"])
+            cache["f_ln1"] = lw.ln1.decompose_pieces(f, f.new_ones(*f.shape[:-2], 1))  # (n, H, d) storage kept
         b_atb = _bias_rows(lw, st, cache, None, lw.ln1)[1][:, rows]
-        F = _diag_add(mix(alpha, f), rows, st.x[:, rows], in_place=True)
-        s1 = lw.ln1.scale(st.r1[:, rows])
-        F_atb = lw.ln1.decompose_pieces(F, s1, out=F)  # F: not read again
+        s1 = lw.ln1.scale(st.r1[:, rows])  # (B, c, 1)
+        # LN1's decomposition is linear in the pieces once s is known: the mix of the decomposed head vectors with
+        # alpha / s_i is the decomposed mix, with no pass over the (c, n, d) pieces of its own
+        x_ln1 = lw.ln1.decompose_pieces(st.x[:, rows].unsqueeze(-2), s1).squeeze(-2)
+        F_atb = _diag_add(mix(alpha / s1.unsqueeze(1), cache["f_ln1"]), rows, x_ln1, in_place=True)
         out["Atb"] = (F_atb, b_atb)
         if factorised:
             F_ff, b_ff = ff_pieces_factorised(lw, st, rows, lw.ln1, s1, b_atb, cache, precision=precision, work=work)
