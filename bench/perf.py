@@ -220,16 +220,13 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
         t_scope_engine, t_scope, fast = min(times["engine"]), min(times["user"]), res["user"]
         paired["scope"] = paired_ratios(L * 2 * n * n * d * dff, times["user"], scope_rates)
         rates.append(matmul_rates(dev, size))
-        if "value_zeroing" in parts:
-            t_vz = parts["value_zeroing"]
-        else:
-            log(f"value zeroing n={n}: {rounds} rounds, each followed by the matmul rate")
-            times, vz_rates, _ = paired_rounds(
-                {"user": lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids)}, dev, size, rounds
-            )
-            t_vz = min(times["user"])  # best of the rounds, as the scope row: one run reads a shared machine's drift
-            paired["vz"] = paired_ratios(vz_flops(m, n), times["user"], vz_rates)
-            rates += [(r, r) for r in vz_rates]
+        log(f"value zeroing n={n}: {rounds} rounds, each followed by the matmul rate")
+        times, vz_rates, _ = paired_rounds(
+            {"user": lambda: ctxmix.explain(m, None, ["value_zeroing"], input_ids=ids)}, dev, size, rounds
+        )
+        t_vz = min(times["user"])  # best of the rounds, as the scope row: one run reads a shared machine's drift
+        paired["vz"] = paired_ratios(vz_flops(m, n), times["user"], vz_rates)
+        rates += [(r, r) for r in vz_rates]
         rates += [(r, r) for r in scope_rates]
         log(f"scope maps n={n}, straightforward FF product (factorised=False)")
         t_slow, slow = timed(lambda: scope_layer_maps(trace_ids(m, ids), factorised=False), dev)
