@@ -226,8 +226,6 @@ def bench_flops_and_explain(a, dev, sections) -> list[dict]:
         )
         t_vz = min(times["user"])  # best of the rounds, as the scope row: one run reads a shared machine's drift
         paired["vz"] = paired_ratios(vz_flops(m, n), times["user"], vz_rates)
-        rates += [(r, r) for r in vz_rates]
-        rates += [(r, r) for r in scope_rates]
         log(f"scope maps n={n}, straightforward FF product (factorised=False)")
         t_slow, slow = timed(lambda: scope_layer_maps(trace_ids(m, ids), factorised=False), dev)
         diff = max(float(np.abs(fast[k] - slow[k]).max()) for k in fast)

@@ -529,9 +529,8 @@ class Norm:
         """(the norm of z, its scale s (..., 1)), as (`__call__`, `scale`), from one fused LayerNorm kernel (its
         1/s comes with the output: faster than torch.var_mean alone on a CPU); RMSNorm and "identity" as the two
         calls. `shift` (d,): added to the output, folded into beta (no pass over the output of its own)."""
-        if self.kind != "layernorm":
-            out = self(z)
-            return (out if shift is None else out.add_(shift)), self.scale(z)
+        if self.kind != "layernorm":  # not in place: "identity" returns z itself
+            return (self(z) if shift is None else self(z) + shift), self.scale(z)
         beta = self.beta if shift is None else shift if self.beta is None else self.beta + shift
         out, _, rstd = torch.native_layer_norm(z, z.shape[-1:], self.gamma, beta, self.eps)
         return out, rstd.reciprocal_().view(*z.shape[:-1], 1)

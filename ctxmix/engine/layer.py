@@ -148,7 +148,7 @@ def big_matmul(
     rounded to bfloat16, products accumulated in float32 (tensor cores on CUDA, oneDNN on CPU); the result comes
     back in the operands' dtype. Everything else (norms, LayerNorm statistics, activation shares, cosines) never
     goes through here. `work`: the call's `Workspace`, whose `product` packs W once for a CPU's MKL when the
-    chunks of a layer multiply by the same W (under `name`); the same bits as the plain product."""
+    chunks of a layer multiply by the same W (under `name`), within float32 rounding of the plain product."""
     if precision == "tf32" and a.is_cuda and a.dtype == torch.float32 and W.dtype == torch.float32:
         return split_bf16_matmul(a, W)
     if precision != "bf16" or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -27,9 +27,19 @@ def _mkl_packing() -> bool:
 
 MKL_PACKING = _mkl_packing()
 # MKL's packed copy of a (K, N) weight took 2.2 times the weight's bytes (BERT-base's W_2 at M = 1,664 rows): packed
-# only up to this size, so a call never holds more than ~70 MB more than the memory estimate counts. Llama-3-8B's
-# W_2 (235 MB in float32) runs unpacked.
+# only up to this size, so a call holds at most ~70 MB more than the memory estimate counts, plus the last packed
+# weight itself until the next layer's (for a model read one layer at a time). Llama-3-8B's W_2 (235 MB in float32)
+# runs unpacked.
 PACK_MAX_BYTES = 32 * 2**20
+
+
+def _full_float32() -> bool:
+    """Whether float32 products run in full float32 on a CPU (torch's default): a process-wide "medium" or "high"
+    matmul precision sends torch.mm through oneDNN in bf16, which MKL's packed product would not follow, so one
+    layer's chunks would mix two precisions."""
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    lowered = getattr(mkldnn, "fp32_precision", "none") not in ("none", "ieee")
+    return torch.get_float32_matmul_precision() == "highest" and not lowered
 
 
 class Workspace:
@@ -38,7 +48,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._packed: dict[str, tuple[torch.Tensor, int, int, torch.Tensor | None]] = {}
+        self._packed: dict[str, tuple[torch.Tensor, int, int, int, torch.Tensor | None]] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of `shape` (contiguous), from the buffer `name`."""
@@ -62,30 +72,32 @@ class Workspace:
         torch.mm / addmm_. On a CPU with MKL, in float32, once the same W and M come a second time (the chunks of
         one layer), W is packed for MKL once (`_mkl_reorder_linear_weight`) and kept under `name` until another W
         or M comes: MKL then skips re-packing W inside every product, measured 5-6 % faster on the (c n, d') x
-        (d', d) products of value zeroing and the scope maps (bench/profile_passes.py), the same bits as mm (so
-        `into` then takes the product in one add, packed or not: a chunk's bits do not depend on its order). The
-        packed copy is this call's: the model's weights are never touched. W is held, so its identity and version
-        counter tell a changed weight. Weights over PACK_MAX_BYTES run unpacked (the packed copy is twice as big)."""
+        (d', d) products of value zeroing and the scope maps (bench/profile_passes.py). MKL's packed kernel gave the
+        same bits as mm at those sizes (M >= 500) but rounds differently at small M (float32 rounding of K terms,
+        within the bound tests/test_workspace.py checks). The packed copy is this call's: the model's weights are
+        never touched. W is held, so its identity, storage and version counter tell a changed weight. Weights over
+        PACK_MAX_BYTES, and a process whose float32 products are set to run in bf16 or tf32, run unpacked."""
         M = a.shape[0]
         packable = MKL_PACKING and a.device.type == W.device.type == "cpu" and a.dtype == W.dtype == torch.float32
-        packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES
+        packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES and _full_float32()
         slot = self._packed.get(name)
-        same = slot is not None and slot[0] is W and slot[1] == W._version and slot[2] == M
+        key = (W._version, W.data_ptr(), M)
+        same = slot is not None and slot[0] is W and slot[1:4] == key
         if not packable:
             return torch.mm(a, W) if into is None else into.addmm_(a, W)
-        if not same:  # the first use of this W and M: a plain product (the bits of the packed one), remembered
-            self._packed[name] = (W, W._version, M, None)
+        if not same:  # the first use of this W and M: a plain product, remembered (one chunk alone never pays)
+            self._packed[name] = (W, *key, None)
             out = torch.mm(a, W)
             return out if into is None else into.add_(out)
-        packed = slot[3]
+        packed = slot[4]
         if packed is None:  # the second use of this W and M: pack once for the rest
             packed = torch.ops.mkl._mkl_reorder_linear_weight(W.t().contiguous(), M)
-            self._packed[name] = (W, W._version, M, packed)
+            self._packed[name] = (W, *key, packed)
         out = torch.ops.mkl._mkl_linear(a.contiguous(), packed, W.t(), None, M)
         return out if into is None else into.add_(out)
 
     def nbytes(self) -> int:
-        packed = sum(p[3].numel() * p[3].element_size() for p in self._packed.values() if p[3] is not None)
+        packed = sum(p[4].numel() * p[4].element_size() for p in self._packed.values() if p[4] is not None)
         return packed + sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
