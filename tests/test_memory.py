@@ -130,12 +130,15 @@ class LiveTensorBytes(TorchDispatchMode):
             known = self.seen.get(id(t))
             if known is not None and known() is t:
                 continue
-            key = t.untyped_storage().data_ptr()
+            try:
+                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except NotImplementedError:  # an opaque tensor (MKL's packed weight): no storage, its own bytes
+                key, nbytes = id(t), t.numel() * t.element_size()
             if key == 0 or key in self.old:
                 continue
             self.seen[id(t)] = weakref.ref(t)
             if key not in self.refs:
-                self.size[key] = t.untyped_storage().nbytes()
+                self.size[key] = nbytes
                 self.live += self.size[key]
                 self.refs[key] = 0
             self.refs[key] += 1

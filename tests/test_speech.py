@@ -12,7 +12,7 @@ from test_reconstruction import TOL, _check
 import ctxmix
 from ctxmix.engine.arch import spec_for
 from ctxmix.engine.inputs import NOT_AN_ID, audio_input, trace_audio
-from ctxmix.engine.layer import norm_family_pieces
+from ctxmix.engine.layer import norm_family_pieces, value_zeroing_columns
 from ctxmix.errors import BadInput, UnsupportedArchitecture
 from ctxmix.methods.mixing import value_zeroing_maps
 from ctxmix.methods.registry import MIXING_METHODS
@@ -82,7 +82,14 @@ def test_value_zeroing_factorised_equals_straightforward_on_a_clip(speech):
     tr = trace_audio(speech, clip(0.1), sampling_rate=16000)
     fast, slow = value_zeroing_maps(tr), value_zeroing_maps(tr, factorised=False)
     np.testing.assert_allclose(fast.sum(-1), 1.0, atol=1e-12)
-    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-10)
+    # the two routes round y_i differently by ~eps relative; a distance D = 1 - cos then carries ~eps / D relative
+    # error (a random model's distances are small: 1e-7 here), which the row normalisation keeps
+    D = min(
+        float(value_zeroing_columns(lw, st, torch.arange(tr.n), factorised=False).min())
+        for lw, st in zip(speech.layers, tr.states)
+    )
+    assert D > 0
+    np.testing.assert_allclose(fast, slow, rtol=64 * np.finfo(np.float64).eps / D, atol=0)
 
 
 def test_explain_a_clip_with_every_mixing_method(speech):
