@@ -111,15 +111,17 @@ def paired_rounds(fns: dict, device, size: int, rounds: int, seconds: float = 1.
     {name: the last result}): each round runs every fn once, then measures the matmul rate for `seconds`. A
     call's FLOP rate over the better of the two rates measured just before and just after its round is then a
     ratio of two numbers taken under the same machine state: on a shared machine the matmul rate drifts by a
-    third within a minute (seen here: 161-232 GFLOP/s in one section), which a section-wide best rate mixes in."""
+    third within a minute (seen here: 161-232 GFLOP/s in one section), which a section-wide best rate mixes in.
+    seconds = 0: no matmul rate (rates []), for calls compared with each other round by round."""
     times: dict = {k: [] for k in fns}
     results: dict = {}
-    rates = [matmul_rates(device, size, seconds)[0]]
+    rates = [matmul_rates(device, size, seconds)[0]] if seconds > 0 else []
     for _ in range(max(1, rounds)):
         for k, fn in fns.items():
             t, results[k] = timed(fn, device)
             times[k].append(t)
-        rates.append(matmul_rates(device, size, seconds)[0])
+        if seconds > 0:
+            rates.append(matmul_rates(device, size, seconds)[0])
     return times, rates, results
 
 

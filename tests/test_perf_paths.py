@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES, tiny_model
 
+import ctxmix.engine.workspace
 import ctxmix.methods.mixing
 from ctxmix.engine.trace import trace_ids
 from ctxmix.methods.mixing import scope_layer_maps, value_zeroing_maps
@@ -31,6 +32,8 @@ perf = _bench_perf()
 def chunking(request, monkeypatch):
     if request.param == "many chunks":  # a few rows (or zeroed tokens) per chunk
         monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
+    if request.param != "one chunk":  # chunks of equal size: the second runs on MKL's packed W_2, on any CPU with MKL
+        monkeypatch.setattr(ctxmix.engine.workspace, "PACK_WEIGHTS", ctxmix.engine.workspace.MKL_PACKING)
     if request.param == "single rows":  # one row (or zeroed token) per chunk: views of one row must stay views
         monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 1)
     return request.param

@@ -128,13 +128,15 @@ def test_fast_scale_is_the_norms_scale(kind):
         torch.testing.assert_close(norm.fast_scale(z.to(dtype)), norm.scale(z.to(dtype)), rtol=rtol, atol=0)
 
 
-def test_workspace_product_packs_once_and_never_serves_a_stale_weight():
+def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatch):
     """Workspace.product is a @ W (added onto `into` when given). Where MKL packs float32 weights, the second
     product with the same W and M runs on the packed copy; the result stays mm's within float32 rounding of K
     terms (MKL's packed kernel gave the same bits here), and a weight changed in place, another weight or
     another M is never served from the old packed copy."""
+    from ctxmix.engine import workspace
     from ctxmix.engine.workspace import MKL_PACKING
 
+    monkeypatch.setattr(workspace, "PACK_WEIGHTS", MKL_PACKING)  # the packed path on any CPU with MKL, AMD too
     g = torch.Generator().manual_seed(0)
     K, N = 96, 40
     weight = torch.randn(N, K, generator=g)
@@ -177,6 +179,26 @@ def test_workspace_product_packs_once_and_never_serves_a_stale_weight():
         assert lowered._packed.get("W") is None
     finally:
         torch.set_float32_matmul_precision(before)
+    # where packing does not pay (PACK_WEIGHTS off: CPUs other than Intel's) nothing is packed, and the result is mm's
+    monkeypatch.setattr(workspace, "PACK_WEIGHTS", False)
+    plain = Workspace()
+    for _ in range(3):
+        assert torch.equal(plain.product("W", a, W), a @ W)
+    assert plain._packed.get("W") is None
+
+
+def test_packing_is_on_where_it_was_measured_to_pay():
+    """Workspace.product packs on Intel CPUs with MKL only (measured no faster on an AMD EPYC)."""
+    from ctxmix.engine import workspace
+
+    assert workspace.PACK_WEIGHTS == (workspace.MKL_PACKING and workspace._intel_cpu())
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendors = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if vendors:
+        assert workspace._intel_cpu() == (vendors == {"GenuineIntel"})
 
 
 def test_norm_fused_with_scale_takes_a_shift_into_beta():

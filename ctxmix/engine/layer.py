@@ -316,9 +316,18 @@ def layer_forward(lw: LayerWeights, x: torch.Tensor, alpha: torch.Tensor) -> Lay
     if lw.position != "post":
         x1 = lw.ln1(x)
         src = x1
-    f = head_vectors(lw, src, with_bias=True)
-    attn = torch.matmul(alpha, f).sum(-3) + lw.bo
+    attn = attention_output(lw, alpha, head_values(lw, src, with_bias=True))
     return state_from_attention(lw, x, alpha, attn, x1)
+
+
+def attention_output(lw: LayerWeights, alpha: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention block's output sum_h (alpha^h v^h) W_O^h + b_O: alpha (..., H, m, n), v (..., H, n, dh) ->
+    (..., m, d). As the model computes it: the heads' context vectors side by side, one product with W_O. Mixing
+    the (H, n, d) head vectors instead costs H times the multiply-adds, in products of inner width n that ran at
+    a tenth of the matmul rate (a third of the trace's time at 64 tokens on BERT-base)."""
+    ctx = torch.matmul(alpha, v)  # (..., H, m, dh)
+    ctx = ctx.transpose(-3, -2).reshape(*ctx.shape[:-3], ctx.shape[-2], -1)  # (..., m, H dh)
+    return torch.matmul(ctx, lw.Wo).add_(lw.bo)
 
 
 def state_from_attention(

@@ -39,7 +39,7 @@ from ctxmix.engine.attention import (  # noqa: F401 - re-exported: the rows trac
     family_eager,
     query_block_rows,
 )
-from ctxmix.engine.layer import LayerState, head_values, state_from_attention
+from ctxmix.engine.layer import LayerState, attention_output, head_values, state_from_attention
 from ctxmix.engine.models import Model
 from ctxmix.engine.streaming import ReplayedStates, attention_modules
 from ctxmix.engine.trace import _activations, _forward, _kept_logits
@@ -111,8 +111,7 @@ def layer_rows_forward(lw, x: torch.Tensor, alpha_rows: torch.Tensor, Q: torch.T
     (`state_from_attention`) at the rows. x and x1 stay whole (see the module docstring)."""
     x1 = lw.ln1(x) if lw.position != "post" else None
     v = head_values(lw, x if x1 is None else x1, with_bias=True)  # (H, n, dh)
-    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)  # (H, dh, d)
-    attn = torch.matmul(torch.matmul(alpha_rows, v), Wo).sum(0) + lw.bo  # (T, d)
+    attn = attention_output(lw, alpha_rows, v)  # (T, d)
     st = state_from_attention(lw, x[Q], alpha_rows, attn, None if x1 is None else x1[Q])
     return dataclasses.replace(st, x=x, x1=x1)
 

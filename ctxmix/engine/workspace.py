@@ -11,6 +11,7 @@ allocator already reuses blocks; the workspace changes nothing there but the boo
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,23 @@ def _mkl_packing() -> bool:
         return False
 
 
+def _intel_cpu() -> bool:
+    """Whether the CPU is Intel's (Linux's /proc/cpuinfo, else the platform's processor string)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return "GenuineIntel" in platform.processor()
+
+
 MKL_PACKING = _mkl_packing()
+# Whether `Workspace.product` packs: on Intel CPUs MKL's packed product ran 5-6 % faster than mm on value zeroing's
+# W_2 product (Xeon, AVX-512 and AMX); on an AMD EPYC (Zen 4, AVX-512) it ran no faster (181-184 against 180-193
+# GFLOP/s, 2026-11-29), so packing there only adds the pack itself (4-10 ms a layer).
+PACK_WEIGHTS = MKL_PACKING and _intel_cpu()
 # MKL's packed copy of a (K, N) weight took 2.2 times the weight's bytes (BERT-base's W_2 at M = 1,664 rows): packed
 # only up to this size, so a call holds at most ~70 MB more than the memory estimate counts, plus the last packed
 # weight itself until the next layer's (for a model read one layer at a time). Llama-3-8B's W_2 (235 MB in float32)
@@ -69,16 +86,17 @@ class Workspace:
 
     def product(self, name: str, a: torch.Tensor, W: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """a (M, K) @ W (K, N), added onto `into` (M, N) in place when given (the product's epilogue), as
-        torch.mm / addmm_. On a CPU with MKL, in float32, once the same W and M come a second time (the chunks of
-        one layer), W is packed for MKL once (`_mkl_reorder_linear_weight`) and kept under `name` until another W
-        or M comes: MKL then skips re-packing W inside every product, measured 5-6 % faster on the (c n, d') x
-        (d', d) products of value zeroing and the scope maps (bench/profile_passes.py). MKL's packed kernel gave the
-        same bits as mm at those sizes (M >= 500) but rounds differently at small M (float32 rounding of K terms,
-        within the bound tests/test_workspace.py checks). The packed copy is this call's: the model's weights are
-        never touched. W is held, so its identity, storage and version counter tell a changed weight. Weights over
-        PACK_MAX_BYTES, and a process whose float32 products are set to run in bf16 or tf32, run unpacked."""
+        torch.mm / addmm_. On an Intel CPU with MKL (`PACK_WEIGHTS`), in float32, once the same W and M come a
+        second time (the chunks of one layer), W is packed for MKL once (`_mkl_reorder_linear_weight`) and kept under
+        `name` until another W or M comes: MKL then skips re-packing W inside every product, measured 5-6 % faster
+        on the (c n, d') x (d', d) products of value zeroing and the scope maps (bench/profile_passes.py). MKL's
+        packed kernel gave the same bits as mm at those sizes (M >= 500) but rounds differently at small M (float32
+        rounding of K terms, within the bound tests/test_workspace.py checks). The packed copy is this call's: the
+        model's weights are never touched. W is held, so its identity, storage and version counter tell a changed
+        weight. Weights over PACK_MAX_BYTES, and a process whose float32 products are set to run in bf16 or tf32,
+        run unpacked."""
         M = a.shape[0]
-        packable = MKL_PACKING and a.device.type == W.device.type == "cpu" and a.dtype == W.dtype == torch.float32
+        packable = PACK_WEIGHTS and a.device.type == W.device.type == "cpu" and a.dtype == W.dtype == torch.float32
         packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES and _full_float32()
         slot = self._packed.get(name)
         key = (W._version, W.data_ptr(), M)
