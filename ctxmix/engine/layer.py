@@ -829,7 +829,10 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     """Per-layer products that every chunk of zeroed tokens shares (see value_zeroing_columns):
     the head vectors f^h(x_t) (B, n, H, d), and for each FF input projection W (W_1, or gate and up)
     A = centre(r1) (gamma W) (B, n, d'), B^h_t = centre(f^h(x_t)) (gamma W) (B, n, H, d', a (t, h) view of
-    a (B, H, n, d') tensor: `_columns` gathers a chunk's tokens) and the constant beta W + b."""
+    a (B, H, n, d') tensor: `_columns` gathers a chunk's tokens) and the constant beta W + b.
+
+    A is read off the trace's own pre-activation: u = norm(r1) W + b = A / s1 + const (the norm is affine once
+    its scale s1 is known), so A = s1 (u - const) and the (n, d) x (d, d') product is not run again."""
     st = st.as_batch()
     src = st.x if lw.position == "post" else st.x1
     norm = ff_in_norm(lw)
@@ -837,11 +840,12 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
     f = values_through_heads(lw, v).transpose(1, 2)  # (B, n, H, d), contiguous
     if lw.position == "parallel":  # the FF does not read the attention output: nothing else to share
         return {"f": f, "norm": norm, "proj": []}
-    r1c = norm.centre(st.r1) * norm.gamma
-    proj = [
-        (r1c @ W, B, b if norm.beta is None else norm.beta @ W + b)
-        for (W, b), B in zip(ff_input_projections(lw), project_heads(lw, v, precision, contiguous=False))
-    ]
+    s1 = norm.scale(st.r1)  # (B, n, 1)
+    pre = [st.u, st.u_up] if lw.gated else [st.u]
+    proj = []
+    for (W, b), u, B in zip(ff_input_projections(lw), pre, project_heads(lw, v, precision, contiguous=False)):
+        const = b if norm.beta is None else norm.beta @ W + b
+        proj.append(((u - const).mul_(s1), B, const))
     return {"f": f, "norm": norm, "proj": proj}
 
 
