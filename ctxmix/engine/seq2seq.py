@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ctxmix.engine.arch import ArchSpec, LayerWeights, _get, read_layer
-from ctxmix.engine.layer import ff_forward, head_vectors
+from ctxmix.engine.layer import attention_output, ff_forward, head_values
 from ctxmix.engine.models import Model
 from ctxmix.engine.trace import Trace
 from ctxmix.errors import BadInput
@@ -102,9 +102,9 @@ def decoder_layer_forward(
     """Recompute a decoder layer from its input x (B, T, d), the encoder output e (B, S, d) and the
     model's attention probabilities."""
     post = sw.position == "post"
-    h = x + torch.matmul(alpha_self, head_vectors(sw, x if post else sw.ln1(x), True)).sum(-3) + sw.bo
+    h = x + attention_output(sw, alpha_self, head_values(sw, x if post else sw.ln1(x), True))
     a = sw.ln1(h) if post else h
-    c = a + torch.matmul(alpha_cross, head_vectors(cw, e, True)).sum(-3) + cw.bo
+    c = a + attention_output(cw, alpha_cross, head_values(cw, e, True))
     b = cw.ln1(c) if post else c
     ff = ff_forward(sw, b if post else sw.ln2(b))[0]
     y = sw.ln2(b + ff) if post else b + ff
