@@ -137,7 +137,7 @@ def bench_value_zeroing(a, dev) -> list[dict]:
     rounds = a.repeat + 1
     log(f"value zeroing n={n}: per-token loop ({m.n_layers * n} layer calls), engine and explain, {rounds} rounds")
     # each round runs the loop and both of ctxmix's calls back to back, so that each round's speed-up is a ratio of
-    # two times taken under the same machine state (the loop's time moved by 6 % between two runs minutes apart)
+    # two times taken under the same machine state (the loop's best time ranged 6.0-7.4 s over 13 runs on one machine)
     times, _, res = paired_rounds(
         {
             "loop": lambda: value_zeroing_loop(m, ids),
