@@ -28,14 +28,24 @@ def _bench_perf():
 perf = _bench_perf()
 
 
-@pytest.fixture(params=["one chunk", "many chunks", "single rows"])
+PACKERS = {"mkl": ctxmix.engine.workspace.MKL_PACKING, "onednn": ctxmix.engine.workspace.ONEDNN_PACKING}
+
+
+@pytest.fixture(params=["one chunk", "many chunks, MKL packed", "many chunks, oneDNN packed", "single rows"])
 def chunking(request, monkeypatch):
-    if request.param == "many chunks":  # a few rows (or zeroed tokens) per chunk
+    """How the work is split, and which packed product the chunks after the first run on: each packer on any CPU
+    that has it (not only where `Workspace.product` picks it), so both are checked on every family here."""
+    workspace = ctxmix.engine.workspace
+    if request.param.startswith("many chunks"):  # a few rows (or zeroed tokens) per chunk
         monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 3 * len(IDS) * 40 * 3)
-    if request.param != "one chunk":  # chunks of equal size: the second runs on MKL's packed W_2, on any CPU with MKL
-        monkeypatch.setattr(ctxmix.engine.workspace, "PACK_WEIGHTS", ctxmix.engine.workspace.MKL_PACKING)
+        packer = "mkl" if "MKL" in request.param else "onednn"
+        if not PACKERS[packer]:
+            pytest.skip(f"this torch has no {packer} packed product")
+        monkeypatch.setattr(workspace, "PACKER", packer)
+        monkeypatch.setattr(workspace, "ONEDNN_PACK_FIRST_ROWS", 1)  # oneDNN packs on a weight's first use too
     if request.param == "single rows":  # one row (or zeroed token) per chunk: views of one row must stay views
         monkeypatch.setattr(ctxmix.methods.mixing, "CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(workspace, "PACKER", next((p for p, ok in PACKERS.items() if ok), None))
     return request.param
 
 
@@ -144,3 +154,22 @@ def test_gpu_check_rate_rows_dry_run_on_the_cpu():
     for r in prof:
         assert r["matrix products"] > 0 and 0 < r["whole call / matmul rate"] <= r["products alone / matmul rate"]
     assert not any("error" in r for r in lines)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_kept_weight_products_follow_an_in_place_weight_edit(tokenizer, family):
+    """The products of weights kept with them (head_ff_maps, the FF input constants) are made again when a weight
+    is edited in place (a notebook's ablation): value zeroing then equals the straightforward path on the edited
+    model, never the old weights' numbers."""
+    m = tiny_model(family, tokenizer, dtype=torch.float32)
+    value_zeroing_maps(trace_ids(m, IDS))  # the kept products of the unedited weights
+    lw = m.layers[0]
+    norm = lw.ln1 if lw.position == "post" else lw.ln2
+    with torch.no_grad():
+        (lw.Wg if lw.gated else lw.W1).mul_(-1.5)
+        norm.gamma.mul_(0.5)
+        if norm.beta is not None:
+            norm.beta.add_(0.3)
+    tr = trace_ids(m, IDS)
+    fast, slow = value_zeroing_maps(tr), value_zeroing_maps(tr, factorised=False)
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-5)

@@ -128,15 +128,17 @@ def test_fast_scale_is_the_norms_scale(kind):
         torch.testing.assert_close(norm.fast_scale(z.to(dtype)), norm.scale(z.to(dtype)), rtol=rtol, atol=0)
 
 
-def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatch):
-    """Workspace.product is a @ W (added onto `into` when given). Where MKL packs float32 weights, the second
-    product with the same W and M runs on the packed copy; the result stays mm's within float32 rounding of K
-    terms (MKL's packed kernel gave the same bits here), and a weight changed in place, another weight or
-    another M is never served from the old packed copy."""
+@pytest.mark.parametrize("packer", ["mkl", "onednn"])
+def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatch, packer):
+    """Workspace.product is a @ W (plus `into` when given). With a packer (each on any CPU whose torch has it, not
+    only where `PACKER` picks it), the second product with the same W (and, for MKL, the same M) runs on the packed
+    copy; the result stays mm's within float32 rounding of K terms, and a weight changed in place, another weight
+    or (for MKL) another M is never served from the old packed copy."""
     from ctxmix.engine import workspace
-    from ctxmix.engine.workspace import MKL_PACKING
 
-    monkeypatch.setattr(workspace, "PACK_WEIGHTS", MKL_PACKING)  # the packed path on any CPU with MKL, AMD too
+    if not {"mkl": workspace.MKL_PACKING, "onednn": workspace.ONEDNN_PACKING}[packer]:
+        pytest.skip(f"this torch has no {packer} packed product")
+    monkeypatch.setattr(workspace, "PACKER", packer)
     g = torch.Generator().manual_seed(0)
     K, N = 96, 40
     weight = torch.randn(N, K, generator=g)
@@ -151,24 +153,31 @@ def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatc
     a = torch.randn(24, K, generator=g)
     for _ in range(3):  # plain, then packed, then packed again
         close(w.product("W", a, W), a, W)
-    assert not MKL_PACKING or w._packed["W"][4] is not None  # the packed path ran
+    assert w._packed["W"][4] is not None  # the packed path ran
     base = torch.randn(24, N, generator=g)
-    got = w.product("W", a, W, into=base.clone())
-    close(got, a, W, base)
+    kept = base.clone()
+    got = w.product("W", a, W, into=base)
+    close(got, a, W, kept)
     weight.mul_(-2.0)  # changed in place: its version counter moves
     close(w.product("W", a, W), a, W)
     close(w.product("W", a, W), a, W)
     other = torch.randn(K, N, generator=g)
     close(w.product("W", a, other), a, other)
     a2 = torch.randn(7, K, generator=g)
-    close(w.product("W", a2, W), a2, W)
+    for _ in range(2):  # another M: MKL packs again, oneDNN's packed copy serves every M
+        close(w.product("W", a2, W), a2, W)
     a64 = a.double()
     assert torch.equal(w.product("W", a64, W.double()), a64 @ W.double())  # not float32: the plain product
-    # BERT-base's W_2 at a small M, where MKL's packed kernel rounds differently from mm: still within the bound
+    # BERT-base's W_2 at a small M, where the packed kernels round differently from mm: still within the bound
     big = torch.randn(768, 3072, generator=g).t()
     a3 = torch.randn(384, 3072, generator=g)
     for _ in range(3):
         close(w.product("W2", a3, big), a3, big)
+    # oneDNN packs a big product on the weight's first use (its reorder pays within one product)
+    monkeypatch.setattr(workspace, "ONEDNN_PACK_FIRST_ROWS", 384)
+    first = Workspace()
+    close(first.product("W2", a3, big), a3, big)
+    assert (first._packed["W2"][4] is not None) == (packer == "onednn")
     # a process whose float32 products run in bf16 (oneDNN) never packs: one layer's chunks keep one precision
     before = torch.get_float32_matmul_precision()
     try:
@@ -179,8 +188,8 @@ def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatc
         assert lowered._packed.get("W") is None
     finally:
         torch.set_float32_matmul_precision(before)
-    # where packing does not pay (PACK_WEIGHTS off: CPUs other than Intel's) nothing is packed, and the result is mm's
-    monkeypatch.setattr(workspace, "PACK_WEIGHTS", False)
+    # with no packer (ARM, CPUs where none was measured) nothing is packed, and the result is mm's
+    monkeypatch.setattr(workspace, "PACKER", None)
     plain = Workspace()
     for _ in range(3):
         assert torch.equal(plain.product("W", a, W), a @ W)
@@ -188,17 +197,21 @@ def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatc
 
 
 def test_packing_is_on_where_it_was_measured_to_pay():
-    """Workspace.product packs on Intel CPUs with MKL only (measured no faster on an AMD EPYC)."""
+    """Workspace.product packs with MKL on Intel CPUs and with oneDNN on AMD CPUs (where each was measured faster
+    than mm), and not elsewhere; the vendor is /proc/cpuinfo's."""
     from ctxmix.engine import workspace
 
-    assert workspace.PACK_WEIGHTS == (workspace.MKL_PACKING and workspace._intel_cpu())
+    assert workspace._packer("GenuineIntel") == ("mkl" if workspace.MKL_PACKING else None)
+    assert workspace._packer("AuthenticAMD") == ("onednn" if workspace.ONEDNN_PACKING else None)
+    assert workspace._packer("") is None and workspace._packer("ARM") is None
+    assert workspace.PACKER == workspace._packer(workspace._cpu_vendor())
     try:
         with open("/proc/cpuinfo") as f:
             vendors = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
     except OSError:
         pytest.skip("no /proc/cpuinfo")
     if vendors:
-        assert workspace._intel_cpu() == (vendors == {"GenuineIntel"})
+        assert {workspace._cpu_vendor()} == vendors
 
 
 def test_norm_fused_with_scale_takes_a_shift_into_beta():
@@ -222,10 +235,16 @@ def test_norm_fused_with_scale_takes_a_shift_into_beta():
 def test_columns_gathers_tokens_of_either_layout():
     """`_columns` takes tokens of a (B, n, H, k) tensor whether it is contiguous or a (t, h) view of (B, H, n, k)
     storage (project_heads' uncopied layout): the same values as plain indexing."""
-    from ctxmix.engine.layer import _columns
+    from ctxmix.engine.layer import _columns, token_index
 
     g = torch.Generator().manual_seed(2)
     heads_first = torch.randn(2, 3, 10, 8, generator=g)  # (B, H, n, k)
     cols = torch.tensor([1, 4, 5, 9])
     for t in (heads_first.transpose(1, 2), heads_first.transpose(1, 2).contiguous()):
         assert torch.equal(_columns(t, cols), t[:, cols])
+        # consecutive tokens on the host are a slice: a view of the tensor itself, no copy
+        span = token_index(torch.arange(3, 7), "cpu")
+        assert span == slice(3, 7)
+        assert torch.equal(_columns(t, span), t[:, 3:7]) and _columns(t, span).data_ptr() == t[:, 3:7].data_ptr()
+    assert torch.equal(token_index(cols, "cpu"), cols)  # not consecutive: the index tensor
+    assert isinstance(token_index(torch.tensor([2]), "cpu"), slice)

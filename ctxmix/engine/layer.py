@@ -81,17 +81,24 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
     (n*H*d*d'). Depends only on the weights: kept with them while one layer's maps are small
     (`HEAD_FF_CACHE_BYTES`), computed again per call otherwise (Llama-3-8B's would hold 470 MB a layer,
     15 GB for the model's life)."""
-    key = "head_ff_maps"
-    if key in lw.extra:
-        return lw.extra[key]
     norm = ff_in_norm(lw)
+    stamp = _weights_stamp([lw.Wo, norm.gamma, *(W for W, _ in ff_input_projections(lw))])
+    cached = lw.extra.get("head_ff_maps")
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
     Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
     if norm.kind == "layernorm":
         Wo = Wo - Wo.mean(-1, keepdim=True)
     maps = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
     if sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
-        lw.extra[key] = maps
+        lw.extra["head_ff_maps"] = (stamp, maps)
     return maps
+
+
+def _weights_stamp(tensors: list[torch.Tensor | None]) -> tuple:
+    """What tells a weight changed since a product of it was kept: each tensor's storage and version counter
+    (an in-place edit, as a notebook's ablation of a weight, moves the counter)."""
+    return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
 
 
 HEAD_FF_CACHE_BYTES = 32 * 2**20  # one layer's head_ff_maps kept with its weights up to this size (BERT-base: 9 MB)
@@ -842,11 +849,24 @@ def value_zeroing_prepare(lw: LayerWeights, st: LayerState, precision: str = "fl
         return {"f": f, "norm": norm, "proj": []}
     s1 = norm.scale(st.r1)  # (B, n, 1)
     pre = [st.u, st.u_up] if lw.gated else [st.u]
-    proj = []
-    for (W, b), u, B in zip(ff_input_projections(lw), pre, project_heads(lw, v, precision, contiguous=False)):
-        const = b if norm.beta is None else norm.beta @ W + b
-        proj.append(((u - const).mul_(s1), B, const))
+    heads = project_heads(lw, v, precision, contiguous=False)
+    proj = [((u - const).mul_(s1), B, const) for u, B, const in zip(pre, heads, ff_input_constants(lw))]
     return {"f": f, "norm": norm, "proj": proj}
+
+
+def ff_input_constants(lw: LayerWeights) -> list[torch.Tensor]:
+    """Per FF input projection (W, b), beta W + b (d'): what the norm's shift gives the pre-activation (b alone for
+    RMSNorm). Depends only on the weights: kept with them (d' numbers a projection), so that a call does not read
+    each W again for a vector-matrix product (0.8 ms a layer at BERT-base widths on a CPU: memory-bound)."""
+    beta = ff_in_norm(lw).beta
+    stamp = _weights_stamp([beta, *(t for W, b in ff_input_projections(lw) for t in (W, b))])
+    cached = lw.extra.get("ff_input_constants")
+    if cached is None or cached[0] != stamp:
+        cached = lw.extra["ff_input_constants"] = (
+            stamp,
+            [b if beta is None else beta @ W + b for W, b in ff_input_projections(lw)],
+        )
+    return cached[1]
 
 
 def first_receiving_rows(alpha: torch.Tensor) -> list[int]:
@@ -893,23 +913,24 @@ def value_zeroing_columns(
     work = Workspace() if work is None else work
     B, c, n = st.x.shape[0], len(cols), st.x.shape[1]
     out = torch.zeros(B, c, n, dtype=torch.float64, device=st.x.device)
+    sel = token_index(cols, st.x.device)  # a slice when consecutive: views, not gathers
     if first is None:
-        first = min(first_receiving_rows(st.alpha[..., cols]))
+        first = min(first_receiving_rows(st.alpha[..., sel]))
     if first >= n:  # no row gives the zeroed tokens any weight
         return out
-    alT = st.alpha[:, :, first:, cols].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
+    alT = st.alpha[:, :, first:, sel].permute(0, 3, 2, 1).contiguous()  # (B, c, m, H)
     if lw.position == "sandwich":
         factorised = False  # LNa's per-row scale sits between the zeroed value and the FF's projections
     if lw.position == "parallel":  # y' = y - what v_t gave the attention output (the FF reads LN2(x) only)
         f_t = (
-            prep["f"][:, cols]
+            prep["f"][:, sel]
             if prep is not None
-            else head_vectors(lw, st.x1[:, cols], with_bias=True).transpose(1, 2).contiguous()
+            else head_vectors(lw, st.x1[:, sel], with_bias=True).transpose(1, 2).contiguous()
         )
         y = st.y[:, first:].unsqueeze(1) - torch.matmul(alT, f_t)
     elif not factorised:
         src = st.x if lw.position == "post" else st.x1
-        f_t = head_vectors(lw, src[:, cols], with_bias=True)  # (B, H, c, d)
+        f_t = head_vectors(lw, src[:, sel], with_bias=True)  # (B, H, c, d)
         removed = torch.matmul(alT, f_t.transpose(1, 2).contiguous())  # (B, c, m, d)
         y = after_attention(lw, st.x[:, first:].unsqueeze(1), st.attn[:, first:].unsqueeze(1) - removed)
     else:
@@ -919,7 +940,7 @@ def value_zeroing_columns(
         h = _minus_product(
             st.r1[:, first:],
             alT,
-            prep["f"][:, cols],
+            prep["f"][:, sel],
             work.take("h", (B, c, n - first, st.x.shape[-1]), st.x.dtype, st.x.device),
         )  # (B, c, m, d)
         # base: what the FF's output is added to, this chunk's own tensor: LN1's output (post-LN: it is the FF's
@@ -936,7 +957,7 @@ def value_zeroing_columns(
         for k, (A, Bh, const) in enumerate(prep["proj"]):
             u = work.take(f"u{k}", (B, c, n - first, A.shape[-1]), A.dtype, A.device)
             a_r = torch.addcmul(const, r, A[:, first:].unsqueeze(1), out=u)
-            us.append(_minus_product(a_r, alT * r, _columns(Bh, cols)))
+            us.append(_minus_product(a_r, alT * r, _columns(Bh, sel)))
         inner = act_into(lw.act, us[0])  # in place where the activation has such a kernel: no fresh (c, m, d')
         if lw.gated:
             inner.mul_(us[1])
@@ -979,9 +1000,21 @@ def cosine_distances(y_new: torch.Tensor, y: torch.Tensor, work: Workspace | Non
     return (1.0 - dot / norms.clamp(min=1e-8)).clamp_(min=0.0).transpose(1, 2)
 
 
-def _columns(t: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def token_index(cols: torch.Tensor, device) -> torch.Tensor | slice:
+    """Tokens `cols` as an index on `device`: a slice when they are consecutive and on the host (the chunks of
+    `ctxmix.methods.mixing` are), so that taking them from the per-layer tensors is a view, not a gather; else the
+    index tensor on the device (no host read of a device tensor)."""
+    if cols.device.type == "cpu" and len(cols) > 0 and bool((cols.diff() == 1).all()):
+        return slice(int(cols[0]), int(cols[-1]) + 1)
+    return cols.to(device)
+
+
+def _columns(t: torch.Tensor, cols: torch.Tensor | slice) -> torch.Tensor:
     """Tokens `cols` of a (B, n, H, k) tensor, (B, c, H, k): for a (t, h) view of a (B, H, n, k) tensor (see
-    `project_heads`) the gather runs along n on the tensor's own layout and returns a view in (t, h) order."""
+    `project_heads`) the gather runs along n on the tensor's own layout and returns a view in (t, h) order; a
+    slice is a view with no copy (the batched product reads its strides: 0.7 of the gather's time)."""
+    if isinstance(cols, slice):
+        return t[:, cols]
     return t.transpose(1, 2).index_select(2, cols).transpose(1, 2)
 
 

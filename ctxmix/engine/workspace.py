@@ -26,23 +26,62 @@ def _mkl_packing() -> bool:
         return False
 
 
-def _intel_cpu() -> bool:
-    """Whether the CPU is Intel's (Linux's /proc/cpuinfo, else the platform's processor string)."""
+def _onednn_packing() -> bool:
+    """Whether this torch has oneDNN's linear on a weight reordered once (the kernels inductor's CPU backend
+    calls; x86 CPU builds)."""
+    try:
+        ops = torch.ops.mkldnn
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD"; "" where unknown): Linux's /proc/cpuinfo, else
+    the platform's processor string."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "GenuineIntel" in platform.processor()
+    proc = platform.processor()
+    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in proc), "")
+
+
+def _intel_cpu() -> bool:
+    """Whether the CPU is Intel's."""
+    return _cpu_vendor() == "GenuineIntel"
 
 
 MKL_PACKING = _mkl_packing()
-# Whether `Workspace.product` packs: on Intel CPUs MKL's packed product ran 5-6 % faster than mm on value zeroing's
-# W_2 product (Xeon, AVX-512 and AMX); on an AMD EPYC (Zen 4, AVX-512) it ran no faster (181-184 against 180-193
-# GFLOP/s, 2026-11-29), so packing there only adds the pack itself (4-10 ms a layer).
-PACK_WEIGHTS = MKL_PACKING and _intel_cpu()
+ONEDNN_PACKING = _onednn_packing()
+
+
+def _packer(vendor: str) -> str | None:
+    """Which packed float32 product `Workspace.product` runs on a CPU of this vendor, where it was measured to pay:
+    - "mkl" on Intel CPUs: MKL's packed product ran 5-6 % faster than mm on value zeroing's W_2 product (Xeon,
+      AVX-512 and AMX);
+    - "onednn" on AMD CPUs: there MKL's packed product ran no faster than mm (181-184 against 180-193 GFLOP/s),
+      but oneDNN's linear on a reordered weight ran at 210-220 against mm's 197-205 GFLOP/s at every M from 64
+      to 4,096 rows (EPYC, Zen 4, AVX-512, 2026-11-29); its reorder takes 1.4 ms for BERT-base's W_2;
+    - None elsewhere (ARM; CPUs where neither was measured): plain mm."""
+    if vendor == "GenuineIntel" and MKL_PACKING:
+        return "mkl"
+    if vendor == "AuthenticAMD" and ONEDNN_PACKING:
+        return "onednn"
+    return None
+
+
+PACKER = _packer(_cpu_vendor())
+# oneDNN's reorder pays within one product of this many rows (at BERT-base's W_2: 7 % of a 1,024-row product is
+# about the 1.4 ms reorder), so such a product packs on the weight's first use
+ONEDNN_PACK_FIRST_ROWS = 1024
 # MKL's packed copy of a (K, N) weight took 2.2 times the weight's bytes (BERT-base's W_2 at M = 1,664 rows): packed
 # only up to this size, so a call holds at most ~70 MB more than the memory estimate counts, plus the last packed
 # weight itself until the next layer's (for a model read one layer at a time). Llama-3-8B's W_2 (235 MB in float32)
@@ -85,38 +124,52 @@ class Workspace:
         return buf.permute(*[order.index(k) for k in range(t.dim())])
 
     def product(self, name: str, a: torch.Tensor, W: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """a (M, K) @ W (K, N), added onto `into` (M, N) in place when given (the product's epilogue), as
-        torch.mm / addmm_. On an Intel CPU with MKL (`PACK_WEIGHTS`), in float32, once the same W and M come a
-        second time (the chunks of one layer), W is packed for MKL once (`_mkl_reorder_linear_weight`) and kept under
-        `name` until another W or M comes: MKL then skips re-packing W inside every product, measured 5-6 % faster
-        on the (c n, d') x (d', d) products of value zeroing and the scope maps (bench/profile_passes.py). MKL's
-        packed kernel gave the same bits as mm at those sizes (M >= 500) but rounds differently at small M (float32
-        rounding of K terms, within the bound tests/test_workspace.py checks). The packed copy is this call's: the
-        model's weights are never touched. W is held, so its identity, storage and version counter tell a changed
-        weight. Weights over PACK_MAX_BYTES, and a process whose float32 products are set to run in bf16 or tf32,
-        run unpacked."""
+        """a (M, K) @ W (K, N), plus `into` (M, N) when given: torch.mm, or addmm_ into `into`'s memory. On a CPU
+        with a packed product that pays there (`PACKER`), in float32, once the same W comes a second time (the
+        chunks of one layer), W is packed once and kept under `name` until another W comes:
+        - "mkl" (Intel): `_mkl_reorder_linear_weight`, for one M (another M packs again); MKL then skips re-packing
+          W inside every product, measured 5-6 % faster on the (c n, d') x (d', d) products of value zeroing and
+          the scope maps (bench/profile_passes.py). Its packed kernel gave the same bits as mm at those sizes
+          (M >= 500) but rounds differently at small M;
+        - "onednn" (AMD): `mkldnn._reorder_linear_weight`, for every M; the product adds `into` in its epilogue
+          and returns a fresh tensor (`into` is then left as it was).
+        Either rounds within float32 rounding of K terms (the bound tests/test_workspace.py checks). The packed
+        copy is this call's: the model's weights are never touched. W is held, so its identity, storage and
+        version counter tell a changed weight. Weights over PACK_MAX_BYTES, and a process whose float32 products
+        are set to run in bf16 or tf32, run unpacked."""
         M = a.shape[0]
-        packable = PACK_WEIGHTS and a.device.type == W.device.type == "cpu" and a.dtype == W.dtype == torch.float32
+        packer = PACKER if a.device.type == W.device.type == "cpu" else None
+        packable = packer is not None and a.dtype == W.dtype == torch.float32
         packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES and _full_float32()
-        slot = self._packed.get(name)
-        key = (W._version, W.data_ptr(), M)
-        same = slot is not None and slot[0] is W and slot[1:4] == key
         if not packable:
             return torch.mm(a, W) if into is None else into.addmm_(a, W)
-        if not same:  # the first use of this W and M: a plain product, remembered (one chunk alone never pays)
+        slot = self._packed.get(name)
+        key = (W._version, W.data_ptr(), M if packer == "mkl" else -1)
+        same = slot is not None and slot[0] is W and slot[1:4] == key
+        if not same and not (packer == "onednn" and M >= ONEDNN_PACK_FIRST_ROWS):
+            # the first use of this W (and M): a plain product, remembered (one small chunk alone never pays)
             self._packed[name] = (W, *key, None)
-            out = torch.mm(a, W)
-            return out if into is None else into.add_(out)
-        packed = slot[4]
-        if packed is None:  # the second use of this W and M: pack once for the rest
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(W.t().contiguous(), M)
+            return torch.mm(a, W) if into is None else into.addmm_(a, W)
+        packed = slot[4] if same else None
+        if packed is None:  # the second use: pack once for the rest
+            packed = _PACK[packer](W, M)
             self._packed[name] = (W, *key, packed)
-        out = torch.ops.mkl._mkl_linear(a.contiguous(), packed, W.t(), None, M)
-        return out if into is None else into.add_(out)
+        if packer == "mkl":
+            out = torch.ops.mkl._mkl_linear(a.contiguous(), packed, W.t(), None, M)
+            return out if into is None else into.add_(out)
+        if into is None:
+            return torch.ops.mkldnn._linear_pointwise(a.contiguous(), packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(a.contiguous(), into, packed, None, "add")
 
     def nbytes(self) -> int:
         packed = sum(p[4].numel() * p[4].element_size() for p in self._packed.values() if p[4] is not None)
         return packed + sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+_PACK: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "mkl": lambda W, M: torch.ops.mkl._mkl_reorder_linear_weight(W.t().contiguous(), M),
+    "onednn": lambda W, M: torch.ops.mkldnn._reorder_linear_weight(W.t().contiguous(), M),
+}
 
 
 def in_place_act(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -346,7 +346,7 @@ def value_zeroing_maps_batch(tb: TraceBatch, factorised: bool = True, precision:
                 for k, cols in enumerate(chunks):
                     _tick("value zeroing", l, len(tb.states), p, len(parts), k, len(chunks))
                     first = min(first_rows[int(cols[0]) : int(cols[-1]) + 1])
-                    D = value_zeroing_columns(lw, st, cols.to(dev), prep, factorised, precision, first, work)
+                    D = value_zeroing_columns(lw, st, cols, prep, factorised, precision, first, work)
                     vz[part, :, _span(cols)] = D.transpose(1, 2).to(vz)
             layer = _crop(vz, tb)  # normalised one layer at a time: no second (B, L, n, n) copy
             s = layer.sum(-1, keepdim=True)
