@@ -26,12 +26,13 @@ test: install lint docs
 
 # every test that compares with stored numbers (marker stored_numbers: the shipped results, the published
 # values, the precision bounds, the fine-tuned classifier's accuracy) again on the CPU kernels torch would
-# pick on other machines: ATen's portable and AVX2 kernels (read at import; with AVX2 MKL's GEMMs capped at
-# AVX2 too, as on a CPU without AVX-512), each with a fresh model cache, so minilm-sentiment is fine-tuned
-# anew under those kernels and smollm2 dequantised anew: a number tuned on one kernel set fails here before
-# it fails on someone else's machine. Then the precision tests with oneDNN capped at AVX2 (it only changes
-# bf16 GEMMs where torch sends them to oneDNN: CPUs with AVX-512; elsewhere the run repeats the native one).
-STORED_ISAS := ATEN_CPU_CAPABILITY=default "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+# pick on other machines: ATen's portable and AVX2 kernels (read at import; with AVX2 MKL's and oneDNN's GEMMs
+# capped at AVX2 too, as on a CPU without AVX-512: oneDNN runs the engine's float32 products on AMD CPUs), each
+# with a fresh model cache, so minilm-sentiment is fine-tuned anew under those kernels and smollm2 dequantised
+# anew: a number tuned on one kernel set fails here before it fails on someone else's machine. Then the
+# precision tests with oneDNN capped at AVX2 (bf16 GEMMs where torch sends them to oneDNN: CPUs with AVX-512;
+# and on AMD CPUs the engine's float32 products).
+STORED_ISAS := ATEN_CPU_CAPABILITY=default "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2"
 test-stored-isas: install
 	set -e; for isa in $(STORED_ISAS); do \
 	  cache=$$(mktemp -d "$${TMPDIR:-/tmp}/ctxmix-cache-XXXXXX"); \

@@ -248,3 +248,36 @@ def test_columns_gathers_tokens_of_either_layout():
         assert torch.equal(_columns(t, span), t[:, 3:7]) and _columns(t, span).data_ptr() == t[:, 3:7].data_ptr()
     assert torch.equal(token_index(cols, "cpu"), cols)  # not consecutive: the index tensor
     assert isinstance(token_index(torch.tensor([2]), "cpu"), slice)
+
+
+@pytest.mark.parametrize("packer", ["onednn", None])
+def test_linear_is_matmul_plus_bias_within_float32_rounding(monkeypatch, packer):
+    """workspace.linear (the rebuilt layer's projections): x @ W + b within float32 rounding of K terms through
+    oneDNN (forced on any CPU whose torch has it), bit for bit torch's matmul without it; with autograd on, with a
+    weight not in nn.Linear's storage or in float64 it is torch's matmul."""
+    from ctxmix.engine import workspace
+    from ctxmix.engine.workspace import linear
+
+    if packer == "onednn" and not workspace.ONEDNN_PACKING:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(workspace, "PACKER", packer)
+    g = torch.Generator().manual_seed(3)
+    K, N = 200, 48
+    W = torch.randn(N, K, generator=g).t()  # (K, N), a view of an nn.Linear-style weight
+    b = torch.randn(N, generator=g)
+    x = torch.randn(2, 5, K, generator=g)
+    want = x.double() @ W.double() + b.double()
+    got = linear(x, W, b)
+    assert got.shape == (2, 5, N) and got.dtype == torch.float32
+    bound = K * 2.0**-24 * (x.abs().double() @ W.abs().double()) + 2.0**-24 * want.abs()
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(linear(x, W), linear(x, W, torch.zeros(N)))
+    if packer is None:
+        assert torch.equal(got, x @ W + b)
+    dense = W.contiguous()  # (K, N) storage (GPT-2's Conv1D): torch's matmul, no copy of W
+    assert torch.equal(linear(x, dense, b), x @ dense + b)
+    assert torch.equal(linear(x.double(), W.double(), b.double()), x.double() @ W.double() + b.double())
+    xg = x.clone().requires_grad_(True)
+    out = linear(xg, W, b)
+    out.sum().backward()  # autograd: torch's matmul, whose gradient exists
+    torch.testing.assert_close(xg.grad, W.sum(-1).expand(2, 5, K))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ctxmix.engine.arch import LayerWeights
-from ctxmix.engine.workspace import Workspace, act_into
+from ctxmix.engine.workspace import Workspace, act_into, linear
 
 # ---------------------------------------------------------------- attention parts
 
@@ -36,9 +36,7 @@ def head_values(lw: LayerWeights, x: torch.Tensor, with_bias: bool) -> torch.Ten
 
     Grouped-query attention (Hkv < H) shares each value head among H/Hkv query heads.
     """
-    v = x @ lw.Wv
-    if with_bias:
-        v = v + lw.bv
+    v = linear(x, lw.Wv, lw.bv if with_bias else None)
     v = v.view(*x.shape[:-1], lw.n_kv_heads, lw.head_dim)
     if lw.n_kv_heads != lw.n_heads:
         v = v.repeat_interleave(lw.n_heads // lw.n_kv_heads, dim=-2)
@@ -303,11 +301,11 @@ class LayerState:
 def ff_forward(lw: LayerWeights, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FF on (..., d): returns (output, pre-activation, up projection or None)."""
     if lw.gated:
-        g = z @ lw.Wg + lw.bg
-        up = z @ lw.Wu + lw.bu
-        return (lw.act(g) * up) @ lw.W2 + lw.b2, g, up
-    u = z @ lw.W1 + lw.b1
-    return lw.act(u) @ lw.W2 + lw.b2, u, None
+        g = linear(z, lw.Wg, lw.bg)
+        up = linear(z, lw.Wu, lw.bu)
+        return linear(lw.act(g) * up, lw.W2, lw.b2), g, up
+    u = linear(z, lw.W1, lw.b1)
+    return linear(lw.act(u), lw.W2, lw.b2), u, None
 
 
 def after_attention(lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -334,7 +332,7 @@ def attention_output(lw: LayerWeights, alpha: torch.Tensor, v: torch.Tensor) -> 
     a tenth of the matmul rate (a third of the trace's time at 64 tokens on BERT-base)."""
     ctx = torch.matmul(alpha, v)  # (..., H, m, dh)
     ctx = ctx.transpose(-3, -2).reshape(*ctx.shape[:-3], ctx.shape[-2], -1)  # (..., m, H dh)
-    return torch.matmul(ctx, lw.Wo).add_(lw.bo)
+    return linear(ctx, lw.Wo, lw.bo)
 
 
 def state_from_attention(
