@@ -20,12 +20,12 @@ import torch
 from perf_common import bert_base, ids_for, matmul_rates, sync, widths
 
 MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_", "aten::addbmm"}
-MATMUL |= {"aten::_scaled_mm", "mkl::_mkl_linear"}
+MATMUL |= {"aten::_scaled_mm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
 REDUCTION = {"aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::amax", "aten::max"}
 REDUCTION |= {"aten::min", "aten::amin", "aten::cumsum", "aten::var_mean", "aten::std"}
 COPY = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::stack", "aten::index"}
 COPY |= {"aten::index_select", "aten::gather", "aten::_to_copy", "aten::to", "aten::fill_", "aten::zero_"}
-COPY |= {"mkl::_mkl_reorder_linear_weight"}
+COPY |= {"mkl::_mkl_reorder_linear_weight", "mkldnn::_reorder_linear_weight"}
 COPY |= {"aten::zeros", "aten::empty", "aten::empty_strided", "aten::new_zeros", "aten::index_put_", "aten::scatter_"}
 ELEMENTWISE = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::div"}
 ELEMENTWISE |= {"aten::div_", "aten::abs", "aten::abs_", "aten::sqrt", "aten::rsqrt", "aten::pow", "aten::neg"}

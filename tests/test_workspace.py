@@ -281,3 +281,24 @@ def test_linear_is_matmul_plus_bias_within_float32_rounding(monkeypatch, packer)
     out = linear(xg, W, b)
     out.sum().backward()  # autograd: torch's matmul, whose gradient exists
     torch.testing.assert_close(xg.grad, W.sum(-1).expand(2, 5, K))
+
+
+def test_gemm_backends_table_runs_and_checks_each_backend(monkeypatch):
+    """bench/gemm_backends.py (the table PACKER's gate is read from): every backend this torch has, on a small
+    shape, each within K * 2^-24 of a float64 product (the script raises otherwise), torch.mm the baseline."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("ctxmix_bench_gemm", bench / "gemm_backends.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctxmix_bench_gemm", mod)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "SHAPES", [(16, 64, 32, "small")])
+    table = mod.measure(rounds=1)
+    assert set(table["backend"]) == set(mod.backends())
+    assert "torch.mm" in set(table["backend"])
+    assert float(table.loc[table["backend"] == "torch.mm", "/ torch.mm"].iloc[0]) == 1.0
+    assert (table["GFLOP/s (median)"] > 0).all()
