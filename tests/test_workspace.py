@@ -197,12 +197,13 @@ def test_workspace_product_packs_once_and_never_serves_a_stale_weight(monkeypatc
 
 
 def test_packing_is_on_where_it_was_measured_to_pay():
-    """Workspace.product packs with MKL on Intel CPUs and with oneDNN on AMD CPUs (where each was measured faster
-    than mm), and not elsewhere; the vendor is /proc/cpuinfo's."""
+    """Workspace.product packs with MKL on Intel CPUs and with oneDNN on AMD CPUs with AVX-512 (where each was
+    measured faster than mm), and not elsewhere; the vendor is /proc/cpuinfo's."""
     from ctxmix.engine import workspace
 
     assert workspace._packer("GenuineIntel") == ("mkl" if workspace.MKL_PACKING else None)
-    assert workspace._packer("AuthenticAMD") == ("onednn" if workspace.ONEDNN_PACKING else None)
+    assert workspace._packer("AuthenticAMD", {"avx512f"}) == ("onednn" if workspace.ONEDNN_PACKING else None)
+    assert workspace._packer("AuthenticAMD", {"avx2"}) is None  # measured on Zen 4 (AVX-512) only
     assert workspace._packer("") is None and workspace._packer("ARM") is None
     assert workspace.PACKER == workspace._packer(workspace._cpu_vendor())
     try:
@@ -250,6 +251,7 @@ def test_columns_gathers_tokens_of_either_layout():
     assert isinstance(token_index(torch.tensor([2]), "cpu"), slice)
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags()
 @pytest.mark.parametrize("packer", ["onednn", None])
 def test_linear_is_matmul_plus_bias_within_float32_rounding(monkeypatch, packer):
     """workspace.linear (the rebuilt layer's projections): x @ W + b within float32 rounding of K terms through
@@ -281,6 +283,46 @@ def test_linear_is_matmul_plus_bias_within_float32_rounding(monkeypatch, packer)
     out = linear(xg, W, b)
     out.sum().backward()  # autograd: torch's matmul, whose gradient exists
     torch.testing.assert_close(xg.grad, W.sum(-1).expand(2, 5, K))
+    bg = b.clone().requires_grad_(True)  # a bias with a gradient: kept (oneDNN's would drop it)
+    linear(x, W, bg).sum().backward()
+    torch.testing.assert_close(bg.grad, torch.full((N,), 10.0))
+    strided = torch.randn(2 * N, generator=g)[::2]  # a strided bias: torch's matmul, not a misread one
+    torch.testing.assert_close(linear(x, W, strided), x @ W + strided, rtol=0, atol=float(bound.max()) * 2)
+    torch.testing.assert_close(linear(x, W, b[:1]), x @ W + b[:1], rtol=0, atol=float(bound.max()) * 2)  # broadcast
+    tangent = torch.randn(2, 5, K, generator=g)
+    _, jv = torch.func.jvp(lambda t: linear(t, W, b), (x,), (tangent,))  # forward mode: torch's matmul
+    torch.testing.assert_close(jv, tangent @ W, rtol=0, atol=float(bound.max()) * 2)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(linear(x, W, b), x @ W + b)  # the user switched oneDNN off
+
+
+def test_full_float32_reads_either_precision_api():
+    """_full_float32 (whether the packed products may run) follows torch's legacy matmul precision and the
+    fp32_precision tree, and never raises where torch's legacy getter would (the CUDA leaf set to tf32)."""
+    from ctxmix.engine.workspace import _full_float32
+
+    before = torch.get_float32_matmul_precision()
+    backends = torch.backends
+    leaves = {
+        "cuda": getattr(getattr(backends.cuda, "matmul", None), "fp32_precision", None),
+        "mkldnn": getattr(getattr(backends.mkldnn, "matmul", None), "fp32_precision", None),
+    }
+    try:
+        assert _full_float32()
+        torch.set_float32_matmul_precision("medium")
+        assert not _full_float32()
+        torch.set_float32_matmul_precision("highest")
+        assert _full_float32()
+        if leaves["cuda"] is not None:
+            backends.cuda.matmul.fp32_precision = "tf32"  # the CUDA leaf only: CPU products stay float32
+            assert _full_float32()
+            backends.mkldnn.matmul.fp32_precision = "bf16"
+            assert not _full_float32()
+    finally:
+        if leaves["cuda"] is not None:
+            backends.cuda.matmul.fp32_precision = leaves["cuda"]
+            backends.mkldnn.matmul.fp32_precision = leaves["mkldnn"]
+        torch.set_float32_matmul_precision(before)
 
 
 def test_gemm_backends_table_runs_and_checks_each_backend(monkeypatch):

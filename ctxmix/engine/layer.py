@@ -82,21 +82,35 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
     norm = ff_in_norm(lw)
     stamp = _weights_stamp([lw.Wo, norm.gamma, *(W for W, _ in ff_input_projections(lw))])
     cached = lw.extra.get("head_ff_maps")
-    if cached is not None and cached[0] == stamp:
+    if cached is not None and _same_weights(cached[0], stamp):
         return cached[1]
     Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
     if norm.kind == "layernorm":
         Wo = Wo - Wo.mean(-1, keepdim=True)
     maps = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
-    if sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
+    if stamp is not None and sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
         lw.extra["head_ff_maps"] = (stamp, maps)
     return maps
 
 
-def _weights_stamp(tensors: list[torch.Tensor | None]) -> tuple:
-    """What tells a weight changed since a product of it was kept: each tensor's storage and version counter
-    (an in-place edit, as a notebook's ablation of a weight, moves the counter)."""
-    return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
+def _weights_stamp(tensors: list[torch.Tensor | None]) -> tuple | None:
+    """What tells a weight changed since a product of it was kept: each tensor itself (held: the layer holds it
+    anyway) and its version counter, which an in-place edit moves (a notebook's ablation under torch.no_grad()).
+    Edits through `.data` bypass the counter: `Model.weights_changed()` then drops what was kept. None for
+    inference tensors, which have no counter: nothing is kept for them."""
+    if any(t is not None and t.is_inference() for t in tensors):
+        return None
+    return tuple((t, t._version) if t is not None else None for t in tensors)
+
+
+def _same_weights(kept: tuple | None, now: tuple | None) -> bool:
+    """Whether two stamps name the same tensors at the same versions."""
+    if kept is None or now is None or len(kept) != len(now):
+        return False
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and a[0] is b[0] and a[1] == b[1])
+        for a, b in zip(kept, now)
+    )
 
 
 HEAD_FF_CACHE_BYTES = 32 * 2**20  # one layer's head_ff_maps kept with its weights up to this size (BERT-base: 9 MB)
@@ -859,12 +873,12 @@ def ff_input_constants(lw: LayerWeights) -> list[torch.Tensor]:
     beta = ff_in_norm(lw).beta
     stamp = _weights_stamp([beta, *(t for W, b in ff_input_projections(lw) for t in (W, b))])
     cached = lw.extra.get("ff_input_constants")
-    if cached is None or cached[0] != stamp:
-        cached = lw.extra["ff_input_constants"] = (
-            stamp,
-            [b if beta is None else beta @ W + b for W, b in ff_input_projections(lw)],
-        )
-    return cached[1]
+    if cached is not None and _same_weights(cached[0], stamp):
+        return cached[1]
+    consts = [b if beta is None else beta @ W + b for W, b in ff_input_projections(lw)]
+    if stamp is not None:
+        lw.extra["ff_input_constants"] = (stamp, consts)
+    return consts
 
 
 def first_receiving_rows(alpha: torch.Tensor) -> list[int]:

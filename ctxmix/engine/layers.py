@@ -69,6 +69,17 @@ class LayerList(Sequence):
         for i in range(len(self)):
             yield self[i]
 
+    def forget_kept_products(self) -> None:
+        """Drop what the engine kept with each layer's weights (products of weights only, `LayerWeights.extra`):
+        they are made again from the weights as they are now. Kept products notice in-place edits by the weights'
+        version counters; edits through `.data` bypass those counters, hence this."""
+        with self._lock:
+            for lw in self._all or []:
+                lw.extra.clear()
+        last = getattr(self._local, "last", None)
+        if last is not None:
+            last.extra.clear()
+
     def release(self) -> None:
         """Free the layer this thread holds (a non-resident model's copies) before it reads another. Its
         tensors are dropped from the object itself, not only from this list: a loop's `enumerate` / `zip`

@@ -87,6 +87,12 @@ class Model:
         or one layer at a time, copied where the model keeps them otherwise (offloaded, quantized, half)."""
         return LayerList(self)
 
+    def weights_changed(self) -> None:
+        """Tell ctxmix the model's weights were edited through `.data` (or any way that bypasses torch's version
+        counters): the products of weights the engine keeps between calls are made again. In-place edits under
+        `torch.no_grad()` need no call: the engine notices them."""
+        self.layers.forget_kept_products()
+
     @property
     def n_layers(self) -> int:
         return len(self.layers)

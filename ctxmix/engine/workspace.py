@@ -63,17 +63,29 @@ MKL_PACKING = _mkl_packing()
 ONEDNN_PACKING = _onednn_packing()
 
 
-def _packer(vendor: str) -> str | None:
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _packer(vendor: str, flags: set[str] | None = None) -> str | None:
     """Which packed float32 product `Workspace.product` runs on a CPU of this vendor, where it was measured to pay:
     - "mkl" on Intel CPUs: MKL's packed product ran 5-6 % faster than mm on value zeroing's W_2 product (Xeon,
       AVX-512 and AMX);
-    - "onednn" on AMD CPUs: there MKL's packed product ran no faster than mm (181-184 against 180-193 GFLOP/s),
-      but oneDNN's linear on a reordered weight ran at 210-220 against mm's 197-205 GFLOP/s at every M from 64
-      to 4,096 rows (EPYC, Zen 4, AVX-512, 2026-11-29); its reorder takes 1.4 ms for BERT-base's W_2;
-    - None elsewhere (ARM; CPUs where neither was measured): plain mm."""
+    - "onednn" on AMD CPUs with AVX-512: there MKL's packed product ran no faster than mm, but oneDNN's linear on a
+      reordered weight ran at 217-227 against mm's 154-200 GFLOP/s at 64 to 1,408 rows (EPYC, Zen 4, 2026-11-29,
+      bench/gemm_backends.py); its reorder takes 1.4-1.9 ms for BERT-base's W_2;
+    - None elsewhere (ARM; AMD CPUs without AVX-512 and others where neither was measured): plain mm."""
     if vendor == "GenuineIntel" and MKL_PACKING:
         return "mkl"
-    if vendor == "AuthenticAMD" and ONEDNN_PACKING:
+    if vendor == "AuthenticAMD" and ONEDNN_PACKING and "avx512f" in (_cpu_flags() if flags is None else flags):
         return "onednn"
     return None
 
@@ -91,11 +103,16 @@ PACK_MAX_BYTES = 32 * 2**20
 
 def _full_float32() -> bool:
     """Whether float32 products run in full float32 on a CPU (torch's default): a process-wide "medium" or "high"
-    matmul precision sends torch.mm through oneDNN in bf16, which MKL's packed product would not follow, so one
-    layer's chunks would mix two precisions."""
-    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    lowered = getattr(mkldnn, "fp32_precision", "none") not in ("none", "ieee")
-    return torch.get_float32_matmul_precision() == "highest" and not lowered
+    matmul precision, or oneDNN's fp32_precision set to "bf16" or "tf32", sends torch.mm through oneDNN in bf16,
+    which the packed products would not follow, so one layer's chunks would mix two precisions. torch >= 2.9 reads
+    oneDNN's matmul leaf of its fp32_precision tree (legacy settings and inheritance resolved; the legacy getter
+    raises once the two APIs disagree, e.g. after `torch.backends.cuda.matmul.fp32_precision = "tf32"`)."""
+    try:
+        if hasattr(torch._C, "_get_fp32_precision_getter"):
+            return torch._C._get_fp32_precision_getter("mkldnn", "matmul") in ("none", "ieee")
+        return torch.get_float32_matmul_precision() == "highest"
+    except (RuntimeError, AttributeError):  # a setting this torch cannot read: not known to be full float32
+        return False
 
 
 class Workspace:
@@ -141,6 +158,7 @@ class Workspace:
         packer = PACKER if a.device.type == W.device.type == "cpu" else None
         packable = packer is not None and a.dtype == W.dtype == torch.float32
         packable = packable and W.numel() * W.element_size() <= PACK_MAX_BYTES and _full_float32()
+        packable = packable and not W.is_inference()  # an inference tensor has no version counter to key on
         if not packable:
             return torch.mm(a, W) if into is None else into.addmm_(a, W)
         slot = self._packed.get(name)
@@ -169,19 +187,47 @@ class Workspace:
 def linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ W (K, N) [+ b (N,)], the engine's plain products (the rebuilt layer's projections). Where
     `PACKER` is "onednn" (AMD CPUs), in float32 with no gradient, through oneDNN's linear on the weight as the model
-    holds it (nn.Linear's (N, K) storage: no copy, no reorder), bias in its epilogue: 184 against mm's 145 GFLOP/s
-    at 64 rows, 205-215 against 190-203 at 448-1,408 rows (BERT-base's FF widths, EPYC Zen 4, 2026-11-29); within
-    float32 rounding of K terms of mm's result. Elsewhere torch's matmul."""
-    fast = PACKER == "onednn" and x.device.type == "cpu" and x.dtype == W.dtype == torch.float32 and W.dim() == 2
-    fast = fast and (b is None or b.dtype == torch.float32) and W.t().is_contiguous() and x.numel() > 0
-    fast = fast and not (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)) and _full_float32()
-    if not fast:
+    holds it (nn.Linear's (N, K) storage: no copy, no reorder), bias in its epilogue: 192 against mm's 154-158
+    GFLOP/s at 64 rows, 214-218 against 190-200 at 512-1,408 rows (BERT-base's widths, EPYC Zen 4, 2026-11-29,
+    bench/gemm_backends.py); within float32 rounding of K terms of mm's result. Elsewhere torch's matmul."""
+    if not _onednn_linear_takes(x, W, b):
         out = torch.matmul(x, W)
         if b is None:
             return out
         return out + b if torch.is_grad_enabled() else out.add_(b)  # in place only where autograd keeps no graph
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), W.t(), b, "none", [], "")
     return out.view(*x.shape[:-1], W.shape[-1])
+
+
+def _onednn_linear_takes(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether `linear` may call oneDNN's linear: a plain float32 CPU product that no autograd (backward, forward
+    mode or torch.func) follows, with oneDNN enabled and in full float32, W in nn.Linear's storage and a plain (N,)
+    bias. Anything else (a broadcast or strided bias, a bias with a gradient, a dual tensor) goes to torch."""
+    if PACKER != "onednn" or x.device.type != "cpu" or not (x.dtype == W.dtype == torch.float32) or W.dim() != 2:
+        return False
+    if x.numel() == 0 or not W.t().is_contiguous() or not torch.backends.mkldnn.is_available():
+        return False
+    if not torch.backends.mkldnn.enabled:  # the user's `torch.backends.mkldnn.flags(enabled=False)`
+        return False
+    if b is not None and not (
+        b.dtype == torch.float32 and b.dim() == 1 and b.shape[0] == W.shape[1] and b.is_contiguous()
+    ):
+        return False
+    grads = (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad)) and torch.is_grad_enabled()
+    if grads or _forward_ad_active() or any(_functorch_wrapped(t) for t in (x, W, b) if t is not None):
+        return False
+    return _full_float32()
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (`torch.autograd.forward_ad.dual_level`)."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether t is one of torch.func's wrapped tensors (jvp, vmap, grad)."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if check is not None else False
 
 
 _PACK: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
