@@ -249,6 +249,7 @@ def test_columns_gathers_tokens_of_either_layout():
         assert torch.equal(_columns(t, span), t[:, 3:7]) and _columns(t, span).data_ptr() == t[:, 3:7].data_ptr()
     assert torch.equal(token_index(cols, "cpu"), cols)  # not consecutive: the index tensor
     assert isinstance(token_index(torch.tensor([2]), "cpu"), slice)
+    assert torch.equal(token_index(torch.tensor([-2, -1]), "cpu"), torch.tensor([-2, -1]))  # from the end: no slice
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags()

@@ -1016,7 +1016,7 @@ def token_index(cols: torch.Tensor, device) -> torch.Tensor | slice:
     """Tokens `cols` as an index on `device`: a slice when they are consecutive and on the host (the chunks of
     `ctxmix.methods.mixing` are), so that taking them from the per-layer tensors is a view, not a gather; else the
     index tensor on the device (no host read of a device tensor)."""
-    if cols.device.type == "cpu" and len(cols) > 0 and bool((cols.diff() == 1).all()):
+    if cols.device.type == "cpu" and len(cols) > 0 and int(cols[0]) >= 0 and bool((cols.diff() == 1).all()):
         return slice(int(cols[0]), int(cols[-1]) + 1)
     return cols.to(device)
 
