@@ -88,9 +88,8 @@ class Model:
         return LayerList(self)
 
     def weights_changed(self) -> None:
-        """Tell ctxmix the model's weights were edited through `.data` (or any way that bypasses torch's version
-        counters): the products of weights the engine keeps between calls are made again. In-place edits under
-        `torch.no_grad()` need no call: the engine notices them."""
+        """After weights were edited through `.data` (bypassing torch's version counters, by which ctxmix notices
+        in-place edits under torch.no_grad()): the products of weights the engine keeps are made again."""
         self.layers.forget_kept_products()
 
     @property
