@@ -80,17 +80,30 @@ def head_ff_maps(lw: LayerWeights) -> list[torch.Tensor]:
     (`HEAD_FF_CACHE_BYTES`), computed again per call otherwise (Llama-3-8B's would hold 470 MB a layer,
     15 GB for the model's life)."""
     norm = ff_in_norm(lw)
-    stamp = _weights_stamp([lw.Wo, norm.gamma, *(W for W, _ in ff_input_projections(lw))])
-    cached = lw.extra.get("head_ff_maps")
+
+    def make() -> list[torch.Tensor]:
+        Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
+        if norm.kind == "layernorm":
+            Wo = Wo - Wo.mean(-1, keepdim=True)
+        return [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
+
+    def small(maps: list[torch.Tensor]) -> bool:
+        return sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES
+
+    return _kept(lw, "head_ff_maps", [lw.Wo, norm.gamma, *(W for W, _ in ff_input_projections(lw))], make, small)
+
+
+def _kept(lw: LayerWeights, key: str, weights: list, make, keep=lambda value: True):
+    """make(), a product of `weights` alone, kept in `lw.extra[key]` (when keep(value)) and served again while
+    the same weights stand at the same versions (see `_weights_stamp`)."""
+    stamp = _weights_stamp(weights)
+    cached = lw.extra.get(key)
     if cached is not None and _same_weights(cached[0], stamp):
         return cached[1]
-    Wo = lw.Wo.view(lw.n_heads, lw.head_dim, -1)
-    if norm.kind == "layernorm":
-        Wo = Wo - Wo.mean(-1, keepdim=True)
-    maps = [torch.matmul(Wo * norm.gamma, W) for W, _ in ff_input_projections(lw)]
-    if stamp is not None and sum(m.numel() * m.element_size() for m in maps) <= HEAD_FF_CACHE_BYTES:
-        lw.extra["head_ff_maps"] = (stamp, maps)
-    return maps
+    value = make()
+    if stamp is not None and keep(value):
+        lw.extra[key] = (stamp, value)
+    return value
 
 
 def _weights_stamp(tensors: list[torch.Tensor | None]) -> tuple | None:
@@ -871,14 +884,13 @@ def ff_input_constants(lw: LayerWeights) -> list[torch.Tensor]:
     RMSNorm). Depends only on the weights: kept with them (d' numbers a projection), so that a call does not read
     each W again for a vector-matrix product (0.8 ms a layer at BERT-base widths on a CPU: memory-bound)."""
     beta = ff_in_norm(lw).beta
-    stamp = _weights_stamp([beta, *(t for W, b in ff_input_projections(lw) for t in (W, b))])
-    cached = lw.extra.get("ff_input_constants")
-    if cached is not None and _same_weights(cached[0], stamp):
-        return cached[1]
-    consts = [b if beta is None else beta @ W + b for W, b in ff_input_projections(lw)]
-    if stamp is not None:
-        lw.extra["ff_input_constants"] = (stamp, consts)
-    return consts
+    projections = ff_input_projections(lw)
+    return _kept(
+        lw,
+        "ff_input_constants",
+        [beta, *(t for W, b in projections for t in (W, b))],
+        lambda: [b if beta is None else beta @ W + b for W, b in projections],
+    )
 
 
 def first_receiving_rows(alpha: torch.Tensor) -> list[int]:

@@ -40,23 +40,26 @@ def _onednn_packing() -> bool:
         return False
 
 
-def _cpu_vendor() -> str:
-    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD"; "" where unknown): Linux's /proc/cpuinfo, else
-    the platform's processor string."""
+def _cpuinfo(key: str) -> str | None:
+    """The value of `key` on the first line of Linux's /proc/cpuinfo that starts with it (None where unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD"; "" where unknown): /proc/cpuinfo, else the
+    platform's processor string."""
+    vendor = _cpuinfo("vendor_id")
+    if vendor is not None:
+        return vendor
     proc = platform.processor()
     return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in proc), "")
-
-
-def _intel_cpu() -> bool:
-    """Whether the CPU is Intel's."""
-    return _cpu_vendor() == "GenuineIntel"
 
 
 MKL_PACKING = _mkl_packing()
@@ -64,15 +67,8 @@ ONEDNN_PACKING = _onednn_packing()
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (/proc/cpuinfo; empty where unknown)."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def _packer(vendor: str, flags: set[str] | None = None) -> str | None:
